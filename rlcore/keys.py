@@ -20,6 +20,7 @@ Rollout, batch size ``[B]`` (prompt **left** padded, response **right** padded):
     advantages      [B, R] float
     returns         [B, R] float     value targets
     score           [B]    float     sequence-level reward (reward model or function)
+    baseline_score  [B]    float     score of the greedy response to the same prompt (ReMax)
     group_id        [B]    long      which prompt a sample belongs to (RLOO/GRPO groups)
     policy_version  [B]    long      learner version that generated the sample (async RLHF)
 
@@ -30,6 +31,10 @@ Preference pair, batch size ``[B]``: nested sub-TensorDicts ``chosen`` and ``rej
     loss_mask       [B, T] bool      True on completion tokens scored by the loss
     logps           [B]    float     summed completion log-prob under the policy
     ref_logps       [B]    float     the same under the reference
+
+Unpaired (KTO) batch, batch size ``[B]``: ``input_ids``, ``attention_mask``, ``loss_mask``
+``[B, T]``, ``logps`` / ``ref_logps`` ``[B]``, ``labels [B] bool`` (True = desirable), and
+``kl_logps`` / ``ref_kl_logps`` ``[B]``: log-probs of mismatched (prompt, completion) pairs.
 
 Supervised batch, batch size ``[B]``: ``input_ids``, ``attention_mask``, ``loss_mask`` and,
 when packed, ``position_ids`` / ``segment_ids``.
@@ -49,9 +54,11 @@ REWARDS = "rewards"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
 SCORE = "score"
+BASELINE_SCORE = "baseline_score"  # [B] score of the greedy rollout (ReMax baseline)
 GROUP_ID = "group_id"
 POLICY_VERSION = "policy_version"
 ENTROPY = "entropy"
+KL = "kl"  # [B, R] float, per-token KL estimate behind the reward penalty (rlcore.rewards)
 
 # --- sequences (SFT, preference pairs, reward modelling) ------------------------------------
 INPUT_IDS = "input_ids"
@@ -60,6 +67,8 @@ LOSS_MASK = "loss_mask"
 POSITION_IDS = "position_ids"
 SEGMENT_IDS = "segment_ids"
 LABELS = "labels"  # KTO: True for desirable completions
+KL_LOGPS = "kl_logps"  # KTO: policy log-prob of a mismatched (prompt, completion) pair [B]
+REF_KL_LOGPS = "ref_kl_logps"  # KTO: the same under the reference [B]
 
 CHOSEN = "chosen"
 REJECTED = "rejected"
