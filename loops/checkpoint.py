@@ -1,0 +1,475 @@
+"""Checkpoints: atomic, pickle-free, complete enough to resume a run bit for bit.
+
+A checkpoint is a directory ``run_dir/checkpoint-N``::
+
+    models/<name>/        weights as safetensors: ``save_pretrained`` for Hugging Face models
+                          (loadable with ``from_pretrained``), ``model.safetensors`` otherwise
+    optimizer.{json,safetensors}   the optimiser's state dict, tensors in safetensors, the rest JSON
+    scheduler.{json,safetensors}   the scheduler's state dict
+    state.{json,safetensors}       every other ``TrainState`` field: counters, transform states
+                                   (NamedTuples of tensors), the loop's ``torch.Generator``
+    rng.{json,safetensors}         global RNGs: torch (CPU, CUDA), Python ``random``, NumPy
+    config.json  trainer_state.json (step, time, final metrics, extra JSON)  README.md (model card)
+    manifest.json                  every file and its size, written last
+
+Atomicity: everything is written into ``run_dir/.tmp-step-N-<random>``, every file and directory
+is fsynced, then the directory is renamed to ``checkpoint-N`` (``os.replace``, atomic on POSIX)
+and ``run_dir`` is fsynced. A process killed at any moment leaves either a complete
+``checkpoint-N`` or a temporary directory that :func:`latest_checkpoint` ignores and the next
+save removes. Old checkpoints are renamed away before they are deleted, so a half-deleted
+one is never taken for a checkpoint. One writer per ``run_dir`` is assumed.
+
+No pickle anywhere: tensors go to safetensors, everything else to JSON; loading never executes
+stored code (a NamedTuple type is rebuilt from the template, or imported by its recorded name
+and checked to be a NamedTuple).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file, save_model
+from torch import nn
+
+from rlcore.loops.state import TrainState
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "checkpoint_info",
+    "resume",
+    "Checkpointer",
+    "CheckpointError",
+]
+
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+_SCRATCH = (".tmp-", ".old-", ".del-")
+_SPECIAL = ("models", "optimizer", "scheduler")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, truncated, corrupted, or does not fit the state it is loaded into."""
+
+
+# --- nested values <-> (JSON tree, flat dict of tensors) -------------------------------------
+def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu", copy=True).contiguous()  # a copy: no shared storage
+        return {"__tensor__": path, "device": str(obj.device)}
+    if isinstance(obj, torch.Generator):
+        return {"__generator__": str(obj.device), "state": _flatten(obj.get_state(), path, tensors)}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        cls = type(obj)
+        return {"__namedtuple__": f"{cls.__module__}:{cls.__qualname__}",
+                "fields": {f: _flatten(v, f"{path}.{f}", tensors) for f, v in zip(obj._fields, obj)}}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {"__dataclass__": f"{type(obj).__module__}:{type(obj).__qualname__}",
+                "fields": {f.name: _flatten(getattr(obj, f.name), f"{path}.{f.name}", tensors)
+                           for f in dataclasses.fields(obj)}}
+    if isinstance(obj, (tuple, list)):
+        items = [_flatten(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _flatten(v, f"{path}.{k}", tensors) for k, v in obj.items()}
+        return {"__items__": [[_flatten(k, f"{path}.k{i}", tensors), _flatten(v, f"{path}.{k}", tensors)]
+                              for i, (k, v) in enumerate(obj.items())]}
+    raise TypeError(f"checkpoint: cannot store {path or 'value'} of type {type(obj).__name__} "
+                    f"(tensors, numbers, strings, lists, dicts, NamedTuples and dataclasses only)")
+
+
+def _import(name: str, where: str) -> type:
+    module, _, qualname = name.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise CheckpointError(f"{where}: cannot find the stored type {name} (give a template value)") from e
+    if not isinstance(obj, type):
+        raise CheckpointError(f"{where}: stored type {name} is not a class")
+    return obj
+
+
+def _unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], like: Any = None, where: str = "") -> Any:
+    if isinstance(tree, list):
+        return [_unflatten(v, tensors, None, f"{where}[{i}]") for i, v in enumerate(tree)]
+    if not isinstance(tree, dict):
+        return tree
+    if "__tensor__" in tree:
+        device = like.device if isinstance(like, torch.Tensor) else torch.device(tree["device"])
+        if device.type == "cuda" and not torch.cuda.is_available():
+            device = torch.device("cpu")
+        return tensors[tree["__tensor__"]].to(device)
+    if "__generator__" in tree:
+        device = like.device if isinstance(like, torch.Generator) else tree["__generator__"]
+        g = torch.Generator(device=device)
+        g.set_state(_unflatten(tree["state"], tensors, None, where).cpu())
+        return g
+    if "__namedtuple__" in tree or "__dataclass__" in tree:
+        is_nt = "__namedtuple__" in tree
+        cls = type(like) if like is not None else _import(tree.get("__namedtuple__") or tree["__dataclass__"], where)
+        if (is_nt and not (issubclass(cls, tuple) and hasattr(cls, "_fields"))) or \
+                (not is_nt and not dataclasses.is_dataclass(cls)):
+            raise CheckpointError(f"{where}: stored type does not match {cls.__name__}")
+        fields = {k: _unflatten(v, tensors, getattr(like, k, None), f"{where}.{k}") for k, v in tree["fields"].items()}
+        return cls(**fields)
+    if "__tuple__" in tree:
+        return tuple(_unflatten(v, tensors, None, f"{where}[{i}]") for i, v in enumerate(tree["__tuple__"]))
+    if "__items__" in tree:
+        return {_unflatten(k, tensors): _unflatten(v, tensors, None, where) for k, v in tree["__items__"]}
+    like = like if isinstance(like, Mapping) else {}
+    return {k: _unflatten(v, tensors, like.get(k), f"{where}[{k!r}]") for k, v in tree.items()}
+
+
+def _write_pair(directory: Path, stem: str, obj: Any) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _flatten(obj, stem, tensors)
+    save_file(tensors, directory / f"{stem}.safetensors")
+    (directory / f"{stem}.json").write_text(json.dumps(tree))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable JSON ({type(e).__name__}: {e})") from e
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own error types for bad headers and truncation
+        raise CheckpointError(f"{path}: unreadable safetensors file, corrupted or truncated "
+                              f"({type(e).__name__}: {e})") from e
+
+
+def _read_pair(directory: Path, stem: str, like: Any = None) -> Any:
+    tree = _read_json(directory / f"{stem}.json")
+    return _unflatten(tree, _load_tensors(directory / f"{stem}.safetensors"), like, stem)
+
+
+# --- models ------------------------------------------------------------------------------------
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "save_pretrained") and hasattr(model, "config")
+
+
+def _save_model(model: nn.Module, directory: Path) -> None:
+    directory.mkdir(parents=True)
+    if _is_hf(model):
+        model.save_pretrained(directory)
+    else:
+        save_model(model, str(directory / "model.safetensors"))  # drops duplicates of tied tensors
+
+
+def _load_model(model: nn.Module, directory: Path) -> None:
+    """Load every ``*.safetensors`` of ``directory`` into ``model``'s own tensors, in place."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(_load_tensors(f))
+    own = model.state_dict()
+    unexpected = sorted(set(weights) - set(own))
+    if unexpected and hasattr(type(model), "from_pretrained"):  # renamed on save: let HF map the names
+        weights = type(model).from_pretrained(directory).state_dict()
+        unexpected = sorted(set(weights) - set(own))
+    loaded = {own[k].data_ptr() for k in weights if k in own}
+    missing = sorted(k for k in set(own) - set(weights) if own[k].data_ptr() not in loaded)  # not tied
+    if unexpected or missing:
+        raise CheckpointError(f"{directory}: weights do not fit the model: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}")
+    try:
+        model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # shapes differ
+        raise CheckpointError(f"{directory}: weights do not fit the model: {e}") from e
+
+
+# --- global RNGs ---------------------------------------------------------------------------------
+def _global_rng() -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    return out
+
+
+def _set_global_rng(rng: Mapping[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"].cpu())
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+    if "numpy" in rng:
+        import numpy as np
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# --- files, fsync, atomic publication -----------------------------------------------------------
+def _fsync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for directory, _, files in os.walk(root, topdown=False):
+        for f in files:
+            _fsync(os.path.join(directory, f))
+        _fsync(directory)
+
+
+def _write_manifest(root: Path) -> None:
+    files = {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+    (root / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
+
+
+def _verify(path: Path) -> None:
+    manifest = _read_json(path / "manifest.json")
+    for name, size in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing from the checkpoint (listed in manifest.json)")
+        found = f.stat().st_size
+        if found != size:
+            raise CheckpointError(f"{f}: truncated or altered: {found} bytes, manifest.json says {size}")
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    old = None
+    if final.exists():  # re-saving a step (after a resume): move the old one aside first
+        old = final.with_name(f".old-{final.name}-{secrets.token_hex(4)}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete checkpoints of ``run_dir`` (``checkpoint-N`` with a manifest), by step."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir()
+             if (m := _NAME.match(p.name)) and (p / "manifest.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in ``run_dir``, or ``None``.
+
+    Temporary directories of interrupted saves (``.tmp-step-*``) are ignored.
+    """
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _prune(run_dir: Path, keep_last: int | None) -> None:
+    doomed = list_checkpoints(run_dir)[:-keep_last] if keep_last else []
+    for p in doomed:  # rename first: a half-deleted directory never looks like a checkpoint
+        os.replace(p, run_dir / f".del-{p.name}-{secrets.token_hex(4)}")
+    if doomed:
+        _fsync(run_dir)
+    for p in run_dir.iterdir():
+        if p.name.startswith(_SCRATCH) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# --- metadata and model card ----------------------------------------------------------------------
+def _as_dict(config: Any) -> dict:
+    if config is None:
+        return {}
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    return dict(config)
+
+
+def _model_card(step: int, config: dict, metrics: Mapping[str, float], models: Mapping[str, nn.Module]) -> str:
+    base = config.get("base_model") or config.get("model_name_or_path") or config.get("model") or next(
+        (getattr(m, "name_or_path", "") for m in models.values() if getattr(m, "name_or_path", "")), "")
+    recipe = config.get("recipe", "")
+    tags = ", ".join(t for t in ("rlcore", str(recipe)) if t)
+    hf = any(_is_hf(m) for m in models.values())
+    lines = ["---"] + (["library_name: transformers"] if hf else []) + ([f"base_model: {base}"] if base else []) + \
+            [f"tags: [{tags}]", "---", "", f"# {recipe or 'rlcore'} checkpoint, step {step}", "",
+             f"Trained with rlcore{f' ({recipe} recipe)' if recipe else ''}"
+             f"{f' from `{base}`' if base else ''}. Models: {', '.join(f'`models/{n}`' for n in models)}.", ""]
+    if metrics:
+        lines += ["## Final metrics", "", "| metric | value |", "| --- | --- |"]
+        lines += [f"| {k} | {v:.6g} |" for k, v in metrics.items()] + [""]
+    lines += ["## Config", "", "```json", json.dumps(config, indent=2, default=str), "```", ""]
+    if hf:
+        name = next(n for n, m in models.items() if _is_hf(m))
+        lines += ["## Loading", "", "```python", "from transformers import AutoModelForCausalLM",
+                  f'model = AutoModelForCausalLM.from_pretrained("checkpoint-{step}/models/{name}")', "```", ""]
+    return "\n".join(lines)
+
+
+def _trainable(models: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
+    return {n: m for n, m in models.items() if any(p.requires_grad for p in m.parameters())}
+
+
+# --- public API ---------------------------------------------------------------------------------------
+def _write_contents(tmp: Path, state: TrainState, step: int, config: dict, models: Mapping[str, nn.Module],
+                    extra_json: Any, metrics: Mapping[str, float]) -> None:
+    for name, model in models.items():
+        _save_model(model, tmp / "models" / name)
+    if state.optimizer is not None:
+        _write_pair(tmp, "optimizer", state.optimizer.state_dict())
+    if state.scheduler is not None:
+        _write_pair(tmp, "scheduler", state.scheduler.state_dict())
+    rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name not in _SPECIAL}
+    _write_pair(tmp, "state", rest)
+    _write_pair(tmp, "rng", _global_rng())
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    meta = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "models": sorted(models),
+            "metrics": dict(metrics), "extra": extra_json}
+    (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2, default=str))
+    (tmp / "README.md").write_text(_model_card(step, config, metrics, models))
+
+
+def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None = None, config: Any = None,
+                    models: Mapping[str, nn.Module] | None = None, extra_json: Any = None,
+                    metrics: Mapping[str, float] | None = None, keep_last: int | None = None) -> Path:
+    """Write ``state`` to ``run_dir/checkpoint-{step}`` atomically; return that path.
+
+    Args:
+        run_dir: the run directory (created if needed).
+        state: the ``TrainState`` (or any frozen dataclass with ``models``/``optimizer``/``scheduler``).
+        step: the checkpoint's number (default ``state.step``).
+        config: the run's config (a dataclass or mapping), stored as JSON (non-JSON values as str)
+            and shown in the model card; its ``base_model`` / ``recipe`` entries name the card.
+        models: name -> module to save (default: the models of ``state`` with trainable parameters;
+            a frozen reference is rebuilt from its source, not stored).
+        extra_json: any JSON-serialisable value, kept in ``trainer_state.json``.
+        metrics: the latest metrics (floats), kept in ``trainer_state.json`` and the model card.
+        keep_last: keep only the newest ``keep_last`` checkpoints (older ones are deleted after
+            the new one is in place); ``None`` keeps all.
+    Returns:
+        ``Path`` of the new checkpoint. Reads the global RNG states without changing them.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    step = state.step if step is None else int(step)
+    models = _trainable(state.models) if models is None else dict(models)
+    tmp = run_dir / f".tmp-step-{step}-{secrets.token_hex(4)}"  # secrets: leaves `random` untouched
+    tmp.mkdir()
+    try:
+        _write_contents(tmp, state, step, _as_dict(config), models, extra_json, dict(metrics or {}))
+        _write_manifest(tmp)
+        _fsync_tree(tmp)
+        final = run_dir / f"checkpoint-{step}"
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(run_dir, keep_last)
+    return final
+
+
+def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_global_rng: bool = True) -> TrainState:
+    """Restore a checkpoint into the objects of ``state_template``; return the restored state.
+
+    Weights are copied into ``state_template.models`` (in place, so the optimiser keeps pointing
+    at the right parameters); optimiser and scheduler state are loaded into the template's;
+    counters, transform states and the generator come back in the returned state; the global
+    RNGs are reset to their saved states (``restore_global_rng``). Template models absent from
+    the checkpoint (a frozen reference) are left as they are.
+
+    Raises:
+        CheckpointError: a missing or truncated file (checked against ``manifest.json``), an
+        unreadable safetensors/JSON file (named in the message), or weights / state that do not
+        fit the template.
+    """
+    path = Path(path)
+    if not (path / "manifest.json").is_file():
+        raise CheckpointError(f"{path}: not a complete checkpoint (no manifest.json)")
+    _verify(path)
+    meta = _read_json(path / "trainer_state.json")
+    absent = sorted(set(meta["models"]) - set(state_template.models))
+    if absent:
+        raise CheckpointError(f"{path}: models {absent} are stored but not in the template "
+                              f"(which has {sorted(state_template.models)})")
+    for name in meta["models"]:
+        _load_model(state_template.models[name], path / "models" / name)
+    for name in ("optimizer", "scheduler"):
+        target = getattr(state_template, name)
+        if target is not None:
+            if not (path / f"{name}.json").is_file():
+                raise CheckpointError(f"{path}: the template has a {name} but the checkpoint stores none")
+            try:
+                target.load_state_dict(_read_pair(path, name))
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise CheckpointError(f"{path / name}.json: does not fit the template's {name}: {e}") from e
+    rest = {f.name: getattr(state_template, f.name) for f in dataclasses.fields(state_template)
+            if f.name not in _SPECIAL}
+    restored = _read_pair(path, "state", like=rest)
+    if restore_global_rng:
+        _set_global_rng(_read_pair(path, "rng"))
+    return dataclasses.replace(state_template, **{k: v for k, v in restored.items() if k in rest})
+
+
+def checkpoint_info(path: str | Path) -> dict[str, Any]:
+    """``trainer_state.json`` of a checkpoint (step, time, models, metrics, extra) plus its ``config``."""
+    path = Path(path)
+    return {**_read_json(path / "trainer_state.json"), "config": _read_json(path / "config.json")}
+
+
+def resume(run_dir: str | Path, state: TrainState, **kwargs: Any) -> TrainState:
+    """``state`` restored from the latest checkpoint of ``run_dir``, or ``state`` itself if none."""
+    latest = latest_checkpoint(run_dir)
+    return state if latest is None else load_checkpoint(latest, state, **kwargs)
+
+
+class Checkpointer:
+    """A fold callback saving a checkpoint every ``every`` steps (and after the last one).
+
+    ``callbacks=[..., Checkpointer(run_dir, every=500, keep_last=3, config=cfg)]``. The step's
+    metrics go into ``trainer_state.json`` and the model card.
+    """
+
+    def __init__(self, run_dir: str | Path, *, every: int, keep_last: int | None = None, config: Any = None,
+                 models: Mapping[str, nn.Module] | None = None, extra_json: Any = None, at_end: bool = True):
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every: expected a positive int, got {every!r}")
+        self.run_dir, self.every, self.at_end = Path(run_dir), every, at_end
+        self.kwargs = dict(keep_last=keep_last, config=config, models=models, extra_json=extra_json)
+        self.saved: list[Path] = []
+        self._metrics: dict = {}
+
+    def __call__(self, state: TrainState, metrics: dict) -> None:
+        self._metrics = metrics
+        if state.step % self.every == 0:
+            self.saved.append(save_checkpoint(self.run_dir, state, metrics=metrics, **self.kwargs))
+
+    def on_end(self, state: TrainState) -> None:
+        done = self.saved and self.saved[-1].name == f"checkpoint-{state.step}"
+        if self.at_end and state.step > 0 and not done:
+            self.saved.append(save_checkpoint(self.run_dir, state, metrics=self._metrics, **self.kwargs))

@@ -1,0 +1,244 @@
+"""Run logging, as fold callbacks: metrics JSONL, a progress line, TensorBoard / wandb, samples.
+
+Every logger is a callback ``cb(state, metrics)`` (``metrics`` already plain floats, see
+``rlcore.loops.fold``) with optional ``on_start(state)`` / ``on_end(state)``:
+
+- :class:`JsonlLogger` appends one JSON object per step to ``run_dir/metrics.jsonl``;
+- :class:`ProgressDisplay` redraws one line on a terminal and prints plain periodic lines
+  otherwise (logs, CI);
+- :class:`TensorBoardLogger` and :class:`WandbLogger` write where those packages are installed;
+  asking for one that is not installed raises ``ImportError`` saying what to install;
+- :class:`SampleTable` writes a table of sample generations every ``n`` steps to
+  ``run_dir/samples.jsonl`` and ``run_dir/samples.md``.
+
+:func:`make_loggers` builds the usual set in one call.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "JsonlLogger",
+    "ProgressDisplay",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "SampleTable",
+    "make_loggers",
+    "read_jsonl",
+]
+
+
+def _json_number(v: float) -> float | None:
+    # Strict JSON has no NaN/inf: non-finite values are written as null.
+    return v if math.isfinite(v) else None
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The objects of a JSONL file, one per non-empty line (``[]`` if the file does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _append(path: Path, record: Mapping[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, allow_nan=False) + "\n")
+
+
+class JsonlLogger:
+    """Append ``{"step": N, "time": unix_seconds, **metrics}`` to ``run_dir/<filename>`` per step.
+
+    Values are floats (``null`` for NaN/inf, so every line is strict JSON). On start, lines with a
+    step beyond ``state.step`` (written by a crashed run after its last checkpoint) are dropped, so
+    a resumed run does not log those steps twice. Each line is written and closed at once: a
+    killed run loses at most the line being written.
+    """
+
+    def __init__(self, run_dir: str | Path, *, filename: str = "metrics.jsonl", every: int = 1):
+        self.path, self.every = Path(run_dir) / filename, every
+
+    def on_start(self, state: Any) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.exists():
+            return
+        keep = [line for line in self.path.read_text().splitlines()
+                if line.strip() and _step_of(line) <= state.step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.path)
+
+    def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
+        if state.step % self.every == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _append(self.path, {"step": state.step, "time": time.time(),
+                                **{k: _json_number(float(v)) for k, v in metrics.items()}})
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a torn last line of a killed run: drop it
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+class ProgressDisplay:
+    """One status line: ``stage step/total  key=value ...  rate, time left``.
+
+    On a TTY the line is redrawn in place every step; elsewhere a plain line is printed every
+    ``every`` steps and at the last step (``total``). Shown metrics: ``keys`` where present
+    (default: the first ``max_keys`` metrics of the step).
+
+    Args:
+        total: the step the run is heading for (``num_steps`` of the fold), or ``None``.
+        stage: a label (``"sft"``, ``"ppo"``, ``"eval"``).
+        every: period of the plain lines when not on a TTY.
+        stream: where to write (default ``sys.stderr``).
+        clock: seconds, monotonic (injectable for tests).
+    """
+
+    def __init__(self, total: int | None = None, *, stage: str = "train", keys: Sequence[str] | None = None,
+                 max_keys: int = 4, every: int = 10, stream: IO[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.total, self.stage, self.keys, self.max_keys, self.every = total, stage, keys, max_keys, every
+        self.stream, self.clock = stream, clock
+        self._start: tuple[float, int] | None = None
+        self._width = 0
+
+    @property
+    def _out(self) -> IO[str]:
+        return self.stream if self.stream is not None else sys.stderr
+
+    def on_start(self, state: Any) -> None:
+        self._start = (self.clock(), state.step)
+
+    def format(self, state: Any, metrics: Mapping[str, float]) -> str:
+        """The status line for ``state`` and ``metrics``."""
+        if self._start is None:
+            self.on_start(state)
+        t0, s0 = self._start
+        names = [k for k in self.keys if k in metrics] if self.keys is not None else list(metrics)[:self.max_keys]
+        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in names)
+        elapsed, done = self.clock() - t0, state.step - s0
+        rate = done / elapsed if elapsed > 0 else math.nan
+        position = f"{state.step}/{self.total}" if self.total else f"{state.step}"
+        left = _duration((self.total - state.step) / rate) if self.total and rate > 0 else "?"
+        return "  ".join(p for p in (f"{self.stage} {position}", shown, f"{rate:.3g} it/s, {left} left") if p)
+
+    def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
+        line, out = self.format(state, metrics), self._out
+        if out.isatty():
+            out.write("\r" + line.ljust(self._width))
+            self._width = len(line)
+        elif state.step % self.every == 0 or state.step == self.total:
+            out.write(line + "\n")
+        out.flush()
+
+    def on_end(self, state: Any) -> None:
+        if self._width and self._out.isatty():
+            self._out.write("\n")
+            self._out.flush()
+
+
+class TensorBoardLogger:
+    """Scalars to TensorBoard (``torch.utils.tensorboard``), one point per metric and step."""
+
+    def __init__(self, log_dir: str | Path, *, every: int = 1):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError("TensorBoardLogger needs the 'tensorboard' package (pip install tensorboard)") from e
+        self.writer, self.every = SummaryWriter(str(log_dir)), every
+
+    def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
+        if state.step % self.every == 0:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, v, state.step)
+
+    def on_end(self, state: Any) -> None:
+        self.writer.close()
+
+
+class WandbLogger:
+    """Metrics to Weights & Biases: ``wandb.init(project=..., config=..., **init_kwargs)`` at once."""
+
+    def __init__(self, project: str | None = None, *, config: Any = None, every: int = 1, **init_kwargs: Any):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("WandbLogger needs the 'wandb' package (pip install wandb)") from e
+        self.run, self.every = wandb.init(project=project, config=config, **init_kwargs), every
+
+    def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
+        if state.step % self.every == 0:
+            self.run.log(dict(metrics), step=state.step)
+
+    def on_end(self, state: Any) -> None:
+        self.run.finish()
+
+
+def _cell(value: Any, max_chars: int) -> str:
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    text = text if len(text) <= max_chars else text[:max_chars - 1] + "…"
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+
+
+class SampleTable:
+    """Every ``every`` steps, a table of sample generations to ``samples.jsonl`` and ``samples.md``.
+
+    ``sample_fn(state) -> list[dict]`` produces the rows (e.g. ``{"prompt": ..., "completion":
+    ..., "reward": ...}``, typically by generating with ``state.model("policy")``); the columns
+    are the union of the rows' keys. The JSONL gets ``{"step": N, "samples": rows}`` (full text),
+    the markdown file a ``## step N`` section with the first ``max_rows`` rows, cells cut at
+    ``max_chars``.
+    """
+
+    def __init__(self, run_dir: str | Path, sample_fn: Callable[[Any], list[Mapping[str, Any]]], *,
+                 every: int = 100, max_rows: int = 8, max_chars: int = 200):
+        self.run_dir, self.sample_fn = Path(run_dir), sample_fn
+        self.every, self.max_rows, self.max_chars = every, max_rows, max_chars
+
+    def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
+        if state.step % self.every:
+            return
+        rows = [dict(r) for r in self.sample_fn(state)]
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _append(self.run_dir / "samples.jsonl", {"step": state.step, "samples": rows})
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        table = [f"## step {state.step}", "", "| " + " | ".join(columns) + " |",
+                 "|" + " --- |" * len(columns)]
+        table += ["| " + " | ".join(_cell(r.get(c, ""), self.max_chars) for c in columns) + " |"
+                  for r in rows[:self.max_rows]]
+        with open(self.run_dir / "samples.md", "a", encoding="utf-8") as f:
+            f.write("\n".join(table) + "\n\n")
+
+
+def make_loggers(run_dir: str | Path, *, total: int | None = None, stage: str = "train", progress: bool = True,
+                 progress_every: int = 10, tensorboard: bool = False, wandb: Mapping[str, Any] | None = None,
+                 stream: IO[str] | None = None) -> list:
+    """The usual logging callbacks: JSONL in ``run_dir``, a progress line, and on request
+    TensorBoard (``run_dir/tensorboard``) and wandb (``wandb`` = keyword arguments of
+    ``wandb.init``, e.g. ``{"project": "rlhf"}``)."""
+    callbacks: list = [JsonlLogger(run_dir)]
+    if progress:
+        callbacks.append(ProgressDisplay(total, stage=stage, every=progress_every, stream=stream))
+    if tensorboard:
+        callbacks.append(TensorBoardLogger(Path(run_dir) / "tensorboard"))
+    if wandb is not None:
+        callbacks.append(WandbLogger(**wandb))
+    return callbacks

@@ -1,0 +1,377 @@
+"""The one impure step: backward, gradient clipping, the optimiser and the scheduler.
+
+**This module mutates.** ``update`` writes the gradients and the parameters of the models in
+``state`` and the internals of ``state.optimizer`` / ``state.scheduler``, in place, because an
+optimiser step on a large model cannot copy its weights. Nothing else in rlcore does; every other
+change travels in the returned ``TrainState``.
+
+The loss-function contract
+--------------------------
+``loss_fn(state, micro_batch, **denominators) -> (loss, metrics)``
+
+- ``state``: the current ``TrainState``, so the closure reaches the models
+  (``state.model("policy")``) and the transform states (``state.transforms["kl"].coef``) and can
+  compute log-probs, values or rewards through them (``rlcore.loops.score``) inside the
+  gradient tape;
+- ``micro_batch``: a TensorDict ``[b]``, a slice of the shuffled minibatch;
+- ``denominators``: with ``mask_key`` set, ``num_tokens=`` and ``num_seqs=`` (0-d tensors, the
+  valid tokens and non-empty rows of the whole *minibatch*, i.e. of the optimiser step), to pass
+  on to the loss's aggregation (``rlcore.masked.aggregate``); with ``mask_key=None``, nothing;
+- returns the scalar loss and a TensorDict (or mapping) of detached scalars.
+
+Gradient accumulation equals the full-minibatch gradient either way:
+
+- ``mask_key`` set: each micro-batch's loss is already a share of the step's loss (global
+  denominators), and the shares are summed;
+- ``mask_key=None``: the loss is taken to be a mean over the rows of its micro-batch (DPO, reward
+  modelling) and is weighted by ``b / minibatch_rows``.
+
+A recipe's loss closure, for instance::
+
+    def loss_fn(state, mb, **denominators):
+        mb = with_policy_logprobs(state.model("policy"), mb)        # through the model, differentiable
+        return ppo_loss(mb, clip_eps=0.2, **denominators)
+
+    state, metrics = update(state, rollout, loss_fn, minibatch_size=64, micro_batch_size=16,
+                            epochs=4, mask_key=keys.RESPONSE_MASK)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from rlcore.checks import NonFiniteError, check_mask
+from rlcore.loops.state import TrainState, copy_generator
+
+__all__ = [
+    "update",
+    "global_denominators",
+    "make_optimizer",
+    "make_scheduler",
+    "SCHEDULES",
+    "linear_schedule",
+    "cosine_schedule",
+    "constant_schedule",
+    "enable_gradient_checkpointing",
+    "NONFINITE_MODES",
+]
+
+NONFINITE_MODES = ("skip", "raise")
+LossFn = Callable[..., tuple[torch.Tensor, Any]]
+
+
+# --- optimiser and learning-rate schedules -----------------------------------------------------
+def _param_groups(params: Any, weight_decay: float) -> list[dict]:
+    if isinstance(params, (nn.Module, Mapping)):
+        modules = [params] if isinstance(params, nn.Module) else list(params.values())
+        seen, decay, no_decay = set(), [], []
+        for module in modules:
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    (decay if p.ndim >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params
+    return [{"params": [p for p in params if p.requires_grad], "weight_decay": weight_decay}]
+
+
+def make_optimizer(params: nn.Module | Mapping[str, nn.Module] | Iterable, *, lr: float,
+                   weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                   eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters (``requires_grad``) of ``params``.
+
+    ``θ ← θ − lr·(m̂/(√v̂ + eps) + weight_decay·θ)`` (decoupled weight decay).
+
+    Args:
+        params: a module or a mapping of modules (parameters shared between them counted once;
+            weight decay on matrices only, not on biases and norm scales, as in GPT-2 training),
+            an iterable of parameters (one group), or a list of param-group dicts (as given).
+        lr: learning rate (the peak, when a scheduler warms up).
+        weight_decay, betas, eps: AdamW's (PyTorch defaults, weight decay 0 as in TRL).
+    Returns:
+        ``torch.optim.AdamW``.
+
+    References: Loshchilov & Hutter, "Decoupled Weight Decay Regularization",
+    https://arxiv.org/abs/1711.05101
+    """
+    groups = _param_groups(params, weight_decay)
+    if not any(g["params"] for g in groups):
+        raise ValueError("params: no trainable parameter (requires_grad=True) to optimise")
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+
+def _warmup(step: int, warmup_steps: int) -> float:
+    return step / max(1, warmup_steps)
+
+
+def linear_schedule(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier: ``step/warmup`` during warm-up, then linear decay to 0 at ``total_steps``."""
+    if step < warmup_steps:
+        return _warmup(step, warmup_steps)
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def cosine_schedule(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier: warm-up, then ``½(1 + cos(π·progress))`` down to 0 at ``total_steps``.
+
+    References: Loshchilov & Hutter, "SGDR: Stochastic Gradient Descent with Warm Restarts",
+    https://arxiv.org/abs/1608.03983
+    """
+    if step < warmup_steps:
+        return _warmup(step, warmup_steps)
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def constant_schedule(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier: warm-up, then 1 (``total_steps`` is ignored)."""
+    return _warmup(step, warmup_steps) if step < warmup_steps else 1.0
+
+
+SCHEDULES: dict[str, Callable[..., float]] = {
+    "linear": linear_schedule,
+    "cosine": cosine_schedule,
+    "constant": constant_schedule,
+}
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int | None = None, warmup_steps: int = 0,
+                   kind: str = "linear") -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` scaling every group's peak ``lr`` by ``SCHEDULES[kind](optimizer_step)``.
+
+    Counted in optimiser steps (``update`` steps it after every step taken, not after skipped
+    ones). With warm-up the multiplier at step 0 is 0 (the first step does not move the
+    weights), as in Hugging Face's schedules. Its state (a few numbers) checkpoints as JSON.
+
+    >>> opt = make_optimizer(nn.Linear(2, 2), lr=1.0)
+    >>> sched = make_scheduler(opt, total_steps=10, warmup_steps=2, kind="cosine")
+    >>> [round(SCHEDULES["cosine"](s, warmup_steps=2, total_steps=10), 3) for s in (0, 1, 2, 6, 10)]
+    [0.0, 0.5, 1.0, 0.5, 0.0]
+    """
+    try:
+        schedule = SCHEDULES[kind]
+    except KeyError:
+        raise ValueError(f"kind: unknown schedule {kind!r}; valid: {sorted(SCHEDULES)}") from None
+    if total_steps is None and kind != "constant":
+        raise ValueError(f"total_steps: the {kind!r} schedule needs the number of optimiser steps")
+    bound = functools.partial(schedule, warmup_steps=warmup_steps, total_steps=total_steps or 0)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, bound)
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> bool:
+    """Turn on activation checkpointing where the model offers it (Hugging Face models).
+
+    Trades compute for memory: activations are recomputed in the backward pass. Call once while
+    setting up. Returns whether the model supported it.
+    """
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        return False
+    enable()
+    return True
+
+
+# --- update ---------------------------------------------------------------------------------
+def global_denominators(batch: TensorDictBase, mask_key: Any) -> dict[str, torch.Tensor]:
+    """The denominators of one optimiser step: ``num_tokens = Σ mask``, ``num_seqs`` = non-empty rows.
+
+    Both are 0-d integer tensors clamped to at least 1, the conventions of
+    ``rlcore.masked.aggregate``. ``mask_key=None`` gives ``{}``.
+
+    Args:
+        batch: TensorDict ``[B]`` holding ``mask_key`` ``[B, ..., T]`` bool.
+    """
+    if mask_key is None:
+        return {}
+    mask = batch.get(mask_key)
+    check_mask(f"batch[{mask_key!r}]", mask)
+    return {"num_tokens": mask.sum().clamp(min=1), "num_seqs": mask.any(dim=-1).sum().clamp(min=1)}
+
+
+def _sizes(batch: TensorDictBase, minibatch_size: int | None, micro_batch_size: int | None,
+           epochs: int) -> tuple[int, int, int]:
+    if not isinstance(batch, TensorDictBase) or len(batch.batch_size) < 1:
+        raise ValueError(f"batch: expected a TensorDict with batch_size [B], got "
+                         f"{getattr(batch, 'batch_size', type(batch).__name__)}")
+    n = batch.batch_size[0]
+    mb = n if minibatch_size is None else minibatch_size
+    micro = mb if micro_batch_size is None else micro_batch_size
+    if not isinstance(mb, int) or not 1 <= mb <= n:
+        raise ValueError(f"minibatch_size: expected an int in [1, {n}] (the batch has {n} rows), got {mb!r}")
+    if not isinstance(micro, int) or not 1 <= micro <= mb:
+        raise ValueError(f"micro_batch_size: expected an int in [1, {mb}] (minibatch_size), got {micro!r}")
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs: expected a positive int, got {epochs!r}")
+    return n, mb, micro
+
+
+def _named(metrics: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    if isinstance(metrics, TensorDictBase):
+        metrics = metrics.items(include_nested=True, leaves_only=True)
+    else:
+        metrics = metrics.items()
+    for k, v in metrics:
+        yield ("/".join(k) if isinstance(k, tuple) else k), torch.as_tensor(v).detach()
+
+
+def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *, micro_batch_size: int,
+                mask_key: Any, autocast_dtype: torch.dtype | None, device_type: str,
+                early_stop_key: str) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Forward/backward over the micro-batches of one minibatch; gradients add up in ``.grad``."""
+    n = minibatch.batch_size[0]
+    denominators = global_denominators(minibatch, mask_key)
+    sums: dict[str, torch.Tensor] = {}
+    finite = stop = None  # 0-d bool tensors on the loss's device: no synchronisation here
+    for start in range(0, n, micro_batch_size):
+        micro = minibatch[start:start + micro_batch_size]
+        share = micro.batch_size[0] / n
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            loss, metrics = loss_fn(state, micro, **denominators)
+        loss_weight = 1.0 if denominators else share
+        (loss if loss_weight == 1.0 else loss * loss_weight).backward()
+        ok = torch.isfinite(loss.detach())
+        finite = ok if finite is None else finite & ok
+        stop = torch.zeros_like(ok) if stop is None else stop
+        for name, value in [("loss", loss.detach()), *((k, v) for k, v in _named(metrics) if k != "loss")]:
+            if name == early_stop_key:
+                stop = stop | value.to(stop.device).bool().any()
+                continue
+            w = loss_weight if name.startswith("loss") else share
+            sums[name] = sums.get(name, 0.0) + w * value.to(torch.float64)
+    return sums, finite, stop
+
+
+def _zero_grads(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    for p in params:
+        p.grad = None
+
+
+def _optimizer_step(state: TrainState, params: list[torch.Tensor], finite: torch.Tensor, stop: torch.Tensor, *,
+                    max_grad_norm: float | None, nonfinite: str, where: str) -> tuple[str, torch.Tensor]:
+    """Check, clip and step, or leave everything untouched. Returns ``(outcome, grad_norm)``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    norm = norm.to(finite.device)
+    ok, halt = torch.stack([finite & torch.isfinite(norm), stop]).tolist()  # the one sync of a step
+    if not ok:
+        _zero_grads(params, state.optimizer)
+        if nonfinite == "raise":
+            raise NonFiniteError(f"update: non-finite {'gradient' if finite else 'loss'} at {where} "
+                                 f"(grad norm {float(norm)}); the step was not taken, weights and "
+                                 f"optimiser state are unchanged")
+        return "skipped", norm
+    if halt:
+        _zero_grads(params, state.optimizer)
+        return "stopped", norm
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+    state.optimizer.step()
+    if state.scheduler is not None:
+        state.scheduler.step()
+    _zero_grads(params, state.optimizer)
+    return "taken", norm
+
+
+def _mean(steps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    names = dict.fromkeys(k for s in steps for k in s)
+    return {k: torch.stack([s[k].to(torch.float64) for s in steps if k in s]).mean() for k in names}
+
+
+def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibatch_size: int | None = None,
+           micro_batch_size: int | None = None, epochs: int = 1, mask_key: Any = None,
+           max_grad_norm: float | None = 1.0, params: Iterable[torch.Tensor] | None = None,
+           nonfinite: str = "skip", autocast_dtype: torch.dtype | None = None, shuffle: bool = True,
+           early_stop_key: str = "early_stop") -> tuple[TrainState, TensorDict]:
+    """Optimise ``loss_fn`` on ``batch``: ``epochs`` passes of shuffled minibatches (impure).
+
+    Per epoch the rows are permuted with ``state.rng`` (when there is more than one minibatch and
+    ``shuffle``) and cut into minibatches of ``minibatch_size`` rows, one optimiser step each,
+    every row seen once per epoch (the last minibatch is smaller when the sizes do not divide).
+    A minibatch is cut into micro-batches of ``micro_batch_size`` rows whose gradients accumulate
+    (``grad_accum = ceil(minibatch_size / micro_batch_size)``, derived); see the module doc for the
+    loss contract that makes accumulation equal the full-minibatch gradient. Then
+    ``g ← g·min(1, max_grad_norm/(‖g‖₂ + 1e-6))``, ``optimizer.step()``, ``scheduler.step()``.
+
+    Guards:
+        a non-finite loss (any micro-batch) or gradient norm skips the step: gradients are
+        dropped, weights, optimiser and scheduler are left exactly as they were, and the step is
+        counted in ``state.skipped_steps`` (``nonfinite="skip"``), or ``NonFiniteError`` is raised
+        (``"raise"``). A true ``early_stop_key`` metric from ``loss_fn`` (PPO's target KL) drops
+        that step's gradients and ends the epochs loop.
+
+    Args:
+        state: ``TrainState`` with ``optimizer`` (and optionally ``scheduler``, ``rng``).
+        batch: TensorDict ``[B]``; never written into.
+        loss_fn: ``(state, micro_batch, **denominators) -> (loss [], metrics)``.
+        minibatch_size: rows per optimiser step (default ``B``: one step per epoch).
+        micro_batch_size: rows per forward/backward (default ``minibatch_size``).
+        epochs: passes over ``batch`` (PPO's K epochs).
+        mask_key: key of the ``[B, ..., T]`` bool mask the global denominators count, or ``None``.
+        max_grad_norm: clipping threshold on the global L2 norm; ``None`` never clips.
+        params: what is clipped, checked and zeroed (default: every parameter of the optimiser).
+        nonfinite: ``"skip"`` or ``"raise"``.
+        autocast_dtype: e.g. ``torch.bfloat16``: forward and loss under ``torch.autocast`` on the
+            parameters' device type; backward outside it. ``None``: no autocast.
+        shuffle: permute rows each epoch (needs ``state.rng``).
+        early_stop_key: the metric name that stops the epochs loop.
+    Returns:
+        ``(state, metrics)``: ``state`` with the advanced generator copy as ``rng`` and
+        ``optimizer_steps``, ``skipped_steps``, ``policy_version`` (+1 if any step was taken)
+        updated; ``metrics`` (TensorDict of 0-d float64 tensors): the loss and ``loss_fn``'s
+        metrics combined over micro-batches (``loss*`` keys summed as shares of the step with
+        ``mask_key``, everything else weighted by rows) and averaged over the steps run, plus
+        ``grad_norm`` (mean, before clipping), ``lr`` (of the last step taken), ``optimizer_steps``,
+        ``skipped_steps``, ``early_stop`` (1.0 if the loop was stopped).
+
+    Gradient: only ``loss`` is differentiated; metrics are detached.
+    """
+    if state.optimizer is None:
+        raise ValueError("state.optimizer: update needs an optimiser (see make_optimizer)")
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite: unknown mode {nonfinite!r}; valid: {list(NONFINITE_MODES)}")
+    n, mb, micro = _sizes(batch, minibatch_size, micro_batch_size, epochs)
+    params = [p for g in state.optimizer.param_groups for p in g["params"]] if params is None else list(params)
+    shuffled = shuffle and mb < n
+    if shuffled and state.rng is None:
+        raise ValueError("state.rng: shuffling minibatches needs a torch.Generator (init_state(seed=...))")
+    rng = copy_generator(state.rng) if shuffled else state.rng
+    device_type = params[0].device.type if params else "cpu"
+    steps, counts, lr = [], dict.fromkeys(("taken", "skipped", "stopped"), 0), None
+    _zero_grads(params, state.optimizer)
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=rng) if shuffled else torch.arange(n)
+        for start in range(0, n, mb):
+            sums, finite, stop = _accumulate(
+                state, batch[order[start:start + mb]], loss_fn, micro_batch_size=micro, mask_key=mask_key,
+                autocast_dtype=autocast_dtype, device_type=device_type, early_stop_key=early_stop_key)
+            step_lr = state.optimizer.param_groups[0]["lr"]
+            outcome, norm = _optimizer_step(state, params, finite, stop, max_grad_norm=max_grad_norm,
+                                            nonfinite=nonfinite, where=f"epoch {epoch}, rows {start}:{start + mb}")
+            counts[outcome] += 1
+            lr = step_lr if outcome == "taken" else lr
+            steps.append({**sums, "grad_norm": norm.detach()})
+            if outcome == "stopped":
+                break
+        if counts["stopped"]:
+            break
+    new_state = dataclasses.replace(
+        state, rng=rng, optimizer_steps=state.optimizer_steps + counts["taken"],
+        skipped_steps=state.skipped_steps + counts["skipped"],
+        policy_version=state.policy_version + (counts["taken"] > 0))
+    f64 = functools.partial(torch.tensor, dtype=torch.float64)
+    metrics = {**_mean(steps), "lr": f64(state.optimizer.param_groups[0]["lr"] if lr is None else lr),
+               "optimizer_steps": f64(counts["taken"]), "skipped_steps": f64(counts["skipped"]),
+               "early_stop": f64(float(counts["stopped"] > 0))}
+    return new_state, TensorDict(metrics, batch_size=[])

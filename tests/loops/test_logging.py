@@ -1,0 +1,147 @@
+"""Logging callbacks: JSONL lines, the progress line (TTY and not), sample tables, optional writers."""
+
+import dataclasses
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from rlcore.loops.fold import fold
+from rlcore.loops.logging import (JsonlLogger, ProgressDisplay, SampleTable, TensorBoardLogger, WandbLogger,
+                                  make_loggers, read_jsonl)
+
+
+@dataclasses.dataclass(frozen=True)
+class S:
+    step: int = 0
+
+
+def step(state, x):
+    return state, {"loss": torch.tensor(float(x)), "reward": torch.tensor(x / 10), "n": torch.tensor(3)}
+
+
+def strict(line):
+    def no_constants(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+    return json.loads(line, parse_constant=no_constants)
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+class Clock:
+    """Each call returns the next value."""
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def __call__(self):
+        return self.values.pop(0)
+
+
+# --- JSONL -------------------------------------------------------------------------------------
+def test_jsonl_one_strict_line_per_step(tmp_path):
+    _, hist = fold(step, S(), [1, 2, 3], callbacks=[JsonlLogger(tmp_path)])
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [strict(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r, h in zip(records, hist):
+        assert {k: v for k, v in r.items() if k not in ("step", "time")} == h
+        assert all(isinstance(v, float) for k, v in r.items() if k != "step")
+    assert read_jsonl(tmp_path / "metrics.jsonl") == records
+
+
+def test_jsonl_non_finite_values_become_null(tmp_path):
+    logger = JsonlLogger(tmp_path, filename="m.jsonl")
+    logger(S(step=1), {"loss": math.nan, "grad_norm": math.inf, "ok": 1.0})
+    record = strict((tmp_path / "m.jsonl").read_text())
+    assert record["loss"] is None and record["grad_norm"] is None and record["ok"] == 1.0
+
+
+def test_jsonl_resume_drops_steps_after_the_checkpoint_and_torn_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    fold(step, S(), [1, 2, 3, 4], callbacks=[JsonlLogger(tmp_path)])
+    with open(path, "a") as f:
+        f.write('{"step": 5, "loss"')  # the killed run's torn last line
+    fold(step, S(step=2), [1, 2, 3, 4], callbacks=[JsonlLogger(tmp_path)])  # resumed from step 2
+    assert [strict(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_jsonl_every(tmp_path):
+    fold(step, S(), range(1, 8), callbacks=[JsonlLogger(tmp_path, every=3)])
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [3, 6]
+    assert read_jsonl(tmp_path / "nothing.jsonl") == []
+
+
+# --- progress ------------------------------------------------------------------------------------
+def test_progress_plain_lines_when_not_a_tty():
+    out = io.StringIO()
+    display = ProgressDisplay(5, stage="sft", keys=("loss", "missing"), every=2, stream=out,
+                              clock=Clock(0.0, 4.0, 8.0, 10.0, 12.0, 14.0))
+    fold(step, S(), [1, 2, 3, 4, 5], callbacks=[display])
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"]
+    # step 2 at t=8: 0.25 it/s, 3 steps left -> 12 s
+    assert lines[0] == "sft 2/5  loss=2  0.25 it/s, 0:00:12 left"
+
+
+def test_progress_redraws_one_line_on_a_tty():
+    out = FakeTTY()
+    fold(step, S(), [1, 2, 3], callbacks=[ProgressDisplay(3, stream=out, every=100)])
+    text = out.getvalue()
+    assert text.count("\r") == 3 and text.endswith("\n") and text.count("\n") == 1
+    assert "train 3/3" in text and "loss=3" in text and "reward=0.3" in text
+
+
+def test_progress_without_total():
+    out = io.StringIO()
+    display = ProgressDisplay(None, every=1, stream=out, clock=Clock(0.0, 1.0, 2.0))
+    fold(step, S(), [1, 2], callbacks=[display])
+    assert out.getvalue().splitlines()[1].startswith("train 2  loss=2 reward=0.2 n=3  1 it/s, ? left")
+
+
+# --- samples -------------------------------------------------------------------------------------
+def test_sample_table_every_n(tmp_path):
+    calls = []
+
+    def sample_fn(state):
+        calls.append(state.step)
+        return [{"prompt": "2+2=", "completion": "4 | four\nok", "reward": 1.0}, {"prompt": "x" * 300}]
+
+    fold(step, S(), range(1, 6), callbacks=[SampleTable(tmp_path, sample_fn, every=2, max_chars=50)])
+    assert calls == [2, 4]
+    records = [strict(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    assert records[0]["samples"][0]["completion"] == "4 | four\nok" and len(records[0]["samples"][1]["prompt"]) == 300
+    md = (tmp_path / "samples.md").read_text()
+    assert md.count("## step") == 2
+    assert "| prompt | completion | reward |" in md and "| 2+2= | 4 \\| four<br>ok | 1 |" in md
+    assert "x" * 49 + "…" in md and "x" * 51 not in md
+
+
+# --- optional writers ------------------------------------------------------------------------------
+def test_tensorboard_and_wandb_are_guarded(tmp_path):
+    for module, cls, kwargs in (("tensorboard", TensorBoardLogger, {"log_dir": tmp_path}),
+                                ("wandb", WandbLogger, {"mode": "disabled"})):
+        try:
+            __import__(module)
+        except ImportError:
+            with pytest.raises(ImportError, match=f"needs the '{module}' package"):
+                cls(**kwargs)
+        else:  # installed: it works as a callback
+            cb = cls(**kwargs)
+            cb(S(step=1), {"loss": 1.0})
+            cb.on_end(S(step=1))
+
+
+def test_make_loggers(tmp_path):
+    out = io.StringIO()
+    callbacks = make_loggers(tmp_path, total=4, stage="dpo", progress_every=2, stream=out)
+    assert [type(c) for c in callbacks] == [JsonlLogger, ProgressDisplay]
+    fold(step, S(), [1, 2, 3, 4], callbacks=callbacks)
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 4 and out.getvalue().startswith("dpo 2/4")
+    assert len(make_loggers(tmp_path, progress=False)) == 1
