@@ -36,6 +36,19 @@ Unpaired (KTO) batch, batch size ``[B]``: ``input_ids``, ``attention_mask``, ``l
 ``[B, T]``, ``logps`` / ``ref_logps`` ``[B]``, ``labels [B] bool`` (True = desirable), and
 ``kl_logps`` / ``ref_kl_logps`` ``[B]``: log-probs of mismatched (prompt, completion) pairs.
 
+Diffusion trajectories (DDPO), batch size ``[B]``, ``S`` denoising steps, pixel or latent
+images ``[C, H, W]``::
+
+    latents         [B, S+1, C, H, W] float  the chain x_T ... x_0 (latents[:, -1] is the sample)
+    timesteps       [B, S] long      the training-schedule timestep of each step
+    old_logprobs    [B, S] float     log-density of each step taken, under the sampling model
+    class_labels    [B]    long      class id conditioning the model (a prompt mapped to an id)
+    score           [B]    float     reward of the final image;  advantages [B] float
+
+and the rows a DDPO update trains on, one per (sample, step) pair: ``latents`` /
+``next_latents [N, C, H, W]``, ``timesteps``, ``old_logprobs``, ``advantages``,
+``class_labels`` ``[N]``.
+
 Supervised batch, batch size ``[B]``: ``input_ids``, ``attention_mask``, ``loss_mask`` and,
 when packed, ``position_ids`` / ``segment_ids``.
 """
@@ -81,6 +94,7 @@ LATENTS = "latents"
 NEXT_LATENTS = "next_latents"
 TIMESTEPS = "timesteps"
 PROMPT_EMBEDS = "prompt_embeds"
+CLASS_LABELS = "class_labels"  # [B] long, the class id (prompt) conditioning a diffusion model
 
 # --- representation fine-tuning -------------------------------------------------------------
 INTERVENTION_LOCATIONS = "intervention_locations"

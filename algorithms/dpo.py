@@ -1,0 +1,535 @@
+"""Direct preference optimisation (DPO) and its pairwise variants.
+
+Notation, per pair of the batch: ``ρ_w = log π(y_w|x) − log π_ref(y_w|x)`` (chosen log-ratio),
+``ρ_l`` the same for the rejected completion, scores ``s = f(ρ)`` from an f-divergence
+(``F_DIVERGENCES``; ``s = ρ`` for the default reverse KL), ``Δ = s_w − s_l``, ``n_w, n_l`` the
+completion lengths, ``β`` the inverse temperature and ``ε`` the label-smoothing rate.
+
+Every variant is a kernel with the one signature of ``DPO_LOSSES``::
+
+    fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta, label_smoothing,
+       divergence, alpha, chosen_lengths, rejected_lengths, discopop_tau) -> losses [B]
+
+Args (the same for every entry):
+    chosen_logps, rejected_logps: ``[B]`` float, summed completion log-probs under the policy.
+    ref_chosen_logps, ref_rejected_logps: ``[B]`` float, the same under the reference (detached).
+    beta: ``β``.  label_smoothing: ``ε`` (read by sigmoid, robust, exo_pair, aot, aot_unpaired).
+    divergence, alpha: the f-divergence of the scores (``F_DIVERGENCES``) and its ``α``.
+    chosen_lengths, rejected_lengths: ``[B]`` completion token counts (ipo, sigmoid_norm only).
+    discopop_tau: ``τ`` of discopop.
+Returns:
+    ``[B]`` unreduced losses (the caller reduces; ``dpo`` takes the mean over pairs).
+Gradient:
+    flows into ``chosen_logps`` / ``rejected_logps``; the reference log-probs are detached.
+
+Choices where the peers differ (each tested):
+    - label smoothing: kept as the cDPO parameter of ``sigmoid`` (TRL ≤ 0.28, OpenRLHF); TRL 1.x
+      dropped it. ``ε = 0`` is plain DPO.
+    - IPO: two entries. ``ipo`` divides each score by its completion length (TRL 1.x, which
+      reports the IPO authors confirmed this form); ``ipo_sum`` is the sum-based loss of Azar et
+      al. (TRL ≤ 0.28, OpenRLHF).
+    - f-divergence scores are ``f'(u)`` with ``u = π/π_ref``, written so that ``s(0) = 0``:
+      ``1 − e^{−ρ}``, ``log 2 + logσ(ρ)``, ``(e^{(α−1)ρ} − 1)/(α−1)`` (as TRL 1.x). The constants
+      cancel in ``Δ`` but not in the length-normalised ``ipo`` / ``sigmoid_norm``, where a policy
+      equal to its reference must score 0.
+    - nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down act on per-side
+      rewards ``βρ``; the f-DPO reparameterisation only holds for the difference ``Δ``, so they
+      accept ``divergence="reverse_kl"`` only (``ValueError`` otherwise, as TRL 1.x).
+    - discopop evaluates ``w·e^{−x}`` as ``exp(logσ(x/τ) − x)``: the same value, but finite where
+      ``σ(x/τ)`` underflows and ``e^{−x}`` overflows (the direct product gives ``0·∞ = NaN``).
+    - the NLL term (RPO here, CPO and ORPO in ``preference``) is the token mean over all chosen
+      completion tokens of the batch, ``−Σ lp_w / Σ n_w`` (TRL's cross-entropy), not the mean of
+      per-sequence means; the two agree when completions have equal lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict, TensorDictBase
+
+from rlcore import keys as K
+from rlcore.checks import check_float, check_mask, check_same_shape, require_keys
+from rlcore.registry import lookup
+
+__all__ = [
+    "dpo_loss", "dpo", "DPO_LOSSES", "F_DIVERGENCES", "smoothed_sigmoid_loss", "chosen_nll", "preference_metrics",
+    "completion_lengths", "dpo_sigmoid", "dpo_hinge", "dpo_ipo", "dpo_ipo_sum", "dpo_robust", "dpo_exo_pair",
+    "dpo_nca_pair", "dpo_bco_pair", "dpo_sppo_hard", "dpo_aot", "dpo_aot_unpaired", "dpo_apo_zero", "dpo_apo_down",
+    "dpo_discopop", "dpo_sigmoid_norm",
+]
+
+Tensor = torch.Tensor
+
+
+# --- f-divergence scores s = f'(π/π_ref) as functions of ρ = log π − log π_ref ------------------
+def _reverse_kl(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
+    return logratio
+
+
+def _forward_kl(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
+    return -torch.expm1(-logratio)  # 1 − e^{−ρ}
+
+
+def _js(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
+    return math.log(2.0) + F.logsigmoid(logratio)
+
+
+def _alpha(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
+    if abs(alpha - 1.0) < 1e-6:  # the limit α → 1 is the reverse KL
+        return logratio
+    # Exponent clamped so e^t stays finite once cast back: 11 for fp16, 80 otherwise (as TRL).
+    cap = 11.0 if logratio.dtype == torch.float16 else 80.0
+    t = ((alpha - 1.0) * logratio).to(torch.promote_types(logratio.dtype, torch.float32))
+    return (torch.expm1(t.clamp(max=cap)) / (alpha - 1.0)).to(logratio.dtype)
+
+
+F_DIVERGENCES: dict[str, Callable[..., Tensor]] = {
+    "reverse_kl": _reverse_kl,
+    "forward_kl": _forward_kl,
+    "js": _js,
+    "alpha": _alpha,
+}
+
+
+# --- shared pieces ------------------------------------------------------------------------------
+def _logratios(cw: Tensor, rw: Tensor, rcw: Tensor, rrw: Tensor) -> tuple[Tensor, Tensor]:
+    for name, x in (("chosen_logps", cw), ("rejected_logps", rw), ("ref_chosen_logps", rcw),
+                    ("ref_rejected_logps", rrw)):
+        check_float(name, x)
+    check_same_shape("chosen_logps", cw, rejected_logps=rw, ref_chosen_logps=rcw, ref_rejected_logps=rrw)
+    return cw - rcw.detach(), rw - rrw.detach()
+
+
+def _scores(cw, rw, rcw, rrw, divergence: str, alpha: float) -> tuple[Tensor, Tensor]:
+    f = lookup(F_DIVERGENCES, divergence, what="divergence")
+    lw, ll = _logratios(cw, rw, rcw, rrw)
+    return f(lw, alpha=alpha), f(ll, alpha=alpha)
+
+
+def _reverse_kl_only(cw, rw, rcw, rrw, divergence: str, variant: str) -> tuple[Tensor, Tensor]:
+    if divergence != "reverse_kl":
+        raise ValueError(f"divergence: {variant} acts on per-side rewards βρ, where the f-DPO "
+                         f"reparameterisation does not hold; use 'reverse_kl', got {divergence!r}")
+    return _logratios(cw, rw, rcw, rrw)
+
+
+def _per_token(score: Tensor, lengths: Tensor | None, name: str, like: str) -> Tensor:
+    if lengths is None:
+        raise ValueError(f"{name}: required by the length-normalised variants (ipo, sigmoid_norm); "
+                         f"pass the completion token counts [B]")
+    check_same_shape(like, score, **{name: lengths})
+    return score / lengths.to(score.dtype).clamp(min=1)
+
+
+def smoothed_sigmoid_loss(logits: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
+    """Label-smoothed logistic loss of a preference logit: ``−(1−ε)·logσ(x) − ε·logσ(−x)``.
+
+    ``ε`` is the assumed rate of flipped labels (conservative DPO); ``ε = 0`` is ``−logσ(x)``.
+
+    Args:
+        logits: ``[...]`` float, the preference logit ``x`` (e.g. ``βΔ``).
+        label_smoothing: ``ε`` in ``[0, 0.5]``.
+    Returns:
+        ``[...]`` unreduced losses, differentiable in ``logits``.
+
+    >>> smoothed_sigmoid_loss(torch.tensor([0.0, 2.0]), label_smoothing=0.1)
+    tensor([0.6931, 0.3269])
+
+    References:
+        Mitchell, "A note on DPO with noisy preferences & relationship to IPO" (2023);
+        Chowdhury et al., "Provably Robust DPO", https://arxiv.org/abs/2403.00409
+    """
+    check_float("logits", logits)
+    return -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+
+
+# --- the variants (one signature; see the module docstring for the arguments) --------------------
+def dpo_sigmoid(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """DPO (with cDPO smoothing): ``−(1−ε)·logσ(βΔ) − ε·logσ(−βΔ)``; ``ε = 0`` is plain DPO.
+
+    References: Rafailov et al., "Direct Preference Optimization", https://arxiv.org/abs/2305.18290;
+    Wang et al., "Beyond Reverse KL" (f-DPO), https://arxiv.org/abs/2309.16240.
+    """
+    sw, sl = _scores(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, alpha)
+    return smoothed_sigmoid_loss(beta * (sw - sl), label_smoothing=label_smoothing)
+
+
+def dpo_hinge(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+              label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+              rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """Hinge (SLiC-style) loss: ``relu(1 − βΔ)``.
+
+    References: Zhao et al., "SLiC-HF", https://arxiv.org/abs/2305.10425.
+    """
+    sw, sl = _scores(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, alpha)
+    return torch.relu(1.0 - beta * (sw - sl))
+
+
+def dpo_ipo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+            label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+            rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """IPO, length-normalised: ``((s_w/n_w − s_l/n_l) − 1/(2β))²`` (``n`` clamped to ≥ 1).
+
+    Minimised at a per-token margin of ``1/(2β)``. Needs ``chosen_lengths`` / ``rejected_lengths``.
+
+    References: Azar et al., "A General Theoretical Paradigm to Understand Learning from Human
+    Preferences", https://arxiv.org/abs/2310.12036 (Eq. 17; β plays the role of τ).
+    """
+    sw, sl = _scores(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, alpha)
+    d = (_per_token(sw, chosen_lengths, "chosen_lengths", "chosen_logps")
+         - _per_token(sl, rejected_lengths, "rejected_lengths", "rejected_logps"))
+    return (d - 1.0 / (2.0 * beta)).square()
+
+
+def dpo_ipo_sum(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """IPO on summed log-ratios, as in the paper: ``(Δ − 1/(2β))²``, minimised at ``Δ = 1/(2β)``.
+
+    References: Azar et al., https://arxiv.org/abs/2310.12036 (Eq. 17).
+    """
+    sw, sl = _scores(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, alpha)
+    return ((sw - sl) - 1.0 / (2.0 * beta)).square()
+
+
+def dpo_robust(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+               label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+               rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """Robust DPO, unbiased under label noise ``ε``: ``(−(1−ε)·logσ(βΔ) + ε·logσ(−βΔ)) / (1 − 2ε)``.
+
+    ``ε`` must lie in ``[0, 0.5)`` (``ValueError`` otherwise); ``ε = 0`` is plain DPO.
+
+    References: Chowdhury et al., "Provably Robust DPO", https://arxiv.org/abs/2403.00409.
+    """
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing: robust needs 0 <= ε < 0.5, got {label_smoothing}")
+    sw, sl = _scores(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, alpha)
+    x = beta * (sw - sl)
+    eps = label_smoothing
+    return (-(1.0 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1.0 - 2.0 * eps)
+
+
+def dpo_exo_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """EXO, pairwise: ``KL(q ‖ p)`` with ``q = (σ(βΔ), σ(−βΔ))`` and ``p = (1−ε, ε)``.
+
+    ``q_w(log q_w − log(1−ε)) + q_l(log q_l − log ε)``. ``ε`` must lie in ``(0, 1)``
+    (``ValueError`` otherwise; the paper suggests 1e-3).
+
+    References: Ji et al., "Towards Efficient Exact Optimization of Language Model Alignment",
+    https://arxiv.org/abs/2402.00856 (Eq. 16).
+    """
+    if not 0.0 < label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing: exo_pair needs 0 < ε < 1 (e.g. 1e-3), got {label_smoothing}")
+    sw, sl = _scores(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, alpha)
+    x = beta * (sw - sl)
+    log_qw, log_ql = F.logsigmoid(x), F.logsigmoid(-x)
+    return (torch.sigmoid(x) * (log_qw - math.log1p(-label_smoothing))
+            + torch.sigmoid(-x) * (log_ql - math.log(label_smoothing)))
+
+
+def dpo_nca_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """NCA, pairwise: ``−logσ(βρ_w) − ½·logσ(−βρ_w) − ½·logσ(−βρ_l)``.
+
+    References: Chen et al., "Noise Contrastive Alignment of Language Models with Explicit
+    Rewards", https://arxiv.org/abs/2402.05369.
+    """
+    lw, ll = _reverse_kl_only(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                              divergence, "nca_pair")
+    return -F.logsigmoid(beta * lw) - 0.5 * F.logsigmoid(-beta * lw) - 0.5 * F.logsigmoid(-beta * ll)
+
+
+def dpo_bco_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """BCO, pairwise: ``−logσ(βρ_w) − logσ(−βρ_l)``.
+
+    Stateless: the paper's running-mean reward shift ``δ`` is left out (as TRL 1.x).
+
+    References: Jung et al., "Binary Classifier Optimization for Large Language Model Alignment",
+    https://arxiv.org/abs/2404.04656.
+    """
+    lw, ll = _reverse_kl_only(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                              divergence, "bco_pair")
+    return -F.logsigmoid(beta * lw) - F.logsigmoid(-beta * ll)
+
+
+def dpo_sppo_hard(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """SPPO with hard win probabilities (1 for the winner, 0 for the loser).
+
+    ``(ρ_w − 1/(2β))² + (ρ_l + 1/(2β))²``.
+
+    References: Wu et al., "Self-Play Preference Optimization for Language Model Alignment",
+    https://arxiv.org/abs/2405.00675 (Eq. 4.7 with P ∈ {0, 1}).
+    """
+    lw, ll = _reverse_kl_only(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                              divergence, "sppo_hard")
+    half = 0.5 / beta
+    return (lw - half).square() + (ll + half).square()
+
+
+def dpo_aot(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+            label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+            rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """AOT, paired: cDPO loss on ``δ = sort(lp_w − lp_l) − sort(ref_w − ref_l)``.
+
+    Sorting is over the batch (the last dim), so entry ``b`` of the output pairs the ``b``-th
+    smallest policy margin with the ``b``-th smallest reference margin, not pair ``b``: only the
+    mean over the batch is meaningful.
+
+    References: Melnyk et al., "Distributional Preference Alignment of LLMs via Optimal
+    Transport", https://arxiv.org/abs/2406.05882.
+    """
+    _reverse_kl_only(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, "aot")
+    policy = torch.sort(chosen_logps - rejected_logps, dim=-1).values
+    ref = torch.sort((ref_chosen_logps - ref_rejected_logps).detach(), dim=-1).values
+    return smoothed_sigmoid_loss(beta * (policy - ref), label_smoothing=label_smoothing)
+
+
+def dpo_aot_unpaired(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                     label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                     rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """AOT, unpaired: cDPO loss on ``δ = sort(ρ_w) − sort(ρ_l)`` (sorted over the batch).
+
+    References: Melnyk et al., https://arxiv.org/abs/2406.05882.
+    """
+    lw, ll = _reverse_kl_only(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                              divergence, "aot_unpaired")
+    delta = torch.sort(lw, dim=-1).values - torch.sort(ll, dim=-1).values
+    return smoothed_sigmoid_loss(beta * delta, label_smoothing=label_smoothing)
+
+
+def dpo_apo_zero(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """APO-zero (chosen outputs better than the model's): ``(1 − σ(βρ_w)) + σ(βρ_l)``.
+
+    References: D'Oosterlinck et al., "Anchored Preference Optimization and Contrastive
+    Revisions", https://arxiv.org/abs/2408.06266 (Eq. 7).
+    """
+    lw, ll = _reverse_kl_only(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                              divergence, "apo_zero")
+    return (1.0 - torch.sigmoid(beta * lw)) + torch.sigmoid(beta * ll)
+
+
+def dpo_apo_down(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """APO-down (chosen outputs worse than the model's): ``σ(βρ_w) + (1 − σ(β(ρ_w − ρ_l)))``.
+
+    References: D'Oosterlinck et al., https://arxiv.org/abs/2408.06266 (Eq. 8).
+    """
+    lw, ll = _reverse_kl_only(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                              divergence, "apo_down")
+    return torch.sigmoid(beta * lw) + (1.0 - torch.sigmoid(beta * (lw - ll)))
+
+
+def dpo_discopop(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """DiscoPOP (log-ratio modulated): ``x = βΔ``, ``w = σ(x/τ)``, ``(1−w)·(−logσ(x)) + w·e^{−x}``.
+
+    ``w·e^{−x}`` is computed as ``exp(logσ(x/τ) − x)`` (finite for any finite ``x``).
+
+    References: Chris Lu et al., "Discovering Preference Optimization Algorithms with and for
+    Large Language Models", https://arxiv.org/abs/2406.08414 (Eq. 5, τ = 0.05).
+    """
+    sw, sl = _scores(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, alpha)
+    x = beta * (sw - sl)
+    z = x / discopop_tau
+    return torch.sigmoid(-z) * -F.logsigmoid(x) + torch.exp(F.logsigmoid(z) - x)
+
+
+def dpo_sigmoid_norm(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
+                     label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
+                     rejected_lengths=None, discopop_tau=0.05) -> Tensor:
+    """Length-normalised DPO: ``−logσ(β(s_w/n_w − s_l/n_l))`` (``n`` clamped to ≥ 1; no smoothing).
+
+    References: Rafailov et al., https://arxiv.org/abs/2305.18290 (with per-token scores).
+    """
+    sw, sl = _scores(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, alpha)
+    d = (_per_token(sw, chosen_lengths, "chosen_lengths", "chosen_logps")
+         - _per_token(sl, rejected_lengths, "rejected_lengths", "rejected_logps"))
+    return -F.logsigmoid(beta * d)
+
+
+DPO_LOSSES: dict[str, Callable[..., Tensor]] = {
+    "sigmoid": dpo_sigmoid,
+    "hinge": dpo_hinge,
+    "ipo": dpo_ipo,
+    "ipo_sum": dpo_ipo_sum,
+    "robust": dpo_robust,
+    "exo_pair": dpo_exo_pair,
+    "nca_pair": dpo_nca_pair,
+    "bco_pair": dpo_bco_pair,
+    "sppo_hard": dpo_sppo_hard,
+    "aot": dpo_aot,
+    "aot_unpaired": dpo_aot_unpaired,
+    "apo_zero": dpo_apo_zero,
+    "apo_down": dpo_apo_down,
+    "discopop": dpo_discopop,
+    "sigmoid_norm": dpo_sigmoid_norm,
+}
+
+
+def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor | None,
+             ref_rejected_logps: Tensor | None, *, beta: float = 0.1, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0, reference_free: bool = False, divergence: str = "reverse_kl",
+             alpha: float = 0.5, chosen_lengths: Tensor | None = None,
+             rejected_lengths: Tensor | None = None,
+             discopop_tau: float = 0.05) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-pair DPO-family losses and the implicit rewards ``β·(log π − log π_ref)``.
+
+    ``losses = DPO_LOSSES[loss_type](...)``; with the default ``sigmoid``,
+    ``ℓ = −(1−ε)·logσ(β(ρ_w − ρ_l)) − ε·logσ(−β(ρ_w − ρ_l))``. The formulas of every variant and
+    the choices made where the peers differ are in this module's docstring.
+
+    Args:
+        chosen_logps, rejected_logps: ``[B]`` float, summed completion log-probs (differentiable).
+        ref_chosen_logps, ref_rejected_logps: ``[B]`` float, under the reference; may be ``None``
+            when ``reference_free``.
+        beta: ``β``, the inverse temperature (strength of the implicit KL constraint).
+        loss_type: a key of ``DPO_LOSSES``.
+        label_smoothing: ``ε`` (cDPO for sigmoid; robust, exo_pair, aot*).
+        reference_free: use ``π_ref ≡ 1`` (reference log-probs 0) in the losses and the rewards.
+        divergence, alpha: f-divergence of the scores (``F_DIVERGENCES``) and the ``α`` of ``alpha``.
+        chosen_lengths, rejected_lengths: ``[B]`` completion lengths, for ipo and sigmoid_norm.
+        discopop_tau: ``τ`` of discopop.
+    Returns:
+        ``(losses [B], chosen_rewards [B], rejected_rewards [B])``; rewards are ``β·ρ`` detached.
+
+    >>> lw, ll = torch.tensor([-5.0]), torch.tensor([-7.0])
+    >>> dpo_loss(lw, ll, torch.tensor([-6.0]), torch.tensor([-6.0]), beta=0.5)
+    (tensor([0.3133]), tensor([0.5000]), tensor([-0.5000]))
+
+    Gradient: flows into ``chosen_logps`` / ``rejected_logps`` only; reference log-probs are
+    detached, and so are the rewards.
+
+    References:
+        Rafailov et al., "Direct Preference Optimization: Your Language Model is Secretly a Reward
+        Model", https://arxiv.org/abs/2305.18290; the variants' papers are cited on each kernel.
+    """
+    fn = lookup(DPO_LOSSES, loss_type, what="loss_type")
+    if reference_free:
+        check_float("chosen_logps", chosen_logps)
+        ref_chosen_logps = torch.zeros_like(chosen_logps)
+        ref_rejected_logps = torch.zeros_like(chosen_logps)
+    losses = fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=beta,
+                label_smoothing=label_smoothing, divergence=divergence, alpha=alpha,
+                chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths, discopop_tau=discopop_tau)
+    chosen_rewards = beta * (chosen_logps - ref_chosen_logps).detach()
+    rejected_rewards = beta * (rejected_logps - ref_rejected_logps).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+def chosen_nll(chosen_logps: Tensor, chosen_lengths: Tensor) -> Tensor:
+    """Token-mean negative log-likelihood of the chosen completions: ``−Σ_b lp_b / Σ_b n_b``.
+
+    The cross-entropy over every chosen completion token of the batch (TRL's RPO / CPO / ORPO
+    term, computed from summed log-probs). Empty completions add nothing; all empty gives 0.
+
+    Args:
+        chosen_logps: ``[B]`` float, summed completion log-probs.
+        chosen_lengths: ``[B]`` completion token counts (int or float).
+    Returns:
+        ``[]``, differentiable in ``chosen_logps``.
+
+    >>> chosen_nll(torch.tensor([-2.0, -4.0]), torch.tensor([1, 2]))
+    tensor(2.)
+    """
+    check_float("chosen_logps", chosen_logps)
+    check_same_shape("chosen_logps", chosen_logps, chosen_lengths=chosen_lengths)
+    return -chosen_logps.sum() / chosen_lengths.sum().clamp(min=1).to(chosen_logps.dtype)
+
+
+def preference_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_logps: Tensor,
+                       rejected_logps: Tensor) -> dict[str, Tensor]:
+    """The diagnostics every pairwise loss logs, as detached scalars.
+
+    ``rewards/chosen``, ``rewards/rejected`` (means), ``rewards/margins`` (mean of ``r_w − r_l``),
+    ``rewards/accuracies`` (fraction of pairs with ``r_w > r_l``), ``logps/chosen``,
+    ``logps/rejected`` (means).
+
+    Args:
+        chosen_rewards, rejected_rewards, chosen_logps, rejected_logps: ``[B]`` float.
+    Returns:
+        A dict of ``[]`` detached tensors (merged into a loss's metrics TensorDict).
+    """
+    rw, rl = chosen_rewards.detach(), rejected_rewards.detach()
+    return {
+        "rewards/chosen": rw.mean(),
+        "rewards/rejected": rl.mean(),
+        "rewards/margins": (rw - rl).mean(),
+        "rewards/accuracies": (rw > rl).to(rw.dtype).mean(),
+        "logps/chosen": chosen_logps.detach().mean(),
+        "logps/rejected": rejected_logps.detach().mean(),
+    }
+
+
+_SIDES = ((K.CHOSEN, K.LOGPS), (K.REJECTED, K.LOGPS), (K.CHOSEN, K.LOSS_MASK), (K.REJECTED, K.LOSS_MASK))
+_REFS = ((K.CHOSEN, K.REF_LOGPS), (K.REJECTED, K.REF_LOGPS))
+_LAYOUTS = {(s, k): ("[B, T] bool" if k == K.LOSS_MASK else "[B] float") for s, k in _SIDES + _REFS}
+
+
+def completion_lengths(batch: TensorDictBase, side: str) -> Tensor:
+    """``[B]`` long: the completion token count of one side (``loss_mask.sum(-1)``)."""
+    mask = batch.get((side, K.LOSS_MASK))
+    check_mask(f"{side}.{K.LOSS_MASK}", mask)
+    return mask.sum(-1)
+
+
+def dpo(batch: TensorDictBase, *, beta: float = 0.1, loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0, reference_free: bool = False, divergence: str = "reverse_kl",
+        alpha: float = 0.5, discopop_tau: float = 0.05,
+        rpo_alpha: float | None = None) -> tuple[Tensor, TensorDict]:
+    """DPO-family loss of a preference batch: ``mean_b ℓ_b`` (+ ``rpo_alpha · NLL(chosen)``).
+
+    ``ℓ = dpo_loss(...)`` with lengths from ``loss_mask.sum(-1)``; RPO adds the token-mean NLL
+    of the chosen completions (``chosen_nll``).
+
+    Reads ``chosen`` / ``rejected`` sub-TensorDicts: ``logps [B]``, ``ref_logps [B]`` (not read
+    when ``reference_free``), ``loss_mask [B, T] bool``.
+
+    Args:
+        batch: preference TensorDict ``[B]``.
+        beta, loss_type, label_smoothing, reference_free, divergence, alpha, discopop_tau: as
+            ``dpo_loss``.
+        rpo_alpha: weight of the chosen NLL (RPO); ``None`` leaves it out.
+    Returns:
+        ``(loss [], metrics)``; metrics: ``loss_dpo`` (+ ``loss_rpo``), whose sum is the loss, and
+        ``preference_metrics`` (``rewards/*``, ``logps/*``). All detached.
+
+    >>> from rlcore.testing import make_preference_batch
+    >>> loss, metrics = dpo(make_preference_batch(4), beta=0.1)
+    >>> loss.shape, "rewards/margins" in metrics.keys()
+    (torch.Size([]), True)
+
+    References:
+        Rafailov et al., https://arxiv.org/abs/2305.18290; Pang et al., "Iterative Reasoning
+        Preference Optimization" (RPO), https://arxiv.org/abs/2404.19733.
+    """
+    require_keys(batch, _SIDES + (() if reference_free else _REFS), where="dpo", layouts=_LAYOUTS)
+    cw, rw = batch.get((K.CHOSEN, K.LOGPS)), batch.get((K.REJECTED, K.LOGPS))
+    refs = (None, None) if reference_free else (batch.get(_REFS[0]), batch.get(_REFS[1]))
+    nw, nl = completion_lengths(batch, K.CHOSEN), completion_lengths(batch, K.REJECTED)
+    losses, rew_w, rew_l = dpo_loss(cw, rw, *refs, beta=beta, loss_type=loss_type,
+                                    label_smoothing=label_smoothing, reference_free=reference_free,
+                                    divergence=divergence, alpha=alpha, chosen_lengths=nw,
+                                    rejected_lengths=nl, discopop_tau=discopop_tau)
+    parts = {"loss_dpo": losses.mean()}
+    if rpo_alpha is not None:
+        parts["loss_rpo"] = rpo_alpha * chosen_nll(cw, nw)
+    loss = sum(parts.values())
+    metrics = {k: v.detach() for k, v in parts.items()} | preference_metrics(rew_w, rew_l, cw, rw)
+    return loss, TensorDict(metrics, batch_size=[])
