@@ -1,0 +1,512 @@
+"""Models and tokenizers, offline: tiny ones built from configs, real ones loaded from a path.
+
+What lives here: a small tokenizer built with ``tokenizers`` (character level, or a small BPE),
+tiny Llama-/GPT-2-style causal LMs, value and reward models from configs, the loading code for
+hub names or local checkpoints, the trunk forward shared by log-probs, values and rewards
+(``trunk_hidden``), value heads, reward-model scores read at the last real token, Python reward
+functions and their combination, and the frozen reference policy.
+
+Positions are always derived from the attention mask (``position_ids_from_mask``), so a left
+padded row and a right padded row of the same tokens give the same outputs on real tokens.
+Nothing here downloads: ``build_*`` works from configs, ``load_*`` reads whatever path or hub
+name it is given (set ``HF_HUB_OFFLINE=1`` to forbid the network).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import string
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import nn
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification, AutoTokenizer, GPT2Config, LlamaConfig,
+                          PreTrainedModel, PreTrainedTokenizerFast)
+
+from rlcore.checks import check_mask, check_ndim, check_same_shape
+
+__all__ = [
+    "build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS", "CHAT_TEMPLATE",
+    "build_model", "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS",
+    "disable_dropout", "position_ids_from_mask", "last_token_index", "trunk_hidden",
+    "ValueHead", "policy_and_values", "token_values", "reward_model_scores",
+    "call_reward_fn", "combine_rewards", "missing_eos_penalty",
+    "make_reference", "reference_via_disabled_adapter",
+]
+
+# --- tokenizers ------------------------------------------------------------------------------
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
+DEFAULT_CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+# Each turn is ``<|role|>content</s>``; the generation prompt is ``<|assistant|>``, so a prompt
+# rendered with ``add_generation_prompt=True`` is a prefix of the full conversation.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def _char_tokenizer(*, vocab: str | None, texts: Sequence[str] | None, vocab_size: int) -> Tokenizer:
+    chars = list(dict.fromkeys(vocab if vocab is not None else DEFAULT_CHARS))
+    specials = [*SPECIAL_TOKENS.values(), *ROLE_TOKENS]
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)},
+                                     unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char each
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    return tok
+
+
+def _bpe_tokenizer(*, vocab: str | None, texts: Sequence[str] | None, vocab_size: int) -> Tokenizer:
+    if not texts:
+        raise ValueError("texts: a BPE tokenizer is trained on texts; pass a non-empty list of strings")
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS.values(), *ROLE_TOKENS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    return tok
+
+
+TOKENIZER_KINDS: dict[str, Callable[..., Tokenizer]] = {"char": _char_tokenizer, "bpe": _bpe_tokenizer}
+
+
+def build_tokenizer(kind: str = "char", *, vocab: str | None = None, texts: Sequence[str] | None = None,
+                    vocab_size: int = 512, padding_side: str = "right", model_max_length: int = 256,
+                    save_dir: str | None = None) -> PreTrainedTokenizerFast:
+    """A tiny tokenizer built offline with ``tokenizers``, with pad/bos/eos/unk and a chat template.
+
+    ``char``: one token per character of ``vocab`` (default: digits, ASCII letters, punctuation,
+    space and newline; anything else maps to ``<unk>``). ``bpe``: byte-level BPE trained on
+    ``texts`` up to ``vocab_size``. Both put ``<pad> <s> </s> <unk>`` at ids 0-3 and the role
+    markers ``<|system|> <|user|> <|assistant|>`` next, as single special tokens. No special token
+    is added implicitly when encoding; the chat template writes ``<s>`` and ``</s>`` itself.
+
+    Args:
+        kind: ``"char"`` | ``"bpe"`` (``TOKENIZER_KINDS``).
+        padding_side: ``"right"`` | ``"left"``; per call ``tokenizer(..., padding_side=...)`` wins.
+        save_dir: when given, ``save_pretrained`` there (``load_tokenizer(save_dir)`` reads it back).
+    Returns:
+        A ``PreTrainedTokenizerFast``.
+
+    >>> tok = build_tokenizer()
+    >>> tok.decode(tok("Hi 2!")["input_ids"])
+    'Hi 2!'
+    """
+    try:
+        make = TOKENIZER_KINDS[kind]
+    except KeyError:
+        raise ValueError(f"kind: unknown tokenizer kind {kind!r}; valid: {sorted(TOKENIZER_KINDS)}") from None
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=make(vocab=vocab, texts=texts, vocab_size=vocab_size),
+                                        padding_side=padding_side, model_max_length=model_max_length,
+                                        chat_template=CHAT_TEMPLATE, **SPECIAL_TOKENS)
+    if save_dir is not None:
+        tokenizer.save_pretrained(save_dir)
+    return tokenizer
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, padding_side: str | None = None,
+                   pad_to_eos: bool = True, **kwargs) -> PreTrainedTokenizerFast:
+    """``AutoTokenizer.from_pretrained`` for a hub name or a local directory.
+
+    A tokenizer without a pad token gets ``pad_token = eos_token`` when ``pad_to_eos`` (with a
+    warning: rlcore never infers validity from pad ids, masks are explicit, so reusing EOS as the
+    pad id is harmless here).
+    """
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+    if padding_side is not None:
+        tokenizer.padding_side = padding_side
+    if tokenizer.pad_token is None and pad_to_eos and tokenizer.eos_token is not None:
+        warnings.warn(f"{name_or_path}: tokenizer has no pad token; using eos {tokenizer.eos_token!r} as pad "
+                      "(masks are explicit, so this changes no result)", stacklevel=2)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id used to fill padding: ``pad_token_id``, else ``eos_token_id`` (with a warning).
+
+    Raises ``ValueError`` when the tokenizer has neither, explaining how to set one. The
+    tokenizer is not modified.
+    """
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    if tokenizer.eos_token_id is not None:
+        warnings.warn("tokenizer has no pad token: padding with eos_token_id "
+                      f"{tokenizer.eos_token_id} (masks are explicit, so this changes no result; "
+                      "set tokenizer.pad_token to silence this)", stacklevel=2)
+        return int(tokenizer.eos_token_id)
+    raise ValueError("tokenizer: has neither a pad token nor an eos token; set one, e.g. tokenizer.pad_token = "
+                     "tokenizer.unk_token or tokenizer.add_special_tokens({'pad_token': '<pad>'})")
+
+
+# --- models from configs ---------------------------------------------------------------------
+def _llama_config(*, vocab_size, hidden_size, num_layers, num_heads, max_position_embeddings,
+                  tie_word_embeddings, **ids) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+                       num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                       max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+                       attention_dropout=0.0, **ids)
+
+
+def _gpt2_config(*, vocab_size, hidden_size, num_layers, num_heads, max_position_embeddings,
+                 tie_word_embeddings, **ids) -> GPT2Config:
+    return GPT2Config(vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
+                      n_positions=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0, **ids)
+
+
+ARCHS: dict[str, Callable[..., object]] = {"llama": _llama_config, "gpt2": _gpt2_config}
+TASKS: dict[str, type] = {"causal_lm": AutoModelForCausalLM, "reward": AutoModelForSequenceClassification,
+                          "value": AutoModelForTokenClassification}
+
+
+def _lookup(registry: dict, name: str, what: str):
+    try:
+        return registry[name]
+    except KeyError:
+        raise ValueError(f"{what}: unknown {what} {name!r}; valid: {sorted(registry)}") from None
+
+
+def build_model(arch: str = "llama", *, vocab_size: int | None = None, tokenizer=None, hidden_size: int = 64,
+                num_layers: int = 2, num_heads: int = 4, max_position_embeddings: int = 256, seed: int = 0,
+                tie_word_embeddings: bool = True, dtype: torch.dtype = torch.float32,
+                attn_implementation: str = "sdpa", task: str = "causal_lm") -> PreTrainedModel:
+    """A tiny randomly initialised causal LM (``AutoModelForCausalLM.from_config``), offline.
+
+    ``llama`` (RMSNorm, rotary, SwiGLU) or ``gpt2`` (LayerNorm, learned positions); every
+    dropout off (``disable_dropout``); pad/bos/eos ids (config and generation config) from
+    ``tokenizer`` when given, and ``vocab_size = len(tokenizer)`` unless set. Initialised under
+    ``seed`` without touching the global RNG. ``save_pretrained(dir)`` then ``load_model(dir)``
+    round-trips. ``task`` (``TASKS``) picks the Auto class; ``build_value_model`` and
+    ``build_reward_model`` are this with one-label heads.
+
+    >>> model = build_model(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2)
+    >>> model(torch.tensor([[1, 2, 3]])).logits.shape
+    torch.Size([1, 3, 40])
+    """
+    if vocab_size is None:
+        if tokenizer is None:
+            raise ValueError("vocab_size: pass vocab_size or a tokenizer to take it from")
+        vocab_size = len(tokenizer)
+    auto = _lookup(TASKS, task, "task")
+    ids = {f"{n}_token_id": getattr(tokenizer, f"{n}_token_id", None) for n in ("pad", "bos", "eos")}
+    ids = {k: v for k, v in ids.items() if v is not None}
+    config = _lookup(ARCHS, arch, "arch")(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        **ids, **({} if task == "causal_lm" else {"num_labels": 1}))
+    with torch.random.fork_rng(devices=[]):  # seeded init without touching the caller's global RNG
+        torch.manual_seed(seed)
+        model = auto.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    disable_dropout(model)  # e.g. the classifier dropout of token-classification heads
+    if task == "causal_lm":
+        for k, v in ids.items():
+            setattr(model.generation_config, k, v)
+    return model
+
+
+def build_value_model(arch: str = "llama", **kwargs) -> PreTrainedModel:
+    """A separate critic: ``AutoModelForTokenClassification`` with one label, one value per token.
+
+    Keywords as ``build_model``. Read it with ``token_values(model, input_ids, attention_mask)``
+    → ``[B, T]``.
+    """
+    return build_model(arch, task="value", **{"tie_word_embeddings": False, **kwargs})
+
+
+def build_reward_model(arch: str = "llama", **kwargs) -> PreTrainedModel:
+    """A reward model: ``AutoModelForSequenceClassification`` with ``num_labels=1``, pad id set.
+
+    Keywords as ``build_model``. Score it with ``reward_model_scores`` (reads the last real
+    token from the mask, whatever the padding side; HF's own pooling guesses it from pad ids).
+    """
+    return build_model(arch, task="reward", **{"tie_word_embeddings": False, **kwargs})
+
+
+def load_model(name_or_path: str, *, task: str = "causal_lm", trust_remote_code: bool = False,
+               dtype: torch.dtype | str | None = None, **kwargs) -> PreTrainedModel:
+    """``from_pretrained`` for a hub name or a local directory, with the Auto class of ``task``.
+
+    Args:
+        task: ``causal_lm`` | ``reward`` (sequence classification) | ``value`` (token classification).
+        dtype: a ``torch.dtype``, its name (``"bfloat16"``), ``"auto"``, or ``None`` (the default, fp32).
+        kwargs: passed to ``from_pretrained`` (``num_labels``, ``attn_implementation``, ``revision`` …).
+    """
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    return _lookup(TASKS, task, "task").from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                        dtype=dtype, **kwargs)
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set ``p = 0`` on every ``nn.Dropout`` of ``model`` (in place; returns it). RL needs
+    deterministic log-probs: the same tokens must score the same in collect, score and update."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+# --- forwards --------------------------------------------------------------------------------
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count real tokens only: ``pos_t = max(Σ_{s≤t} m_s − 1, 0)``.
+
+    Args:
+        attention_mask: ``[..., T]`` bool.
+    Returns:
+        ``[..., T]`` long; left padding gets position 0, right padding repeats the last position.
+
+    >>> position_ids_from_mask(torch.tensor([[False, True, True, False]]))
+    tensor([[0, 0, 1, 1]])
+    """
+    check_mask("attention_mask", attention_mask)
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last True of each row, under left or right padding: ``max{t : m_t}`` (0 if none).
+
+    Args:
+        attention_mask: ``[..., T]`` bool.
+    Returns:
+        ``[...]`` long.
+    """
+    check_mask("attention_mask", attention_mask)
+    t = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    return torch.where(attention_mask, t, 0).amax(-1)
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    if hasattr(model, "get_decoder"):
+        decoder = model.get_decoder()
+        if decoder is not None:
+            return decoder
+    if hasattr(model, "base_model") and model.base_model is not model:
+        return model.base_model
+    raise TypeError(f"model: cannot find the trunk of {type(model).__name__} (no get_decoder() or base_model); "
+                    "pass a Hugging Face model or use the logits path")
+
+
+def trunk_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Last hidden states of the model's trunk (the input of its head): ``[B, T, H]``.
+
+    The trunk is ``model.get_decoder()`` (``model.model`` for Llama, ``model.transformer`` for
+    GPT-2), else ``model.base_model``; no logits are computed. Positions come from the mask
+    unless given; no KV cache is built.
+
+    Args:
+        input_ids: ``[B, T]`` long.
+        attention_mask: ``[B, T]`` bool, or ``None`` for unpadded (or packed) rows.
+        position_ids: ``[B, T]`` long, default ``position_ids_from_mask(attention_mask)``.
+    """
+    check_ndim("input_ids", input_ids, ndim=2, layout="[B, T]")
+    if attention_mask is not None:
+        check_mask("attention_mask", attention_mask, like=input_ids, like_name="input_ids")
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask)
+        attention_mask = attention_mask.long()
+    out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)
+    return out.last_hidden_state
+
+
+class ValueHead(nn.Module):
+    """A scalar head on hidden states: ``V = w·h + b``, hidden ``[..., T, H]`` → values ``[..., T]``.
+
+    Initialised with ``w ~ N(0, 1/(H+1))`` under ``seed`` (global RNG untouched), ``b = 0``.
+
+    References:
+        Ziegler et al., "Fine-Tuning Language Models from Human Preferences" (a value head on the
+        policy's trunk), https://arxiv.org/abs/1909.08593
+    """
+
+    def __init__(self, hidden_size: int, *, seed: int = 0, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.summary = nn.Linear(hidden_size, 1, dtype=dtype)
+        with torch.no_grad():
+            self.summary.weight.copy_(torch.randn(1, hidden_size, generator=g) / math.sqrt(hidden_size + 1))
+            self.summary.bias.zero_()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.summary(hidden.to(self.summary.weight.dtype)).squeeze(-1)
+
+
+def policy_and_values(model: nn.Module, head: nn.Module, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One trunk forward feeding both the LM head and a value head (shared-trunk actor-critic).
+
+    Args:
+        head: maps hidden ``[B, T, H]`` to ``[B, T]`` (``ValueHead``).
+        input_ids: ``[B, T]`` long.  attention_mask: ``[B, T]`` bool.
+    Returns:
+        ``logits [B, T, V]`` (``model.get_output_embeddings()`` on the hidden states) and
+        ``values [B, T]`` (``head`` on the same hidden states). Both differentiable, through the
+        shared trunk.
+    """
+    hidden = trunk_hidden(model, input_ids, attention_mask)
+    return model.get_output_embeddings()(hidden), head(hidden)
+
+
+def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                 head: nn.Module | None = None) -> torch.Tensor:
+    """Per-position values ``[B, T]`` from a critic.
+
+    With ``head=None``, ``model`` is a one-label token-classification model (``build_value_model``)
+    and the values are its logits. With a ``head`` (e.g. ``ValueHead``), ``model`` is any causal
+    LM or trunk and the values are ``head(trunk_hidden(model, ...))``. Value ``t`` is the value of
+    the state after reading token ``t`` (before sampling ``t+1``). Positions come from the mask.
+
+    Args:
+        input_ids: ``[B, T]`` long.  attention_mask: ``[B, T]`` bool.
+    Returns:
+        ``[B, T]``, differentiable (``score_rollout`` calls it under ``no_grad``).
+    """
+    if head is not None:
+        return head(trunk_hidden(model, input_ids, attention_mask))
+    check_mask("attention_mask", attention_mask, like=input_ids, like_name="input_ids")
+    out = model(input_ids=input_ids, attention_mask=attention_mask.long(),
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    return out.logits[..., 0]
+
+
+def reward_model_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Sequence scores ``[B]`` of a sequence-classification reward model, read at the last real token.
+
+    ``r_b = head(h_b[last_b])``, ``last_b = max{t : mask[b, t]}`` computed from the mask, so
+    left and right padding give the same score and pad ids are never consulted (HF's pooling
+    infers the last token from ``pad_token_id``, wrong when pad == eos or under left padding).
+    The head (``model.score`` or ``model.classifier``) runs on the ``B`` gathered states only.
+
+    Args:
+        input_ids: ``[B, T]`` long.  attention_mask: ``[B, T]`` bool.
+    Returns:
+        ``[B]`` (``[B, L]`` for a model with ``L > 1`` labels). Differentiable.
+
+    References:
+        Ouyang et al., "Training language models to follow instructions with human feedback"
+        (the reward read at the final token), https://arxiv.org/abs/2203.02155
+    """
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if head is None:
+        raise TypeError(f"model: {type(model).__name__} has no `score` or `classifier` head; "
+                        "pass a sequence-classification model (build_reward_model / load_model(task='reward'))")
+    hidden = trunk_hidden(model, input_ids, attention_mask)
+    last = last_token_index(attention_mask)
+    scores = head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
+    return scores.squeeze(-1) if scores.shape[-1] == 1 else scores
+
+
+# --- reward functions ------------------------------------------------------------------------
+RewardFn = Callable[..., "Sequence[float | None] | torch.Tensor"]
+
+
+def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], **columns) -> torch.Tensor:
+    """Call a reward function ``fn(prompts, completions, **columns)`` and return ``[B]`` float32.
+
+    ``fn`` may return a list (``None`` entries become NaN: "no opinion") or a tensor (detached).
+    Raises ``ValueError`` when it returns the wrong number of scores.
+
+    >>> call_reward_fn(lambda p, c: [len(x) for x in c], ["q", "q"], ["ab", ""])
+    tensor([2., 0.])
+    """
+    out = fn(list(prompts), list(completions), **columns)
+    if isinstance(out, torch.Tensor):
+        scores = out.detach().to(torch.float32).reshape(-1)
+    else:
+        scores = torch.tensor([math.nan if v is None else float(v) for v in out], dtype=torch.float32)
+    if scores.shape[0] != len(completions):
+        name = getattr(fn, "__name__", repr(fn))
+        raise ValueError(f"reward function {name}: expected {len(completions)} scores [B], got shape "
+                         f"{list(scores.shape)}")
+    return scores
+
+
+def combine_rewards(funcs: Sequence[RewardFn], weights: Sequence[float] | None = None) -> RewardFn:
+    """A reward function returning ``Σ_k w_k r_k`` over ``funcs`` (NaN-ignoring; NaN if all are NaN).
+
+    A function that returns ``None`` for a row abstains there (weight renormalisation is not
+    applied: the other terms are summed as they are). ``weights`` default to 1.
+
+    Returns:
+        A reward function with the same signature, returning ``[B]`` float32.
+
+    References:
+        Lambert et al., "Tülu 3" (verifiable rewards as Python checks),
+        https://arxiv.org/abs/2411.15124
+    """
+    weights = [1.0] * len(funcs) if weights is None else list(weights)
+    if len(weights) != len(funcs):
+        raise ValueError(f"weights: expected {len(funcs)} weights (one per function), got {len(weights)}")
+
+    def combined(prompts, completions, **columns) -> torch.Tensor:
+        r = torch.stack([call_reward_fn(f, prompts, completions, **columns) for f in funcs])  # [K, B]
+        w = torch.tensor(weights, dtype=r.dtype)[:, None]
+        missing = torch.isnan(r)
+        total = torch.where(missing, 0.0, w * r).sum(0)
+        return torch.where(missing.all(0), math.nan, total)
+
+    return combined
+
+
+def missing_eos_penalty(score: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor, *,
+                        eos_token_id: int | Sequence[int], penalty: float = 1.0) -> torch.Tensor:
+    """Subtract ``penalty`` from the score of every response without an EOS among its real tokens.
+
+    ``s'_b = s_b − penalty · 1[no t with mask[b,t] and ids[b,t] ∈ eos]`` (truncated generations).
+
+    Args:
+        score: ``[B]`` float.  response_ids: ``[B, R]`` long.  response_mask: ``[B, R]`` bool.
+        eos_token_id: one id or several stop ids.
+    Returns:
+        ``[B]``; gradient flows to ``score`` only.
+
+    References:
+        Huang et al., "The N+ Implementation Details of RLHF with PPO",
+        https://arxiv.org/abs/2403.17031
+
+    >>> missing_eos_penalty(torch.tensor([1.0, 1.0]), torch.tensor([[5, 2], [5, 6]]),
+    ...                     torch.ones(2, 2, dtype=torch.bool), eos_token_id=2, penalty=0.5)
+    tensor([1.0000, 0.5000])
+    """
+    check_ndim("score", score, ndim=1, layout="[B]")
+    check_ndim("response_ids", response_ids, ndim=2, layout="[B, R]")
+    check_mask("response_mask", response_mask, like=response_ids, like_name="response_ids")
+    eos = torch.as_tensor(eos_token_id, device=response_ids.device).reshape(-1)
+    has_eos = (torch.isin(response_ids, eos) & response_mask).any(-1)
+    check_same_shape("score", score, has_eos=has_eos)
+    return torch.where(has_eos, score, score - penalty)
+
+
+# --- reference policy ------------------------------------------------------------------------
+def make_reference(model: nn.Module) -> nn.Module:
+    """A frozen deep copy of ``model`` in eval mode (no parameter requires grad)."""
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+@contextlib.contextmanager
+def reference_via_disabled_adapter(peft_model: nn.Module) -> Iterator[nn.Module]:
+    """Inside the block, ``peft_model`` with its adapters disabled: the base model as reference.
+
+    No copy of the weights (the LoRA case: the reference is the frozen base). Needs a PEFT model
+    (anything with ``disable_adapter()``); run the reference forward under ``torch.no_grad()``.
+
+    >>> # with reference_via_disabled_adapter(policy) as ref: ref_lp = token_logprobs_from_model(ref, ...)
+    """
+    if not hasattr(peft_model, "disable_adapter"):
+        raise TypeError(f"peft_model: expected a PEFT model with disable_adapter(), got "
+                        f"{type(peft_model).__name__}; for a plain model use make_reference(model)")
+    with peft_model.disable_adapter():
+        yield peft_model

@@ -1,0 +1,335 @@
+"""Scoring through models: per-token log-probs, values and rewards of rollouts and preference pairs.
+
+Every forward here derives positions from the attention mask (``position_ids_from_mask``), so a
+left padded and a right padded row give the same log-probs on real tokens, and builds no KV
+cache. Log-probs go through ``rlcore.logprobs``: on the default ``chunked=True`` path the trunk's
+hidden states meet the LM head's weight inside ``hidden_logprobs`` (vocabulary chunks, online
+log-sum-exp), so the ``[B, T, V]`` logits never exist; ``chunked=False`` computes the logits of
+the scored positions only (``logits_to_keep``) and reads them with ``token_logprobs``.
+
+Alignment: a log-prob belongs to the token it scores. ``token_logprobs_from_model`` returns
+``log p(x_{t+1} | x_{≤t})`` for the labels ``input_ids[:, 1:]`` (or for the last ``R`` tokens);
+``concatenated_forward`` stores per-token log-probs aligned with ``input_ids`` (column ``t``
+scores token ``t``; the first token of a sequence has none and holds 0).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from rlcore import keys as K
+from rlcore.checks import check_mask, check_ndim, require_keys
+from rlcore.logprobs import hidden_logprobs, sequence_logprobs, token_logprobs
+from rlcore.loops.models import call_reward_fn, position_ids_from_mask, reward_model_scores, trunk_hidden
+
+__all__ = ["token_logprobs_from_model", "score_rollout", "score_sequences", "concatenated_forward",
+           "precompute_reference_logps"]
+
+_ROLLOUT_LAYOUT = {K.PROMPT_IDS: "[B, P] long (left padded)", K.PROMPT_MASK: "[B, P] bool",
+                  K.RESPONSE_IDS: "[B, R] long (right padded)", K.RESPONSE_MASK: "[B, R] bool"}
+_SIDE_LAYOUT = {K.INPUT_IDS: "[B, T] long", K.ATTENTION_MASK: "[B, T] bool", K.LOSS_MASK: "[B, T] bool"}
+
+
+def _call(model: nn.Module, **kwargs):
+    """``model(**kwargs)`` dropping the keywords a non-HF ``forward`` does not take."""
+    params = inspect.signature(model.forward).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return model(**kwargs)
+
+
+def _head_params(model: nn.Module) -> dict:
+    """The LM head of ``model`` as ``hidden_logprobs`` keywords (weight, bias, softcap, scale)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"model: the chunked path needs a linear LM head, got {type(head).__name__}; "
+                        "use chunked=False")
+    config = getattr(model, "config", None)
+    scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
+    return dict(weight=head.weight, bias=head.bias, logit_scale=float(scale),
+                softcap=getattr(config, "final_logit_softcapping", None))
+
+
+def token_logprobs_from_model(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                              response_length: int | None = None, temperature: float = 1.0, chunked: bool = True,
+                              position_ids: torch.Tensor | None = None, chunk_size: int = 4096) -> torch.Tensor:
+    """Per-token log-probs of a sequence's own tokens through a causal LM, ``log softmax(z/τ)[x_{t+1}]``.
+
+    ``lp[b, t] = log softmax(z_{b,t} / τ)[x_{b,t+1}]`` with ``z_{b,t}`` the logits after reading
+    ``x_{b,≤t}`` (temperature applied as in sampling: logits divided by ``τ``). Positions are
+    ``position_ids_from_mask(attention_mask)`` unless given, so left and right padding agree.
+
+    Two paths, equal up to float rounding (and in gradient):
+    - ``chunked=True`` (default): ``trunk_hidden`` then ``hidden_logprobs`` with the LM head's
+      weight/bias (and the config's ``final_logit_softcapping`` / ``logit_scale``): no
+      ``[B, T, V]`` logits. Needs a Hugging Face model with a linear head.
+    - ``chunked=False``: the model's logits at the scored positions only (``logits_to_keep``),
+      then ``token_logprobs`` (row-chunked, no float32 copy). Works with any causal LM whose
+      output has ``.logits`` (e.g. ``rlcore.testing.MockLM``).
+
+    Args:
+        input_ids: ``[B, T]`` long.
+        attention_mask: ``[B, T]`` bool, or ``None`` for rows without padding (packed rows with
+            ``position_ids`` restarting per sequence: transformers then attends within each).
+        response_length: ``R``: score only the last ``R`` tokens; default all but the first.
+        temperature: ``τ > 0``, the sampling temperature.
+        position_ids: ``[B, T]`` long, overrides the positions derived from the mask.
+        chunk_size: vocabulary block of the chunked path.
+    Returns:
+        ``[B, T-1]`` (log-probs of ``input_ids[:, 1:]``) or ``[B, R]`` (of ``input_ids[:, -R:]``),
+        float32 (float64 for a float64 model). Values at padding positions are meaningless:
+        mask them.
+
+    References:
+        Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (log-probs from
+        hidden states without materialised logits), https://arxiv.org/abs/2411.09009
+
+    Gradient: flows to the model's parameters (call under ``torch.no_grad()`` for old/ref
+    log-probs).
+    """
+    check_ndim("input_ids", input_ids, ndim=2, layout="[B, T]")
+    if attention_mask is not None:
+        check_mask("attention_mask", attention_mask, like=input_ids, like_name="input_ids")
+    T = input_ids.shape[1]
+    n = T - 1 if response_length is None else int(response_length)
+    if not 0 <= n < T:
+        raise ValueError(f"response_length: expected 0 <= R < T = {T} (input_ids {list(input_ids.shape)}), "
+                         f"got {n}")
+    if position_ids is None:
+        position_ids = (position_ids_from_mask(attention_mask) if attention_mask is not None
+                        else torch.arange(T, device=input_ids.device).expand_as(input_ids))
+    labels = input_ids[:, T - n:]
+    if chunked:
+        hidden = trunk_hidden(model, input_ids, attention_mask, position_ids=position_ids)[:, T - n - 1:T - 1]
+        return hidden_logprobs(hidden, labels=labels, temperature=temperature, chunk_size=chunk_size,
+                               **_head_params(model))
+    mask = None if attention_mask is None else attention_mask.long()
+    logits = _call(model, input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                   use_cache=False, logits_to_keep=n + 1).logits
+    return token_logprobs(logits[:, logits.shape[1] - n - 1:-1], labels, temperature=temperature)
+
+
+# --- rollouts --------------------------------------------------------------------------------
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    return tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
+
+
+def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, ref: nn.Module | None = None,
+                  value_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                  reward_fn: Callable | None = None, reward_model: nn.Module | None = None, tokenizer=None,
+                  reward_columns: Mapping[str, Sequence] | None = None, temperature: float = 1.0,
+                  chunked: bool = True) -> TensorDict:
+    """Add log-probs, values and scores to a rollout: one no-grad forward per model given.
+
+    The forward input is the rollout layout concatenated, ``[prompt (left padded) | response
+    (right padded)]`` ``[B, P+R]`` with its mask; token quantities are sliced to the response:
+
+    - ``old_logprobs [B, R]`` with ``policy`` (recomputed by the learner: pass ``policy=None`` to
+      keep the behaviour log-probs recorded by ``collect``);
+    - ``ref_logprobs [B, R]`` with ``ref``, at the same ``temperature``;
+    - ``values [B, R]`` with ``value_fn(input_ids [B, T], attention_mask [B, T]) -> [B, T]``
+      (e.g. ``functools.partial(token_values, critic)``), read at the position before each
+      response token: ``values[:, j] = V(x_{≤P-1+j})``, the state in which token ``j`` was sampled;
+    - ``score [B]``: ``reward_model_scores(reward_model, ...)`` (the model must share the
+      policy's tokenizer) plus, with ``reward_fn``, ``reward_fn(prompts, completions,
+      **reward_columns)`` on texts decoded with ``tokenizer`` (special tokens skipped). With both,
+      the score is their sum (use ``combine_rewards`` for weights).
+
+    Token quantities are 0 where ``response_mask`` is False.
+
+    Args:
+        rollout: TensorDict ``[B]`` with ``prompt_ids``, ``prompt_mask``, ``response_ids``,
+            ``response_mask``.
+        temperature: the sampling temperature ``τ`` (log-probs of ``softmax(logits/τ)``).
+    Returns:
+        A shallow copy of ``rollout`` with the new keys; the input is not modified. Every prompt
+        needs at least one real token (its last one predicts the first response token).
+
+    References:
+        Ziegler et al., "Fine-Tuning Language Models from Human Preferences",
+        https://arxiv.org/abs/1909.08593; Ouyang et al., "Training language models to follow
+        instructions with human feedback", https://arxiv.org/abs/2203.02155
+
+    Gradient: none (everything is computed under ``torch.no_grad()``).
+    """
+    require_keys(rollout, list(_ROLLOUT_LAYOUT), where="score_rollout", layouts=_ROLLOUT_LAYOUT)
+    prompt_mask, response_mask = rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]
+    check_mask(K.PROMPT_MASK, prompt_mask, like=rollout[K.PROMPT_IDS], like_name=K.PROMPT_IDS)
+    check_mask(K.RESPONSE_MASK, response_mask, like=rollout[K.RESPONSE_IDS], like_name=K.RESPONSE_IDS)
+    if reward_fn is not None and tokenizer is None:
+        raise ValueError("tokenizer: reward_fn scores decoded text, so score_rollout needs the tokenizer")
+    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
+    mask = torch.cat([prompt_mask, response_mask], -1)
+    P, R = prompt_mask.shape[-1], response_mask.shape[-1]
+
+    def response_only(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(response_mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    new: dict = {}
+    with torch.no_grad():
+        for key, model in ((K.OLD_LOGPROBS, policy), (K.REF_LOGPROBS, ref)):
+            if model is not None:
+                new[key] = response_only(token_logprobs_from_model(model, ids, mask, response_length=R,
+                                                                   temperature=temperature, chunked=chunked))
+        if value_fn is not None:
+            new[K.VALUES] = response_only(_at_least_fp32(value_fn(ids, mask)[:, P - 1:P - 1 + R]))
+        scores = []
+        if reward_model is not None:
+            scores.append(_at_least_fp32(reward_model_scores(reward_model, ids, mask)))
+        if reward_fn is not None:
+            prompts = _decode(tokenizer, rollout[K.PROMPT_IDS], prompt_mask)
+            completions = _decode(tokenizer, rollout[K.RESPONSE_IDS], response_mask)
+            scores.append(call_reward_fn(reward_fn, prompts, completions, **(reward_columns or {})).to(ids.device))
+        if scores:
+            new[K.SCORE] = torch.stack(scores).sum(0)
+    return rollout.copy().update(new)
+
+
+# --- preference pairs ------------------------------------------------------------------------
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def _packed_logprobs(model, ids, mask, **kw) -> torch.Tensor:
+    """Log-probs aligned with ``ids`` from one packed row of all real tokens (``[N] → [rows, T]``)."""
+    flat = ids[mask][None]
+    pos = position_ids_from_mask(mask)[mask][None]
+    lp = token_logprobs_from_model(model, flat, None, position_ids=pos, **kw)[0]
+    aligned = torch.cat([lp.new_zeros(1), lp])
+    return torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, aligned)
+
+
+def score_sequences(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0, chunked: bool = True,
+                    packed: bool = False, reference: bool = False) -> TensorDict:
+    """Per-token and summed completion log-probs of a sequence batch (SFT, KTO, one preference side).
+
+    ``logprobs[b, t] = log softmax(z_{b,t-1}/τ)[x_{b,t}]`` on ``loss_mask & (t is not the first
+    real token)``, 0 elsewhere (aligned with ``input_ids``: column ``t`` scores token ``t``), and
+    ``logps[b] = Σ_t logprobs[b, t]`` (``sequence_logprobs``). With ``packed=True`` all real
+    tokens go into a single row (``[1, N]``, no padding computed), positions restarting at 0
+    with each sequence.
+
+    Packing limitation: the packed row relies on transformers detecting the restarting
+    ``position_ids`` (attention_mask=None) to keep sequences from attending to each other; this
+    holds for models whose masks come from transformers' masking utilities (Llama, GPT-2, most
+    current decoders, sdpa/eager/flex) and for flash attention. Models with their own attention
+    masking (custom code, ``MockLM``) would silently attend across sequences: use
+    ``packed=False`` for them.
+
+    Args:
+        batch: TensorDict ``[B]`` with ``input_ids``, ``attention_mask`` and ``loss_mask``
+            ``[B, T]`` (any padding side).
+        reference: write ``ref_logps`` / ``ref_logprobs`` (computed under ``torch.no_grad()``)
+            instead of ``logps`` / ``logprobs``.
+    Returns:
+        A shallow copy of ``batch`` with ``logps [B]`` and ``logprobs [B, T]`` (or the ``ref_``
+        keys), float32.
+
+    References:
+        Krell et al., "Efficient Sequence Packing without Cross-contamination",
+        https://arxiv.org/abs/2107.02027
+
+    Gradient: flows to the model's parameters unless ``reference``.
+    """
+    require_keys(batch, list(_SIDE_LAYOUT), where="score_sequences", layouts=_SIDE_LAYOUT)
+    ids, mask, loss = (batch[k] for k in _SIDE_LAYOUT)
+    check_mask(K.ATTENTION_MASK, mask, like=ids, like_name=K.INPUT_IDS)
+    check_mask(K.LOSS_MASK, loss, like=ids, like_name=K.INPUT_IDS)
+    kw = dict(temperature=temperature, chunked=chunked)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not reference):
+        if packed:
+            lp = _packed_logprobs(model, ids, mask, **kw)
+        else:
+            lp = token_logprobs_from_model(model, ids, mask, **kw)
+            lp = torch.cat([lp.new_zeros(lp.shape[0], 1), lp], -1)
+        scored = loss & mask & (position_ids_from_mask(mask) > 0)
+        lp = torch.where(scored, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+        logps = sequence_logprobs(lp, scored)
+    seq_key, tok_key = (K.REF_LOGPS, K.REF_LOGPROBS) if reference else (K.LOGPS, K.LOGPROBS)
+    return batch.copy().update({seq_key: logps, tok_key: lp})
+
+
+def concatenated_forward(model: nn.Module, pair_batch: TensorDictBase, *, temperature: float = 1.0,
+                         chunked: bool = True, packed: bool = False, reference: bool = False) -> TensorDict:
+    """Chosen and rejected sequences in ONE forward; per-side sequence log-probs and token log-probs.
+
+    The two sides are right padded to a common length, concatenated on dim 0 (``[2B, T]``) and
+    scored by ``score_sequences`` (with ``packed=True``: one row of all real tokens), then split
+    back: per side, ``logprobs[b, t] = log p(x_{b,t} | x_{b,<t})`` on the scored completion
+    tokens (0 elsewhere) and ``logps[b] = Σ_t logprobs[b, t]``.
+
+    Args:
+        pair_batch: TensorDict ``[B]`` with ``chosen`` and ``rejected`` sub-TensorDicts holding
+            ``input_ids [B, T_s]``, ``attention_mask [B, T_s]`` and ``loss_mask [B, T_s]``
+            (``T_s`` may differ per side; any padding side).
+        reference: write ``ref_logps`` / ``ref_logprobs`` (computed under ``torch.no_grad()``)
+            instead of ``logps`` / ``logprobs``.
+    Returns:
+        A shallow copy of ``pair_batch`` with, on each side, ``logps [B]`` and ``logprobs
+        [B, T_s]`` (or ``ref_logps`` / ``ref_logprobs``).
+
+    References:
+        Rafailov et al., "Direct Preference Optimization", https://arxiv.org/abs/2305.18290;
+        Krell et al., "Efficient Sequence Packing without Cross-contamination",
+        https://arxiv.org/abs/2107.02027
+
+    Gradient: flows to the model's parameters unless ``reference``.
+    """
+    sides = (K.CHOSEN, K.REJECTED)
+    require_keys(pair_batch, [(s, k) for s in sides for k in _SIDE_LAYOUT], where="concatenated_forward",
+                 layouts={(s, k): v for s in sides for k, v in _SIDE_LAYOUT.items()})
+    for s in sides:
+        for key in (K.ATTENTION_MASK, K.LOSS_MASK):
+            check_mask(f"{s}.{key}", pair_batch[s, key], like=pair_batch[s, K.INPUT_IDS], like_name=f"{s}.input_ids")
+    widths = [pair_batch[s, K.INPUT_IDS].shape[-1] for s in sides]
+    B = pair_batch.batch_size[0]
+    flat = TensorDict({k: torch.cat([_pad_to(pair_batch[s, k], max(widths)) for s in sides]) for k in _SIDE_LAYOUT},
+                      batch_size=[2 * B])
+    scored = score_sequences(model, flat, temperature=temperature, chunked=chunked, packed=packed, reference=reference)
+    seq_key, tok_key = (K.REF_LOGPS, K.REF_LOGPROBS) if reference else (K.LOGPS, K.LOGPROBS)
+    out = pair_batch.copy()
+    for i, (s, w) in enumerate(zip(sides, widths)):
+        rows = slice(i * B, (i + 1) * B)
+        out[s] = pair_batch[s].copy().update({seq_key: scored[seq_key][rows], tok_key: scored[tok_key][rows, :w]})
+    return out
+
+
+def precompute_reference_logps(ref_model: nn.Module, batches: Iterable[TensorDictBase], *,
+                               temperature: float = 1.0, chunked: bool = True, packed: bool = False) -> TensorDict:
+    """Reference sequence log-probs of a whole preference dataset, for DPO with precomputed refs.
+
+    Runs ``concatenated_forward(ref_model, batch, reference=True)`` over ``batches`` (in order,
+    under ``torch.no_grad()``) and concatenates the results: the reference model is then not
+    needed during training.
+
+    Args:
+        batches: preference batches (``collate_preference``), in dataset order.
+
+    Returns:
+        TensorDict ``[N]`` with ``(chosen, ref_logps)`` and ``(rejected, ref_logps)`` ``[N]``, in
+        the order of ``batches``. Store them with the dataset (iterated unshuffled) as columns
+        ``ref_chosen_logps`` / ``ref_rejected_logps``, which ``collate_preference`` reads back::
+
+            batches = iterate_batches(ds, tok, 8, format="preference")
+            ref = precompute_reference_logps(ref_model, batches)
+            ds = ds.add_column("ref_chosen_logps", ref["chosen", "ref_logps"].tolist())
+            ds = ds.add_column("ref_rejected_logps", ref["rejected", "ref_logps"].tolist())
+    """
+    parts = []
+    with torch.no_grad():
+        for batch in batches:
+            scored = concatenated_forward(ref_model, batch, temperature=temperature, chunked=chunked,
+                                          packed=packed, reference=True)
+            parts.append(scored.select((K.CHOSEN, K.REF_LOGPS), (K.REJECTED, K.REF_LOGPS)))
+    if not parts:
+        raise ValueError("batches: empty; nothing to score")
+    return torch.cat(parts)

@@ -1,0 +1,220 @@
+"""Tests of loops/collect.py: generation into rollouts, stop handling, groups, behaviour log-probs."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlcore import keys as K
+from rlcore.loops.collect import (BEHAVIOUR_LOGPROBS, generate_rollout, left_align, response_mask_from_ids,
+                                  uniform_length_sampler)
+from rlcore.loops.data import collate_prompts, tokenize_example
+from rlcore.loops.models import build_model
+from rlcore.loops.score import score_rollout
+from rlcore.testing import assert_pure
+
+PROMPTS = ["2+2=", "Hello", "x"]
+
+
+@pytest.fixture(scope="module")
+def chatty(small_tokenizer):
+    """A tiny model over a 9-token vocabulary: EOS comes often."""
+    return build_model(tokenizer=small_tokenizer, hidden_size=16, num_layers=1, num_heads=2).eval()
+
+
+@pytest.fixture(scope="module")
+def llama(tokenizer):
+    """One architecture for the tests that are about the loop, not the model."""
+    return build_model(tokenizer=tokenizer, hidden_size=16, num_layers=1, num_heads=2).eval()
+
+
+# --- helpers ---------------------------------------------------------------------------------
+def test_response_mask_golden_and_reference():
+    ids = torch.tensor([[5, 2, 2, 7], [5, 6, 7, 8], [2, 5, 9, 9], [5, 9, 2, 0]])
+    assert response_mask_from_ids(ids, [2]).tolist() == [
+        [True, True, False, False], [True, True, True, True], [True, False, False, False], [True, True, True, False]]
+    stops = [2, 9]
+    got = assert_pure(response_mask_from_ids, ids, torch.tensor(stops))
+    for b in range(4):  # the definition, plainly
+        first = next((t for t in range(4) if ids[b, t].item() in stops), 4)
+        assert got[b].tolist() == [t <= first for t in range(4)]
+
+
+def test_left_align_golden():
+    ids = torch.tensor([[1, 2, 0, 0], [0, 3, 4, 5], [6, 0, 7, 0]])
+    mask = ids > 0
+    new_ids, new_mask = assert_pure(left_align, ids, mask)
+    assert new_ids.tolist() == [[0, 0, 1, 2], [0, 3, 4, 5], [0, 0, 6, 7]]
+    assert new_mask.tolist() == [[False, False, True, True], [False, True, True, True], [False, False, True, True]]
+    with pytest.raises(TypeError, match="prompt_mask: expected a torch.bool mask"):
+        left_align(ids, mask.long())
+
+
+def test_uniform_length_sampler():
+    a, b = uniform_length_sampler(3, 7, seed=1), uniform_length_sampler(3, 7, seed=1)
+    draws = [a() for _ in range(50)]
+    assert draws == [b() for _ in range(50)] and set(draws) == {3, 4, 5, 6}
+
+
+# --- generate_rollout ------------------------------------------------------------------------
+def test_rollout_layout_and_groups(lm, tokenizer):
+    G = 3
+    rollout = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=5, num_samples=G, seed=0, policy_version=7)
+    B = len(PROMPTS) * G
+    assert rollout.batch_size == torch.Size([B])
+    assert rollout[K.GROUP_ID].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    prompts = collate_prompts([tokenize_example({"prompt": p}, tokenizer) for p in PROMPTS], pad_id=0)
+    torch.testing.assert_close(rollout[K.PROMPT_IDS], prompts[K.PROMPT_IDS].repeat_interleave(G, 0))
+    torch.testing.assert_close(rollout[K.PROMPT_MASK], prompts[K.PROMPT_MASK].repeat_interleave(G, 0))
+    assert rollout[K.PROMPT_MASK][:, -1].all()  # left padded
+    assert rollout[K.RESPONSE_IDS].shape == rollout[K.RESPONSE_MASK].shape == rollout[K.OLD_LOGPROBS].shape == (B, 5)
+    assert rollout[K.RESPONSE_MASK].dtype == torch.bool and rollout[K.OLD_LOGPROBS].dtype == torch.float32
+    assert (rollout[K.POLICY_VERSION] == 7).all()
+    samples = rollout[K.RESPONSE_IDS].view(len(PROMPTS), G, -1)
+    assert all(not torch.equal(samples[p, 0], samples[p, 1]) for p in range(len(PROMPTS)))  # they are samples
+
+
+def test_generation_stops_at_eos_and_masks_after(chatty, small_tokenizer):
+    eos = small_tokenizer.eos_token_id
+    rollout = generate_rollout(chatty, small_tokenizer, ["a", "ab", "b"], max_new_tokens=20, num_samples=4, seed=1)
+    ids, mask, old = rollout[K.RESPONSE_IDS], rollout[K.RESPONSE_MASK], rollout[K.OLD_LOGPROBS]
+    stopped = 0
+    for b in range(ids.shape[0]):
+        hits = (ids[b] == eos).nonzero()[:, 0].tolist()
+        if hits:
+            stopped += 1
+            first = hits[0]
+            assert mask[b].tolist() == [t <= first for t in range(ids.shape[1])]
+            assert (ids[b, first + 1:] == small_tokenizer.pad_token_id).all()  # generate pads after EOS
+        else:
+            assert mask[b].all() and ids.shape[1] == 20
+        assert (old[b][~mask[b]] == 0).all() and (old[b][mask[b]] < 0).all()
+    assert 0 < stopped  # the test exercised EOS
+
+
+def test_pad_equal_to_eos_keeps_the_eos_token(chatty, small_tokenizer):
+    import copy
+    tok = copy.deepcopy(small_tokenizer)
+    tok.pad_token = tok.eos_token
+    rollout = generate_rollout(chatty, tok, ["a", "b"], max_new_tokens=20, num_samples=4, seed=1)
+    ids, mask = rollout[K.RESPONSE_IDS], rollout[K.RESPONSE_MASK]
+    lengths = mask.sum(-1)
+    ended = lengths < ids.shape[1]
+    assert ended.any()
+    assert (ids[ended, lengths[ended] - 1] == tok.eos_token_id).all()  # the EOS itself is in the response
+
+
+@pytest.mark.parametrize("behaviour", sorted(BEHAVIOUR_LOGPROBS))
+def test_behaviour_logprobs_match_recomputation(lm, tokenizer, behaviour):
+    rollout = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=6, num_samples=2, temperature=0.7, seed=3,
+                               behaviour=behaviour)
+    for chunked in (True, False):
+        rescored = score_rollout(rollout, policy=lm, temperature=0.7, chunked=chunked)
+        torch.testing.assert_close(rescored[K.OLD_LOGPROBS], rollout[K.OLD_LOGPROBS], rtol=1e-5, atol=1e-5)
+    at_one = score_rollout(rollout, policy=lm, temperature=1.0)
+    assert not torch.allclose(at_one[K.OLD_LOGPROBS], rollout[K.OLD_LOGPROBS], atol=1e-3)  # τ matters
+
+
+def test_top_k_behaviour_logprobs_are_of_the_truncated_distribution(lm, tokenizer):
+    kw = dict(max_new_tokens=6, num_samples=2, temperature=0.8, top_k=4, seed=3)
+    sampled = generate_rollout(lm, tokenizer, PROMPTS, behaviour="sampled", **kw)
+    tempered = generate_rollout(lm, tokenizer, PROMPTS, behaviour="tempered", **kw)
+    assert torch.equal(sampled[K.RESPONSE_IDS], tempered[K.RESPONSE_IDS])  # same draws
+    full = score_rollout(sampled, policy=lm, temperature=0.8)[K.OLD_LOGPROBS]
+    torch.testing.assert_close(tempered[K.OLD_LOGPROBS], full, rtol=1e-5, atol=1e-5)
+    mask = sampled[K.RESPONSE_MASK]
+    # renormalised over the top 4: log p_top4 = log p − log Σ_{top 4} p > log p
+    assert (sampled[K.OLD_LOGPROBS][mask] > full[mask] + 1e-4).all()
+    # and exactly that, recomputed by hand from the model's logits
+    ids = torch.cat([sampled[K.PROMPT_IDS], sampled[K.RESPONSE_IDS]], -1)
+    attn = torch.cat([sampled[K.PROMPT_MASK], mask], -1)
+    P = sampled[K.PROMPT_IDS].shape[1]
+    with torch.no_grad():
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        logits = lm(ids, attention_mask=attn.long(), position_ids=pos).logits[:, P - 1:-1] / 0.8
+    top = logits.topk(4, dim=-1).values
+    expected = logits.gather(-1, sampled[K.RESPONSE_IDS][..., None])[..., 0] - top.logsumexp(-1)
+    torch.testing.assert_close(sampled[K.OLD_LOGPROBS][mask], expected[mask], rtol=1e-4, atol=1e-4)
+
+
+def test_seed_generator_and_global_rng(llama, tokenizer):
+    state = torch.get_rng_state()
+    a = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=4, seed=11)
+    assert torch.equal(torch.get_rng_state(), state), "a seeded generation advanced the global RNG"
+    b = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=4, seed=11)
+    c = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=4, seed=12)
+    assert (a == b).all() and not torch.equal(a[K.RESPONSE_IDS], c[K.RESPONSE_IDS])
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    d = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=4, generator=g1)
+    e = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=4, generator=g2)
+    f = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=4, generator=g1)  # g1 has advanced
+    assert (d == e).all() and not torch.equal(d[K.RESPONSE_IDS], f[K.RESPONSE_IDS])
+
+
+def test_prompt_tensordict_any_padding(llama, tokenizer):
+    rows = [tokenize_example({"prompt": p}, tokenizer) for p in PROMPTS]
+    left = collate_prompts(rows, pad_id=0)
+    ids = torch.zeros_like(left[K.PROMPT_IDS])
+    mask = torch.zeros_like(left[K.PROMPT_MASK])
+    for b, r in enumerate(rows):  # the same prompts, right padded
+        ids[b, :len(r["prompt_ids"])] = torch.tensor(r["prompt_ids"])
+        mask[b, :len(r["prompt_ids"])] = True
+    right = TensorDict({K.PROMPT_IDS: ids, K.PROMPT_MASK: mask}, batch_size=[len(rows)])
+    from_text = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=4, seed=2)
+    from_right = generate_rollout(llama, tokenizer, right, max_new_tokens=4, seed=2)
+    assert (from_text == from_right).all()
+    with pytest.raises(KeyError, match="generate_rollout: batch is missing 'prompt_mask'"):
+        generate_rollout(llama, tokenizer, right.exclude(K.PROMPT_MASK), max_new_tokens=4)
+
+
+def test_length_sampler_and_stop_tokens(llama, tokenizer):
+    rollout = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=50, length_sampler=lambda: 3, seed=0)
+    assert rollout[K.RESPONSE_IDS].shape[1] == 3
+    stops = list(range(7, len(tokenizer)))  # every ordinary character stops
+    stopped = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=6, stop_token_ids=stops, seed=0)
+    lengths = stopped[K.RESPONSE_MASK].sum(-1)
+    ids = stopped[K.RESPONSE_IDS]
+    for b in range(len(PROMPTS)):
+        n = int(lengths[b])
+        assert ids[b, n - 1].item() in stops + [tokenizer.eos_token_id] or n == 6
+        assert all(t not in stops for t in ids[b, :n - 1].tolist())
+
+
+def test_greedy_decoding(lm, tokenizer):
+    a = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=4, do_sample=False)
+    b = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=4, do_sample=False, seed=99)
+    assert (a == b).all()
+    ids = torch.cat([a[K.PROMPT_IDS], a[K.RESPONSE_IDS]], -1)
+    attn = torch.cat([a[K.PROMPT_MASK], a[K.RESPONSE_MASK]], -1)
+    P = a[K.PROMPT_IDS].shape[1]
+    with torch.no_grad():
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        logits = lm(ids, attention_mask=attn.long(), position_ids=pos).logits[:, P - 1:-1]
+    mask = a[K.RESPONSE_MASK]
+    assert torch.equal(logits.argmax(-1)[mask], a[K.RESPONSE_IDS][mask])
+    rescored = score_rollout(a, policy=lm)  # greedy: behaviour log-probs at temperature 1
+    torch.testing.assert_close(rescored[K.OLD_LOGPROBS], a[K.OLD_LOGPROBS], rtol=1e-5, atol=1e-5)
+
+
+def test_max_prompt_length_and_conversations(llama, tokenizer):
+    rollout = generate_rollout(llama, tokenizer, ["abcdefgh"], max_new_tokens=2, max_prompt_length=3, seed=0)
+    assert tokenizer.decode(rollout[K.PROMPT_IDS][0]) == "fgh"
+    chat = generate_rollout(llama, tokenizer, [[{"role": "user", "content": "hi"}]], max_new_tokens=2, seed=0)
+    assert tokenizer.decode(chat[K.PROMPT_IDS][0]) == "<s><|user|>hi</s><|assistant|>"
+
+
+def test_without_behaviour_logprobs(llama, tokenizer):
+    plain = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=3, seed=0, behaviour=None)
+    recorded = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=3, seed=0)
+    assert K.OLD_LOGPROBS not in plain.keys()
+    assert torch.equal(plain[K.RESPONSE_IDS], recorded[K.RESPONSE_IDS])
+
+
+def test_errors(llama, tokenizer):
+    with pytest.raises(ValueError, match=r"behaviour: unknown 'model'; valid: \['sampled', 'tempered'\]"):
+        generate_rollout(llama, tokenizer, PROMPTS, behaviour="model")
+    with pytest.raises(ValueError, match="temperature: expected > 0"):
+        generate_rollout(llama, tokenizer, PROMPTS, temperature=0.0)
+    with pytest.raises(TypeError, match="prompts: expected a list of strings"):
+        generate_rollout(llama, tokenizer, "one prompt")
+    with pytest.raises(ValueError, match=r"prompts: prompts \[1\] encode to no token"):
+        generate_rollout(llama, tokenizer, ["a", ""])

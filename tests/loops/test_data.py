@@ -1,0 +1,328 @@
+"""Tests of loops/data.py: formats, local loading, tokenisation, truncation, collation, packing."""
+
+import json
+
+import datasets
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore import keys as K
+from rlcore.loops.data import (COLLATORS, FORMATS, TRUNCATIONS, collate, collate_mismatched, collate_preference,
+                               collate_prompts, collate_sequences, detect_format, iterate_batches, load_local,
+                               pack_sequences, pad_sequences, tokenize_dataset, tokenize_example)
+from rlcore.loops.models import build_model, build_tokenizer
+from rlcore.loops.score import token_logprobs_from_model
+
+datasets.disable_progress_bars()
+
+ROWS = {
+    "preference": {"prompt": "1+1=", "chosen": "2", "rejected": "11"},
+    "unpaired": {"prompt": "1+1=", "completion": "2", "label": True},
+    "prompt_completion": {"prompt": "1+1=", "completion": "2"},
+    "conversational": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+    "language_modeling": {"text": "abc"},
+    "prompt_only": {"prompt": "1+1="},
+}
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# --- formats and loading ---------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_detect_format(fmt):
+    assert detect_format(list(ROWS[fmt]) + ["extra"]) == fmt
+
+
+def test_detect_format_error_lists_formats():
+    with pytest.raises(ValueError, match=r"columns \['question'\] match no known format.*preference: prompt, "
+                                         r"chosen, rejected.*prompt_only: prompt.*formatting_func"):
+        detect_format(["question"])
+
+
+def test_explicit_format_with_missing_columns(tokenizer):
+    with pytest.raises(ValueError, match=r"row: format 'preference' needs columns \['prompt', 'chosen', 'rejected'\], "
+                                         r"missing \['rejected'\].*formats: \[preference"):
+        tokenize_example({"prompt": "a", "chosen": "b"}, tokenizer, format="preference")
+    with pytest.raises(ValueError, match="format: unknown format 'dpo'"):
+        tokenize_example({"prompt": "a"}, tokenizer, format="dpo")
+
+
+def test_load_local_files_and_memory(tmp_path):
+    rows = [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
+    (tmp_path / "d.csv").write_text("prompt,completion\na,b\nc,d\n")
+    for name in ("d.jsonl", "d.json", "d.parquet", "d.csv"):
+        assert load_local(tmp_path / name).to_list() == rows, name
+    assert load_local(rows).to_list() == rows
+    assert load_local({"prompt": ["a", "c"], "completion": ["b", "d"]}).to_list() == rows
+    ds = load_local(rows)
+    assert load_local(ds) is ds
+    with pytest.raises(ValueError, match=r"unsupported file type '.txt'.*'.jsonl'"):
+        load_local(tmp_path / "d.txt")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_local(tmp_path / "missing.jsonl")
+
+
+# --- tokenisation ----------------------------------------------------------------------------
+def test_tokenize_each_format(tokenizer):
+    eos = tokenizer.eos_token_id
+    assert tokenize_example(ROWS["prompt_only"], tokenizer) == {"prompt_ids": ids(tokenizer, "1+1=")}
+    pc = tokenize_example(ROWS["prompt_completion"], tokenizer)
+    assert pc == {"prompt_ids": ids(tokenizer, "1+1="), "completion_ids": ids(tokenizer, "2") + [eos]}
+    assert tokenize_example(ROWS["unpaired"], tokenizer) == pc  # the label stays a column
+    pref = tokenize_example(ROWS["preference"], tokenizer)
+    assert pref == {"prompt_ids": ids(tokenizer, "1+1="), "chosen_ids": ids(tokenizer, "2") + [eos],
+                    "rejected_ids": ids(tokenizer, "11") + [eos]}
+    lm = tokenize_example(ROWS["language_modeling"], tokenizer)
+    assert lm == {"prompt_ids": [], "completion_ids": ids(tokenizer, "abc") + [eos]}
+    conv = tokenize_example(ROWS["conversational"], tokenizer)
+    assert tokenizer.decode(conv["prompt_ids"]) == "<s><|user|>hi</s><|assistant|>"
+    assert tokenizer.decode(conv["completion_ids"]) == "yo</s>"  # the template's EOS, not a second one
+    assert conv["completion_ids"].count(eos) == 1
+
+
+def test_conversational_prompt_completion_and_prompt_only(tokenizer):
+    user = [{"role": "user", "content": "hi"}]
+    out = tokenize_example({"prompt": user, "completion": [{"role": "assistant", "content": "yo"}]}, tokenizer)
+    assert out == tokenize_example(ROWS["conversational"], tokenizer)
+    prompt_only = tokenize_example({"prompt": user}, tokenizer)
+    assert tokenizer.decode(prompt_only["prompt_ids"]) == "<s><|user|>hi</s><|assistant|>"
+    with pytest.raises(ValueError, match="completion is a conversation but prompt is plain text"):
+        tokenize_example({"prompt": "hi", "completion": [{"role": "assistant", "content": "yo"}]}, tokenizer)
+    with pytest.raises(ValueError, match="must end with an assistant message"):
+        tokenize_example({"messages": user}, tokenizer)
+
+
+def test_formatting_func(tokenizer):
+    def as_text(row):
+        return f"Q: {row['q']} A: {row['a']}"
+
+    def as_pair(row):
+        return {"prompt": row["q"], "completion": row["a"]}
+
+    row = {"q": "1+1", "a": "2"}
+    text = tokenize_example(row, tokenizer, formatting_func=as_text)
+    assert text["completion_ids"][:-1] == ids(tokenizer, "Q: 1+1 A: 2")
+    assert tokenize_example(row, tokenizer, formatting_func=as_pair) == {
+        "prompt_ids": ids(tokenizer, "1+1"), "completion_ids": ids(tokenizer, "2") + [tokenizer.eos_token_id]}
+
+
+def test_add_eos_false(tokenizer):
+    out = tokenize_example(ROWS["prompt_completion"], tokenizer, add_eos=False)
+    assert out["completion_ids"] == ids(tokenizer, "2")
+
+
+def test_truncation_golden(tokenizer):
+    row = {"prompt": "abcdef", "completion": "xyz"}  # 6 + 3 + EOS = 10 tokens
+    eos = tokenizer.eos_token_id
+    start = tokenize_example(row, tokenizer, max_length=8, truncation="keep_start")
+    assert start == {"prompt_ids": ids(tokenizer, "abcdef"), "completion_ids": ids(tokenizer, "xy")}
+    end = tokenize_example(row, tokenizer, max_length=8, truncation="keep_end")
+    assert end == {"prompt_ids": ids(tokenizer, "cdef"), "completion_ids": ids(tokenizer, "xyz") + [eos]}
+    short = tokenize_example(row, tokenizer, max_prompt_length=2)
+    assert short["prompt_ids"] == ids(tokenizer, "ef")  # keep_end by default: the end of the prompt
+    assert tokenize_example(row, tokenizer, max_prompt_length=2, prompt_truncation="keep_start")["prompt_ids"] == \
+        ids(tokenizer, "ab")
+    with pytest.raises(ValueError, match="row: prompt: 6 tokens exceed the limit of 2"):
+        tokenize_example(row, tokenizer, max_prompt_length=2, prompt_truncation="error")
+    with pytest.raises(ValueError, match=r"prompt \+ completion: 10 tokens exceed the limit of 8"):
+        tokenize_example(row, tokenizer, max_length=8, truncation="error")
+    with pytest.raises(ValueError, match=r"truncation: unknown truncation 'middle'.*\['error', 'keep_end', "):
+        tokenize_example(row, tokenizer, max_length=8, truncation="middle")
+
+
+def test_preference_truncation_shares_one_prompt(tokenizer):
+    row = {"prompt": "abcdef", "chosen": "x", "rejected": "xyz"}
+    out = tokenize_example(row, tokenizer, max_length=7, truncation="keep_end")
+    assert len(out["prompt_ids"]) + len(out["rejected_ids"]) <= 7
+    assert len(out["prompt_ids"]) + len(out["chosen_ids"]) <= 7
+    assert out["prompt_ids"] == ids(tokenizer, "def")  # cut for the longer side, shared by both
+
+
+def test_prompt_longer_than_the_limit_and_empty_completion(tokenizer):
+    with pytest.raises(ValueError, match=r"row: prompt of 6 tokens leaves no room for the completion under "
+                                         r"max_length=6"):
+        tokenize_example({"prompt": "abcdef", "completion": "x"}, tokenizer, max_length=6)
+    with pytest.raises(ValueError, match="row: empty rejected"):
+        tokenize_example({"prompt": "a", "chosen": "b", "rejected": ""}, tokenizer)
+
+
+def test_tokenize_dataset_keeps_columns_and_names_rows(tokenizer):
+    ds = load_local([{"prompt": "q1", "completion": "a", "answer": "4"},
+                     {"prompt": "q2", "completion": "", "answer": "5"}])
+    with pytest.raises(ValueError, match="row 1: empty completion"):
+        tokenize_dataset(ds, tokenizer)
+    ok = tokenize_dataset(ds.select([0]), tokenizer)
+    assert set(ok.column_names) == {"prompt", "completion", "answer", "prompt_ids", "completion_ids"}
+    with pytest.raises(ValueError, match="match no known format"):
+        tokenize_dataset(load_local([{"question": "q"}]), tokenizer)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(0, 8), c=st.integers(0, 8), limit=st.integers(1, 12),
+       mode=st.sampled_from(["keep_start", "keep_end"]))
+def test_truncation_properties(p, c, limit, mode):
+    prompt, completion = list(range(p)), list(range(100, 100 + c))
+    new_p, new_c = TRUNCATIONS[mode](prompt, completion, limit, "row")
+    assert len(new_p) + len(new_c) == min(p + c, limit)
+    whole, kept = prompt + completion, new_p + new_c
+    assert kept == (whole[:limit] if mode == "keep_start" else whole[len(whole) - len(kept):])
+    assert new_p == [x for x in kept if x < 100] and new_c == [x for x in kept if x >= 100]
+
+
+# --- collation -------------------------------------------------------------------------------
+def test_pad_sequences_golden():
+    ids_, mask = pad_sequences([[5], [6, 7], []], pad_value=9)
+    assert ids_.tolist() == [[5, 9], [6, 7], [9, 9]] and mask.tolist() == [[True, False], [True, True], [False, False]]
+    ids_, mask = pad_sequences([[5], [6, 7]], side="left")
+    assert ids_.tolist() == [[0, 5], [6, 7]] and mask.dtype == torch.bool
+    with pytest.raises(ValueError, match="side: expected 'right' or 'left', got 'up'"):
+        pad_sequences([[1]], side="up")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 50), max_size=6), min_size=1, max_size=5), st.sampled_from(["left", "right"]))
+def test_pad_sequences_round_trip(seqs, side):
+    ids_, mask = pad_sequences(seqs, side=side)
+    assert ids_.shape == (len(seqs), max(map(len, seqs)))
+    assert [row[m].tolist() for row, m in zip(ids_, mask)] == seqs
+
+
+def test_collate_sequences_golden():
+    rows = [{"prompt_ids": [1, 2], "completion_ids": [3]}, {"prompt_ids": [4], "completion_ids": [5, 6, 7]}]
+    batch = collate_sequences(rows, pad_id=0)
+    assert batch.batch_size == torch.Size([2])
+    assert batch[K.INPUT_IDS].tolist() == [[1, 2, 3, 0], [4, 5, 6, 7]]
+    assert batch[K.ATTENTION_MASK].tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert batch[K.LOSS_MASK].tolist() == [[False, False, True, False], [False, True, True, True]]
+    columns = {"prompt_ids": [[1, 2], [4]], "completion_ids": [[3], [5, 6, 7]]}
+    assert (collate_sequences(columns, pad_id=0) == batch).all()
+
+
+def test_collate_prompts_left_padded_to_batch_longest():
+    batch = collate_prompts([{"prompt_ids": [1]}, {"prompt_ids": [2, 3, 4]}], pad_id=9)
+    assert batch[K.PROMPT_IDS].tolist() == [[9, 9, 1], [2, 3, 4]]
+    assert batch[K.PROMPT_MASK].tolist() == [[False, False, True], [True, True, True]]
+
+
+def test_collate_preference_and_reference_columns():
+    rows = [{"prompt_ids": [1], "chosen_ids": [2, 3], "rejected_ids": [4], "ref_chosen_logps": -1.0,
+             "ref_rejected_logps": -2.0}]
+    batch = collate_preference(rows, pad_id=0)
+    assert batch[K.CHOSEN, K.INPUT_IDS].tolist() == [[1, 2, 3]] and batch[K.REJECTED, K.INPUT_IDS].tolist() == [[1, 4]]
+    assert batch[K.CHOSEN, K.LOSS_MASK].tolist() == [[False, True, True]]
+    assert batch[K.CHOSEN, K.REF_LOGPS].tolist() == [-1.0] and batch[K.REJECTED, K.REF_LOGPS].tolist() == [-2.0]
+    plain = collate_preference([{k: v for k, v in rows[0].items() if not k.startswith("ref")}], pad_id=0)
+    assert K.REF_LOGPS not in plain[K.CHOSEN].keys()
+
+
+def test_collate_unpaired_labels_and_errors():
+    rows = [{"prompt_ids": [1], "completion_ids": [2], "label": True},
+            {"prompt_ids": [1], "completion_ids": [3], "label": False}]
+    batch = collate("unpaired", rows, pad_id=0)
+    assert batch[K.LABELS].tolist() == [True, False] and batch[K.LABELS].dtype == torch.bool
+    with pytest.raises(KeyError, match=r"collate_unpaired: rows are missing \['label'\]"):
+        collate("unpaired", [{"prompt_ids": [1], "completion_ids": [2]}], pad_id=0)
+    with pytest.raises(ValueError, match="format: unknown format 'kto'"):
+        collate("kto", rows, pad_id=0)
+    assert set(COLLATORS) == set(FORMATS)
+
+
+def test_collate_mismatched_golden():
+    rows = {"prompt_ids": [[1], [2, 2], [3]], "completion_ids": [[7], [8], [9, 9]]}
+    batch = collate_mismatched(rows, pad_id=0)
+    assert batch[K.INPUT_IDS].tolist() == [[1, 9, 9], [2, 2, 7], [3, 8, 0]]
+    assert batch[K.LOSS_MASK].tolist() == [[False, True, True], [False, False, True], [False, True, False]]
+    single = collate_mismatched({"prompt_ids": [[1]], "completion_ids": [[7]]}, pad_id=0)
+    assert single[K.INPUT_IDS].tolist() == [[1, 7]]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_end_to_end_each_format(fmt, tokenizer):
+    ds = tokenize_dataset(load_local([ROWS[fmt]] * 3), tokenizer)
+    (batch,) = list(iterate_batches(ds, tokenizer, 4, format=fmt))
+    assert batch.batch_size == torch.Size([3])
+    keys = {k if isinstance(k, str) else k[-1] for k in batch.keys(True, True)}
+    expected = {"prompt_only": {K.PROMPT_IDS, K.PROMPT_MASK}, "unpaired": {K.INPUT_IDS, K.ATTENTION_MASK,
+                K.LOSS_MASK, K.LABELS}}.get(fmt, {K.INPUT_IDS, K.ATTENTION_MASK, K.LOSS_MASK})
+    assert keys == expected
+
+
+def test_iterate_batches_shuffle_and_drop_last(tokenizer):
+    ds = tokenize_dataset(load_local({"prompt": [str(i) for i in range(7)]}), tokenizer)
+    sizes = [b.batch_size[0] for b in iterate_batches(ds, tokenizer, 3, format="prompt_only")]
+    assert sizes == [3, 3, 1]
+    assert [b.batch_size[0] for b in iterate_batches(ds, tokenizer, 3, format="prompt_only", drop_last=True)] == [3, 3]
+
+    def order(seed):
+        return [tokenizer.decode(row[m]) for b in iterate_batches(ds, tokenizer, 3, format="prompt_only", shuffle=True,
+                                                                   seed=seed)
+                for row, m in zip(b[K.PROMPT_IDS], b[K.PROMPT_MASK])]
+
+    assert order(1) == order(1) and sorted(order(1)) == [str(i) for i in range(7)] and order(1) != order(2)
+
+
+def test_iterate_batches_without_pad_token_warns():
+    tok = build_tokenizer()
+    tok.pad_token = None
+    ds = tokenize_dataset(load_local({"prompt": ["a", "bb"]}), tok)
+    with pytest.warns(UserWarning, match="no pad token"):
+        (batch,) = list(iterate_batches(ds, tok, 2, format="prompt_only"))
+    assert batch[K.PROMPT_IDS][0, 0].item() == tok.eos_token_id
+
+
+# --- packing ---------------------------------------------------------------------------------
+def test_pack_sequences_golden():
+    rows = {"prompt_ids": [[1], [2, 2], [3, 3, 3]], "completion_ids": [[9], [8, 8], [7, 7, 7, 7]]}
+    packed = pack_sequences(rows, 10, pad_id=0)
+    # first-fit decreasing: 7 tokens, then 4 (does not fit in 3 left), then 2 (fits the first row)
+    assert packed[K.INPUT_IDS].tolist() == [[1, 9, 3, 3, 3, 7, 7, 7, 7, 0], [2, 2, 8, 8, 0, 0, 0, 0, 0, 0]]
+    assert packed[K.SEGMENT_IDS].tolist() == [[1, 1, 2, 2, 2, 2, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]]
+    assert packed[K.POSITION_IDS].tolist() == [[0, 1, 0, 1, 2, 3, 4, 5, 6, 0], [0, 1, 2, 3, 0, 0, 0, 0, 0, 0]]
+    assert packed[K.LOSS_MASK].tolist()[0] == [False, True, False, False, False, True, True, True, True, False]
+    assert packed[K.ATTENTION_MASK].tolist()[1] == [True] * 4 + [False] * 6
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 6)), min_size=1, max_size=10), st.integers(6, 12))
+def test_pack_sequences_keeps_every_example(lengths, seq_length):
+    rows = {"prompt_ids": [[10 + i] * p for i, (p, c) in enumerate(lengths)],
+            "completion_ids": [[50 + i] * c for i, (p, c) in enumerate(lengths)]}
+    packed = pack_sequences(rows, seq_length, pad_id=0)
+    found = []
+    for r in range(packed.batch_size[0]):
+        seg = packed[K.SEGMENT_IDS][r]
+        assert seg.max() <= seq_length
+        for s in range(1, int(seg.max()) + 1):
+            cols = seg == s
+            toks, pos = packed[K.INPUT_IDS][r][cols].tolist(), packed[K.POSITION_IDS][r][cols].tolist()
+            assert pos == list(range(len(toks)))
+            found.append(toks)
+    expected = [(p + c)[:seq_length] for p, c in zip(rows["prompt_ids"], rows["completion_ids"])]
+    assert sorted(found) == sorted(expected)
+    assert packed[K.LOSS_MASK].sum() == sum(min(len(c), max(seq_length - len(p), 0))
+                                            for p, c in zip(rows["prompt_ids"], rows["completion_ids"]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_packed_rows_score_like_separate_examples(arch, tokenizer):
+    """A packed row through a model (position_ids restarting, attention_mask=None) gives the
+    log-probs of each example scored alone."""
+    model = build_model(arch, tokenizer=tokenizer, hidden_size=16, num_layers=2, num_heads=2)
+    ds = tokenize_dataset(load_local({"prompt": ["ab", "xyz", "q"], "completion": ["cd", "w", "rst"]}), tokenizer)
+    packed = pack_sequences(ds[:], 16, pad_id=0)
+    assert packed.batch_size[0] == 1
+    with torch.no_grad():
+        lp = token_logprobs_from_model(model, packed[K.INPUT_IDS], None, position_ids=packed[K.POSITION_IDS])[0]
+        seg = packed[K.SEGMENT_IDS][0]
+        for s in range(1, 4):
+            cols = (seg == s).nonzero()[:, 0]
+            one = torch.ones(1, len(cols), dtype=torch.bool)
+            alone = token_logprobs_from_model(model, packed[K.INPUT_IDS][:, cols], one)[0]
+            torch.testing.assert_close(lp[cols[1:] - 1], alone, rtol=1e-5, atol=1e-5)
