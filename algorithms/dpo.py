@@ -53,7 +53,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.checks import check_float, check_mask, check_same_shape, require_keys
-from rlcore.registry import lookup
+from rlcore.checks import lookup
 
 __all__ = [
     "dpo_loss", "dpo", "DPO_LOSSES", "F_DIVERGENCES", "smoothed_sigmoid_loss", "chosen_nll", "preference_metrics",

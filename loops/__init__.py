@@ -1,14 +1,35 @@
 """rlcore.loops: collect, score, update and the fold; the only code that touches models and data."""
 
+from rlcore.loops import checkpoint as _checkpoint
+from rlcore.loops import collect as _collect
+from rlcore.loops import data as _data
+from rlcore.loops import fold as _fold
+from rlcore.loops import logging as _logging
+from rlcore.loops import models as _models
+from rlcore.loops import score as _score
+from rlcore.loops import state as _state
+from rlcore.loops import tasks as _tasks
+from rlcore.loops import update as _update
 from rlcore.loops.checkpoint import *  # noqa: F401,F403
-from rlcore.loops.checkpoint import __all__ as _checkpoint_all
+from rlcore.loops.collect import *  # noqa: F401,F403
+from rlcore.loops.data import *  # noqa: F401,F403
 from rlcore.loops.fold import *  # noqa: F401,F403
-from rlcore.loops.fold import __all__ as _fold_all
 from rlcore.loops.logging import *  # noqa: F401,F403
-from rlcore.loops.logging import __all__ as _logging_all
+from rlcore.loops.models import *  # noqa: F401,F403
+from rlcore.loops.score import *  # noqa: F401,F403
 from rlcore.loops.state import *  # noqa: F401,F403
-from rlcore.loops.state import __all__ as _state_all
+from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
-from rlcore.loops.update import __all__ as _update_all
 
-__all__ = [*_checkpoint_all, *_fold_all, *_logging_all, *_state_all, *_update_all]
+__all__ = [
+    *_checkpoint.__all__,
+    *_collect.__all__,
+    *_data.__all__,
+    *_fold.__all__,
+    *_logging.__all__,
+    *_models.__all__,
+    *_score.__all__,
+    *_state.__all__,
+    *_tasks.__all__,
+    *_update.__all__,
+]

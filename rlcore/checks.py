@@ -8,6 +8,7 @@ exception: it reads values, and is meant for the loop boundary (``loops/``), not
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -19,6 +20,7 @@ __all__ = [
     "require_keys",
     "check_finite",
     "NonFiniteError",
+    "lookup",
 ]
 
 
@@ -105,3 +107,24 @@ def check_finite(name: str, x: torch.Tensor) -> None:
         n_inf = int(torch.isinf(x).sum())
         raise NonFiniteError(f"{name}: {n_nan} NaN and {n_inf} inf values in a tensor of shape "
                              f"{_fmt(x.shape)}")
+
+
+V = TypeVar("V")
+
+
+def lookup(registry: Mapping[str, V], name: str, *, what: str = "name") -> V:
+    """``registry[name]``, or a ``ValueError`` naming the argument ``what`` and the valid names.
+
+    Every registry of rlcore is a plain dict; this is the one way they are read.
+
+    >>> lookup({"token_mean": 1}, "token_mean")
+    1
+    >>> lookup({"token_mean": 1}, "mean", what="agg")
+    Traceback (most recent call last):
+    ...
+    ValueError: agg: unknown 'mean'; valid: ['token_mean']
+    """
+    try:
+        return registry[name]
+    except KeyError:
+        raise ValueError(f"{what}: unknown {name!r}; valid: {sorted(registry)}") from None

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlcore.checks import check_float, check_mask, check_ndim
+from rlcore.checks import check_float, check_mask, check_ndim, lookup
 
 __all__ = [
     "masked_sum",
@@ -184,8 +184,4 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean"
     (tensor(2.3333), tensor(2.7500))
     """
     check_ndim("values", values, min_ndim=1, layout="[..., T]")
-    try:
-        fn = AGGREGATIONS[mode]
-    except KeyError:
-        raise ValueError(f"mode: unknown aggregation {mode!r}; valid: {sorted(AGGREGATIONS)}") from None
-    return fn(values, mask, num_tokens=num_tokens, num_seqs=num_seqs, max_length=max_length)
+    return lookup(AGGREGATIONS, mode, what="mode")(values, mask, num_tokens=num_tokens, num_seqs=num_seqs, max_length=max_length)

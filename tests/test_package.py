@@ -38,3 +38,27 @@ def test_regular_install_maps_the_three_folders(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(target)], cwd=tmp_path, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip().startswith(str(target))
+
+
+@pytest.mark.parametrize("package", ["rlcore", "rlcore.algorithms", "rlcore.loops"])
+def test_flat_namespace_exports_each_name_once(package):
+    import collections
+    import importlib
+
+    mod = importlib.import_module(package)
+    counts = collections.Counter(mod.__all__)
+    assert not [name for name, n in counts.items() if n > 1]
+    missing = [name for name in mod.__all__ if not hasattr(mod, name)]
+    assert not missing, f"{package}.__all__ names missing attributes: {missing}"
+
+
+def test_dependencies_point_one_way():
+    """rlcore/ never imports algorithms or loops; algorithms/ never imports loops."""
+    import re
+
+    rules = {"rlcore": r"^\s*(from|import)\s+(rlcore\.(algorithms|loops)|algorithms|loops)\b",
+             "algorithms": r"^\s*(from|import)\s+(rlcore\.loops|loops)\b"}
+    for folder, pattern in rules.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            bad = [line for line in path.read_text().splitlines() if re.match(pattern, line)]
+            assert not bad, f"{path.relative_to(ROOT)} imports against the layering: {bad}"

@@ -171,7 +171,7 @@ def test_bad_input_messages():
         masked_mean(x, torch.ones(3, 5, dtype=torch.bool))
     with pytest.raises(TypeError, match=r"values: expected a floating-point tensor"):
         masked_sum(torch.ones(3, 4, dtype=torch.long), torch.ones(3, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"unknown aggregation 'mean'; valid: \['seq_mean_token_mean'"):
+    with pytest.raises(ValueError, match=r"mode: unknown 'mean'; valid: \['seq_mean_token_mean'"):
         aggregate(x, x > 0, "mean")
     with pytest.raises(ValueError, match=r"values: expected at least 1 dims"):
         aggregate(torch.tensor(1.0), torch.tensor(True))
