@@ -1,0 +1,503 @@
+"""PPO: importance ratios, the clipped surrogate and its variants, the clipped value loss, metrics.
+
+Tensor kernels (unreduced, ``[..., T]`` in and out) and one loss on a rollout TensorDict::
+
+    importance_log_ratio   log ρ per token: token, sequence (GSPO) or sequence-sum (RLOO) level
+    clipped_surrogate      max(−Aρ, −A·clip(ρ, 1−ε_lo, 1+ε_hi)), optional dual clip
+    cispo_surrogate        −sg(clip(ρ, 1−ε_lo, 1+ε_hi))·A·log π
+    clipped_value_loss     ½·max((V̂−R)², (clip(V̂, V−c, V+c)−R)²)
+    approx_kl_k1/_k3, clip_fraction, ratio_stats, explained_variance, early_stop   (diagnostics)
+    ppo_loss(batch) -> (loss, metrics)
+
+Rollout keys (``rlcore.keys``), all ``[B, R]``: ``logprobs`` (differentiable), ``old_logprobs``,
+``advantages``, ``response_mask`` (bool); when used: ``ref_logprobs``, ``value_preds``
+(differentiable), ``values``, ``returns``, ``entropy`` (differentiable).
+
+Choices where the peers differ (each one is tested):
+- clip fractions count the tokens whose *binding* clip removes the gradient: low = ``ρ < 1−ε_lo``
+  with ``A < 0``, high = ``ρ > 1+ε_hi`` with ``A > 0`` (TRL); verl counts "clipped loss larger".
+- CISPO detaches the clipped weight (TRL, verl); torchrl does not.
+- the log-ratio clamp is symmetric and off by default (verl clamps at ±20 for tokens and at
+  +10 for GSPO; TRL does not clamp).
+- every term (policy, value, entropy, KL) is reduced by the same aggregation mode, so global
+  denominators (``num_tokens`` / ``num_seqs``) make micro-batches add up for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from rlcore import keys as K
+from rlcore.checks import check_float, check_mask, check_same_shape, lookup, require_keys
+from rlcore.kl import kl_estimate
+from rlcore.masked import aggregate, masked_mean, masked_sum, masked_var
+
+__all__ = [
+    "importance_log_ratio",
+    "token_log_ratio",
+    "sequence_log_ratio",
+    "sequence_sum_log_ratio",
+    "RATIO_LEVELS",
+    "Surrogate",
+    "clipped_surrogate",
+    "cispo_surrogate",
+    "SURROGATES",
+    "clipped_value_loss",
+    "approx_kl_k1",
+    "approx_kl_k3",
+    "clip_fraction",
+    "ratio_stats",
+    "explained_variance",
+    "early_stop",
+    "ppo_loss",
+]
+
+Tensor = torch.Tensor
+
+
+def _zero(x: Tensor, mask: Tensor) -> Tensor:
+    # torch.where, never x * mask: padding may hold NaN, and 0·NaN is NaN (in backward too).
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# --- importance ratios ------------------------------------------------------------------------
+def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """``log ρ_t = lp_t − old_t`` per token, 0 outside ``mask`` (PPO)."""
+    return _zero(logprobs - old_logprobs.detach(), mask)
+
+
+def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """GSPO: ``log s_t = lp_t − sg(lp_t) + sg(mean_t(lp − old))``, 0 outside ``mask``.
+
+    Each token's value is the sequence's length-normalised log-ratio and its gradient is
+    ``∇lp_t``. With a sequence-level advantage (the same ``A_i`` on every token, as GRPO/GSPO
+    estimators give) and any aggregation mode (all weigh the tokens of one sequence equally),
+    the aggregated loss has exactly the value and gradient of the sequence-level objective.
+    """
+    mean = masked_mean(logprobs.detach() - old_logprobs.detach(), mask, dim=-1, keepdim=True)
+    return _zero(logprobs - logprobs.detach() + mean, mask)
+
+
+def sequence_sum_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """RLOO (TRL): ``S = Σ_t (lp_t − old_t)`` broadcast to every token, with its full gradient.
+
+    Every token carries the same function ``S`` of the whole sequence, so under
+    ``seq_mean_token_mean`` the loss is ``mean_i ℓ(S_i)`` in value and gradient, TRL's
+    sequence-level RLOO loss. The ratio is ``exp`` of the *sum* (not the mean, unlike GSPO).
+    """
+    total = masked_sum(logprobs - old_logprobs.detach(), mask, dim=-1, keepdim=True)
+    return _zero(total.expand_as(logprobs), mask)
+
+
+RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "token": token_log_ratio,
+    "sequence": sequence_log_ratio,
+    "sequence_sum": sequence_sum_log_ratio,
+}
+
+
+def importance_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *, level: str = "token",
+                         clamp: float | None = None) -> Tensor:
+    """Log importance ratio ``log ρ = log π_θ − log π_old``, per token or per sequence.
+
+    - ``"token"``: ``lp_t − old_t`` (PPO).
+    - ``"sequence"``: ``lp_t − sg(lp_t) + sg(Σ_t m(lp − old) / Σ_t m)`` (GSPO).
+    - ``"sequence_sum"``: ``Σ_t m(lp − old)`` on every token, full gradient (TRL's RLOO).
+
+    With ``clamp = c`` the result is clamped to ``[−c, c]`` (verl uses 20 for tokens); a clamped
+    token has no gradient.
+
+    Args:
+        logprobs: ``[..., T]`` float, current policy, differentiable.
+        old_logprobs: ``[..., T]`` float, behaviour policy (detached).
+        mask: ``[..., T]`` bool, True on response tokens.
+        level: a key of ``RATIO_LEVELS``.  clamp: ``None`` or a positive float.
+    Returns:
+        ``[..., T]`` log-ratio, 0 outside ``mask`` (ratio 1), so padding never reaches ``exp``.
+
+    >>> lp, old = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.5, -1.5, 9.0]])
+    >>> m = torch.tensor([[True, True, False]])
+    >>> importance_log_ratio(lp, old, m), importance_log_ratio(lp, old, m, level="sequence_sum")
+    (tensor([[ 0.5000, -0.5000,  0.0000]]), tensor([[0., 0., 0.]]))
+
+    References:
+        Schulman et al., "Proximal Policy Optimization Algorithms", https://arxiv.org/abs/1707.06347
+        Zheng et al., "Group Sequence Policy Optimization", https://arxiv.org/abs/2507.18071
+        Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
+        from Human Feedback in LLMs" (RLOO), https://arxiv.org/abs/2402.14740
+    """
+    check_float("logprobs", logprobs)
+    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs)
+    check_mask("mask", mask, like=logprobs, like_name="logprobs")
+    log_ratio = lookup(RATIO_LEVELS, level, what="level")(logprobs, old_logprobs, mask)
+    if clamp is not None:
+        log_ratio = log_ratio.clamp(-clamp, clamp)
+    return log_ratio
+
+
+# --- policy surrogates ------------------------------------------------------------------------
+class Surrogate(NamedTuple):
+    """Per-token policy loss and where each clip bound was active, all ``[..., T]``."""
+
+    loss: Tensor          # float, differentiable
+    clipped_low: Tensor   # bool
+    clipped_high: Tensor  # bool
+    clipped_dual: Tensor  # bool (dual clip active; always False without it)
+
+
+def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, *, clip_eps_low: float = 0.2,
+                      clip_eps_high: float = 0.2, clip_ratio_c: float | None = None) -> Surrogate:
+    """PPO's clipped surrogate per token, with asymmetric bounds and an optional dual clip.
+
+    ``ℓ = max(−A·ρ, −A·clip(ρ, 1−ε_lo, 1+ε_hi))``, ``ρ = exp(log_ratio)``; with dual clip
+    (``c > 1``), for ``A < 0``: ``ℓ = min(ℓ, −A·c)`` (the loss of a negative-advantage token whose
+    ratio exploded is capped). ``ε_hi > ε_lo`` is DAPO's "clip-higher".
+
+    Args:
+        log_ratio: ``[..., T]`` float, ``log ρ`` (``importance_log_ratio``), differentiable.
+        advantages: ``[..., T]`` float (detached).
+        clip_eps_low, clip_eps_high: ``ε_lo``, ``ε_hi``.
+        clip_ratio_c: dual-clip constant ``c > 1`` (verl uses 3), or ``None``.
+    Returns:
+        ``Surrogate(loss, clipped_low, clipped_high, clipped_dual)``, each ``[..., T]``:
+        ``clipped_low`` is ``ρ < 1−ε_lo ∧ A < 0``, ``clipped_high`` is ``ρ > 1+ε_hi ∧ A > 0`` (the
+        tokens whose gradient the clip removes), ``clipped_dual`` is ``A < 0 ∧ ℓ > −A·c``.
+    Raises:
+        ValueError: ``clip_ratio_c`` is not greater than 1.
+
+    >>> out = clipped_surrogate(torch.tensor([0.0, 0.5, -0.5]).log1p(), torch.tensor([1.0, 1.0, -1.0]))
+    >>> out.loss, out.clipped_high, out.clipped_low
+    (tensor([-1.0000, -1.2000,  0.8000]), tensor([False,  True, False]), tensor([False, False,  True]))
+
+    References:
+        Schulman et al., "Proximal Policy Optimization Algorithms", https://arxiv.org/abs/1707.06347
+        Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+        https://arxiv.org/abs/2503.14476
+        Ye et al., "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning"
+        (dual clip), https://arxiv.org/abs/1912.09729
+    Gradient: through ``log_ratio`` only; ``advantages`` is detached. Clipped tokens get none.
+    """
+    check_float("log_ratio", log_ratio)
+    check_same_shape("log_ratio", log_ratio, advantages=advantages)
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c: the dual-clip constant must be > 1, got {clip_ratio_c}")
+    adv = advantages.detach()
+    ratio = torch.exp(log_ratio)
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high))
+    low = (ratio < 1.0 - clip_eps_low) & (adv < 0)
+    high = (ratio > 1.0 + clip_eps_high) & (adv > 0)
+    if clip_ratio_c is None:
+        return Surrogate(loss, low, high, torch.zeros_like(low))
+    cap = -adv * clip_ratio_c
+    dual = (adv < 0) & (loss > cap)
+    return Surrogate(torch.where(dual, cap, loss), low, high, dual)
+
+
+def cispo_surrogate(log_ratio: Tensor, logprobs: Tensor, advantages: Tensor, *, clip_eps_low: float = 1.0,
+                    clip_eps_high: float = 4.0) -> Surrogate:
+    """CISPO per token: ``ℓ = −sg(clip(ρ, 1−ε_lo, 1+ε_hi))·A·lp``.
+
+    The importance weight is clipped and detached; unlike PPO every token keeps a gradient
+    ``−w·A·∇lp``. Defaults: no lower bound (``ε_lo = 1``, as the paper) and a cap ``ρ ≤ 5``
+    (``ε_hi = 4``, the ε_max recommended by ScaleRL, https://arxiv.org/abs/2510.13786).
+    Peers differ: TRL and verl detach the clipped weight, torchrl does not; we detach.
+
+    Args:
+        log_ratio: ``[..., T]`` float, ``log ρ`` (its gradient is not used).
+        logprobs: ``[..., T]`` float, current policy, differentiable.
+        advantages: ``[..., T]`` float (detached).
+        clip_eps_low, clip_eps_high: bounds of the weight.
+    Returns:
+        ``Surrogate``: ``clipped_low/high`` mark weights cut at ``1−ε_lo`` / ``1+ε_hi`` (whatever
+        the sign of ``A``); ``clipped_dual`` is all False.
+
+    >>> cispo_surrogate(torch.tensor([0.0, 2.0]), torch.tensor([-1.0, -2.0]), torch.tensor([1.0, 1.0])).loss
+    tensor([ 1., 10.])
+
+    References:
+        MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+        https://arxiv.org/abs/2506.13585
+    Gradient: through ``logprobs`` only.
+    """
+    check_float("logprobs", logprobs)
+    check_same_shape("logprobs", logprobs, log_ratio=log_ratio, advantages=advantages)
+    ratio = torch.exp(log_ratio.detach())
+    weight = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    loss = -weight * advantages.detach() * logprobs
+    low, high = ratio < 1.0 - clip_eps_low, ratio > 1.0 + clip_eps_high
+    return Surrogate(loss, low, high, torch.zeros_like(low))
+
+
+def _clip_entry(log_ratio, logprobs, advantages, **clip):
+    return clipped_surrogate(log_ratio, advantages, **clip)
+
+
+def _cispo_entry(log_ratio, logprobs, advantages, *, clip_eps_low, clip_eps_high, clip_ratio_c):
+    if clip_ratio_c is not None:
+        raise ValueError(f"clip_ratio_c: dual clip applies to surrogate='clip' only, got {clip_ratio_c}")
+    return cispo_surrogate(log_ratio, logprobs, advantages, clip_eps_low=clip_eps_low,
+                           clip_eps_high=clip_eps_high)
+
+
+# One signature: (log_ratio, logprobs, advantages, *, clip_eps_low, clip_eps_high, clip_ratio_c).
+SURROGATES: dict[str, Callable[..., Surrogate]] = {
+    "clip": _clip_entry,
+    "cispo": _cispo_entry,
+}
+
+
+# --- value loss ---------------------------------------------------------------------------
+def clipped_value_loss(value_preds: Tensor, values: Tensor | None, returns: Tensor, *,
+                       cliprange_value: float | None = 0.2) -> Tensor:
+    """Clipped value loss per token: ``½·max((V̂−R)², (clip(V̂, V−c, V+c)−R)²)``.
+
+    ``cliprange_value=None`` gives the plain ``½(V̂−R)²`` (``values`` may then be ``None``).
+
+    Args:
+        value_preds: ``[..., T]`` float, ``V̂`` of the critic being trained, differentiable.
+        values: ``[..., T]`` float, ``V`` recorded with the rollout (detached).
+        returns: ``[..., T]`` float, targets ``R`` (detached).
+        cliprange_value: ``c``.
+    Returns:
+        ``[..., T]`` per-token loss.
+
+    >>> clipped_value_loss(torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([0.0]))
+    tensor([0.5000])
+
+    References:
+        Schulman et al., "Proximal Policy Optimization Algorithms", https://arxiv.org/abs/1707.06347
+        (the value clip of the OpenAI baselines implementation).
+    Gradient: through ``value_preds`` only.
+    """
+    check_float("value_preds", value_preds)
+    check_same_shape("value_preds", value_preds, values=values, returns=returns)
+    returns = returns.detach()
+    unclipped = (value_preds - returns).square()
+    if cliprange_value is None:
+        return 0.5 * unclipped
+    if values is None:
+        raise ValueError("values: required when cliprange_value is set (the clip is around them)")
+    values = values.detach()
+    clipped = values + (value_preds - values).clamp(-cliprange_value, cliprange_value)
+    return 0.5 * torch.maximum(unclipped, (clipped - returns).square())
+
+
+# --- diagnostics: [..., T] values and bool mask in, detached [] out (0 for an empty mask) ----
+def approx_kl_k1(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """k1 estimate of ``KL(π_old‖π_θ)``: ``mean_{mask}(old − lp) = mean(−log ρ)``.
+
+    Legacy TRL's ``policykl`` and verl's ``ppo_kl``; can be negative.
+
+    >>> approx_kl_k1(torch.tensor([0.1, -0.3, 9.0]), torch.tensor([True, True, False]))
+    tensor(0.1000)
+
+    Reference: J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
+    """
+    return masked_mean(-log_ratio.detach(), mask)
+
+
+def approx_kl_k3(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """k3 estimate of ``KL(π_old‖π_θ)``: ``mean_{mask}(ρ − 1 − log ρ)``, unbiased and ≥ 0.
+
+    >>> approx_kl_k3(torch.tensor([0.0, 0.0]), torch.tensor([True, True]))
+    tensor(0.)
+
+    Reference: J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
+    """
+    lr = log_ratio.detach()
+    return masked_mean(torch.expm1(lr) - lr, mask)
+
+
+def clip_fraction(clipped: Tensor, mask: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``Σ_{mask} clipped / Σ mask``: the fraction of valid tokens flagged by ``clipped`` (bool).
+
+    >>> clip_fraction(torch.tensor([True, False, True]), torch.tensor([True, True, False]))
+    tensor(0.5000)
+    """
+    return masked_mean(clipped.to(dtype), mask)
+
+
+def ratio_stats(log_ratio: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(mean_{mask} ρ, max_{mask} ρ)`` with ``ρ = exp(log_ratio)``.
+
+    >>> ratio_stats(torch.tensor([0.0, 0.5, 7.0]).log1p(), torch.tensor([True, True, False]))
+    (tensor(1.2500), tensor(1.5000))
+    """
+    ratio = torch.exp(_zero(log_ratio.detach(), mask))
+    return masked_mean(ratio, mask), _zero(ratio, mask).amax()
+
+
+def explained_variance(predictions: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """``1 − Var(R − V)/Var(R)`` over ``mask`` (unbiased variances), ``[]``, detached.
+
+    1 is a perfect critic, 0 no better than a constant, negative worse. Defined as 0 when the
+    targets have no variance (peers give NaN).
+
+    Args:
+        predictions: ``[..., T]`` float ``V``.  targets: ``[..., T]`` float ``R``.  mask: ``[..., T]`` bool.
+    Returns:
+        ``[]``, dtype of ``targets``.
+
+    >>> v, r = torch.tensor([1.0, 2.0, 2.0]), torch.tensor([1.0, 3.0, 2.0])
+    >>> explained_variance(v, r, torch.ones(3, dtype=torch.bool))
+    tensor(0.6667)
+    """
+    targets, predictions = targets.detach(), predictions.detach()
+    var_t = masked_var(targets, mask)
+    var_res = masked_var(_zero(targets, mask) - _zero(predictions, mask), mask)
+    tiny = torch.finfo(var_t.dtype).tiny
+    return torch.where(var_t > 0, 1 - var_res / var_t.clamp(min=tiny), torch.zeros_like(var_t))
+
+
+def early_stop(approx_kl: Tensor, *, target_kl: float, factor: float = 1.5) -> Tensor:
+    """``approx_kl > factor·target_kl``: a ``[]`` bool tensor telling the loop to stop the epoch.
+
+    Legacy TRL skips the rest of a PPO step when the policy KL exceeds 1.5× its target.
+    The decision is a tensor: the loop (not a kernel) turns it into a Python bool.
+
+    >>> early_stop(torch.tensor(0.2), target_kl=0.1)
+    tensor(True)
+    """
+    return torch.as_tensor(approx_kl).detach() > factor * target_kl
+
+
+# --- the loss ------------------------------------------------------------------------------
+_LAYOUTS = {k: "[B, R]" for k in (K.LOGPROBS, K.OLD_LOGPROBS, K.ADVANTAGES, K.RESPONSE_MASK,
+                                    K.REF_LOGPROBS, K.VALUE_PREDS, K.VALUES, K.RETURNS, K.ENTROPY)}
+
+
+def _is_zero(coef) -> bool:
+    # A tensor coefficient (an adaptive state) is never assumed to be 0: no branching on data.
+    return isinstance(coef, (int, float)) and coef == 0
+
+
+def _token_entry(batch: TensorDictBase, key: str, mask: Tensor) -> Tensor:
+    """``batch[key]`` checked to be a float ``[B, R]`` like the mask, zeroed outside it."""
+    x = batch.get(key)
+    check_float(key, x)
+    check_same_shape(K.RESPONSE_MASK, mask, **{key: x})
+    return _zero(x, mask)
+
+
+def _policy_terms(batch, mask, agg, *, surrogate, clip_eps_low, clip_eps_high, clip_ratio_c,
+                  log_ratio_clamp, ratio_level, entropy_coef, kl_coef, kl):
+    lp = _token_entry(batch, K.LOGPROBS, mask)
+    old = _token_entry(batch, K.OLD_LOGPROBS, mask)
+    adv = _token_entry(batch, K.ADVANTAGES, mask)
+    log_ratio = importance_log_ratio(lp, old, mask, level=ratio_level, clamp=log_ratio_clamp)
+    sur = lookup(SURROGATES, surrogate, what="surrogate")(
+        log_ratio, lp, adv, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, clip_ratio_c=clip_ratio_c)
+    zero = lp.new_zeros(())
+    losses = {"loss_policy": agg(sur.loss), "loss_entropy": zero, "loss_kl": zero}
+    token_lr = lp.detach() - old
+    ratio_mean, ratio_max = ratio_stats(log_ratio, mask)
+    metrics = {"approx_kl_k1": approx_kl_k1(token_lr, mask), "approx_kl_k3": approx_kl_k3(token_lr, mask),
+               "clipfrac_low": clip_fraction(sur.clipped_low, mask, dtype=lp.dtype),
+               "clipfrac_high": clip_fraction(sur.clipped_high, mask, dtype=lp.dtype),
+               "clipfrac_dual": clip_fraction(sur.clipped_dual, mask, dtype=lp.dtype),
+               "ratio_mean": ratio_mean, "ratio_max": ratio_max}
+    if not _is_zero(entropy_coef) or K.ENTROPY in batch.keys():
+        require_keys(batch, [K.ENTROPY], where="ppo_loss (entropy_coef != 0)", layouts=_LAYOUTS)
+        entropy = _token_entry(batch, K.ENTROPY, mask)
+        losses["loss_entropy"] = -entropy_coef * agg(entropy)
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+    if not _is_zero(kl_coef):
+        require_keys(batch, [K.REF_LOGPROBS], where="ppo_loss (kl_coef != 0)", layouts=_LAYOUTS)
+        kl_tok = kl_estimate(lp, _token_entry(batch, K.REF_LOGPROBS, mask).detach(), kind=kl)
+        kl_agg = agg(kl_tok)
+        losses["loss_kl"] = kl_coef * kl_agg
+        metrics["kl_ref"] = kl_agg.detach()
+    return losses, metrics
+
+
+def _value_terms(batch, mask, agg, *, vf_coef, cliprange_value):
+    needed = [K.RETURNS] + ([] if cliprange_value is None else [K.VALUES])
+    require_keys(batch, needed, where="ppo_loss (value term)", layouts=_LAYOUTS)
+    preds = _token_entry(batch, K.VALUE_PREDS, mask)
+    returns = _token_entry(batch, K.RETURNS, mask)
+    values = None if cliprange_value is None else _token_entry(batch, K.VALUES, mask)
+    per_token = clipped_value_loss(preds, values, returns, cliprange_value=cliprange_value)
+    outside = (torch.zeros_like(mask) if values is None
+               else (preds.detach() - values).abs() > cliprange_value)
+    metrics = {"value_loss_unweighted": agg(per_token).detach(),
+               "clipfrac_value": clip_fraction(outside, mask, dtype=preds.dtype),
+               "explained_variance": explained_variance(preds, returns, mask)}
+    return {"loss_value": vf_coef * agg(per_token)}, metrics
+
+
+def ppo_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low: float = 0.2,
+             clip_eps_high: float = 0.2, clip_ratio_c: float | None = None,
+             log_ratio_clamp: float | None = None, ratio_level: str = "token", vf_coef: float = 0.1,
+             cliprange_value: float | None = 0.2, entropy_coef: float = 0.0, kl_coef: float = 0.0,
+             kl: str = "k3", agg: str = "token_mean", num_tokens=None, num_seqs=None, max_length=None,
+             ratio_threshold: float | None = None) -> tuple[Tensor, TensorDict]:
+    """The PPO loss of a rollout: clipped surrogate + value + entropy bonus + KL in the loss.
+
+    ``loss = agg(ℓ_pg) + vf_coef·agg(ℓ_vf) − entropy_coef·agg(H) + kl_coef·agg(KL(π_θ‖π_ref))``
+
+    with ``ℓ_pg`` from ``SURROGATES[surrogate]`` on ``importance_log_ratio(level=ratio_level)``,
+    ``ℓ_vf = clipped_value_loss`` and ``agg = rlcore.masked.aggregate(·, mask, agg, ...)``.
+    Each term is present only when asked for, and then its keys are required:
+    - value: when ``value_preds`` is in the batch (needs ``returns``, and ``values`` unless
+      ``cliprange_value=None``); critic-free methods use ``policy_gradient.policy_loss``;
+    - entropy: when ``entropy`` is in the batch or ``entropy_coef != 0``;
+    - KL in the loss: when ``kl_coef != 0`` (needs ``ref_logprobs``), per token
+      ``rlcore.kl.kl_estimate(lp, ref, kind=kl)``. KL in the *reward* is the other, separate
+      placement (``rlcore.rewards``); use one or the other, explicitly.
+    ``ratio_threshold`` (legacy TRL, 10 there): when the masked mean ratio exceeds it, every
+    term is replaced by 0 (graph kept, no Python branch) and ``skipped_ratio_threshold`` is 1.
+
+    Args:
+        batch: TensorDict ``[B]`` with ``logprobs``, ``old_logprobs``, ``advantages`` ``[B, R]``
+            float and ``response_mask`` ``[B, R]`` bool; optionally ``value_preds``, ``values``,
+            ``returns``, ``entropy``, ``ref_logprobs`` ``[B, R]``. Padding may hold anything.
+        surrogate: ``"clip"`` or ``"cispo"`` (``SURROGATES``).
+        clip_eps_low, clip_eps_high, clip_ratio_c: see ``clipped_surrogate``.
+        log_ratio_clamp, ratio_level: see ``importance_log_ratio``.
+        vf_coef, cliprange_value: value-loss weight and clip (``None``: unclipped).
+        entropy_coef, kl_coef, kl: entropy bonus weight; KL weight and estimator name.
+        agg, num_tokens, num_seqs, max_length: see ``rlcore.masked.aggregate``.
+        ratio_threshold: ``None`` or the mean ratio above which the batch is skipped.
+    Returns:
+        ``(loss [], metrics)``; metrics (detached ``[]``): ``loss_policy``, ``loss_entropy``,
+        ``loss_kl``, ``loss_value`` (with a critic) sum to ``loss``; ``approx_kl_k1/_k3``,
+        ``clipfrac_low/_high/_dual``, ``ratio_mean/_max``, ``skipped_ratio_threshold``, and when
+        present ``entropy``, ``kl_ref``, ``value_loss_unweighted``, ``clipfrac_value``,
+        ``explained_variance`` (of ``value_preds`` against ``returns``).
+
+    References:
+        Schulman et al., "Proximal Policy Optimization Algorithms", https://arxiv.org/abs/1707.06347
+        Ouyang et al., "Training language models to follow instructions with human feedback",
+        https://arxiv.org/abs/2203.02155
+    Gradient: through ``logprobs``, ``value_preds`` and ``entropy``; ``old_logprobs``,
+    ``advantages``, ``ref_logprobs``, ``values`` and ``returns`` are detached. Positions outside
+    the mask get exactly zero gradient.
+    """
+    require_keys(batch, [K.LOGPROBS, K.OLD_LOGPROBS, K.ADVANTAGES, K.RESPONSE_MASK], where="ppo_loss",
+                 layouts=_LAYOUTS)
+    mask = batch.get(K.RESPONSE_MASK)
+    check_mask(K.RESPONSE_MASK, mask)
+
+    def agg_fn(x: Tensor) -> Tensor:
+        return aggregate(x, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_length=max_length)
+
+    losses, metrics = _policy_terms(
+        batch, mask, agg_fn, surrogate=surrogate, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+        clip_ratio_c=clip_ratio_c, log_ratio_clamp=log_ratio_clamp, ratio_level=ratio_level,
+        entropy_coef=entropy_coef, kl_coef=kl_coef, kl=kl)
+    if K.VALUE_PREDS in batch.keys():
+        value_losses, value_metrics = _value_terms(batch, mask, agg_fn, vf_coef=vf_coef,
+                                                   cliprange_value=cliprange_value)
+        losses, metrics = {**losses, **value_losses}, {**metrics, **value_metrics}
+    skip = (torch.zeros((), dtype=torch.bool, device=mask.device) if ratio_threshold is None
+            else metrics["ratio_mean"] > ratio_threshold)
+    losses = {k: torch.where(skip, torch.zeros_like(v), v) for k, v in losses.items()}
+    loss = torch.stack(list(losses.values())).sum()
+    dtype = loss.dtype
+    metrics = {**{k: v.detach() for k, v in losses.items()}, **metrics,
+               "skipped_ratio_threshold": skip.to(dtype)}
+    return loss, TensorDict({k: v.detach().to(dtype) for k, v in metrics.items()}, batch_size=[])
