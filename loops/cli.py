@@ -1,0 +1,171 @@
+"""The ``rlcore`` command: ``demo``, ``train RECIPE``, ``eval RECIPE``, ``recipes``.
+
+``rlcore train RECIPE [--config FILE.yaml] [--FIELD VALUE ...]`` runs a recipe of ``RECIPES``;
+its options are the fields of the recipe's ``Config`` (``rlcore train RECIPE --help`` lists them
+with their defaults and documentation). Values given on the command line override the YAML,
+which overrides the defaults; unknown fields are an error that lists the valid ones.
+
+``rlcore eval RECIPE --checkpoint DIR`` evaluates a saved policy on the recipe's held-out split,
+against the policy its run started from (the reference for KL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["RECIPES", "recipe_module", "field_docs", "main"]
+
+# recipe name -> module of rlcore.loops with ``Config``, ``train(config)`` and ``evaluate(state, config)``
+RECIPES: dict[str, str] = {
+    "sft": "rlcore.loops.sft",
+    "reward": "rlcore.loops.reward",
+    "dpo": "rlcore.loops.dpo",
+    "ppo": "rlcore.loops.ppo",
+    "rloo": "rlcore.loops.rloo",
+    "grpo": "rlcore.loops.grpo",
+    "online_dpo": "rlcore.loops.online_dpo",
+    "ddpo": "rlcore.loops.ddpo",
+}
+
+
+def recipe_module(name: str) -> ModuleType:
+    """The module of recipe ``name``; unknown names raise ``ValueError`` listing the recipes."""
+    from rlcore.checks import lookup
+
+    return importlib.import_module(lookup(RECIPES, name, what="recipe"))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``field -> the comment written after it`` in the dataclass source (and its bases')."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for match in re.finditer(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE):
+            docs[match.group(1)] = match.group(2).strip()
+    return docs
+
+
+def _recipe_parser(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    parser.add_argument("--config", type=Path, help="a YAML file of fields (configs/<recipe>.yaml)")
+    docs = field_docs(config_cls)
+    group = parser.add_argument_group("fields of the recipe's Config (YAML keys, or --flags here)")
+    for f in dataclasses.fields(config_cls):
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        group.add_argument(f"--{f.name}", dest=f"field_{f.name}", default=None, metavar="VALUE",
+                           help=f"{docs.get(f.name, '')} [default: {default!r}]".strip())
+
+
+def _config(module: ModuleType, args: argparse.Namespace, base: dict[str, Any] | None = None,
+            forced: dict[str, Any] | None = None) -> Any:
+    """The recipe's ``Config``: defaults < ``base`` < the ``--config`` YAML < ``--field`` flags < ``forced``."""
+    import yaml
+
+    from rlcore.loops.recipe import load_config
+
+    values = dict(base or {})
+    if args.config is not None:
+        values.update(yaml.safe_load(Path(args.config).read_text()) or {})
+    values.update({k[len("field_"):]: _parse_value(v) for k, v in vars(args).items()
+                   if k.startswith("field_") and v is not None})
+    values.update(forced or {})
+    return load_config(module.Config, None, values)
+
+
+def _parse_value(text: str) -> Any:
+    """Command-line text -> a YAML scalar (so ``--lr 1e-4``, ``--packing true``, ``--top_k null`` work)."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def _train(args: argparse.Namespace) -> int:
+    module = recipe_module(args.recipe)
+    config = _config(module, args)
+    _, history = module.train(config)
+    if history:
+        print(json.dumps({"final": history[-1]}, indent=None))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from rlcore.loops.checkpoint import latest_checkpoint
+    from rlcore.loops.models import make_reference
+    from rlcore.loops.recipe import build_policy
+    from rlcore.loops.state import init_state
+
+    module = recipe_module(args.recipe)
+    path = Path(args.checkpoint)
+    if not (path / "trainer_state.json").exists():  # a run directory: its latest checkpoint
+        path = latest_checkpoint(path) or path
+    saved = path / "config.json"
+    start = json.loads(saved.read_text()) if saved.exists() else {}
+    known = {f.name for f in dataclasses.fields(module.Config)}
+    start = {k: v for k, v in start.items() if k in known}
+    # The reference for KL: the policy the run started from (its own init_from, or a fresh init).
+    reference, _ = build_policy(_config(module, args, start, {"resume": False}))
+    config = _config(module, args, start, {"init_from": str(path), "resume": False})
+    policy, _ = build_policy(config)
+    state = init_state({"policy": policy, "ref": make_reference(reference)}, seed=config.seed)
+    print(json.dumps(module.evaluate(state, config), indent=2))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rlcore.loops import demo
+
+    return demo.main(args)
+
+
+def _recipes(args: argparse.Namespace) -> int:
+    for name, path in RECIPES.items():
+        doc = (importlib.import_module(path).__doc__ or "").strip().splitlines()[0]
+        print(f"{name:12s} {doc}")
+    return 0
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlcore", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    from rlcore.loops import demo
+
+    demo.add_arguments(sub.add_parser("demo", help="the built-in offline post-training demo",
+                                      description=demo.__doc__.splitlines()[0]))
+    sub.add_parser("recipes", help="list the recipes")
+    # Recipe options depend on the recipe: import only the one named on the command line.
+    recipe = next((a for a in argv[1:] if not a.startswith("-")), None) if argv[:1] in (["train"], ["eval"]) else None
+    for command, help_text in (("train", "run a recipe"), ("eval", "evaluate a checkpoint of a recipe")):
+        p = sub.add_parser(command, help=help_text)
+        p.add_argument("recipe", choices=sorted(RECIPES), help="which recipe")
+        if command == "eval":
+            p.add_argument("--checkpoint", required=True, help="a checkpoint directory or a run directory")
+        if recipe in RECIPES and argv[0] == command:
+            _recipe_parser(p, recipe_module(recipe).Config)
+        else:
+            p.add_argument("--config", type=Path)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    handler = {"train": _train, "eval": _eval, "demo": _demo, "recipes": _recipes}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
