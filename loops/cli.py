@@ -35,6 +35,7 @@ RECIPES: dict[str, str] = {
     "grpo": "rlcore.loops.grpo",
     "online_dpo": "rlcore.loops.online_dpo",
     "ddpo": "rlcore.loops.ddpo",
+    "reft": "rlcore.loops.reft",
 }
 
 

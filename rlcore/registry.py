@@ -17,7 +17,8 @@ from rlcore.masked import AGGREGATIONS
 from rlcore.returns import with_gae
 from rlcore.transforms import KL_CONTROLLERS
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "AGGREGATIONS", "KL_CONTROLLERS", "lookup"]
+# KL_ESTIMATORS, AGGREGATIONS, KL_CONTROLLERS and lookup are re-exported from their home modules.
+__all__ = ["ADVANTAGE_ESTIMATORS"]
 
 ADVANTAGE_ESTIMATORS = {
     "gae": with_gae,

@@ -1,0 +1,298 @@
+"""ReFT recipes: representation fine-tuning trained by the same fold, update and loss closures.
+
+The policy is a frozen base model plus ``ReftInterventions`` and the optimiser sees only the
+interventions' parameters. Every recipe's ``update`` loss closure becomes its ReFT version with
+``with_interventions`` (the policy forwards run inside ``intervened(state, batch)``, at the
+batch's ``INTERVENTION_LOCATIONS``); whatever runs outside is the base model itself, which is
+therefore the reference policy for free (``"ref"`` is the same object: no copy).
+
+- SFT (``reft_sft_step``): ``loops.sft.sft_loss_fn`` with the interventions on;
+  state ``{"policy": base, "ref": base, "interventions": iv}`` (``init_reft_state``), so a
+  checkpoint stores the interventions only.
+- DPO (``reft_dpo_step``): reference log-probs from the base model (interventions off), then
+  ``loops.dpo.preference_loss_fn`` with them on; the same state.
+- GRPO / RLOO (``reft_grpo_step`` / ``reft_rloo_step`` with ``train_reft_online``): the policy is a
+  ``ReftModel`` (``{"policy": ReftModel(base), "ref": base}``), so the online recipes' collection
+  and evaluation generate with the interventions at the prompt positions (with a KV cache only the
+  prompt is edited, ``rlcore.loops.reft_model``); the rollout gets its locations and the loss
+  closure ``loops.online.policy_loss_fn`` runs inside ``intervened``.
+
+``train_reft_sft(config)`` runs the SFT recipe from a ``ReftConfig`` (``configs/reft_sft.yaml`` via
+``load_config``) with the scaffolding of ``rlcore.loops.recipe``.
+
+References:
+    Wu et al., "ReFT: Representation Finetuning for Language Models", https://arxiv.org/abs/2404.03592.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from rlcore import keys as K
+from rlcore.algorithms.policy_gradient import rloo_loss
+from rlcore.algorithms.reft import trainable_parameters
+from rlcore.baselines import with_grpo_advantage, with_rloo_advantage
+from rlcore.loops.dpo import preference_loss_fn, with_reference
+from rlcore.loops.data import tokenize_dataset
+from rlcore.loops.grpo import grpo_loss_fn
+from rlcore.loops.models import pad_token_id
+from rlcore.loops.online import collect_rollout, policy_loss_fn, rollout_metrics, train_online
+from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
+from rlcore.loops.recipe import load_config as load_recipe_config
+from rlcore.loops.reft_data import ReftSpec, collate_reft, with_intervention_locations
+from rlcore.loops.reft_model import (ReftInterventions, ReftModel, intervention_dtype, make_interventions,
+                                     with_interventions)
+from rlcore.loops.sft import scoring_mask, sft_loss_fn
+from rlcore.loops.state import TrainState, advance, init_state
+from rlcore.loops.tasks import task_dataset
+from rlcore.loops.update import make_optimizer, update
+from rlcore.rewards import with_rewards
+
+__all__ = [
+    "init_reft_state", "trainable_fraction", "reft_sft_step", "reft_dpo_step", "reft_grpo_step", "reft_rloo_step",
+    "reft_online_models", "train_reft_online", "ReftConfig", "reft_spec", "load_config", "reft_eval_loss",
+    "evaluate", "train_reft_sft", "Config", "train",
+]
+
+
+def _new_interventions(model: nn.Module, spec: ReftSpec, zero_init: bool, seed: int) -> ReftInterventions:
+    return make_interventions(spec, model.config.hidden_size, zero_init=zero_init,
+                              generator=torch.Generator().manual_seed(seed), dtype=intervention_dtype(model),
+                              device=next(model.parameters()).device)
+
+
+def init_reft_state(model: nn.Module, spec: ReftSpec, *, lr: float, weight_decay: float = 0.0,
+                    zero_init: bool = False, seed: int = 0) -> TrainState:
+    """A ``TrainState`` ``{"policy": model, "ref": model, "interventions": iv}``, AdamW over ``iv`` only.
+
+    ``model`` is frozen (``requires_grad_(False)``); the interventions are initialised from
+    ``torch.Generator().manual_seed(seed)`` in ``intervention_dtype(model)``.
+    """
+    model.requires_grad_(False)
+    interventions = _new_interventions(model, spec, zero_init, seed)
+    optimizer = make_optimizer(trainable_parameters(interventions.values()), lr=lr, weight_decay=weight_decay)
+    return init_state({"policy": model, "ref": model, "interventions": interventions}, optimizer=optimizer, seed=seed)
+
+
+def trainable_fraction(state: TrainState) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts: the interventions' against base + interventions."""
+    policy = state.model("policy")
+    base, iv = (policy.model, policy.interventions) if isinstance(policy, ReftModel) else \
+        (policy, state.model("interventions"))
+    trainable = sum(p.numel() for p in trainable_parameters(iv.values()))
+    return trainable, trainable + sum(p.numel() for p in base.parameters())
+
+
+# --- steps -------------------------------------------------------------------------------------
+def _device(state: TrainState) -> torch.device:
+    return next(state.model("policy").parameters()).device
+
+
+def reft_sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean", chunked: bool = True,
+                  micro_batch_size: int | None = None,
+                  max_grad_norm: float | None = 1.0) -> tuple[TrainState, TensorDict]:
+    """One ReFT SFT step (impure: it trains the interventions).
+
+    ``loss = aggregate(−log p_Φ(x_t | x_<t), loss_mask, agg)``: ``loops.sft.sft_loss_fn`` on the
+    ``scoring_mask`` of the batch, its forwards inside ``intervened``. Reads ``input_ids``,
+    ``attention_mask``, ``loss_mask`` ``[B, T]`` and ``INTERVENTION_LOCATIONS [B, n]``.
+    """
+    batch = scoring_mask(batch.to(_device(state)))
+    loss_fn = with_interventions(functools.partial(sft_loss_fn, agg=agg, chunked=chunked))
+    state, metrics = update(state, batch, loss_fn, micro_batch_size=micro_batch_size, mask_key=K.LOSS_MASK,
+                            max_grad_norm=max_grad_norm)
+    return advance(state, samples_seen=batch.batch_size[0], tokens_seen=batch.get(K.ATTENTION_MASK).sum()), metrics
+
+
+def reft_dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, chunked: bool = True,
+                  micro_batch_size: int | None = None,
+                  max_grad_norm: float | None = 1.0) -> tuple[TrainState, TensorDict]:
+    """One ReFT preference step: reference log-probs from ``state.model("ref")`` (the base model,
+    interventions off; skipped when the batch carries them), then ``update`` with
+    ``preference_loss_fn`` inside ``intervened``. ``loss``: a bound pairwise loss, e.g.
+    ``functools.partial(rlcore.algorithms.dpo.dpo, beta=0.1)`` or ``loops.dpo.bind_loss(config)``.
+    Reads a preference batch with ``INTERVENTION_LOCATIONS`` on each side.
+    """
+    batch = with_reference(state, batch.to(_device(state)), chunked=chunked)
+    loss_fn = with_interventions(functools.partial(preference_loss_fn, loss=loss, chunked=chunked))
+    state, metrics = update(state, batch, loss_fn, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
+    return advance(state, samples_seen=batch.batch_size[0]), metrics
+
+
+def _reft_collect(state: TrainState, rows: dict, **kwargs) -> tuple[TrainState, TensorDict]:
+    state, rollout = collect_rollout(state, rows, **kwargs)  # generation through the ReftModel policy
+    return state, with_intervention_locations(rollout, state.model("policy").spec)
+
+
+def _online_update(state, rollout, loss, config) -> tuple[TrainState, TensorDict]:
+    loss_fn = with_interventions(functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature))
+    state, metrics = update(state, rollout, loss_fn, minibatch_size=config.minibatch_size,
+                            micro_batch_size=config.micro_batch_size, epochs=config.epochs,
+                            mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
+    return state, metrics.update(rollout_metrics(rollout))
+
+
+def reft_grpo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
+                   reward_fn) -> tuple[TrainState, TensorDict]:
+    """``loops.grpo.step`` for a ``ReftModel`` policy: collect (intervened generation, base reference),
+    group advantages, update of the interventions with ``policy_loss_fn`` inside ``intervened``."""
+    state, rollout = _reft_collect(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    rollout = with_grpo_advantage(rollout, scale=config.scale, eps=config.eps)
+    return _online_update(state, rollout, grpo_loss_fn(config), config)
+
+
+def reft_rloo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
+                   reward_fn) -> tuple[TrainState, TensorDict]:
+    """``loops.rloo.step`` for a ``ReftModel`` policy (KL-penalised rewards against the base model)."""
+    state, rollout = _reft_collect(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    rollout = with_rloo_advantage(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
+    loss = functools.partial(rloo_loss, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
+    return _online_update(state, rollout, loss, config)
+
+
+def reft_online_models(spec: ReftSpec, *, zero_init: bool = False, seed: int = 0) -> Callable[[nn.Module], dict]:
+    """``extra_models`` of ``loops.online.build_online_state``: ``{"policy": ReftModel(base), "ref": base}``."""
+    def models(policy: nn.Module) -> dict[str, nn.Module]:
+        return {"policy": ReftModel(policy, interventions=_new_interventions(policy, spec, zero_init, seed)),
+                "ref": policy}
+    return models
+
+
+def train_reft_online(config: Any, step: Callable, spec: ReftSpec, *, zero_init: bool = False, reward_fn=None,
+                      callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
+    """GRPO / RLOO with ReFT: ``train_online(config, step)`` (``step``: ``reft_grpo_step`` or
+    ``reft_rloo_step``, ``config``: ``loops.grpo.Config`` / ``loops.rloo.Config``) with the
+    policy wrapped in a ``ReftModel`` and the base model as the reference.
+
+    ``build_online_state`` still makes (and drops) a copy of the policy for its default reference.
+    """
+    return train_online(config, step, reward_fn=reward_fn, name=f"reft_{step.__name__.split('_')[1]}",
+                        callbacks=callbacks, extra_models=reft_online_models(spec, zero_init=zero_init,
+                                                                             seed=config.seed))
+
+
+# --- the SFT recipe ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ReftConfig:
+    """Every setting of ``train_reft_sft`` (the keys of ``configs/reft_sft.yaml``).
+
+    Model, data, optimisation and run fields are those of ``rlcore.loops.recipe`` (``model``:
+    ``"tiny-llama"`` / ``"tiny-gpt2"`` or a path; ``task`` or ``dataset``; ``run_dir``, ``resume``
+    ...). The ``ReftSpec`` fields (``layers`` … ``blocks``) sit at the top level (``reft_spec``).
+    ``zero_init``: the interventions start as the identity (the paper draws ``W, b`` at random).
+    """
+
+    model: str = "tiny-llama"
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    max_position_embeddings: int = 256
+    init_from: str | None = None
+    device: str = "cpu"
+    task: str | None = "sort"
+    dataset: str | None = None
+    eval_dataset: str | None = None
+    num_train: int = 256
+    num_eval: int = 32
+    max_length: int = 64
+    layers: tuple[int, ...] = (1, 2)
+    component: str = "block_output"
+    positions: str = "f3+l3"
+    rank: int = 4
+    share_weights: bool = False
+    dropout: float = 0.0
+    variant: str = "loreft"
+    act: str = "identity"
+    blocks: str | None = None
+    zero_init: bool = False
+    lr: float = 4e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    max_grad_norm: float | None = 1.0
+    batch_size: int = 8
+    micro_batch_size: int | None = None
+    steps: int = 60
+    agg: str = "token_mean"
+    seed: int = 0
+    run_dir: str | None = None
+    save_every: int = 0
+    keep_last: int | None = None
+    eval_every: int = 0
+    log_every: int = 10
+    resume: bool = False
+
+
+def reft_spec(config: Any) -> ReftSpec:
+    """The ``ReftSpec`` made of a config's spec fields."""
+    return ReftSpec(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ReftSpec)})
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> ReftConfig:
+    """``rlcore.loops.recipe.load_config(ReftConfig, path, overrides)``: YAML, then overrides."""
+    return load_recipe_config(ReftConfig, path, overrides)
+
+
+def reft_eval_loss(state: TrainState, batches: Sequence[TensorDictBase]) -> dict[str, float]:
+    """Token-mean NLL of the completions of ``batches`` with the interventions on (no gradient)."""
+    scored = [scoring_mask(b.to(_device(state))) for b in batches]
+    total = sum(b.get(K.LOSS_MASK).sum() for b in scored)
+    loss_fn = with_interventions(sft_loss_fn)
+    with torch.no_grad():
+        loss = sum(loss_fn(state, b, num_tokens=total)[0] for b in scored)
+    return {"loss": float(loss)}
+
+
+def _collate_fn(tokenizer, spec: ReftSpec) -> Callable[[dict], TensorDict]:
+    return functools.partial(collate_reft, "prompt_completion", pad_id=pad_token_id(tokenizer), spec=spec)
+
+
+def _eval_batches(held_out, tokenizer, config: ReftConfig) -> list[TensorDict]:
+    collate_fn = _collate_fn(tokenizer, reft_spec(config))
+    return [collate_fn(held_out[i:i + config.batch_size]) for i in range(0, len(held_out), config.batch_size)]
+
+
+def evaluate(state: TrainState, config: ReftConfig) -> dict[str, float]:
+    """Held-out ``loss`` of ``state``'s ReFT policy (``reft_eval_loss`` on the config's held-out split)."""
+    _, held_out = load_splits(config, task_dataset)
+    tokenizer = policy_tokenizer(config)
+    held_out = tokenize_dataset(held_out, tokenizer, max_length=config.max_length)
+    return reft_eval_loss(state, _eval_batches(held_out, tokenizer, config))
+
+
+def train_reft_sft(config: ReftConfig, *, model: nn.Module | None = None, tokenizer=None,
+                   callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
+    """ReFT SFT from a config: ``run(reft_sft_step, state, batches)`` with the recipe callbacks.
+
+    The policy (``build_policy``, or ``model`` with ``tokenizer``) is frozen; the optimiser (and
+    a checkpoint) holds the interventions only. Evaluation every ``eval_every`` steps is
+    ``reft_eval_loss`` on the held-out split. Returns ``(state, history)``.
+    """
+    if model is None or tokenizer is None:
+        model, tokenizer = build_policy(config)
+    model.requires_grad_(False)
+    spec = reft_spec(config)
+    interventions = _new_interventions(model, spec, config.zero_init, config.seed)
+    state = init_train_state({"policy": model, "ref": model, "interventions": interventions}, config,
+                             trainable=("interventions",))
+    train, held_out = (tokenize_dataset(d, tokenizer, max_length=config.max_length)
+                       for d in load_splits(config, task_dataset))
+    eval_batches = _eval_batches(held_out, tokenizer, config)
+    step = functools.partial(reft_sft_step, agg=config.agg, micro_batch_size=config.micro_batch_size,
+                             max_grad_norm=config.max_grad_norm)
+    source = batch_source(train, config.batch_size, _collate_fn(tokenizer, spec), seed=config.seed)
+    return run(step, state, source, config=config, num_steps=config.steps, name="reft_sft",
+               eval_fn=lambda s: reft_eval_loss(s, eval_batches), callbacks=callbacks)
+
+
+# The recipe protocol of ``rlcore.loops.cli`` (``Config``, ``train(config)``, ``evaluate(state, config)``).
+Config = ReftConfig
+train = train_reft_sft
