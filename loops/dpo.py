@@ -1,0 +1,306 @@
+"""Offline preference optimisation recipe: DPO and every pairwise / unpaired variant, by name.
+
+``state, history = train(Config(loss_type="dpo"))``. ``loss_type`` is a key of :data:`LOSSES`:
+the DPO kernels of ``rlcore.algorithms.dpo.DPO_LOSSES`` (``"sigmoid"``, ``"ipo"``, ...) and the
+TensorDict losses of ``rlcore.algorithms.preference.PREFERENCE_LOSSES`` (``"dpo"``,
+``"dpo_hinge"``, ``"orpo"``, ``"simpo"``, ``"cpo"``, ``"kto"``, ...). The hyper-parameter fields
+left at ``None`` keep the selected loss's own default (SimPO's ``beta`` is 2, DPO's 0.1); a
+field set for a loss that does not take it raises ``ValueError``.
+
+One fold step, read top to bottom:
+
+1. collect: a batch of preference pairs (``collate_preference``: nested ``chosen`` /
+   ``rejected``), or for KTO the pairs unpaired into desirable / undesirable rows
+   (``collate_unpaired``) with their mismatched pairs (``collate_mismatched``);
+2. score: reference log-probs, from the frozen copy of the initial policy (``"ref"`` in the
+   state; ``make_reference``), or precomputed once over the dataset before training
+   (``precompute_ref``: the reference is then not kept at all), or none for the reference-free
+   losses (ORPO, SimPO, CPO, ``reference_free=True``); for KTO also the mismatched pairs'
+   log-probs (``kl_logps``, no gradient) that estimate the reference point;
+3. update: the loss on the policy's log-probs, chosen and rejected in one forward
+   (``concatenated_forward``) inside the gradient tape.
+
+``init_from`` starts the policy (and so the reference) from an SFT checkpoint. Evaluation on the
+held-out pairs: the loss's metrics, among them ``rewards/accuracies`` (preference accuracy of
+the implicit rewards) and ``rewards/margins``; for KTO, whose batches are unpaired, the
+accuracy and margins of its implicit rewards ``β·(log π − log π_ref)`` on the pairs.
+
+References:
+    Rafailov et al., "Direct Preference Optimization: Your Language Model is Secretly a Reward
+    Model", https://arxiv.org/abs/2305.18290; Ethayarajh et al., "KTO: Model Alignment as
+    Prospect Theoretic Optimization", https://arxiv.org/abs/2402.01306
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+
+import torch
+from datasets import Dataset
+from tensordict import TensorDict, TensorDictBase
+
+from rlcore import keys as K
+from rlcore.algorithms.dpo import DPO_LOSSES, dpo
+from rlcore.algorithms.preference import PREFERENCE_LOSSES
+from rlcore.loops.data import (collate_mismatched, collate_preference, collate_unpaired, iterate_batches,
+                               tokenize_dataset)
+from rlcore.loops.models import make_reference, pad_token_id
+from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
+                                 policy_tokenizer, run)
+from rlcore.loops.score import concatenated_forward, precompute_reference_logps, score_sequences
+from rlcore.loops.state import TrainState, advance
+from rlcore.loops.tasks import preference_dataset
+from rlcore.loops.update import update
+from rlcore.registry import lookup
+
+__all__ = ["Config", "LOSSES", "REFERENCE_FREE", "UNPAIRED", "HYPERPARAMETERS", "bind_loss", "needs_reference",
+           "unpair", "with_reference", "preference_loss_fn", "dpo_step", "kto_step", "evaluate", "train"]
+
+# Every selectable loss, ``(batch, **hyper) -> (loss, metrics)``: the DPO kernels by their
+# ``loss_type`` and the TensorDict losses of ``PREFERENCE_LOSSES`` by their own names.
+# A kernel name reuses the ``dpo_<name>`` entry of ``PREFERENCE_LOSSES`` where there is one, so
+# both names bind the same defaults (``exo_pair`` needs ``label_smoothing > 0``: 1e-3 there).
+LOSSES: dict[str, Callable[..., tuple[torch.Tensor, TensorDict]]] = {
+    **{name: PREFERENCE_LOSSES.get(f"dpo_{name}", functools.partial(dpo, loss_type=name)) for name in DPO_LOSSES},
+    **PREFERENCE_LOSSES,
+}
+REFERENCE_FREE = ("orpo", "simpo", "cpo")  # losses that read no reference log-probs
+UNPAIRED = ("kto",)                        # losses on the unpaired layout
+HYPERPARAMETERS = ("beta", "label_smoothing", "reference_free", "divergence", "alpha", "discopop_tau",
+                   "rpo_alpha", "gamma", "cpo_alpha", "desirable_weight", "undesirable_weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every setting of the preference recipe (``configs/dpo.yaml``); each feeds the keyword of
+    that name. Loss hyper-parameters left at ``None`` take the selected loss's default."""
+
+    # model (loops.recipe.build_policy)
+    model: str = "tiny-llama"              # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer) or a path / hub name
+    hidden_size: int = 64                  # tiny models only
+    num_layers: int = 2                    # tiny models only
+    num_heads: int = 4                     # tiny models only
+    max_position_embeddings: int = 256     # tiny models only
+    init_from: str | None = None           # start from this checkpoint (or run) directory, e.g. an SFT run
+    device: str = "cpu"
+    # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
+    task: str | None = "add"               # a built-in task (preference pairs with near-miss rejections)
+    dataset: str | None = None             # local file with prompt / chosen / rejected
+    eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`
+    num_train: int = 256                   # task pairs for training
+    num_eval: int = 64                     # held-out pairs
+    max_length: int | None = 64            # prompt + completion tokens kept per side
+    max_prompt_length: int | None = None   # prompt tokens kept (its start is cut)
+    # loss (LOSSES) and reference
+    loss_type: str = "dpo"                 # a key of LOSSES
+    precompute_ref: bool = False           # reference log-probs computed once before training, no ref model kept
+    beta: float | None = None              # β (all losses)
+    label_smoothing: float | None = None   # ε (dpo family, simpo, cpo)
+    reference_free: bool | None = None     # dpo family: π_ref ≡ 1
+    divergence: str | None = None          # dpo family: f-divergence of the scores
+    alpha: float | None = None             # dpo f-divergence α; AlphaPO α for simpo / cpo
+    discopop_tau: float | None = None      # dpo discopop τ
+    rpo_alpha: float | None = None         # dpo family: weight of the chosen NLL (RPO)
+    gamma: float | None = None             # simpo: target margin
+    cpo_alpha: float | None = None         # simpo / cpo: weight of the chosen NLL
+    desirable_weight: float | None = None  # kto: λ_D
+    undesirable_weight: float | None = None  # kto: λ_U
+    chunked: bool = True                   # log-probs from hidden states in vocabulary chunks
+    # optimisation (loops.recipe.init_train_state, loops.update.update)
+    seed: int = 0
+    steps: int = 100                       # fold steps (one optimiser step each)
+    batch_size: int = 16                   # pairs per step
+    micro_batch_size: int | None = None    # pairs per forward/backward; None: all
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"             # linear | cosine | constant
+    max_grad_norm: float | None = 1.0
+    eval_batch_size: int = 32              # pairs per forward in evaluation and reference precomputation
+    # run (loops.recipe.run)
+    run_dir: str | None = "runs/dpo"
+    save_every: int = 0
+    keep_last: int | None = 2
+    eval_every: int = 0
+    log_every: int = 10
+    resume: bool = False
+
+
+# --- the loss ------------------------------------------------------------------------------------
+def bind_loss(config: Config) -> Callable[[TensorDictBase], tuple[torch.Tensor, TensorDict]]:
+    """``LOSSES[config.loss_type]`` with the hyper-parameter fields that are set (not ``None``).
+
+    Raises ``ValueError`` for an unknown ``loss_type`` (listing the valid ones) or a field set
+    for a loss that does not take it (naming the loss's parameters).
+    """
+    fn = lookup(LOSSES, config.loss_type, what="loss_type")
+    accepted = set(inspect.signature(fn).parameters) - {"batch", "loss_type"}
+    chosen = {k: getattr(config, k) for k in HYPERPARAMETERS if getattr(config, k) is not None}
+    wrong = sorted(set(chosen) - accepted)
+    if wrong:
+        raise ValueError(f"loss_type {config.loss_type!r} takes no {wrong}; its parameters: {sorted(accepted)} "
+                         "(leave the others unset)")
+    return functools.partial(fn, **chosen)
+
+
+def needs_reference(config: Config) -> bool:
+    """Whether the selected loss reads reference log-probs."""
+    return config.loss_type not in REFERENCE_FREE and not config.reference_free
+
+
+# --- score and update ----------------------------------------------------------------------------
+def with_reference(state: TrainState, batch: TensorDictBase, *, chunked: bool = True) -> TensorDictBase:
+    """``batch`` with reference log-probs from ``state``'s ``"ref"`` model (no gradient), unless it
+    carries them already (precomputed) or the state has no reference (reference-free losses).
+    Preference batches get ``(side, ref_logps)``, unpaired ones ``ref_logps``."""
+    paired = K.CHOSEN in batch.keys()
+    present = (K.CHOSEN, K.REF_LOGPS) if paired else K.REF_LOGPS
+    if "ref" not in state.models or present in batch.keys(include_nested=True):
+        return batch
+    scorer = concatenated_forward if paired else score_sequences
+    return scorer(state.model("ref"), batch, chunked=chunked, reference=True)
+
+
+def preference_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable,
+                       chunked: bool = True) -> tuple[torch.Tensor, TensorDict]:
+    """``loss`` of the policy's log-probs on a (micro-)batch: the ``loss_fn`` of ``update``.
+
+    Pairs go through ``concatenated_forward`` (chosen and rejected rows in one forward), unpaired
+    rows through ``score_sequences``. Gradient: to the policy's parameters.
+    """
+    scorer = concatenated_forward if K.CHOSEN in batch.keys() else score_sequences
+    return loss(scorer(state.model("policy"), batch, chunked=chunked))
+
+
+def _update(state, batch, *, loss, chunked, micro_batch_size, max_grad_norm):
+    rows = batch.batch_size[0]
+    loss_fn = functools.partial(preference_loss_fn, loss=loss, chunked=chunked)
+    state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
+                            max_grad_norm=max_grad_norm)
+    return advance(state, samples_seen=rows), metrics
+
+
+def dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, chunked: bool = True,
+             micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0) -> tuple[TrainState, TensorDict]:
+    """One step on a preference batch (impure: it trains): reference log-probs, then one
+    optimiser step of ``loss`` (pairs are micro-batched as rows, the loss being a mean over pairs)."""
+    batch = batch.to(next(state.model("policy").parameters()).device)
+    batch = with_reference(state, batch, chunked=chunked)
+    return _update(state, batch, loss=loss, chunked=chunked, micro_batch_size=micro_batch_size,
+                   max_grad_norm=max_grad_norm)
+
+
+def kto_step(state: TrainState, item: tuple[TensorDictBase, TensorDictBase], *, loss: Callable, chunked: bool = True,
+             micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0) -> tuple[TrainState, TensorDict]:
+    """One KTO step on ``(unpaired batch, mismatched batch)`` (impure: it trains).
+
+    The mismatched pairs are scored once for the whole batch, by the policy (``kl_logps``) and the
+    reference (``ref_kl_logps``), without gradient (KTO detaches its reference point ``z``), so
+    ``z`` is the batch's estimate whatever the micro-batching.
+    """
+    device = next(state.model("policy").parameters()).device
+    batch, mismatched = (x.to(device) for x in item)
+    with torch.no_grad():
+        kl = score_sequences(state.model("policy"), mismatched, chunked=chunked).get(K.LOGPS)
+        ref_kl = score_sequences(state.model("ref"), mismatched, chunked=chunked, reference=True).get(K.REF_LOGPS)
+    batch = with_reference(state, batch, chunked=chunked).copy().update({K.KL_LOGPS: kl, K.REF_KL_LOGPS: ref_kl})
+    return _update(state, batch, loss=loss, chunked=chunked, micro_batch_size=micro_batch_size,
+                   max_grad_norm=max_grad_norm)
+
+
+# --- data ----------------------------------------------------------------------------------------
+def unpair(data: Dataset) -> Dataset:
+    """Tokenised pairs → unpaired rows: each pair gives a desirable row (the chosen completion,
+    ``label=True``) and an undesirable one (the rejected, ``label=False``), pairs' rows first then
+    the rejected ones (``batch_source`` shuffles)."""
+    cols = data.select_columns(["prompt_ids", "chosen_ids", "rejected_ids"])[:]
+    n = len(data)
+    return Dataset.from_dict({"prompt_ids": cols["prompt_ids"] * 2,
+                              "completion_ids": cols["chosen_ids"] + cols["rejected_ids"],
+                              "label": [True] * n + [False] * n})
+
+
+def _collate_kto(rows: dict, *, pad_id: int) -> tuple[TensorDict, TensorDict]:
+    return collate_unpaired(rows, pad_id=pad_id), collate_mismatched(rows, pad_id=pad_id)
+
+
+def _with_ref_columns(data: Dataset, model, tokenizer, config: Config) -> Dataset:
+    """The dataset with ``ref_chosen_logps`` / ``ref_rejected_logps`` columns scored by ``model``."""
+    device = next(model.parameters()).device
+    batches = (b.to(device) for b in iterate_batches(data, tokenizer, config.eval_batch_size, format="preference"))
+    ref = precompute_reference_logps(model, batches, chunked=config.chunked).cpu()
+    data = data.add_column("ref_chosen_logps", ref.get((K.CHOSEN, K.REF_LOGPS)).tolist())
+    return data.add_column("ref_rejected_logps", ref.get((K.REJECTED, K.REF_LOGPS)).tolist())
+
+
+def _prepare(data: Dataset, tokenizer, config: Config) -> Dataset:
+    return tokenize_dataset(data, tokenizer, format="preference", max_length=config.max_length,
+                            max_prompt_length=config.max_prompt_length)
+
+
+# --- evaluation ----------------------------------------------------------------------------------
+@torch.no_grad()
+def _evaluate(state: TrainState, data: Dataset, tokenizer, config: Config, loss: Callable) -> dict[str, float]:
+    """Row-weighted means of the eval loss's metrics over the held-out pairs."""
+    paired = config.loss_type not in UNPAIRED
+    # KTO trains on unpaired rows; on pairs its implicit rewards β·ρ are DPO's, scored as DPO does
+    eval_loss = loss if paired else functools.partial(dpo, beta=config.beta if config.beta is not None else 0.1)
+    device = next(state.model("policy").parameters()).device
+
+    def results():
+        for batch in iterate_batches(data, tokenizer, config.eval_batch_size, format="preference"):
+            batch = with_reference(state, batch.to(device), chunked=config.chunked)
+            _, metrics = preference_loss_fn(state, batch, loss=eval_loss, chunked=config.chunked)
+            yield batch.batch_size[0], {k: v for k, v in metrics.items() if paired or not k.startswith("loss")}
+
+    return mean_metrics(results())
+
+
+def _setup(config: Config):
+    """(state, train data, held-out data, tokenizer, loss) for ``train`` and ``evaluate``."""
+    loss = bind_loss(config)
+    if config.precompute_ref and config.loss_type in UNPAIRED:
+        raise ValueError("precompute_ref: KTO's reference point scores pairs mismatched within each batch, which "
+                         "cannot be computed ahead; use the frozen reference (precompute_ref=False)")
+    model, tokenizer = build_policy(config)
+    train_data, held_out = (_prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
+    models = {"policy": model}
+    if needs_reference(config) and config.precompute_ref:  # the untrained policy is the reference
+        train_data, held_out = (_with_ref_columns(d, model, tokenizer, config) for d in (train_data, held_out))
+    elif needs_reference(config):
+        models["ref"] = make_reference(model)
+    return init_train_state(models, config), train_data, held_out, tokenizer, loss
+
+
+def evaluate(state: TrainState, config: Config) -> dict[str, float]:
+    """Held-out metrics of ``state``'s policy: ``rewards/accuracies``, ``rewards/margins``, the
+    loss (paired losses), ``rewards/chosen`` / ``rewards/rejected``, ``logps/*``.
+
+    With ``precompute_ref`` the reference log-probs are recomputed from a fresh policy built from
+    the config (the reference of the run)."""
+    tokenizer, loss = policy_tokenizer(config), bind_loss(config)
+    _, held_out = load_splits(config, preference_dataset)
+    held_out = _prepare(held_out, tokenizer, config)
+    if needs_reference(config) and "ref" not in state.models:
+        held_out = _with_ref_columns(held_out, build_policy(config)[0], tokenizer, config)
+    return _evaluate(state, held_out, tokenizer, config, loss)
+
+
+# --- the recipe ----------------------------------------------------------------------------------
+def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Run (or, with ``resume``, continue) preference optimisation: ``(state, history)``."""
+    state, train_data, held_out, tokenizer, loss = _setup(config)
+    pad = pad_token_id(tokenizer)
+    if config.loss_type in UNPAIRED:
+        step_fn, train_data, collate_fn = kto_step, unpair(train_data), functools.partial(_collate_kto, pad_id=pad)
+    else:
+        step_fn, collate_fn = dpo_step, functools.partial(collate_preference, pad_id=pad)
+    source = batch_source(train_data, config.batch_size, collate_fn, seed=config.seed)
+    step = functools.partial(step_fn, loss=loss, chunked=config.chunked, micro_batch_size=config.micro_batch_size,
+                             max_grad_norm=config.max_grad_norm)
+    eval_fn = functools.partial(_evaluate, data=held_out, tokenizer=tokenizer, config=config, loss=loss)
+    return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="dpo",
+               callbacks=callbacks)

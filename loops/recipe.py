@@ -1,0 +1,348 @@
+"""Scaffolding shared by every recipe: models from a config, data splits and sources, the run.
+
+A recipe module (``loops/sft.py``, ``loops/dpo.py``, ...) is a frozen ``Config`` dataclass, a
+``step(state, batch) -> (state, metrics)`` that reads collect → score → update, and
+``train(config) -> (state, history)`` built from these pieces:
+
+- :func:`build_policy`: ``(model, tokenizer)`` from ``config.model`` (``"tiny-llama"`` /
+  ``"tiny-gpt2"``: an offline model from the config's size fields with the character tokenizer;
+  anything else: a local path or hub name), optionally with the weights of a checkpoint
+  (``config.init_from``);
+- :func:`init_train_state`: AdamW over the trainable model(s) and the learning-rate schedule;
+- :func:`load_splits` and :func:`batch_source`: the train / held-out datasets (a built-in task
+  or local files) and a deterministic, resumable stream of collated batches over epochs;
+- :func:`mean_metrics`: row-weighted means of per-batch metrics over an evaluation split;
+- :func:`run`: ``fold`` with the standard callbacks wired from the config: evaluation every
+  ``eval_every`` steps (merged into the metrics as ``eval/<name>``), a ``Checkpointer`` every
+  ``save_every`` steps keeping ``keep_last``, JSONL + progress logging, and a resume from the
+  latest checkpoint of ``run_dir`` when ``resume``;
+- :func:`load_config` / :func:`config_dict`: configs from safe YAML plus overrides (unknown keys
+  raise, values are coerced to the field types) and back to a plain dict.
+
+Fields read from a config, with the defaults used when a recipe's ``Config`` lacks them:
+``model``, ``hidden_size`` (64), ``num_layers`` (2), ``num_heads`` (4),
+``max_position_embeddings`` (256), ``init_from`` (None), ``device`` ("cpu"), ``seed``, ``lr``,
+``weight_decay`` (0), ``warmup_steps`` (0), ``schedule`` ("constant"), ``task``, ``dataset``,
+``eval_dataset`` (None), ``num_train`` (256), ``num_eval`` (64), ``run_dir``, ``save_every``,
+``keep_last``, ``eval_every``, ``log_every``, ``resume``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import types
+import typing
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from datasets import Dataset
+from torch import nn
+
+from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume
+from rlcore.loops.data import load_local
+from rlcore.loops.fold import every, fold, to_floats
+from rlcore.loops.logging import make_loggers
+from rlcore.loops.models import build_model, build_tokenizer, load_model, load_tokenizer
+from rlcore.loops.state import TrainState, init_state
+from rlcore.loops.update import make_optimizer, make_scheduler
+
+__all__ = ["TINY_MODELS", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state", "load_splits",
+           "batch_source", "mean_metrics", "run", "load_config", "config_dict"]
+
+# Offline model names -> architecture of ``build_model`` (with the character tokenizer).
+TINY_MODELS: dict[str, str] = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    return getattr(config, name, default)
+
+
+# --- models ------------------------------------------------------------------------------------
+def checkpoint_model_dir(path: str | Path, name: str = "policy") -> Path:
+    """The weights directory of model ``name`` in a checkpoint (``checkpoint-N``) or in the latest
+    checkpoint of a run directory. Raises ``FileNotFoundError`` saying what was looked for."""
+    path = Path(path)
+    if not (path / "manifest.json").is_file():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(f"init_from: {path} is neither a checkpoint (no manifest.json) nor a "
+                                    "run directory holding one")
+        path = latest
+    model_dir = path / "models" / name
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"init_from: {path} stores no model {name!r} (looked for {model_dir})")
+    return model_dir
+
+
+def policy_tokenizer(config: Any) -> Any:
+    """The tokenizer of ``config.model``: the character tokenizer for ``TINY_MODELS``, else
+    ``load_tokenizer(config.model)`` (pad token set)."""
+    name = _get(config, "model", "tiny-llama")
+    return build_tokenizer() if name in TINY_MODELS else load_tokenizer(name)
+
+
+def build_policy(config: Any, *, task: str | None = None) -> tuple[nn.Module, Any]:
+    """The model and tokenizer a config names, offline for the tiny ones.
+
+    ``config.model`` in ``TINY_MODELS``: ``build_model(arch, tokenizer=build_tokenizer(),
+    hidden_size=, num_layers=, num_heads=, max_position_embeddings=, seed=)`` (dropout off).
+    Otherwise ``load_model(config.model, task=task)`` and its tokenizer. With ``config.init_from``
+    (a checkpoint directory, or a run directory: its latest checkpoint) the weights of the
+    checkpoint's ``policy`` are loaded instead (same tokenizer, architecture from the stored
+    config). The model is moved to ``config.device``.
+
+    Args:
+        config: any object with the fields above (a recipe's ``Config``).
+        task: ``"causal_lm"`` (policy), ``"reward"`` (one-label sequence classifier) or
+            ``"value"`` (one-label token classifier), as ``loops.models.TASKS``; default: the
+            config class's ``MODEL_TASK`` attribute (a ``ClassVar``, not a field; the reward
+            recipe sets ``"reward"``), else ``"causal_lm"``.
+    Returns:
+        ``(model, tokenizer)``; the tokenizer has a pad token.
+    """
+    task = task or getattr(type(config), "MODEL_TASK", "causal_lm")
+    name = _get(config, "model", "tiny-llama")
+    init_from = _get(config, "init_from")
+    tokenizer = policy_tokenizer(config)
+    if name in TINY_MODELS:
+        if init_from:
+            model = load_model(str(checkpoint_model_dir(init_from)), task=task)
+        else:
+            model = build_model(TINY_MODELS[name], tokenizer=tokenizer, hidden_size=_get(config, "hidden_size", 64),
+                                num_layers=_get(config, "num_layers", 2), num_heads=_get(config, "num_heads", 4),
+                                max_position_embeddings=_get(config, "max_position_embeddings", 256),
+                                seed=_get(config, "seed", 0), task=task, tie_word_embeddings=task == "causal_lm")
+    else:
+        extra = {} if task == "causal_lm" else {"num_labels": 1}
+        model = load_model(str(checkpoint_model_dir(init_from)) if init_from else name, task=task, **extra)
+        if task != "causal_lm" and model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+    return model.to(_get(config, "device", "cpu")), tokenizer
+
+
+def init_train_state(models: Mapping[str, nn.Module], config: Any, *, trainable: Sequence[str] = ("policy",),
+                     total_steps: int | None = None) -> TrainState:
+    """A fresh ``TrainState``: AdamW (``lr``, ``weight_decay``) over the trainable models and a
+    warm-up + ``schedule`` learning-rate scheduler over ``total_steps`` optimiser steps
+    (default ``config.steps``); the loop generator (on the CPU) seeded with ``config.seed``.
+
+    Models not in ``trainable`` (a frozen reference) are stored as they are.
+    """
+    optimizer = make_optimizer({n: models[n] for n in trainable}, lr=config.lr,
+                               weight_decay=_get(config, "weight_decay", 0.0))
+    scheduler = make_scheduler(optimizer, total_steps=total_steps or config.steps,
+                               warmup_steps=_get(config, "warmup_steps", 0), kind=_get(config, "schedule", "constant"))
+    return init_state(dict(models), optimizer=optimizer, scheduler=scheduler, seed=_get(config, "seed", 0))
+
+
+# --- data --------------------------------------------------------------------------------------
+def load_splits(config: Any, make_task: Callable[..., Dataset]) -> tuple[Dataset, Dataset]:
+    """``(train, eval)`` datasets: a built-in task or local files.
+
+    - ``config.dataset`` set: ``load_local(dataset)``; the held-out split is
+      ``load_local(config.eval_dataset)`` when given, else ``num_eval`` rows split off the file
+      with a seeded shuffle (``train_test_split(seed=config.seed)``).
+    - otherwise ``make_task(config.task, n, seed=config.seed, split=...)`` (``task_dataset`` or
+      ``preference_dataset``) with ``n = num_train`` / ``num_eval``: disjoint prompts.
+    """
+    seed, n_eval = _get(config, "seed", 0), _get(config, "num_eval", 64)
+    if _get(config, "dataset"):
+        data = load_local(config.dataset)
+        if _get(config, "eval_dataset"):
+            return data, load_local(config.eval_dataset)
+        if not 0 < n_eval < len(data):
+            raise ValueError(f"num_eval: expected 0 < num_eval < {len(data)} (rows of {config.dataset}) to hold "
+                             f"rows out, got {n_eval}; or pass eval_dataset")
+        parts = data.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
+        return parts["train"], parts["test"]
+    task = _get(config, "task")
+    if not task:
+        raise ValueError("config: set `task` (a built-in task name) or `dataset` (a local jsonl/json/parquet/csv)")
+    return (make_task(task, _get(config, "num_train", 256), seed=seed, split="train"),
+            make_task(task, n_eval, seed=seed, split="eval"))
+
+
+def batch_source(dataset: Dataset, batch_size: int, collate_fn: Callable[[dict], Any], *, seed: int = 0,
+                 shuffle: bool = True) -> Callable[[int], Iterator]:
+    """A resumable ``fold`` source: ``source(start)`` yields ``collate_fn(rows)`` from batch ``start`` on.
+
+    Epoch ``e`` visits the rows in the order of ``random.Random(seed + e)`` (when ``shuffle``) in
+    full batches of ``batch_size`` (the remainder of an epoch is dropped), forever; ``start``
+    skips whole batches by arithmetic, without collating them. ``rows`` is a dict of columns
+    (``dataset[indices]``).
+
+    Raises ``ValueError`` when the dataset holds fewer than ``batch_size`` rows.
+    """
+    n = len(dataset)
+    if not isinstance(batch_size, int) or not 1 <= batch_size <= n:
+        raise ValueError(f"batch_size: expected an int in [1, {n}] (rows of the dataset), got {batch_size!r}")
+    per_epoch = n // batch_size
+
+    def order(epoch: int) -> list[int]:
+        idx = list(range(n))
+        if shuffle:
+            random.Random(seed + epoch).shuffle(idx)
+        return idx
+
+    def source(start: int) -> Iterator:
+        for epoch in itertools.count(start // per_epoch):
+            idx = order(epoch)
+            first = start % per_epoch if epoch == start // per_epoch else 0
+            for b in range(first, per_epoch):
+                yield collate_fn(dataset[idx[b * batch_size:(b + 1) * batch_size]])
+
+    return source
+
+
+def mean_metrics(results: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, float]:
+    """Row-weighted means of per-batch metrics, ``m = Σ_i n_i·m_i / Σ_i n_i``, as floats.
+
+    ``results`` yields ``(rows n_i, metrics m_i)`` per batch of an evaluation split (metrics: a
+    mapping or TensorDict of scalars, nested keys joined with ``/``); a key missing from some
+    batches is averaged over the batches that have it. One synchronisation at the end.
+
+    >>> mean_metrics([(1, {"acc": torch.tensor(1.0)}), (3, {"acc": torch.tensor(0.0)})])
+    {'acc': 0.25}
+    """
+    sums: dict[str, Any] = {}
+    rows: dict[str, int] = {}
+    for n, metrics in results:
+        items = metrics.items(include_nested=True, leaves_only=True) if hasattr(metrics, "batch_size") \
+            else metrics.items()
+        for key, value in items:
+            name = "/".join(key) if isinstance(key, tuple) else key
+            value = torch.as_tensor(value).detach().double()
+            sums[name] = sums.get(name, 0.0) + n * value
+            rows[name] = rows.get(name, 0) + n
+    return to_floats({k: v / rows[k] for k, v in sums.items()})
+
+
+# --- the run -----------------------------------------------------------------------------------
+def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], Iterable], *, config: Any,
+        num_steps: int, eval_fn: Callable[[TrainState], Mapping[str, float]] | None = None,
+        name: str | None = None, callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
+    """``fold(step, state, source)`` with the standard callbacks of a recipe, from ``config``.
+
+    In order after each step: ``callbacks`` (extra ones, first); ``eval_fn(state)`` every
+    ``eval_every`` steps, its results merged into the step's metrics as ``eval/<key>``; then, when
+    ``run_dir`` is set, a ``Checkpointer`` every ``save_every`` steps and after the last one,
+    keeping ``keep_last``, and ``make_loggers`` (``run_dir/metrics.jsonl`` and a progress line
+    every ``log_every`` steps). With ``resume`` the state is first restored from the latest
+    checkpoint of ``run_dir`` (if any) and the fold continues from its ``step`` to ``num_steps``.
+    ``eval_every`` of 0 (or None) never evaluates, ``save_every`` of 0 saves at the end only;
+    ``run_dir`` None or ``""`` writes nothing (no checkpoint, no log file).
+
+    Args:
+        step: ``(state, item) -> (state, metrics)``.
+        state: the fresh ``TrainState`` (the template a checkpoint is loaded into).
+        source: an iterable or a resumable ``start -> iterable`` (``batch_source``).
+        num_steps: the step the run ends at.
+        name: the recipe's name (progress line, model card); default: the config class's module.
+    Returns:
+        ``(state, history)`` of ``fold``.
+    """
+    name = name or type(config).__module__.rsplit(".", 1)[-1]
+    run_dir = _get(config, "run_dir")
+    if run_dir and _get(config, "resume", False):
+        state = resume(run_dir, state)
+    cbs = list(callbacks)
+    eval_every = _get(config, "eval_every", 0)
+    if eval_fn is not None and eval_every:
+        cbs.append(every(eval_every, lambda s, m: {f"eval/{k}": v for k, v in eval_fn(s).items()}))
+    if run_dir:
+        cbs.append(Checkpointer(run_dir, every=_get(config, "save_every", 0) or max(num_steps, 1),
+                                keep_last=_get(config, "keep_last"), config={**config_dict(config), "recipe": name}))
+        cbs += make_loggers(run_dir, total=num_steps, stage=name, progress_every=_get(config, "log_every", 10) or 10)
+    return fold(step, state, source, num_steps=num_steps, callbacks=cbs)
+
+
+# --- configs -----------------------------------------------------------------------------------
+_TRUE, _FALSE, _NONE = ("true", "yes", "on", "1"), ("false", "no", "off", "0"), ("none", "null", "~", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """``value`` as type ``tp`` (int, float, bool, str, Optional / unions, tuples, lists)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, where)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise ValueError(f"{where}: cannot read {value!r} as {tp}: {'; '.join(errors)}")
+    if origin in (tuple, list):
+        items = [s.strip() for s in value.split(",")] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"{where}: expected a list for {tp}, got {value!r}")
+        fixed = origin is tuple and args and args[-1] is not Ellipsis
+        item_types = args if fixed else (args[:1] or (Any,)) * len(items)
+        if len(item_types) != len(items):
+            raise ValueError(f"{where}: expected {len(item_types)} items for {tp}, got {len(items)}")
+        return origin(_coerce(v, t, where) for v, t in zip(items, item_types))
+    if tp is Any or tp is None:
+        return value
+    if value is None:
+        raise ValueError(f"{where}: None is not a valid {getattr(tp, '__name__', tp)}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in _TRUE or text in _FALSE:
+            return text in _TRUE
+        raise ValueError(f"{where}: expected a bool (true/false), got {value!r}")
+    if tp in (int, float):
+        try:
+            if isinstance(value, bool):
+                raise ValueError("a bool")
+            number = float(value) if tp is float or isinstance(value, str) and any(c in value for c in ".eE") \
+                else int(value)
+            if tp is int and isinstance(number, float) and not number.is_integer():
+                raise ValueError("not integral")
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected {'an int' if tp is int else 'a float'}, got {value!r}") from None
+        return tp(number)
+    if tp is str:
+        return value if isinstance(value, str) else str(value)
+    return value
+
+
+def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Any:
+    """A ``cls`` (frozen dataclass) from a YAML file (``yaml.safe_load``) and overrides.
+
+    ``overrides`` (e.g. parsed ``--field value`` pairs, strings allowed) win over the file; both
+    may give any subset of the fields, the rest keep their defaults. Values are coerced to the
+    field types (``"1e-4"`` → float, ``"true"`` → bool, ``"null"`` → None for optional fields).
+
+    Raises:
+        ValueError: an unknown key (the message lists the valid fields), a value that does not fit
+            its field's type, or a YAML file whose top level is not a mapping.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, Mapping):
+            raise ValueError(f"{path}: expected a mapping of field: value, got {type(loaded).__name__}")
+        raw.update(loaded or {})
+    raw.update(overrides or {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ValueError(f"{path or cls.__name__}: unknown keys {unknown}; valid fields of {cls.__name__}: "
+                         f"{sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _coerce(v, hints[k], f"{cls.__name__}.{k}") for k, v in raw.items()})
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """The fields of a config dataclass as a plain dict (tuples become lists: JSON / YAML ready)."""
+    def plain(v: Any) -> Any:
+        return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+    return {k: plain(v) for k, v in dataclasses.asdict(config).items()}

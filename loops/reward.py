@@ -1,0 +1,188 @@
+"""Reward-modelling recipe: a Bradley–Terry reward model from preference pairs.
+
+``state, history = train(Config())``. The model is a one-label sequence classifier
+(``AutoModelForSequenceClassification``: ``build_policy(config, task="reward")``), its score read
+at the last real token of each sequence from the mask (``reward_model_scores``), never from pad
+ids. One fold step, read top to bottom:
+
+1. collect: a batch of preference pairs (``collate_preference``), plus the per-pair margin column
+   ``margin_key`` when it is set;
+2. score: inside the gradient tape, chosen and rejected sequences through the model in one
+   forward of ``2B`` rows (both sides padded to one width);
+3. update: ``reward_loss`` (``rlcore.algorithms.reward``): ``−logσ(r_w − r_l − m)`` averaged over
+   pairs, plus ``center_rewards_coefficient · mean((r_w + r_l)²)`` when set.
+
+Evaluation on the held-out pairs: preference ``accuracy`` (fraction with ``r_w > r_l``), the mean
+``margin``, the loss and the mean rewards.
+
+References:
+    Ouyang et al., "Training language models to follow instructions with human feedback",
+    https://arxiv.org/abs/2203.02155; Touvron et al., "Llama 2" (margin),
+    https://arxiv.org/abs/2307.09288; Eisenstein et al., "Helping or Herding?" (centring),
+    https://arxiv.org/abs/2312.09244
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import torch
+from datasets import Dataset
+from tensordict import TensorDict, TensorDictBase
+
+from rlcore import keys as K
+from rlcore.algorithms.reward import reward_loss
+from rlcore.loops.data import collate_preference, tokenize_dataset
+from rlcore.loops.models import pad_token_id, reward_model_scores
+from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
+                                 policy_tokenizer, run)
+from rlcore.loops.state import TrainState, advance
+from rlcore.loops.tasks import preference_dataset
+from rlcore.loops.update import update
+
+__all__ = ["Config", "collate_pairs", "with_rewards", "reward_loss_fn", "reward_step", "evaluate", "train"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every setting of the reward-modelling recipe (``configs/reward.yaml``); each feeds the
+    keyword of that name. ``MODEL_TASK`` (not a field) makes ``build_policy`` build a reward model."""
+
+    MODEL_TASK: ClassVar[str] = "reward"
+    # model (loops.recipe.build_policy: a one-label sequence classifier)
+    model: str = "tiny-llama"              # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer) or a path / hub name
+    hidden_size: int = 64                  # tiny models only
+    num_layers: int = 2                    # tiny models only
+    num_heads: int = 4                     # tiny models only
+    max_position_embeddings: int = 256     # tiny models only
+    init_from: str | None = None           # start from this checkpoint (or run) directory (e.g. an SFT policy)
+    device: str = "cpu"
+    # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
+    task: str | None = "add"               # a built-in task (preference pairs with near-miss rejections)
+    dataset: str | None = None             # local file with prompt / chosen / rejected (+ a margin column)
+    eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`
+    num_train: int = 256                   # task pairs for training
+    num_eval: int = 64                     # held-out pairs
+    max_length: int | None = 64            # prompt + completion tokens kept per side
+    max_prompt_length: int | None = None   # prompt tokens kept (its start is cut)
+    # loss (algorithms.reward.reward_loss)
+    margin_key: str | None = None          # dataset column of per-pair margins m (Llama 2); None: no margin
+    center_rewards_coefficient: float | None = None  # c of c·mean((r_w + r_l)²); None: no centring
+    # optimisation (loops.recipe.init_train_state, loops.update.update)
+    seed: int = 0
+    steps: int = 100                       # fold steps (one optimiser step each)
+    batch_size: int = 16                   # pairs per step
+    micro_batch_size: int | None = None    # pairs per forward/backward; None: all
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"             # linear | cosine | constant
+    max_grad_norm: float | None = 1.0
+    eval_batch_size: int = 32
+    # run (loops.recipe.run)
+    run_dir: str | None = "runs/reward"
+    save_every: int = 0
+    keep_last: int | None = 2
+    eval_every: int = 0
+    log_every: int = 10
+    resume: bool = False
+
+
+# --- data ----------------------------------------------------------------------------------------
+def collate_pairs(rows: dict, *, pad_id: int, margin_key: str | None = None) -> TensorDict:
+    """``collate_preference`` plus the column ``margin_key`` as a ``[B]`` float32 entry of that name."""
+    batch = collate_preference(rows, pad_id=pad_id)
+    if margin_key is None:
+        return batch
+    if margin_key not in rows:
+        raise KeyError(f"margin_key: the rows have no column {margin_key!r} (have {sorted(rows)})")
+    return batch.update({margin_key: torch.as_tensor(rows[margin_key], dtype=torch.float32)})
+
+
+# --- score and update ----------------------------------------------------------------------------
+def with_rewards(model, batch: TensorDictBase) -> TensorDictBase:
+    """A copy of ``batch`` with ``(chosen, reward)`` and ``(rejected, reward)`` ``[B]``: the model's
+    scores at each sequence's last real token, both sides in one forward of ``2B`` rows.
+    Gradient: to the model's parameters (call under ``torch.no_grad()`` to evaluate)."""
+    sides = (K.CHOSEN, K.REJECTED)
+    width = max(batch.get((s, K.INPUT_IDS)).shape[-1] for s in sides)
+    ids = torch.cat([_pad_right(batch.get((s, K.INPUT_IDS)), width) for s in sides])
+    mask = torch.cat([_pad_right(batch.get((s, K.ATTENTION_MASK)), width) for s in sides])
+    chosen, rejected = reward_model_scores(model, ids, mask).float().chunk(2)
+    out = batch.copy()
+    out[K.CHOSEN] = batch.get(K.CHOSEN).copy().update({K.REWARD: chosen})
+    out[K.REJECTED] = batch.get(K.REJECTED).copy().update({K.REWARD: rejected})
+    return out
+
+
+def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def reward_loss_fn(state: TrainState, batch: TensorDictBase, *, margin_key: str | None = None,
+                   center_rewards_coefficient: float | None = None) -> tuple[torch.Tensor, TensorDict]:
+    """``reward_loss`` of ``state``'s reward model (``"policy"``) on a (micro-)batch of pairs: the
+    ``loss_fn`` of ``update`` (a mean over pairs). Gradient: to the model's parameters."""
+    scored = with_rewards(state.model("policy"), batch)
+    return reward_loss(scored, margin_key=margin_key, center_rewards_coefficient=center_rewards_coefficient)
+
+
+def reward_step(state: TrainState, batch: TensorDictBase, *, margin_key: str | None = None,
+                center_rewards_coefficient: float | None = None, micro_batch_size: int | None = None,
+                max_grad_norm: float | None = 1.0) -> tuple[TrainState, TensorDict]:
+    """One reward-modelling step (impure: it trains): one optimiser step on the batch's pairs."""
+    batch = batch.to(next(state.model("policy").parameters()).device)
+    rows = batch.batch_size[0]
+    loss_fn = functools.partial(reward_loss_fn, margin_key=margin_key,
+                                center_rewards_coefficient=center_rewards_coefficient)
+    state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
+                            max_grad_norm=max_grad_norm)
+    return advance(state, samples_seen=rows), metrics
+
+
+# --- evaluation ----------------------------------------------------------------------------------
+def _prepare(data: Dataset, tokenizer, config: Config) -> Dataset:
+    return tokenize_dataset(data, tokenizer, format="preference", max_length=config.max_length,
+                            max_prompt_length=config.max_prompt_length)
+
+
+@torch.no_grad()
+def _evaluate(state: TrainState, data: Dataset, tokenizer, config: Config) -> dict[str, float]:
+    """Row-weighted means of ``reward_loss``'s metrics (``accuracy``, ``margin``, ``loss_bt``...)."""
+    device = next(state.model("policy").parameters()).device
+    collate = functools.partial(collate_pairs, pad_id=pad_token_id(tokenizer), margin_key=config.margin_key)
+
+    def results():
+        for i in range(0, len(data), config.eval_batch_size):
+            batch = collate(data[i:i + config.eval_batch_size]).to(device)
+            loss, metrics = reward_loss_fn(state, batch, margin_key=config.margin_key,
+                                           center_rewards_coefficient=config.center_rewards_coefficient)
+            yield batch.batch_size[0], {"loss": loss, **metrics.to_dict()}
+
+    return mean_metrics(results())
+
+
+def evaluate(state: TrainState, config: Config) -> dict[str, float]:
+    """Held-out ``accuracy`` (fraction of pairs with ``r_w > r_l``), ``margin`` (mean
+    ``r_w − r_l``), ``loss`` and the mean rewards of ``state``'s reward model."""
+    tokenizer = policy_tokenizer(config)
+    return _evaluate(state, _prepare(load_splits(config, preference_dataset)[1], tokenizer, config), tokenizer, config)
+
+
+# --- the recipe ----------------------------------------------------------------------------------
+def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Run (or, with ``resume``, continue) reward modelling: ``(state, history)``."""
+    model, tokenizer = build_policy(config)  # a reward model: Config.MODEL_TASK
+    train_data, held_out = (_prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
+    state = init_train_state({"policy": model}, config)
+    collate = functools.partial(collate_pairs, pad_id=pad_token_id(tokenizer), margin_key=config.margin_key)
+    source = batch_source(train_data, config.batch_size, collate, seed=config.seed)
+    step = functools.partial(reward_step, margin_key=config.margin_key,
+                             center_rewards_coefficient=config.center_rewards_coefficient,
+                             micro_batch_size=config.micro_batch_size, max_grad_norm=config.max_grad_norm)
+    eval_fn = functools.partial(_evaluate, data=held_out, tokenizer=tokenizer, config=config)
+    return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="reward",
+               callbacks=callbacks)

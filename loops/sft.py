@@ -1,0 +1,209 @@
+"""SFT recipe: supervised fine-tuning on prompt/completion pairs, ``state, history = train(Config())``.
+
+One fold step, read top to bottom:
+
+1. collect: a batch of tokenised examples (``batch_source`` over the train split), right padded
+   (``collate``) or, with ``packing``, packed first-fit into rows of ``max_length`` tokens
+   (``pack_sequences``: ``position_ids`` restart with each example, which keeps the examples
+   from attending to each other);
+2. score: the loss mask becomes the tokens that are scored: completion tokens that have a
+   predecessor in their own example (``position > 0``), so the global token count of ``update``
+   is the count the loss divides by;
+3. update: ``sft_loss`` (``rlcore.algorithms.sft``) of the per-token log-probs computed through
+   ``loops.score`` inside the gradient tape (the chunked hidden-state path by default: no
+   ``[B, T, V]`` logits), micro-batched with global denominators.
+
+Evaluation on the held-out split: the token-mean NLL (``loss``) and the exact-match accuracy of
+greedy generations against the ``answer`` column (the ``completion`` column if there is none).
+
+References:
+    Ouyang et al., "Training language models to follow instructions with human feedback"
+    (supervised fine-tuning stage), https://arxiv.org/abs/2203.02155; Krell et al., "Efficient
+    Sequence Packing without Cross-contamination", https://arxiv.org/abs/2107.02027
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from rlcore import keys as K
+from rlcore.algorithms.sft import sft_loss
+from rlcore.loops.collect import generate_rollout
+from rlcore.loops.data import collate, detect_format, pack_sequences, tokenize_dataset
+from rlcore.loops.fold import to_floats
+from rlcore.loops.models import pad_token_id, position_ids_from_mask
+from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
+from rlcore.loops.score import score_sequences, token_logprobs_from_model
+from rlcore.loops.state import TrainState, advance
+from rlcore.loops.tasks import exact_match, task_dataset
+from rlcore.loops.update import update
+
+__all__ = ["Config", "scoring_mask", "sft_loss_fn", "sft_step", "evaluate", "train"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every setting of the SFT recipe (``configs/sft.yaml``); each feeds the keyword of that name."""
+
+    # model (loops.recipe.build_policy)
+    model: str = "tiny-llama"              # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer) or a path / hub name
+    hidden_size: int = 64                  # tiny models only
+    num_layers: int = 2                    # tiny models only
+    num_heads: int = 4                     # tiny models only
+    max_position_embeddings: int = 256     # tiny models only
+    init_from: str | None = None           # a checkpoint (or run) directory to start from
+    device: str = "cpu"
+    # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
+    task: str | None = "add"               # a built-in task (loops.tasks) when `dataset` is None
+    dataset: str | None = None             # local jsonl/json/parquet/csv (prompt/completion, messages or text)
+    eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`
+    num_train: int = 256                   # task examples for training
+    num_eval: int = 64                     # held-out examples
+    max_length: int | None = 64            # prompt + completion tokens kept (the packed row length with packing)
+    max_prompt_length: int | None = None   # prompt tokens kept (its start is cut)
+    packing: bool = False                  # pack examples into rows of max_length (pack_sequences)
+    # loss and forward (algorithms.sft.sft_loss, loops.score)
+    agg: str = "token_mean"                # rlcore.masked.AGGREGATIONS (with packing, a "sequence" is a packed row)
+    chunked: bool = True                   # log-probs from hidden states in vocabulary chunks
+    # optimisation (loops.recipe.init_train_state, loops.update.update)
+    seed: int = 0                          # model init, data order
+    steps: int = 100                       # fold steps (one optimiser step each)
+    batch_size: int = 16                   # examples per step
+    micro_batch_size: int | None = None    # rows per forward/backward (gradient accumulation); None: all
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"             # linear | cosine | constant (loops.update.SCHEDULES)
+    max_grad_norm: float | None = 1.0
+    # evaluation (evaluate)
+    max_new_tokens: int = 8                # greedy generation budget for exact match
+    eval_batch_size: int = 32
+    # run (loops.recipe.run)
+    run_dir: str | None = "runs/sft"       # checkpoints and metrics.jsonl; None writes nothing
+    save_every: int = 0                    # checkpoint period in steps (0: only at the end)
+    keep_last: int | None = 2              # checkpoints kept
+    eval_every: int = 0                    # evaluation period in steps (0: never during training)
+    log_every: int = 10                    # progress line period
+    resume: bool = False                   # continue from the latest checkpoint of run_dir
+
+
+# --- score and update --------------------------------------------------------------------------
+def scoring_mask(batch: TensorDictBase) -> TensorDictBase:
+    """A copy of ``batch`` whose ``loss_mask`` keeps only tokens with a predecessor in their example.
+
+    ``loss_mask ∧ attention_mask ∧ position > 0``, positions from ``position_ids`` (packed rows)
+    or from the attention mask: the first token of an example is never predicted (from padding
+    or from the previous packed example).
+    """
+    mask = batch.get(K.ATTENTION_MASK)
+    pos = batch.get(K.POSITION_IDS) if K.POSITION_IDS in batch.keys() else position_ids_from_mask(mask)
+    return batch.copy().update({K.LOSS_MASK: batch.get(K.LOSS_MASK) & mask & (pos > 0)})
+
+
+def _policy_logprobs(model, batch: TensorDictBase, *, chunked: bool) -> torch.Tensor:
+    """``[B, T]`` log-probs aligned with ``input_ids`` (column ``t`` scores token ``t``)."""
+    if K.POSITION_IDS not in batch.keys():
+        return score_sequences(model, batch, chunked=chunked).get(K.LOGPROBS)
+    lp = token_logprobs_from_model(model, batch.get(K.INPUT_IDS), None, position_ids=batch.get(K.POSITION_IDS),
+                                   chunked=chunked)  # packed: attention restarts with the positions
+    return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], -1)
+
+
+def sft_loss_fn(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean", chunked: bool = True,
+                num_tokens=None, num_seqs=None) -> tuple[torch.Tensor, TensorDict]:
+    """``sft_loss`` of ``state``'s policy on a (micro-)batch: the ``loss_fn`` of ``update``.
+
+    ``loss = aggregate(−log p(x_t | x_<t), loss_mask, agg)`` with the global denominators of the
+    optimiser step. Reads ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` (and
+    ``position_ids`` for packed rows); ``loss_mask`` must already be a ``scoring_mask``.
+    Gradient: to the policy's parameters.
+    """
+    lp = _policy_logprobs(state.model("policy"), batch, chunked=chunked)
+    scored = TensorDict({K.LOGPROBS: lp, K.LOSS_MASK: batch.get(K.LOSS_MASK)}, batch_size=batch.batch_size)
+    return sft_loss(scored, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean", chunked: bool = True,
+             micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0,
+             examples: int | None = None) -> tuple[TrainState, TensorDict]:
+    """One SFT step (impure: it trains): score the mask, one optimiser step on the whole batch.
+
+    ``examples``: examples in the batch for ``samples_seen`` (default its rows; packed rows hold
+    several).
+    """
+    device = next(state.model("policy").parameters()).device
+    batch = scoring_mask(batch.to(device))
+    rows = batch.batch_size[0]
+    loss_fn = functools.partial(sft_loss_fn, agg=agg, chunked=chunked)
+    state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
+                            mask_key=K.LOSS_MASK, max_grad_norm=max_grad_norm)
+    state = advance(state, samples_seen=examples or rows, tokens_seen=batch.get(K.ATTENTION_MASK).sum())
+    return state, metrics
+
+
+# --- data --------------------------------------------------------------------------------------
+def _prepare(data, tokenizer, config: Config):
+    return tokenize_dataset(data, tokenizer, max_length=config.max_length, max_prompt_length=config.max_prompt_length)
+
+
+def _collate_fn(data, tokenizer, config: Config) -> Callable[[dict], TensorDict]:
+    pad, fmt = pad_token_id(tokenizer), detect_format(data.column_names)
+    if config.packing:
+        if config.max_length is None:
+            raise ValueError("max_length: packing needs the row length (set max_length)")
+        return functools.partial(pack_sequences, seq_length=config.max_length, pad_id=pad)
+    return functools.partial(collate, fmt, pad_id=pad)
+
+
+# --- evaluation --------------------------------------------------------------------------------
+@torch.no_grad()
+def _evaluate(state: TrainState, data, tokenizer, config: Config) -> dict[str, float]:
+    model, pad = state.model("policy"), pad_token_id(tokenizer)
+    device = next(model.parameters()).device
+    fmt, n = detect_format(data.column_names), len(data)
+    batches = [scoring_mask(collate(fmt, data[i:i + config.eval_batch_size], pad_id=pad).to(device))
+               for i in range(0, n, config.eval_batch_size)]
+    total = sum(b.get(K.LOSS_MASK).sum() for b in batches)
+    # token mean over the whole split: each batch's share with the split's token count as denominator
+    loss = sum(sft_loss_fn(state, b, agg="token_mean", chunked=config.chunked, num_tokens=total)[0] for b in batches)
+    out = {"loss": loss, "perplexity": loss.exp()}
+    column = next((c for c in ("answer", "completion") if c in data.column_names), None)
+    answers = None if column is None else list(data[column])
+    if "prompt" in data.column_names and answers is not None and all(isinstance(a, str) for a in answers):
+        completions = []
+        for i in range(0, n, config.eval_batch_size):
+            prompts = list(data["prompt"][i:i + config.eval_batch_size])
+            rollout = generate_rollout(model, tokenizer, prompts, do_sample=False, max_new_tokens=config.max_new_tokens,
+                                       behaviour=None)
+            completions += tokenizer.batch_decode([r[m].tolist() for r, m in zip(rollout.get(K.RESPONSE_IDS),
+                                                                                 rollout.get(K.RESPONSE_MASK))],
+                                                  skip_special_tokens=True)
+        out["exact_match"] = torch.tensor(exact_match(completions, answers)).mean()
+    return to_floats(out)
+
+
+def evaluate(state: TrainState, config: Config) -> dict[str, float]:
+    """Held-out ``loss`` (token-mean NLL of the completions), ``perplexity`` and ``exact_match``
+    (greedy generations of ``max_new_tokens`` against the answers) of ``state``'s policy."""
+    tokenizer = policy_tokenizer(config)
+    _, held_out = load_splits(config, task_dataset)
+    return _evaluate(state, _prepare(held_out, tokenizer, config), tokenizer, config)
+
+
+# --- the recipe --------------------------------------------------------------------------------
+def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Run (or, with ``resume``, continue) SFT: ``(state, history)``; ``callbacks`` run first each step."""
+    model, tokenizer = build_policy(config)
+    train_data, held_out = (_prepare(d, tokenizer, config) for d in load_splits(config, task_dataset))
+    state = init_train_state({"policy": model}, config)
+    source = batch_source(train_data, config.batch_size, _collate_fn(train_data, tokenizer, config), seed=config.seed)
+    step = functools.partial(sft_step, agg=config.agg, chunked=config.chunked, micro_batch_size=config.micro_batch_size,
+                             max_grad_norm=config.max_grad_norm, examples=config.batch_size)
+    eval_fn = functools.partial(_evaluate, data=held_out, tokenizer=tokenizer, config=config)
+    return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="sft",
+               callbacks=callbacks)

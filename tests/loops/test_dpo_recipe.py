@@ -1,0 +1,181 @@
+"""Tests of the preference-optimisation recipe (loops/dpo.py) on tiny offline models."""
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+
+from rlcore import keys as K
+from rlcore.algorithms.dpo import DPO_LOSSES
+from rlcore.algorithms.preference import PREFERENCE_LOSSES
+from rlcore.loops.data import collate_mismatched, collate_preference, collate_unpaired, tokenize_dataset
+from rlcore.loops.dpo import (LOSSES, REFERENCE_FREE, UNPAIRED, Config, bind_loss, dpo_step, evaluate, kto_step,
+                              needs_reference, preference_loss_fn, train, unpair, with_reference)
+from rlcore.loops.models import make_reference, pad_token_id
+from rlcore.loops.recipe import build_policy, init_train_state, load_config
+from rlcore.loops.sft import Config as SFTConfig
+from rlcore.loops.sft import train as train_sft
+from rlcore.loops.tasks import preference_dataset
+from rlcore.testing import assert_pure
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=64, num_eval=32, batch_size=16, max_length=24,
+            lr=3e-3, run_dir=None, log_every=100)
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """A tiny policy and 6 tokenised preference pairs (do not modify the model)."""
+    model, tok = build_policy(Config(**{**TINY, "hidden_size": 16, "num_heads": 2}))
+    rows = tokenize_dataset(preference_dataset("add", 6), tok, format="preference")
+    return model, tok, rows
+
+
+def _state(model, config, ref=True):
+    models = {"policy": copy.deepcopy(model)}
+    if ref:
+        models["ref"] = make_reference(model)
+    return init_train_state(models, config)
+
+
+@pytest.mark.slow
+def test_dpo_raises_the_margins_and_accuracy():
+    config = Config(steps=12, eval_every=12, beta=0.1, **TINY)
+    model, _ = build_policy(config)
+    before = evaluate(init_train_state({"policy": model, "ref": make_reference(model)}, config), config)
+    assert before["rewards/margins"] == 0.0 and before["loss_dpo"] == pytest.approx(0.6931, abs=1e-4)
+    state, hist = train(config)
+    assert hist[0]["loss"] == pytest.approx(0.6931, abs=1e-4)  # policy == reference at the start
+    assert sum(h["loss"] for h in hist[-3:]) / 3 < 0.67
+    after = hist[-1]
+    assert after["eval/rewards/margins"] > 0.05 and after["eval/rewards/accuracies"] > 0.6
+    assert after["eval/loss_dpo"] < before["loss_dpo"]
+    assert set(state.models) == {"policy", "ref"}
+    assert evaluate(state, config) == pytest.approx({k[5:]: v for k, v in after.items() if k.startswith("eval/")})
+
+
+def test_registry_covers_both_families():
+    assert set(DPO_LOSSES) <= set(LOSSES) and set(PREFERENCE_LOSSES) <= set(LOSSES)
+    assert LOSSES["ipo"].keywords == {"loss_type": "ipo"}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_loss_takes_a_training_step(pairs, name):
+    model, tok, rows = pairs
+    config = Config(loss_type=name, **TINY)
+    loss = bind_loss(config)
+    state = _state(model, config, ref=needs_reference(config))
+    pad = pad_token_id(tok)
+    if name in UNPAIRED:
+        flat = unpair(rows)[:]
+        state, metrics = kto_step(state, (collate_unpaired(flat, pad_id=pad), collate_mismatched(flat, pad_id=pad)),
+                                  loss=loss)
+    else:
+        state, metrics = dpo_step(state, collate_preference(rows[:], pad_id=pad), loss=loss)
+    assert torch.isfinite(metrics["loss"]) and metrics["optimizer_steps"] == 1
+    moved = any(not torch.equal(a, b) for a, b in zip(model.parameters(), state.model().parameters()))
+    assert moved and state.samples_seen == (12 if name in UNPAIRED else 6)
+
+
+def test_bind_loss_defaults_and_errors():
+    assert bind_loss(Config(loss_type="simpo")).keywords == {}  # SimPO keeps its own β = 2
+    assert bind_loss(Config(loss_type="dpo", beta=0.3, rpo_alpha=1.0)).keywords == {"beta": 0.3, "rpo_alpha": 1.0}
+    assert bind_loss(Config(loss_type="hinge", beta=0.2)).keywords == {"loss_type": "hinge", "beta": 0.2}
+    with pytest.raises(ValueError, match=r"loss_type: unknown 'nope'; valid: .*'orpo'"):
+        bind_loss(Config(loss_type="nope"))
+    with pytest.raises(ValueError, match=r"'dpo' takes no \['gamma'\]"):
+        bind_loss(Config(loss_type="dpo", gamma=1.0))
+    with pytest.raises(ValueError, match="precompute_ref"):
+        train(Config(loss_type="kto", precompute_ref=True, **TINY))
+    assert not needs_reference(Config(loss_type="orpo")) and not needs_reference(Config(reference_free=True))
+    assert needs_reference(Config(loss_type="kto")) and set(REFERENCE_FREE) <= set(LOSSES)
+
+
+@pytest.mark.slow
+def test_precomputed_reference_equals_the_frozen_copy():
+    config = Config(steps=3, beta=0.5, **{**TINY, "num_train": 32})
+    frozen, hist_a = train(config)
+    pre, hist_b = train(dataclasses.replace(config, precompute_ref=True, eval_every=3))
+    assert set(pre.models) == {"policy"} and set(frozen.models) == {"policy", "ref"}
+    for a, b in zip(hist_a, hist_b):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    assert hist_b[-1]["eval/rewards/margins"] == pytest.approx(evaluate(pre, dataclasses.replace(
+        config, precompute_ref=True))["rewards/margins"], abs=1e-6)
+
+
+def test_reference_free_losses_keep_no_reference():
+    state, hist = train(Config(loss_type="simpo", steps=2, **TINY))
+    assert set(state.models) == {"policy"} and "loss_simpo" in hist[-1]
+    state, _ = train(Config(loss_type="dpo", reference_free=True, steps=1, **TINY))
+    assert set(state.models) == {"policy"}
+
+
+def test_with_reference_adds_the_reference_logps(pairs):
+    model, tok, rows = pairs
+    batch = collate_preference(rows[:], pad_id=pad_token_id(tok))
+    state = _state(model, Config(**TINY))
+    scored = assert_pure(with_reference, state, batch)
+    policy = preference_loss_fn(state, scored, loss=lambda b: (b[K.CHOSEN, K.LOGPS], b))[1]
+    torch.testing.assert_close(scored[K.CHOSEN, K.REF_LOGPS], policy[K.CHOSEN, K.LOGPS])
+    assert not scored[K.CHOSEN, K.REF_LOGPS].requires_grad and K.REF_LOGPS not in batch[K.CHOSEN].keys()
+    assert with_reference(state, scored) is scored  # present already: untouched
+    no_ref = init_train_state({"policy": copy.deepcopy(model)}, Config(**TINY))
+    assert with_reference(no_ref, batch) is batch
+
+
+def test_unpair_golden():
+    data = Dataset.from_dict({"prompt_ids": [[1], [2]], "chosen_ids": [[3], [4]], "rejected_ids": [[5], [6]],
+                              "answer": ["x", "y"]})
+    out = unpair(data)
+    assert out[:] == {"prompt_ids": [[1], [2], [1], [2]], "completion_ids": [[3], [4], [5], [6]],
+                      "label": [True, True, False, False]}
+
+
+def test_kto_trains_and_reports_pair_accuracy():
+    state, hist = train(Config(loss_type="kto", beta=1.0, steps=6, eval_every=6, **TINY))
+    assert set(state.models) == {"policy", "ref"} and state.samples_seen == 6 * 16
+    assert hist[0]["loss"] == pytest.approx(0.5, abs=1e-4)  # σ(0) with the policy equal to its reference
+    assert hist[0]["kl"] == 0.0 and "kl" in hist[-1]
+    # the implicit rewards β·(log π − log π_ref) rank the held-out pairs (both 0 before training)
+    assert hist[-1]["eval/rewards/margins"] > 0.1 and hist[-1]["eval/rewards/accuracies"] > 0.6
+    assert not any(k.startswith("eval/loss") for k in hist[-1])
+
+
+def test_init_from_an_sft_checkpoint(tmp_path):
+    sft_state, _ = train_sft(SFTConfig(steps=2, **{**TINY, "run_dir": str(tmp_path / "sft"), "num_eval": 8}))
+    config = Config(steps=0, init_from=str(tmp_path / "sft"), **TINY)
+    state, hist = train(config)
+    assert hist == []
+    for a, b, c in zip(sft_state.model().parameters(), state.model().parameters(),
+                       state.model("ref").parameters()):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_yaml_config_loads_and_runs(tmp_path):
+    config = load_config(Config, CONFIGS / "dpo.yaml", {"steps": "2", "run_dir": str(tmp_path), "eval_every": "2",
+                                                        "num_train": 32, "num_eval": 8, "loss_type": "ipo"})
+    assert config.beta == 0.1 and config.loss_type == "ipo"
+    state, hist = train(config)
+    assert state.step == 2 and "eval/rewards/accuracies" in hist[-1]
+    assert sorted(p.name for p in (tmp_path / "checkpoint-2" / "models").iterdir()) == ["policy"]  # not the ref
+
+
+@pytest.mark.slow
+def test_resume_with_a_frozen_reference_is_exact(tmp_path):
+    from rlcore.loops.fold import stop_when
+    base = Config(steps=4, save_every=2, **{**TINY, "num_train": 32, "num_eval": 8})
+    straight, hist = train(dataclasses.replace(base, run_dir=str(tmp_path / "a")))
+    cut = dataclasses.replace(base, run_dir=str(tmp_path / "b"))
+    train(cut, callbacks=[stop_when(lambda s, m: s.step == 2)])
+    resumed, hist2 = train(dataclasses.replace(cut, resume=True))  # the reference is rebuilt, not stored
+    assert resumed.step == 4 and [h["loss"] for h in hist2] == [h["loss"] for h in hist[2:]]
+    for a, b in zip(straight.model().parameters(), resumed.model().parameters()):
+        assert torch.equal(a, b)
+
+
+def test_gpt2_policy():
+    state, hist = train(Config(model="tiny-gpt2", loss_type="cpo", steps=2, **TINY))
+    assert state.model().config.model_type == "gpt2" and len(hist) == 2

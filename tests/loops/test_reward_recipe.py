@@ -1,0 +1,119 @@
+"""Tests of the reward-modelling recipe (loops/reward.py) on tiny offline models."""
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlcore import keys as K
+from rlcore.loops.data import tokenize_dataset
+from rlcore.loops.models import pad_token_id, reward_model_scores
+from rlcore.loops.recipe import build_policy, init_train_state, load_config
+from rlcore.loops.reward import Config, collate_pairs, evaluate, reward_loss_fn, reward_step, train, with_rewards
+from rlcore.loops.tasks import preference_dataset
+from rlcore.testing import assert_pure
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=64, num_eval=32, batch_size=16, max_length=24,
+            lr=3e-3, run_dir=None, log_every=100)
+
+
+def _batch(n=6, margin=None):
+    model, tok = build_policy(Config(**TINY), task="reward")
+    data = preference_dataset("add", n)
+    if margin is not None:
+        data = data.add_column("margin", [margin] * n)
+    rows = tokenize_dataset(data, tok, format="preference")[:]
+    return model, collate_pairs(rows, pad_id=pad_token_id(tok), margin_key=None if margin is None else "margin")
+
+
+@pytest.mark.slow
+def test_reward_model_learns_the_preferences():
+    config = Config(steps=15, eval_every=15, **TINY)
+    model, _ = build_policy(config, task="reward")
+    before = evaluate(init_train_state({"policy": model}, config), config)
+    state, hist = train(config)
+    first, last = sum(h["loss"] for h in hist[:3]) / 3, sum(h["loss"] for h in hist[-3:]) / 3
+    assert last < 0.75 * first, (first, last)
+    after = hist[-1]
+    assert after["eval/accuracy"] >= before["accuracy"] + 0.15 and after["eval/margin"] > 0.1
+    assert after["eval/loss"] < before["loss"]
+    assert evaluate(state, config) == pytest.approx({k[5:]: v for k, v in after.items() if k.startswith("eval/")})
+
+
+def test_with_rewards_scores_each_side_at_its_last_token():
+    model, batch = _batch(5)
+    with torch.no_grad():
+        out = assert_pure(with_rewards, model, batch)
+    for side in (K.CHOSEN, K.REJECTED):
+        alone = reward_model_scores(model, batch[side, K.INPUT_IDS], batch[side, K.ATTENTION_MASK])
+        torch.testing.assert_close(out[side, K.REWARD], alone, rtol=1e-5, atol=1e-5)
+        # extra right padding changes nothing
+        ids = torch.nn.functional.pad(batch[side, K.INPUT_IDS], (0, 3), value=0)
+        mask = torch.nn.functional.pad(batch[side, K.ATTENTION_MASK], (0, 3), value=False)
+        torch.testing.assert_close(reward_model_scores(model, ids, mask), alone, rtol=1e-5, atol=1e-5)
+        assert K.REWARD not in batch[side].keys()  # the input is untouched
+
+
+def test_margin_and_centring_terms():
+    model, plain = _batch(6)
+    _, with_margin = _batch(6, margin=1.0)
+    state = init_train_state({"policy": model}, Config(**TINY))
+    base, m0 = reward_loss_fn(state, plain)
+    shifted, m1 = reward_loss_fn(state, with_margin, margin_key="margin")
+    # −logσ(d − m) with m = 1, from the same rewards
+    d = m0["margin"]
+    rewards = with_rewards(model, plain)
+    diff = rewards[K.CHOSEN, K.REWARD] - rewards[K.REJECTED, K.REWARD]
+    torch.testing.assert_close(shifted, -torch.nn.functional.logsigmoid(diff - 1.0).mean())
+    assert shifted > base and torch.isclose(m1["margin"], d)
+    centred, m2 = reward_loss_fn(state, plain, center_rewards_coefficient=0.5)
+    sums = rewards[K.CHOSEN, K.REWARD] + rewards[K.REJECTED, K.REWARD]
+    torch.testing.assert_close(m2["loss_center"], 0.5 * sums.square().mean().detach())
+    torch.testing.assert_close(centred, base + m2["loss_center"])
+    with pytest.raises(KeyError, match="margin_key"):
+        collate_pairs({"prompt_ids": [[1]], "chosen_ids": [[2]], "rejected_ids": [[3]]}, pad_id=0,
+                      margin_key="margin")
+
+
+def test_micro_batches_give_the_full_batch_step():
+    model, batch = _batch(8)
+    config = Config(**TINY)
+    out = []
+    for micro in (None, 3):
+        m = copy.deepcopy(model)
+        state, metrics = reward_step(init_train_state({"policy": m}, config), batch, micro_batch_size=micro)
+        out.append(([p.detach().clone() for p in m.parameters()], metrics["loss"]))
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(out[0][0], out[1][0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert state.samples_seen == 8 and state.optimizer_steps == 1
+
+
+def test_margin_column_from_a_local_dataset(tmp_path):
+    rows = [dict(r, margin=0.5) for r in preference_dataset("add", 24).to_list()]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = Config(steps=2, task=None, dataset=str(path), margin_key="margin", center_rewards_coefficient=0.01,
+                    **{**TINY, "num_eval": 8, "batch_size": 8})
+    state, hist = train(config)
+    assert state.step == 2 and "loss_center" in hist[-1]
+    assert {"accuracy", "margin", "loss"} <= set(evaluate(state, config))
+
+
+def test_yaml_config_loads_and_runs(tmp_path):
+    config = load_config(Config, CONFIGS / "reward.yaml", {"steps": "2", "run_dir": str(tmp_path), "eval_every": "2",
+                                                           "num_train": 32, "num_eval": 8})
+    assert config.margin_key is None and config.center_rewards_coefficient is None
+    state, hist = train(config)
+    assert state.step == 2 and "eval/accuracy" in hist[-1]
+    assert (tmp_path / "checkpoint-2" / "models" / "policy").is_dir()
+    # a checkpointed reward model loads back as a sequence classifier (Config.MODEL_TASK)
+    assert "MODEL_TASK" not in {f.name for f in dataclasses.fields(Config)}
+    loaded, _ = build_policy(dataclasses.replace(config, init_from=str(tmp_path)))
+    assert type(loaded).__name__ == "LlamaForSequenceClassification"
+    for a, b in zip(loaded.parameters(), state.model().parameters()):
+        assert torch.equal(a, b)
