@@ -1,0 +1,334 @@
+"""The pieces shared by the online recipes (PPO, RLOO, GRPO, online DPO): prompts → rollout → scores.
+
+Every online recipe is ``collect → score → (rewards, advantages) → update`` over batches of
+prompts. What differs is the middle (KL in the reward or in the loss, GAE or a group baseline,
+preference pairs) and the loss; what is the same lives here:
+
+- :class:`OnlineConfig`: the fields every online recipe has (model, data, generation, optimiser,
+  run); a recipe's ``Config`` subclasses it (still flat: one ``--flag`` per field);
+- :func:`build_online_state`: policy + frozen reference (+ frozen reward model, + the recipe's own
+  models such as a critic), AdamW, schedule, transform states;
+- :func:`prompt_source`: a resumable stream of prompt batches (dicts of dataset columns);
+- :func:`collect_rollout`: ``G`` samples per prompt from the policy, seeded from ``state.rng``,
+  scored with reference log-probs, optional values, and the task reward (or reward model);
+- :func:`policy_loss_fn`: the ``update`` loss closure of the policy-gradient recipes (log-probs
+  through the policy, then any ``(batch, **denominators) -> (loss, metrics)`` loss);
+- :func:`evaluate_policy`: held-out mean reward and exact match (greedy) and KL to the reference
+  (sampled);
+- :func:`train_online`: build, wire :func:`rlcore.loops.recipe.run`, return ``(state, history)``.
+
+Randomness: generation draws its seed from a copy of ``state.rng`` that the returned state
+carries on (the input state's generator is untouched), so a resumed run samples exactly the
+responses of an uninterrupted one. Evaluation uses a fixed seed and never touches ``state.rng``
+or the global RNG, so evaluating does not change training.
+
+Rewards: ``reward_fn`` (a Python function ``(prompts, completions, **columns) -> scores``, by
+default ``loops.tasks.task_reward(config.task)``, which reads the ``answer`` column) or, with
+``config.reward_model``, a sequence-classification reward model sharing the policy's tokenizer
+(``loops.models.reward_model_scores``); with both, their sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from datasets import Dataset
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from rlcore import keys as K
+from rlcore.kl import kl_estimate
+from rlcore.loops.collect import generate_rollout
+from rlcore.loops.fold import to_floats
+from rlcore.loops.models import disable_dropout, load_model, make_reference
+from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
+from rlcore.loops.score import score_rollout, token_logprobs_from_model
+from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
+from rlcore.loops.tasks import exact_match, task_dataset, task_reward
+from rlcore.masked import masked_sum
+from rlcore.transforms import observed_kl
+
+__all__ = ["OnlineConfig", "make_reward_fn", "build_online_state", "prompt_source", "update_sizes",
+           "repeat_columns", "collect_rollout", "with_policy_logprobs", "policy_loss_fn", "rollout_metrics",
+           "evaluate_policy", "train_online"]
+
+RewardFn = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineConfig:
+    """Fields shared by every online recipe (a recipe's ``Config`` subclasses this and adds its own)."""
+
+    # --- model ---
+    model: str = "tiny-llama"        # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer), or a local path / hub name
+    hidden_size: int = 64            # tiny models: width
+    num_layers: int = 2              # tiny models: decoder blocks
+    num_heads: int = 4               # tiny models: attention heads
+    max_position_embeddings: int = 256  # tiny models: context length
+    init_from: str | None = None     # start from the policy weights of a checkpoint / run dir (e.g. an SFT run)
+    reward_model: str | None = None  # local path of a sequence-classification reward model (same tokenizer)
+    device: str = "cpu"              # where models and rollouts live
+    # --- data ---
+    task: str = "add"                # built-in task (loops.tasks): prompts, and the reward when no reward_model
+    dataset: str | None = None       # local jsonl/parquet with a `prompt` column (and `answer` for the task reward)
+    eval_dataset: str | None = None  # held-out file (default: num_eval rows split off `dataset`)
+    num_train: int = 256             # built-in task: training prompts
+    num_eval: int = 64               # held-out prompts
+    # --- generation (collect) ---
+    num_samples: int = 1             # G samples per prompt (TRL num_generations)
+    max_new_tokens: int = 16         # response budget (TRL max_completion_length / response_length)
+    temperature: float = 1.0         # sampling temperature; log-probs are of softmax(logits / temperature)
+    top_k: int | None = None         # truncation (None: off)
+    top_p: float | None = None       # nucleus truncation (None: off)
+    max_prompt_length: int | None = None  # keep the last tokens of longer prompts
+    # --- optimisation (update) ---
+    seed: int = 0                    # model init, data order, sampling
+    steps: int = 100                 # fold steps: batches of prompts
+    batch_size: int = 8              # prompts per step (the rollout has batch_size * num_samples rows)
+    epochs: int = 1                  # passes over each rollout (TRL ppo_epochs / num_iterations)
+    minibatch_size: int | None = None  # rollout rows per optimiser step (None: the whole rollout)
+    micro_batch_size: int | None = None  # rows per forward/backward (gradient accumulation; None: minibatch)
+    lr: float = 1e-5                 # AdamW peak learning rate
+    weight_decay: float = 0.0        # AdamW decoupled weight decay
+    warmup_steps: int = 0            # optimiser steps of linear warm-up
+    schedule: str = "constant"       # learning-rate schedule after warm-up (loops.update.SCHEDULES)
+    max_grad_norm: float | None = 1.0  # global gradient-norm clip (None: off)
+    # --- run ---
+    run_dir: str | None = None       # checkpoints + metrics.jsonl (None: write nothing)
+    save_every: int = 0              # checkpoint every N steps (0: never; the last step is saved when > 0)
+    keep_last: int | None = 2        # checkpoints kept (None: all)
+    eval_every: int = 0              # evaluate on the held-out split every N steps (0: never)
+    eval_batch_size: int = 32        # held-out prompts per generation batch in evaluation
+    log_every: int = 10              # progress line every N steps
+    resume: bool = False             # continue from the latest checkpoint of run_dir
+
+
+# --- building -----------------------------------------------------------------------------------
+def make_reward_fn(config: Any, reward_fn: RewardFn | None = None) -> RewardFn | None:
+    """The reward function of a run: ``reward_fn`` if given, else ``task_reward(config.task)``
+    unless a ``reward_model`` scores instead (then ``None``)."""
+    if reward_fn is not None:
+        return reward_fn
+    return None if config.reward_model else task_reward(config.task)
+
+
+def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mapping[str, nn.Module]] | None = None,
+                       trainable: Sequence[str] = ("policy",), transforms: Mapping[str, Any] | None = None,
+                       rows_per_step: int | None = None) -> tuple[TrainState, Any]:
+    """``(state, tokenizer)``: policy, frozen reference copy, optional frozen reward model, extra models.
+
+    ``state.models``: ``policy`` (``build_policy(config)``), ``ref`` (``make_reference(policy)``,
+    frozen, rebuilt rather than checkpointed), ``reward`` when ``config.reward_model`` (loaded
+    with ``load_model(task="reward")``, frozen) and ``extra_models(policy)`` (e.g. a critic);
+    dropout off in all of them (``disable_dropout``: a loaded model may have it on).
+    AdamW over the ``trainable`` models; the schedule spans ``steps × epochs × ⌈rows/minibatch⌉``
+    optimiser steps with ``rows = rows_per_step`` (default ``batch_size × num_samples``).
+    """
+    policy, tokenizer = build_policy(config)
+    models = {"policy": policy, "ref": make_reference(policy)}
+    if config.reward_model:
+        models["reward"] = load_model(config.reward_model, task="reward").to(config.device).eval().requires_grad_(False)
+    models.update(extra_models(policy) if extra_models is not None else {})
+    for model in models.values():
+        disable_dropout(model)  # RL needs the same log-probs in collect, score and update
+    rows = rows_per_step or config.batch_size * config.num_samples
+    per_step = config.epochs * math.ceil(rows / update_sizes(config, rows)["minibatch_size"])
+    state = init_train_state(models, config, trainable=trainable, total_steps=config.steps * per_step)
+    return with_transforms(state, **(transforms or {})), tokenizer
+
+
+def prompt_source(dataset: Dataset, config: Any) -> Callable[[int], Any]:
+    """A resumable fold source of prompt batches: dicts of columns (``prompt``, ``answer``, ...)
+    of ``config.batch_size`` rows, reshuffled every epoch with ``config.seed``."""
+    return batch_source(dataset, config.batch_size, dict, seed=config.seed)
+
+
+def update_sizes(config: Any, rows: int) -> dict[str, int]:
+    """``minibatch_size`` / ``micro_batch_size`` for ``update`` on ``rows`` rows: the config's, capped
+    at ``rows`` (``None``: all rows), so a short rollout (few pairs, a small last batch) still fits."""
+    minibatch = min(config.minibatch_size or rows, rows)
+    return {"minibatch_size": minibatch, "micro_batch_size": min(config.micro_batch_size or minibatch, minibatch)}
+
+
+def repeat_columns(rows: Mapping[str, Sequence], num_samples: int, *,
+                   skip: Sequence[str] = ("prompt", "completion")) -> dict[str, list]:
+    """Each column but ``skip`` with every value repeated ``num_samples`` times in place
+    (``[a, b] → [a, a, b, b]``), aligned with the prompt-major rows of a rollout."""
+    return {k: [v for v in col for _ in range(num_samples)] for k, col in rows.items() if k not in skip}
+
+
+# --- collect and score ---------------------------------------------------------------------------
+def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
+                    reward_fn: RewardFn | None, num_samples: int | None = None,
+                    value_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                    reference: bool = True) -> tuple[TrainState, TensorDict]:
+    """Sample ``G`` responses per prompt and score them: ``(state, rollout)``.
+
+    ``generate_rollout(policy, ...)`` with a seed drawn from a copy of ``state.rng``, then
+    ``score_rollout`` with the reference (``ref_logprobs``, unless ``reference=False``),
+    ``value_fn`` (``values``), and the reward (``score``: ``reward_fn`` on the decoded texts with the
+    other dataset columns repeated per sample, plus ``state.models["reward"]`` when present).
+    Behaviour log-probs (``old_logprobs``) come from generation itself.
+
+    Args:
+        rows: a prompt batch, dict of columns with ``prompt`` (``P`` rows).
+        num_samples: ``G`` (default ``config.num_samples``).
+    Returns:
+        The state with the advanced generator and the counters ``samples_seen``, ``episodes``,
+        ``tokens_seen`` advanced, and the rollout TensorDict ``[B = P·G]`` (``rlcore.keys``).
+    """
+    G = config.num_samples if num_samples is None else num_samples
+    rng = copy_generator(state.rng)
+    policy = state.model("policy")
+    rollout = generate_rollout(policy, tokenizer, list(rows["prompt"]), max_new_tokens=config.max_new_tokens,
+                               temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                               num_samples=G, generator=rng, max_prompt_length=config.max_prompt_length,
+                               policy_version=state.policy_version)
+    rollout = score_rollout(rollout, ref=state.model("ref") if reference else None, value_fn=value_fn,
+                            reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
+                            reward_columns=repeat_columns(rows, G), temperature=config.temperature)
+    B = rollout.batch_size[0]
+    state = advance(dataclasses.replace(state, rng=rng), samples_seen=B, episodes=B,
+                    tokens_seen=rollout[K.RESPONSE_MASK].sum())
+    return state, rollout
+
+
+def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0) -> TensorDictBase:
+    """A shallow copy of a rollout with the policy's ``logprobs [B, R]`` of its own responses.
+
+    ``lp[b, j] = log softmax(z_{b, P−1+j}/τ)[response_ids[b, j]]``, ``z`` the logits of
+    ``[prompt | response]`` (``loops.score.token_logprobs_from_model``, chunked: no ``[B, T, V]``).
+
+    Args:
+        model: the causal LM being trained.
+        batch: rollout ``[B]`` with ``prompt_ids`` / ``prompt_mask`` ``[B, P]`` and ``response_ids`` /
+            ``response_mask`` ``[B, R]``.
+        temperature: ``τ``, the sampling temperature (the behaviour log-probs use the same).
+    Returns:
+        A shallow copy of ``batch`` with ``logprobs [B, R]`` (meaningless where ``response_mask`` is
+        False); ``batch`` is not modified.
+
+    Gradient: flows to ``model``'s parameters.
+    """
+    ids = torch.cat([batch[K.PROMPT_IDS], batch[K.RESPONSE_IDS]], -1)
+    mask = torch.cat([batch[K.PROMPT_MASK], batch[K.RESPONSE_MASK]], -1)
+    lp = token_logprobs_from_model(model, ids, mask, response_length=batch[K.RESPONSE_IDS].shape[-1],
+                                   temperature=temperature)
+    return batch.copy().update({K.LOGPROBS: lp})
+
+
+def policy_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable[..., tuple], temperature: float = 1.0,
+                   **denominators) -> tuple[torch.Tensor, TensorDict]:
+    """The ``update`` loss closure of the policy-gradient recipes: ``loss(batch + logprobs, **denominators)``.
+
+    Args:
+        state: the ``TrainState`` (its ``"policy"`` computes the log-probs).
+        batch: a rollout micro-batch with ``old_logprobs``, ``advantages`` (and ``ref_logprobs`` for a
+            KL in the loss), as ``with_policy_logprobs`` needs.
+        loss: any ``(batch, **hyper) -> (loss, metrics)`` of ``algorithms.policy_gradient``
+            (hyper-parameters bound with ``functools.partial``).
+        temperature: ``τ`` of the log-probs.  denominators: ``num_tokens`` / ``num_seqs`` of the
+            optimiser step, from ``update``.
+    Returns:
+        ``(loss [], metrics)`` of ``loss``.
+
+    Gradient: to the policy's parameters, through ``logprobs``.
+    """
+    return loss(with_policy_logprobs(state.model("policy"), batch, temperature=temperature), **denominators)
+
+
+def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
+    """Detached scalars describing a scored rollout: ``rollout/score`` (mean), ``rollout/score_std``,
+    ``rollout/length`` (mean response tokens) and, with reference log-probs, ``rollout/kl_ref``
+    (``mean_b Σ_t (old − ref)``: k1 of whole responses, ``rlcore.transforms.observed_kl``)."""
+    mask = rollout[K.RESPONSE_MASK]
+    score = rollout[K.SCORE].detach()
+    out = {"rollout/score": score.mean(), "rollout/score_std": score.std() if score.numel() > 1 else torch.zeros(()),
+           "rollout/length": mask.sum(-1).to(score.dtype).mean()}
+    if K.REF_LOGPROBS in rollout.keys():
+        out["rollout/kl_ref"] = observed_kl(kl_estimate(rollout[K.OLD_LOGPROBS], rollout[K.REF_LOGPROBS], "k1"), mask)
+    return out
+
+
+# --- evaluation ----------------------------------------------------------------------------------
+def _exact_match_reward(prompts, completions, *, answer, **_):
+    return exact_match(completions, answer)
+
+
+def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any, *, tokenizer, reward_fn,
+                   seed: int) -> dict[str, torch.Tensor]:
+    """Per-prompt ``[b]`` evaluation quantities of one chunk of held-out rows."""
+    columns, prompts = repeat_columns(rows, 1), list(rows["prompt"])
+    policy = state.model("policy")
+    gen = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length, seed=seed)
+    scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
+                   reward_columns=columns)
+    greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)
+    out = {"reward": score_rollout(greedy, **scoring)[K.SCORE],
+           "response_length": greedy[K.RESPONSE_MASK].sum(-1).float()}
+    if "answer" in columns:
+        out["exact_match"] = score_rollout(greedy, reward_fn=_exact_match_reward, tokenizer=tokenizer,
+                                           reward_columns={"answer": columns["answer"]})[K.SCORE]
+    sampled = generate_rollout(policy, tokenizer, prompts, temperature=config.temperature, top_k=config.top_k,
+                               top_p=config.top_p, **gen)
+    sampled = score_rollout(sampled, ref=state.model("ref"), temperature=config.temperature, **scoring)
+    kl = kl_estimate(sampled[K.OLD_LOGPROBS], sampled[K.REF_LOGPROBS], "k1")
+    out["sampled_reward"] = sampled[K.SCORE]
+    out["kl_ref"] = masked_sum(kl, sampled[K.RESPONSE_MASK], dim=-1)
+    return out
+
+
+def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: Dataset | None = None,
+                    reward_fn: RewardFn | None = None) -> dict[str, float]:
+    """Held-out metrics, means over the prompts: ``reward``, ``exact_match`` and ``response_length``
+    of greedy responses; ``sampled_reward`` and ``kl_ref`` of one sampled response per prompt.
+
+    ``kl_ref = mean_b Σ_t (log π − log π_ref)`` (k1 of whole responses sampled at
+    ``config.temperature``, both log-probs at that temperature). ``exact_match`` needs an ``answer``
+    column (omitted otherwise). Prompts go ``config.eval_batch_size`` at a time; chunk ``i`` samples
+    with the fixed seed ``config.seed + i`` (not ``state.rng``, not the global RNG), so evaluating
+    never changes training and the same state always gets the same numbers.
+
+    Args:
+        dataset: the held-out split (default: ``load_splits(config, task_dataset)[1]``).
+        tokenizer, reward_fn: as in training (defaults from ``config``).
+    Returns:
+        ``dict[str, float]``.
+    """
+    tokenizer = tokenizer if tokenizer is not None else policy_tokenizer(config)
+    dataset = dataset if dataset is not None else load_splits(config, task_dataset)[1]
+    reward_fn = make_reward_fn(config, reward_fn)
+    n, size = len(dataset), config.eval_batch_size
+    chunks = [_evaluate_rows(state, dataset[i:i + size], config, tokenizer=tokenizer, reward_fn=reward_fn,
+                             seed=config.seed + i // size) for i in range(0, n, size)]
+    return to_floats({k: torch.cat([c[k] for c in chunks]).float().mean() for k in chunks[0]})
+
+
+# --- the run -------------------------------------------------------------------------------------
+def train_online(config: Any, step: Callable[..., tuple[TrainState, Any]], *, reward_fn: RewardFn | None = None,
+                 name: str | None = None, callbacks: Sequence[Callable] = (),
+                 **state_kwargs) -> tuple[TrainState, list[dict[str, float]]]:
+    """Run an online recipe: ``run(step, state, prompt_source(train), eval_fn=evaluate_policy)``.
+
+    ``step(state, rows, *, config, tokenizer, reward_fn) -> (state, metrics)`` is the recipe's
+    step; it is bound here with ``functools.partial``. ``state_kwargs`` go to
+    :func:`build_online_state` (``extra_models``, ``trainable``, ``transforms``, ``rows_per_step``);
+    ``callbacks`` run first after each step (``run``'s extra callbacks).
+
+    Returns:
+        ``(state, history)`` of ``rlcore.loops.recipe.run`` (checkpoints, logs and resume from
+        the config's run fields).
+    """
+    state, tokenizer = build_online_state(config, **state_kwargs)
+    train_ds, eval_ds = load_splits(config, task_dataset)
+    reward = make_reward_fn(config, reward_fn)
+    bound = functools.partial(step, config=config, tokenizer=tokenizer, reward_fn=reward)
+    eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
+                                reward_fn=reward)
+    return run(bound, state, prompt_source(train_ds, config), config=config, num_steps=config.steps,
+               eval_fn=eval_fn, name=name, callbacks=callbacks)

@@ -1,0 +1,153 @@
+"""The pieces shared by the online recipes (loops/online.py): collect, score, losses, evaluation."""
+
+import dataclasses
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlcore import keys as K
+from rlcore.algorithms.policy_gradient import grpo_loss
+from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, evaluate_policy, make_reward_fn,
+                                 policy_loss_fn, prompt_source, repeat_columns, rollout_metrics, with_policy_logprobs)
+from rlcore.loops.recipe import load_splits
+from rlcore.loops.score import token_logprobs_from_model
+from rlcore.loops.tasks import task_dataset
+from rlcore.testing import assert_pure
+
+TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=32, num_eval=6, max_new_tokens=6, batch_size=4,
+            num_samples=3, lr=1e-2)
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread (and a shared machine is not oversubscribed)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+def digit_fraction(prompts, completions, **_):
+    """Fraction of a completion's characters that are digits (a dense, trivially learnable reward)."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = OnlineConfig(**TINY)
+    state, tokenizer = build_online_state(config)
+    rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
+    return config, state, tokenizer, rows
+
+
+def test_build_online_state_models_and_optimizer(setup):
+    config, state, _, _ = setup
+    assert sorted(state.models) == ["policy", "ref"]
+    assert not any(p.requires_grad for p in state.model("ref").parameters())
+    optimised = {id(p) for g in state.optimizer.param_groups for p in g["params"]}
+    assert optimised == {id(p) for p in state.model("policy").parameters()}
+    for a, b in zip(state.model("policy").parameters(), state.model("ref").parameters()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()  # a copy, not shared weights
+
+
+def test_repeat_columns_is_prompt_major():
+    rows = {"prompt": ["a", "b"], "answer": ["1", "2"], "completion": ["1", "2"], "level": [3, 4]}
+    out = assert_pure(repeat_columns, rows, 3)
+    assert out == {"answer": ["1", "1", "1", "2", "2", "2"], "level": [3, 3, 3, 4, 4, 4]}
+
+
+def test_collect_rollout_layout_rng_and_counters(setup):
+    config, state, tokenizer, rows = setup
+    seen = {}
+
+    def reward(prompts, completions, *, answer, **_):
+        seen["answer"], seen["prompts"] = list(answer), list(prompts)
+        return digit_fraction(prompts, completions)
+
+    rng_before = state.rng.get_state()
+    new, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward)
+    P, G = len(rows["prompt"]), config.num_samples
+    assert rollout.batch_size == torch.Size([P * G])
+    for key in (K.PROMPT_IDS, K.RESPONSE_IDS, K.OLD_LOGPROBS, K.REF_LOGPROBS, K.SCORE, K.GROUP_ID):
+        assert key in rollout.keys()
+    assert torch.equal(rollout[K.GROUP_ID], torch.arange(P).repeat_interleave(G))
+    # the reward sees every sample's own prompt and answer (prompt-major repetition)
+    assert seen["answer"] == [a for a in rows["answer"] for _ in range(G)]
+    assert seen["prompts"] == [p for p in rows["prompt"] for _ in range(G)]
+    # the input state's generator is untouched; the new one advanced
+    assert torch.equal(state.rng.get_state(), rng_before)
+    assert not torch.equal(new.rng.get_state(), rng_before)
+    assert (new.samples_seen, new.episodes) == (P * G, P * G)
+    assert new.tokens_seen == int(rollout[K.RESPONSE_MASK].sum())
+    # the same state samples the same responses (generation is seeded from state.rng)
+    _, again = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward)
+    assert torch.equal(again[K.RESPONSE_IDS], rollout[K.RESPONSE_IDS])
+    # reference log-probs match a recomputation; behaviour log-probs match the policy (= reference)
+    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
+    mask = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
+    R = rollout[K.RESPONSE_IDS].shape[1]
+    ref = token_logprobs_from_model(state.model("ref"), ids, mask, response_length=R)
+    m = rollout[K.RESPONSE_MASK]
+    torch.testing.assert_close(rollout[K.REF_LOGPROBS][m], ref[m])
+    torch.testing.assert_close(rollout[K.OLD_LOGPROBS][m], ref[m], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(rollout[K.SCORE], torch.tensor(digit_fraction(None, [
+        tokenizer.decode(r[k].tolist(), skip_special_tokens=True) for r, k in zip(rollout[K.RESPONSE_IDS], m)])))
+
+
+def test_collect_rollout_without_reference(setup):
+    config, state, tokenizer, rows = setup
+    _, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction,
+                                 reference=False, num_samples=2)
+    assert K.REF_LOGPROBS not in rollout.keys() and rollout.batch_size == torch.Size([2 * len(rows["prompt"])])
+    assert "rollout/kl_ref" not in rollout_metrics(rollout)
+
+
+def test_policy_logprobs_and_loss_closure(setup):
+    config, state, tokenizer, rows = setup
+    _, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+    rollout = rollout.update({K.ADVANTAGES: torch.ones_like(rollout[K.OLD_LOGPROBS])})
+    out = with_policy_logprobs(state.model("policy"), rollout)
+    assert K.LOGPROBS not in rollout.keys() and out[K.LOGPROBS].requires_grad
+    m = rollout[K.RESPONSE_MASK]
+    torch.testing.assert_close(out[K.LOGPROBS][m], rollout[K.OLD_LOGPROBS][m], atol=1e-4, rtol=1e-4)
+    loss, metrics = policy_loss_fn(state, rollout, loss=grpo_loss)
+    loss.backward()
+    grads = [p.grad for p in state.model("policy").parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    state.optimizer.zero_grad(set_to_none=True)
+    assert float(metrics["ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_rollout_metrics_values():
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    rollout = {K.RESPONSE_MASK: mask, K.SCORE: torch.tensor([1.0, 3.0]),
+               K.OLD_LOGPROBS: torch.tensor([[-1.0, -2.0, 0.0], [-1.0, 0.0, 0.0]]),
+               K.REF_LOGPROBS: torch.tensor([[-2.0, -2.5, 9.0], [-0.5, 0.0, 0.0]])}
+    out = assert_pure(rollout_metrics, TensorDict(rollout, batch_size=[2]))
+    assert float(out["rollout/score"]) == 2.0
+    assert float(out["rollout/score_std"]) == pytest.approx(2 ** 0.5)
+    assert float(out["rollout/length"]) == 1.5
+    assert float(out["rollout/kl_ref"]) == pytest.approx(((1.0 + 0.5) + (-0.5)) / 2)  # mean_b Σ_t (old − ref)
+
+
+def test_evaluate_is_deterministic_and_leaves_rng_alone(setup):
+    config, state, tokenizer, _ = setup
+    global_before, loop_before = torch.get_rng_state(), state.rng.get_state()
+    first = evaluate_policy(state, dataclasses.replace(config, eval_batch_size=3), tokenizer=tokenizer,
+                            reward_fn=digit_fraction)
+    assert torch.equal(torch.get_rng_state(), global_before) and torch.equal(state.rng.get_state(), loop_before)
+    assert set(first) == {"reward", "response_length", "exact_match", "sampled_reward", "kl_ref"}
+    assert all(isinstance(v, float) for v in first.values())
+    assert first == evaluate_policy(state, dataclasses.replace(config, eval_batch_size=3), tokenizer=tokenizer,
+                                    reward_fn=digit_fraction)
+    assert abs(first["kl_ref"]) < 1e-4  # the untrained policy is its reference
+    assert 0.0 <= first["exact_match"] <= 1.0
+
+
+def test_make_reward_fn_defaults():
+    assert make_reward_fn(OnlineConfig(task="add"))(["1+1="], ["2"], answer=["2"]) == [1.0]
+    assert make_reward_fn(OnlineConfig(reward_model="some/dir")) is None
+    assert make_reward_fn(OnlineConfig(), digit_fraction) is digit_fraction
+    with pytest.raises(ValueError, match="valid"):
+        make_reward_fn(OnlineConfig(task="nope"))
