@@ -183,15 +183,17 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
     if length_sampler is not None:
         max_new_tokens = int(length_sampler())
     if generator is not None:
-        seed = int(torch.randint(0, 2**62, (), generator=generator))
+        seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, enabled=seed is not None), torch.no_grad():
         if seed is not None:
             torch.manual_seed(seed)
+        # Sampling settings are passed only when sampling (greedy decoding warns about them).
+        sampling = dict(temperature=temperature, top_k=0 if top_k is None else top_k,
+                        top_p=1.0 if top_p is None else top_p) if do_sample else {}
         out = model.generate(
             input_ids=batch[K.PROMPT_IDS], attention_mask=batch[K.PROMPT_MASK].long(), max_new_tokens=max_new_tokens,
-            do_sample=do_sample, temperature=temperature, top_k=0 if top_k is None else top_k,
-            top_p=1.0 if top_p is None else top_p, num_return_sequences=num_samples, eos_token_id=stops,
+            do_sample=do_sample, **sampling, num_return_sequences=num_samples, eos_token_id=stops,
             pad_token_id=pad, use_cache=use_cache, return_dict_in_generate=True,
             output_scores=behaviour == "sampled", output_logits=behaviour == "tempered", **generate_kwargs)
         response = out.sequences[:, batch[K.PROMPT_IDS].shape[-1]:]

@@ -6,3 +6,8 @@ import os
 for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_DISABLE_PROGRESS_BARS",
              "TOKENIZERS_PARALLELISM"):
     os.environ.setdefault(_var, "false" if _var == "TOKENIZERS_PARALLELISM" else "1")
+
+import torch  # noqa: E402
+
+# Tests run as two xdist workers on small tensors: one intra-op thread each avoids oversubscription.
+torch.set_num_threads(1)
