@@ -5,17 +5,9 @@ advantage estimators, per-token rewards, and ``(init, update)`` state transforms
 is pure; models and data are touched only in ``rlcore.loops``; losses live in ``rlcore.algorithms``.
 """
 
+from importlib import import_module as _import_module
+
 from rlcore import keys
-from rlcore import checks as _checks
-from rlcore import masked as _masked
-from rlcore import logprobs as _logprobs
-from rlcore import kl as _kl
-from rlcore import returns as _returns
-from rlcore import baselines as _baselines
-from rlcore import rewards as _rewards
-from rlcore import transforms as _transforms
-from rlcore import registry as _registry
-from rlcore import seeding as _seeding
 from rlcore.checks import *  # noqa: F401,F403
 from rlcore.masked import *  # noqa: F401,F403
 from rlcore.logprobs import *  # noqa: F401,F403
@@ -28,16 +20,5 @@ from rlcore.registry import *  # noqa: F401,F403
 from rlcore.seeding import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
-__all__ = [
-    "keys",
-    *_checks.__all__,
-    *_masked.__all__,
-    *_logprobs.__all__,
-    *_kl.__all__,
-    *_returns.__all__,
-    *_baselines.__all__,
-    *_rewards.__all__,
-    *_transforms.__all__,
-    *_registry.__all__,
-    *_seeding.__all__,
-]
+_MODULES = ('checks', 'masked', 'logprobs', 'kl', 'returns', 'baselines', 'rewards', 'transforms', 'registry', 'seeding')
+__all__ = ["keys", *(name for m in _MODULES for name in _import_module(f"rlcore.{m}").__all__)]
