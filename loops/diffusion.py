@@ -1,0 +1,520 @@
+"""Diffusion pieces of DDPO: DDIM schedules, a tiny class-conditional denoiser, trajectories with
+per-step log-probs, image rewards (JPEG compressibility) and image grids.
+
+The tiny model works in **pixel space**: it denoises ``[3, 16, 16]`` images directly, there is no
+VAE. A latent diffusion model fits the same pieces with its latents in place of the images and a
+decode before the reward. Prompts are class names mapped to ids (their position in the run's
+prompt list); the id ``num_classes`` is the unconditional ("null") class of classifier-free
+guidance.
+
+The DDIM step itself, its log-density and the DDPO loss are the pure functions of
+``rlcore.algorithms.ddpo``; this module runs them through a model. diffusers and pillow are
+optional (``pip install 'rlcore[diffusion]'``): importing this module works without them, and
+the functions that need them say so.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from rlcore import keys as K
+from rlcore.algorithms.ddpo import ddim_step
+from rlcore.checks import check_float, check_ndim, require_keys
+from rlcore.loops.fold import fold
+from rlcore.loops.state import copy_generator, init_state
+from rlcore.loops.update import make_optimizer, update
+
+try:
+    from diffusers import UNet2DModel
+except ImportError:  # optional extra
+    UNet2DModel = None
+try:
+    from PIL import Image
+except ImportError:  # optional extra
+    Image = None
+
+__all__ = [
+    "DDIMSchedule", "BETA_SCHEDULES", "ddim_schedule", "schedule_from_scheduler", "build_denoiser",
+    "predict_noise", "sample_trajectories", "step_logprobs", "timestep_rows", "latents_to_images",
+    "images_to_uint8", "jpeg_sizes", "jpeg_compressibility", "jpeg_incompressibility", "REWARD_FUNCTIONS",
+    "get_reward_fn", "score_images", "image_grid", "save_image_grid", "SYNTHETIC_PATTERNS",
+    "synthetic_images", "pretrain_denoiser",
+]
+
+
+def _require(module: Any, what: str, package: str) -> None:
+    if module is None:
+        raise ImportError(f"{what} needs {package}: pip install 'rlcore[diffusion]'")
+
+
+# --- DDIM schedules ------------------------------------------------------------------------
+class DDIMSchedule(NamedTuple):
+    """The noise schedule and the DDIM timesteps of a sampler.
+
+    Attributes:
+        alphas_cumprod: ``[T_train]`` float32, ``ᾱ_t = Π_{s≤t} (1 − β_s)``.
+        final_alpha_cumprod: ``[]`` float32, ``ᾱ`` past the first training step.
+        timesteps: ``[S]`` long, the DDIM timesteps, descending.
+        num_train_timesteps: ``T_train``.
+        prediction_type: what the model predicts (a key of ``DDIM_PREDICTIONS``).
+    """
+
+    alphas_cumprod: torch.Tensor
+    final_alpha_cumprod: torch.Tensor
+    timesteps: torch.Tensor
+    num_train_timesteps: int
+    prediction_type: str = "epsilon"
+
+    def step_kwargs(self) -> dict[str, Any]:
+        """The schedule's keyword arguments of ``rlcore.algorithms.ddpo.ddim_step``."""
+        return dict(alphas_cumprod=self.alphas_cumprod, final_alpha_cumprod=self.final_alpha_cumprod,
+                    num_train_timesteps=self.num_train_timesteps,
+                    num_inference_steps=int(self.timesteps.shape[0]), prediction_type=self.prediction_type)
+
+
+def _cosine_betas(n: int, beta_start: float, beta_end: float) -> torch.Tensor:
+    def alpha_bar(t: float) -> float:  # no beta_start / beta_end in this schedule
+        return math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
+    return torch.tensor([min(1 - alpha_bar((i + 1) / n) / alpha_bar(i / n), 0.999) for i in range(n)],
+                        dtype=torch.float32)
+
+
+# β_1..β_T of each schedule, one signature: (n, beta_start, beta_end) -> [n] float32.
+BETA_SCHEDULES: dict[str, Callable[[int, float, float], torch.Tensor]] = {
+    # DDPM (Ho et al., https://arxiv.org/abs/2006.11239)
+    "linear": lambda n, beta_start, beta_end: torch.linspace(beta_start, beta_end, n, dtype=torch.float32),
+    # Stable Diffusion: linear in √β
+    "scaled_linear": lambda n, beta_start, beta_end: torch.linspace(
+        beta_start ** 0.5, beta_end ** 0.5, n, dtype=torch.float32) ** 2,
+    "squaredcos_cap_v2": _cosine_betas,     # Nichol & Dhariwal, https://arxiv.org/abs/2102.09672
+}
+
+
+def ddim_schedule(num_inference_steps: int, *, num_train_timesteps: int = 1000, beta_start: float = 1e-4,
+                  beta_end: float = 0.02, beta_schedule: str = "linear", set_alpha_to_one: bool = False,
+                  steps_offset: int = 1, prediction_type: str = "epsilon") -> DDIMSchedule:
+    """A DDIM schedule computed directly (diffusers' ``DDIMScheduler`` with "leading" spacing).
+
+    ``ᾱ_t = Π_{s≤t}(1 − β_s)``; timesteps ``t_i = (S − 1 − i)·⌊T_train/S⌋ + steps_offset``,
+    ``i = 0..S−1``; ``final_alpha_cumprod = 1`` if ``set_alpha_to_one`` else ``ᾱ_0``. DDPO uses
+    ``set_alpha_to_one=False`` and ``steps_offset=1`` (Stable Diffusion's settings): the last step
+    goes from ``ᾱ_1`` to ``ᾱ_0``, keeps some noise and has a density (with ``steps_offset=0`` it
+    would go from ``ᾱ_0`` to ``ᾱ_0``: σ = 0, no density).
+
+    Args:
+        num_inference_steps: ``S``, the sampler's steps.
+        num_train_timesteps, beta_start, beta_end: the training schedule.
+        beta_schedule: a key of ``BETA_SCHEDULES``.
+        set_alpha_to_one, steps_offset, prediction_type: as in diffusers' ``DDIMScheduler``.
+    Returns:
+        ``DDIMSchedule`` (float32 ``ᾱ``, ``timesteps [S]`` long).
+
+    >>> ddim_schedule(4, num_train_timesteps=100).timesteps
+    tensor([76, 51, 26,  1])
+
+    References: Song et al., "Denoising Diffusion Implicit Models", https://arxiv.org/abs/2010.02502
+    """
+    try:
+        betas_fn = BETA_SCHEDULES[beta_schedule]
+    except KeyError:
+        raise ValueError(f"beta_schedule: unknown {beta_schedule!r}; valid: {sorted(BETA_SCHEDULES)}") from None
+    if not 1 <= num_inference_steps <= num_train_timesteps:
+        raise ValueError(f"num_inference_steps: expected 1..{num_train_timesteps} (num_train_timesteps), "
+                         f"got {num_inference_steps}")
+    alphas_cumprod = torch.cumprod(1.0 - betas_fn(num_train_timesteps, beta_start, beta_end), dim=0)
+    final = torch.tensor(1.0) if set_alpha_to_one else alphas_cumprod[0].clone()
+    stride = num_train_timesteps // num_inference_steps
+    timesteps = torch.arange(num_inference_steps - 1, -1, -1, dtype=torch.long) * stride + steps_offset
+    return DDIMSchedule(alphas_cumprod, final, timesteps, num_train_timesteps, prediction_type)
+
+
+def schedule_from_scheduler(scheduler: Any, num_inference_steps: int) -> DDIMSchedule:
+    """The ``DDIMSchedule`` of a diffusers ``DDIMScheduler`` (e.g. a Stable Diffusion pipeline's).
+
+    The scheduler is not modified (a copy sets the timesteps). Clipping and thresholding of
+    ``x̂_0`` are not part of ``ddim_step``: a scheduler with ``clip_sample`` or ``thresholding``
+    raises ``ValueError``.
+    """
+    cfg = scheduler.config
+    if getattr(cfg, "clip_sample", False) or getattr(cfg, "thresholding", False):
+        raise ValueError("scheduler: clip_sample / thresholding are not supported by ddim_step; "
+                         "build the scheduler with clip_sample=False, thresholding=False")
+    s = copy.deepcopy(scheduler)
+    s.set_timesteps(num_inference_steps)
+    return DDIMSchedule(s.alphas_cumprod.clone(), torch.as_tensor(s.final_alpha_cumprod).clone(),
+                        s.timesteps.clone().long(), int(cfg.num_train_timesteps), cfg.prediction_type)
+
+
+# --- the denoiser ---------------------------------------------------------------------------
+def build_denoiser(num_classes: int, *, sample_size: int = 16, channels: int = 3,
+                   block_out_channels: Sequence[int] = (16, 32), layers_per_block: int = 1,
+                   norm_num_groups: int = 8, attention: bool = False, seed: int = 0) -> nn.Module:
+    """A tiny class-conditional ``UNet2DModel`` from a config (no download), seeded.
+
+    ``num_classes + 1`` class embeddings: ids ``0..num_classes−1`` are the prompts, id
+    ``num_classes`` the unconditional class of classifier-free guidance. The initialisation
+    draws from a forked global RNG seeded with ``seed`` (the caller's global RNG is untouched).
+    """
+    _require(UNet2DModel, "build_denoiser", "diffusers")
+    n = len(block_out_channels)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return UNet2DModel(sample_size=sample_size, in_channels=channels, out_channels=channels,
+                           block_out_channels=tuple(block_out_channels), layers_per_block=layers_per_block,
+                           down_block_types=("DownBlock2D",) * n, up_block_types=("UpBlock2D",) * n,
+                           norm_num_groups=norm_num_groups, add_attention=attention,
+                           num_class_embeds=num_classes + 1)
+
+
+def _forward(model: nn.Module, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    out = model(x, t, class_labels=labels)
+    return getattr(out, "sample", out)
+
+
+def predict_noise(model: nn.Module, latents: torch.Tensor, timesteps: torch.Tensor | int,
+                  class_labels: torch.Tensor, *, guidance_scale: float = 1.0,
+                  null_class: int | None = None) -> torch.Tensor:
+    """The model's output, with classifier-free guidance.
+
+    ``ε̂ = ε(x, t, ∅) + w·(ε(x, t, c) − ε(x, t, ∅))`` with ``w = guidance_scale`` (one batched
+    forward of ``2B`` rows); with ``w = 1`` just ``ε(x, t, c)`` (one forward of ``B`` rows).
+    The model is called as ``model(x, t, class_labels=c)`` (diffusers' ``UNet2DModel``), its
+    output a tensor or has ``.sample``.
+
+    Args:
+        latents: ``[B, C, H, W]`` float, ``x_t``.
+        timesteps: int or ``[]`` / ``[B]`` long.
+        class_labels: ``[B]`` long.
+        guidance_scale: ``w``.  null_class: the unconditional id (needed when ``w ≠ 1``).
+    Returns:
+        ``[B, C, H, W]``, differentiable in the model's parameters.
+
+    References: Ho & Salimans, "Classifier-Free Diffusion Guidance", https://arxiv.org/abs/2207.12598
+    """
+    check_float("latents", latents)
+    check_ndim("latents", latents, ndim=4, layout="[B, C, H, W]")
+    check_ndim("class_labels", class_labels, ndim=1, layout="[B]")
+    t = torch.as_tensor(timesteps, device=latents.device).expand(latents.shape[0])
+    if guidance_scale == 1.0:
+        return _forward(model, latents, t, class_labels)
+    if null_class is None:
+        raise ValueError(f"null_class: classifier-free guidance (guidance_scale={guidance_scale}) needs "
+                         f"the unconditional class id")
+    null = torch.full_like(class_labels, null_class)
+    out = _forward(model, torch.cat([latents, latents]), torch.cat([t, t]), torch.cat([null, class_labels]))
+    uncond, cond = out.chunk(2)
+    return uncond + guidance_scale * (cond - uncond)
+
+
+def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+@torch.no_grad()
+def sample_trajectories(model: nn.Module, class_labels: torch.Tensor, schedule: DDIMSchedule, *,
+                        eta: float = 1.0, guidance_scale: float = 1.0, null_class: int | None = None,
+                        generator: torch.Generator, image_shape: Sequence[int] | None = None) -> TensorDict:
+    """Sample DDIM chains ``x_T → x_0`` and record every step and its log-probability.
+
+    ``x_T ~ N(0, I)``; for each ``t`` of ``schedule.timesteps``: ``ε̂ = predict_noise(x_t, t, c)``,
+    ``x_{t'} ~ N(μ, σ_t²)`` and ``log p(x_{t'} | x_t, c)`` from ``ddim_step`` (averaged over the
+    image dimensions). With ``eta > 0`` every step is stochastic and has a density.
+
+    Args:
+        model: the denoiser (see ``predict_noise``); run without gradient.
+        class_labels: ``[B]`` long, on the model's device.
+        schedule: a ``DDIMSchedule`` with ``S`` timesteps.
+        eta, guidance_scale, null_class: of ``ddim_step`` and ``predict_noise``.
+        generator: a ``torch.Generator`` on the model's device: the initial noise and every step's.
+        image_shape: ``(C, H, W)``; default from the model's config.
+    Returns:
+        TensorDict ``[B]``: ``latents [B, S+1, C, H, W]`` (``[:, -1]`` is the sample),
+        ``timesteps [B, S]`` long, ``old_logprobs [B, S]``, ``class_labels [B]``.
+    """
+    device, dtype = _model_device_dtype(model)
+    if image_shape is None:
+        cfg = model.config
+        image_shape = (cfg.in_channels, cfg.sample_size, cfg.sample_size)
+    b = class_labels.shape[0]
+    x = torch.randn((b, *image_shape), generator=generator, device=device, dtype=dtype)
+    latents, logprobs = [x], []
+    for t in schedule.timesteps.tolist():
+        eps = predict_noise(model, x, t, class_labels, guidance_scale=guidance_scale, null_class=null_class)
+        x, logp, _, _ = ddim_step(eps, t, x, eta=eta, generator=generator, **schedule.step_kwargs())
+        latents.append(x)
+        logprobs.append(logp)
+    return TensorDict({K.LATENTS: torch.stack(latents, dim=1),
+                       K.TIMESTEPS: schedule.timesteps.to(device).expand(b, -1).clone(),
+                       K.OLD_LOGPROBS: torch.stack(logprobs, dim=1), K.CLASS_LABELS: class_labels},
+                      batch_size=[b])
+
+
+def step_logprobs(model: nn.Module, rows: TensorDictBase, schedule: DDIMSchedule, *, eta: float = 1.0,
+                  guidance_scale: float = 1.0, null_class: int | None = None) -> torch.Tensor:
+    """Log-probabilities of stored DDIM steps under ``model`` (the ratio's numerator in DDPO).
+
+    ``log p_θ(x_{t'} | x_t, c)`` with ``ε̂`` from ``predict_noise`` (same guidance as sampling) and
+    the stored ``x_{t'}`` as ``prev_sample`` of ``ddim_step``.
+
+    Args:
+        rows: TensorDict ``[N]`` with ``latents``, ``next_latents [N, C, H, W]``, ``timesteps [N]``
+            long, ``class_labels [N]`` long (``timestep_rows`` makes them).
+    Returns:
+        ``[N]``, differentiable in the model's parameters (the stored samples are data).
+    """
+    require_keys(rows, [K.LATENTS, K.NEXT_LATENTS, K.TIMESTEPS, K.CLASS_LABELS], where="step_logprobs")
+    t = rows.get(K.TIMESTEPS)
+    eps = predict_noise(model, rows.get(K.LATENTS), t, rows.get(K.CLASS_LABELS),
+                        guidance_scale=guidance_scale, null_class=null_class)
+    _, logp, _, _ = ddim_step(eps, t, rows.get(K.LATENTS), eta=eta, prev_sample=rows.get(K.NEXT_LATENTS),
+                              **schedule.step_kwargs())
+    return logp
+
+
+def timestep_rows(trajectories: TensorDictBase, *, timestep_fraction: float = 1.0,
+                  generator: torch.Generator | None = None) -> TensorDict:
+    """The training rows of DDPO: ``S' = int(S·timestep_fraction)`` steps of every trajectory.
+
+    Each sample draws its own random order of its ``S`` steps (``generator``) and keeps the first
+    ``S'``, as DDPO does; without ``generator`` the first ``S'`` steps in sampling order.
+
+    Args:
+        trajectories: TensorDict ``[B]`` of ``sample_trajectories`` plus ``advantages [B]``.
+        timestep_fraction: in ``(0, 1]``.
+        generator: a ``torch.Generator`` (on the data's device) or ``None``.
+    Returns:
+        TensorDict ``[B, S']``: ``latents``, ``next_latents`` ``[B, S', C, H, W]``, ``timesteps``,
+        ``old_logprobs``, ``advantages``, ``class_labels`` ``[B, S']``. Flatten it as the update
+        needs (``rows.reshape(-1)``).
+    """
+    require_keys(trajectories, [K.LATENTS, K.TIMESTEPS, K.OLD_LOGPROBS, K.CLASS_LABELS, K.ADVANTAGES],
+                 where="timestep_rows")
+    latents, steps = trajectories.get(K.LATENTS), trajectories.get(K.TIMESTEPS)
+    check_ndim("trajectories['timesteps']", steps, ndim=2, layout="[B, S]")
+    b, s = steps.shape
+    n = int(s * timestep_fraction)
+    if not 0 < timestep_fraction <= 1 or n < 1:
+        raise ValueError(f"timestep_fraction: expected a value in (0, 1] keeping at least one of the "
+                         f"{s} steps, got {timestep_fraction}")
+    if generator is None:
+        order = torch.arange(s, device=steps.device).expand(b, s)
+    else:
+        order = torch.rand((b, s), generator=generator, device=generator.device).argsort(dim=-1).to(steps.device)
+    idx = order[:, :n]
+    row = torch.arange(b, device=steps.device)[:, None]
+    per_sample = {k: trajectories.get(k)[:, None].expand(b, n).clone() for k in (K.ADVANTAGES, K.CLASS_LABELS)}
+    return TensorDict({K.LATENTS: latents[row, idx], K.NEXT_LATENTS: latents[row, idx + 1],
+                       K.TIMESTEPS: steps[row, idx], K.OLD_LOGPROBS: trajectories.get(K.OLD_LOGPROBS)[row, idx],
+                       **per_sample}, batch_size=[b, n])
+
+
+# --- images and rewards ------------------------------------------------------------------------
+def latents_to_images(latents: torch.Tensor) -> torch.Tensor:
+    """Pixel-space samples ``[..., C, H, W]`` in ``[−1, 1]`` to images in ``[0, 1]``: ``clamp(x/2 + 1/2, 0, 1)``.
+
+    >>> latents_to_images(torch.tensor([-1.0, 0.0, 3.0]).reshape(1, 3, 1, 1)).flatten()
+    tensor([0.0000, 0.5000, 1.0000])
+    """
+    check_float("latents", latents)
+    return (latents / 2 + 0.5).clamp(0, 1)
+
+
+def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Images ``[B, C, H, W]`` in ``[0, 1]`` to ``[B, H, W, C]`` uint8 on the CPU: ``round(255·x)``."""
+    check_float("images", images)
+    check_ndim("images", images, ndim=4, layout="[B, C, H, W]")
+    return (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
+def _pil(array: torch.Tensor) -> Any:
+    arr = array.numpy()
+    return Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr)
+
+
+def jpeg_sizes(images: torch.Tensor, *, quality: int = 95) -> torch.Tensor:
+    """Size of each image saved as JPEG (pillow, ``quality``), in kB (1 kB = 1000 bytes).
+
+    Args: images ``[B, C, H, W]`` float in ``[0, 1]``, ``C`` = 1 or 3.  Returns: ``[B]`` float32.
+    References: Black et al., https://arxiv.org/abs/2305.13301 (DDPO's compressibility reward).
+    """
+    _require(Image, "jpeg_sizes", "pillow")
+    sizes = []
+    for arr in images_to_uint8(images):
+        buffer = io.BytesIO()
+        _pil(arr).save(buffer, format="JPEG", quality=quality)
+        sizes.append(buffer.tell() / 1000)
+    return torch.tensor(sizes, dtype=torch.float32)
+
+
+def jpeg_compressibility(images: torch.Tensor, prompts: Sequence[str] | None = None) -> torch.Tensor:
+    """DDPO's compressibility reward: ``−`` JPEG size in kB (``[B]``); ``prompts`` are unused."""
+    return -jpeg_sizes(images)
+
+
+def jpeg_incompressibility(images: torch.Tensor, prompts: Sequence[str] | None = None) -> torch.Tensor:
+    """DDPO's incompressibility reward: ``+`` JPEG size in kB (``[B]``); ``prompts`` are unused."""
+    return jpeg_sizes(images)
+
+
+# Reward functions, one signature: (images [B, C, H, W] in [0, 1], prompts: list[str]) -> [B].
+REWARD_FUNCTIONS: dict[str, Callable[[torch.Tensor, Sequence[str]], torch.Tensor]] = {
+    "jpeg_compressibility": jpeg_compressibility,
+    "jpeg_incompressibility": jpeg_incompressibility,
+}
+
+
+def get_reward_fn(reward: str | Callable) -> Callable:
+    """A reward function by name (``REWARD_FUNCTIONS``), or ``reward`` itself if it is callable."""
+    if callable(reward):
+        return reward
+    try:
+        return REWARD_FUNCTIONS[reward]
+    except KeyError:
+        raise ValueError(f"reward_fn: unknown {reward!r}; valid: {sorted(REWARD_FUNCTIONS)} "
+                         f"or any callable (images, prompts) -> [B]") from None
+
+
+def score_images(reward_fn: Callable, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+    """``reward_fn(images, prompts)`` as a ``[B]`` float32 tensor (from a tensor, array or list)."""
+    rewards = torch.as_tensor(reward_fn(images, list(prompts)), dtype=torch.float32).detach().cpu()
+    if rewards.shape != (images.shape[0],):
+        raise ValueError(f"reward_fn: expected rewards of shape [{images.shape[0]}] (one per image), "
+                         f"got {list(rewards.shape)}")
+    return rewards
+
+
+def image_grid(images: torch.Tensor, *, nrow: int | None = None, scale: int = 4, padding: int = 2) -> Any:
+    """A PIL image of ``images [B, C, H, W]`` (in ``[0, 1]``) in a grid of ``nrow`` per row,
+    each upscaled ``scale`` times (nearest), on a white background."""
+    _require(Image, "image_grid", "pillow")
+    tiles = images_to_uint8(images.repeat_interleave(scale, -1).repeat_interleave(scale, -2))
+    b, h, w, c = tiles.shape
+    nrow = nrow or math.ceil(math.sqrt(b))
+    rows = math.ceil(b / nrow)
+    grid = torch.full((rows * (h + padding) + padding, nrow * (w + padding) + padding, c), 255, dtype=torch.uint8)
+    for i, (r, col) in zip(range(b), itertools.product(range(rows), range(nrow))):
+        y, x = padding + r * (h + padding), padding + col * (w + padding)
+        grid[y:y + h, x:x + w] = tiles[i]
+    return _pil(grid)
+
+
+def save_image_grid(images: torch.Tensor, path: str | Path, **kwargs: Any) -> Path:
+    """Write ``image_grid(images, **kwargs)`` as a PNG to ``path`` (parents created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image_grid(images, **kwargs).save(path, format="PNG")
+    return path
+
+
+# --- synthetic data and pre-training ------------------------------------------------------------
+def _grid(n: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    ax = torch.arange(size, device=device, dtype=torch.float32)
+    return ax[None, None, :, None].expand(n, 1, size, size), ax[None, None, None, :].expand(n, 1, size, size)
+
+
+def _mix(w: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Two random colours per image blended by the pattern ``w [n, 1, H, W]`` in ``[0, 1]``."""
+    c = torch.rand((2, w.shape[0], 3, 1, 1), generator=generator, device=generator.device) * 2 - 1
+    return c[0] + (c[1] - c[0]) * w
+
+
+def _stripes(n: int, size: int, generator: torch.Generator) -> torch.Tensor:
+    u = torch.rand((3, n, 1, 1, 1), generator=generator, device=generator.device)
+    y, x = _grid(n, size, generator.device)
+    coord = torch.where(u[0] < 0.5, y, x)
+    return _mix(0.5 + 0.5 * torch.sin(2 * math.pi * ((1 + 3 * u[1]) * coord / size + u[2])), generator)
+
+
+def _checkers(n: int, size: int, generator: torch.Generator) -> torch.Tensor:
+    cell = 2 ** torch.randint(1, 4, (n, 1, 1, 1), generator=generator, device=generator.device)
+    y, x = _grid(n, size, generator.device)
+    return _mix((torch.div(y, cell, rounding_mode="floor") + torch.div(x, cell, rounding_mode="floor")) % 2, generator)
+
+
+def _blob(n: int, size: int, generator: torch.Generator) -> torch.Tensor:
+    u = torch.rand((3, n, 1, 1, 1), generator=generator, device=generator.device)
+    y, x = _grid(n, size, generator.device)
+    r2 = ((y - size * u[0]) ** 2 + (x - size * u[1]) ** 2) / (size * (0.1 + 0.2 * u[2])) ** 2
+    return _mix(torch.exp(-r2), generator)
+
+
+# Synthetic image classes for pre-training, one signature: (n, size, generator) -> [n, 3, size, size] in [-1, 1].
+SYNTHETIC_PATTERNS: dict[str, Callable[[int, int, torch.Generator], torch.Tensor]] = {
+    "stripes": _stripes,
+    "checkers": _checkers,
+    "blob": _blob,
+}
+
+
+def synthetic_images(class_labels: torch.Tensor, patterns: Sequence[str], *, size: int = 16,
+                     generator: torch.Generator) -> torch.Tensor:
+    """Images of the synthetic classes: ``class_labels[i]`` indexes ``patterns`` (``SYNTHETIC_PATTERNS``
+    names) and each image has random colours, frequency, position.
+
+    Returns: ``[B, 3, size, size]`` float32 in ``[−1, 1]``, on the generator's device.
+    """
+    unknown = sorted(set(patterns) - set(SYNTHETIC_PATTERNS))
+    if unknown:
+        raise ValueError(f"patterns: unknown {unknown}; valid: {sorted(SYNTHETIC_PATTERNS)}")
+    n = class_labels.shape[0]
+    every = torch.stack([SYNTHETIC_PATTERNS[p](n, size, generator) for p in patterns])  # [P, B, 3, H, W]
+    return every[class_labels.to(every.device), torch.arange(n, device=every.device)]
+
+
+# What the model learns to predict, by prediction type: (x_0, ε, ᾱ_t) -> target.
+_TARGETS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "epsilon": lambda x0, eps, a: eps,
+    "sample": lambda x0, eps, a: x0,
+    "v_prediction": lambda x0, eps, a: a.sqrt() * eps - (1 - a).sqrt() * x0,
+}
+
+
+def pretrain_denoiser(model: nn.Module, schedule: DDIMSchedule, patterns: Sequence[str], *, steps: int = 300,
+                      batch_size: int = 32, lr: float = 1e-3, cond_drop: float = 0.1, seed: int = 0
+                      ) -> list[dict[str, float]]:
+    """Train ``model`` (in place) to denoise ``synthetic_images`` of ``patterns`` (DDPM's loss).
+
+    ``x_t = √ᾱ_t·x_0 + √(1 − ᾱ_t)·ε``, ``t ~ U{0..T−1}``, ``loss = mean (f_θ(x_t, t, c) − y)²`` with
+    ``y = ε``, ``x_0`` or ``v = √ᾱ_t·ε − √(1 − ᾱ_t)·x_0`` by ``schedule.prediction_type``; the
+    label is replaced by the null class ``len(patterns)`` with probability ``cond_drop`` (so
+    classifier-free guidance has an unconditional model). Driven by ``fold`` and ``update``.
+
+    Returns: the per-step metrics (``loss``).
+    References: Ho et al., "Denoising Diffusion Probabilistic Models", https://arxiv.org/abs/2006.11239
+    """
+    device, _ = _model_device_dtype(model)
+    size = model.config.sample_size
+    alphas = schedule.alphas_cumprod.to(device)
+
+    def loss_fn(state, batch):
+        a = alphas[batch["t"]][:, None, None, None]
+        noisy = a.sqrt() * batch["x0"] + (1 - a).sqrt() * batch["noise"]
+        target = _TARGETS[schedule.prediction_type](batch["x0"], batch["noise"], a)
+        loss = (_forward(state.model(), noisy, batch["t"], batch[K.CLASS_LABELS]) - target).square().mean()
+        return loss, {"loss_mse": loss.detach()}
+
+    def step(state, _):
+        g = copy_generator(state.rng)
+        labels = torch.randint(len(patterns), (batch_size,), generator=g, device=device)
+        drop = torch.rand((batch_size,), generator=g, device=device) < cond_drop
+        batch = TensorDict({"x0": synthetic_images(labels, patterns, size=size, generator=g),
+                            "t": torch.randint(schedule.num_train_timesteps, (batch_size,), generator=g, device=device),
+                            "noise": torch.randn((batch_size, 3, size, size), generator=g, device=device),
+                            K.CLASS_LABELS: torch.where(drop, len(patterns), labels)}, batch_size=[batch_size])
+        return update(dataclasses.replace(state, rng=g), batch, loss_fn)
+
+    state = init_state(model, optimizer=make_optimizer(model, lr=lr), seed=seed, device=device)
+    _, history = fold(step, state, itertools.repeat(None), num_steps=steps)
+    return history
