@@ -29,14 +29,11 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES
 from rlcore.baselines import with_grpo_advantage
 from rlcore.checks import lookup
-from rlcore.loops.online import OnlineConfig, collect_rollout, evaluate_policy, policy_loss_fn, rollout_metrics, \
-    train_online, update_sizes
+from rlcore.loops.online import OnlineConfig, collect_rollout, evaluate_policy, policy_update, train_online
 from rlcore.loops.state import TrainState
-from rlcore.loops.update import update
 
 __all__ = ["Config", "step", "train", "evaluate", "grpo_loss_fn"]
 
@@ -67,10 +64,7 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn)
     """One GRPO step on a batch of prompts: collect → group advantages → update (impure: trains)."""
     state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
     rollout = with_grpo_advantage(rollout, scale=config.scale, eps=config.eps)
-    loss_fn = functools.partial(policy_loss_fn, loss=grpo_loss_fn(config), temperature=config.temperature)
-    state, metrics = update(state, rollout, loss_fn, **update_sizes(config, rollout.batch_size[0]),
-                            epochs=config.epochs, mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
-    return state, metrics.update(rollout_metrics(rollout))
+    return policy_update(state, rollout, grpo_loss_fn(config), config=config)
 
 
 def evaluate(state: TrainState, config: Config) -> dict[str, float]:

@@ -50,11 +50,12 @@ from rlcore.loops.recipe import batch_source, build_policy, init_train_state, lo
 from rlcore.loops.score import score_rollout, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
 from rlcore.loops.tasks import exact_match, task_dataset, task_reward
+from rlcore.loops.update import update
 from rlcore.masked import masked_sum
 from rlcore.transforms import observed_kl
 
 __all__ = ["OnlineConfig", "make_reward_fn", "build_online_state", "prompt_source", "update_sizes",
-           "repeat_columns", "collect_rollout", "with_policy_logprobs", "policy_loss_fn", "rollout_metrics",
+           "repeat_columns", "collect_rollout", "with_policy_logprobs", "policy_loss_fn", "policy_update", "rollout_metrics",
            "evaluate_policy", "train_online"]
 
 RewardFn = Callable[..., Any]
@@ -240,6 +241,19 @@ def policy_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable[.
     Gradient: to the policy's parameters, through ``logprobs``.
     """
     return loss(with_policy_logprobs(state.model("policy"), batch, temperature=temperature), **denominators)
+
+
+def policy_update(state: TrainState, rollout: TensorDictBase, loss: Callable[..., tuple], *,
+                  config: Any) -> tuple[TrainState, TensorDict]:
+    """``update`` of the policy on a scored rollout with a policy-gradient ``loss`` (impure: trains).
+
+    The minibatch sizes, epochs and gradient clipping come from ``config``; the step's metrics
+    gain the rollout's (``rollout_metrics``).
+    """
+    loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature)
+    state, metrics = update(state, rollout, loss_fn, **update_sizes(config, rollout.batch_size[0]),
+                            epochs=config.epochs, mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
+    return state, metrics.update(rollout_metrics(rollout))
 
 
 def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:

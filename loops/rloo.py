@@ -24,13 +24,10 @@ import functools
 
 from tensordict import TensorDict
 
-from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import rloo_loss
 from rlcore.baselines import with_rloo_advantage
-from rlcore.loops.online import OnlineConfig, collect_rollout, evaluate_policy, policy_loss_fn, rollout_metrics, \
-    train_online, update_sizes
+from rlcore.loops.online import OnlineConfig, collect_rollout, evaluate_policy, policy_update, train_online
 from rlcore.loops.state import TrainState
-from rlcore.loops.update import update
 from rlcore.rewards import with_rewards
 
 __all__ = ["Config", "step", "train", "evaluate"]
@@ -53,10 +50,7 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn)
     state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
     rollout = with_rloo_advantage(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
     loss = functools.partial(rloo_loss, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
-    loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature)
-    state, metrics = update(state, rollout, loss_fn, **update_sizes(config, rollout.batch_size[0]),
-                            epochs=config.epochs, mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
-    return state, metrics.update(rollout_metrics(rollout))
+    return policy_update(state, rollout, loss, config=config)
 
 
 def evaluate(state: TrainState, config: Config) -> dict[str, float]:

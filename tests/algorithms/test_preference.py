@@ -3,7 +3,6 @@
 import math
 from collections import defaultdict
 from decimal import Decimal, getcontext
-from functools import partial
 from types import SimpleNamespace
 
 import pytest

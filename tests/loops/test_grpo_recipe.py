@@ -10,32 +10,13 @@ import torch
 from rlcore import keys as K
 from rlcore.loops import grpo
 from rlcore.loops.logging import read_jsonl
+from rlcore.loops import online
 from rlcore.loops.online import build_online_state, evaluate_policy, policy_loss_fn, prompt_source
 from rlcore.loops.recipe import load_config, load_splits
 from rlcore.loops.tasks import task_dataset
+from tests.loops.online_helpers import TINY, digit_fraction
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "grpo.yaml"
-TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=64, num_eval=16, max_new_tokens=8, run_dir=None)
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and a shared machine is not oversubscribed)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-def digit_fraction(prompts, completions, **_):
-    """Reward: the fraction of a completion's characters that are digits.
-
-    A random tiny model spreads its mass over ~95 characters, so it starts near 0.1; the reward is
-    dense (every character counts) and reachable by moving mass onto ten tokens, so a few steps
-    of a working policy-gradient recipe raise it clearly, while a broken one (wrong sign, no
-    gradient, advantages of the wrong samples) does not.
-    """
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def test_grpo_raises_the_reward():
@@ -91,7 +72,7 @@ def test_advantages_are_group_relative(monkeypatch, scale):
         seen.append(batch)
         return policy_loss_fn(state, batch, **kw)
 
-    monkeypatch.setattr(grpo, "policy_loss_fn", spy)
+    monkeypatch.setattr(online, "policy_loss_fn", spy)
     state, metrics = grpo.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
     batch = seen[0]
     scores = batch[K.SCORE].view(3, 4).double()

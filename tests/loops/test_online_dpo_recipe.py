@@ -14,28 +14,9 @@ from rlcore.loops.models import build_reward_model, build_tokenizer
 from rlcore.loops.online import build_online_state, evaluate_policy, prompt_source
 from rlcore.loops.recipe import load_config, load_splits
 from rlcore.loops.tasks import task_dataset
+from tests.loops.online_helpers import TINY, digit_fraction
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "online_dpo.yaml"
-TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=64, num_eval=16, max_new_tokens=8, run_dir=None)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and a shared machine is not oversubscribed)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def digit_fraction(prompts, completions, **_):
-    """Reward (the judge): the fraction of a completion's characters that are digits.
-
-    A random tiny model spreads its mass over ~95 characters, so it starts near 0.1; the judge
-    nearly always separates the best and worst of a group, and preferring digit-rich responses is
-    learnable in a few steps.
-    """
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def params(module):

@@ -14,23 +14,10 @@ from rlcore.loops.recipe import load_splits
 from rlcore.loops.score import token_logprobs_from_model
 from rlcore.loops.tasks import task_dataset
 from rlcore.testing import assert_pure
+from tests.loops.online_helpers import digit_fraction
 
 TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=32, num_eval=6, max_new_tokens=6, batch_size=4,
             num_samples=3, lr=1e-2)
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and a shared machine is not oversubscribed)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-def digit_fraction(prompts, completions, **_):
-    """Fraction of a completion's characters that are digits (a dense, trivially learnable reward)."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 @pytest.fixture(scope="module")

@@ -14,27 +14,9 @@ from rlcore.loops.models import ValueHead
 from rlcore.loops.online import build_online_state, evaluate_policy
 from rlcore.loops.recipe import load_config
 from rlcore.transforms import KLControllerState, RunningMoments
+from tests.loops.online_helpers import TINY, digit_fraction
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ppo.yaml"
-TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=64, num_eval=16, max_new_tokens=8, run_dir=None)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (and a shared machine is not oversubscribed)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def digit_fraction(prompts, completions, **_):
-    """Reward: the fraction of a completion's characters that are digits.
-
-    A random tiny model spreads its mass over ~95 characters, so it starts near 0.1; the reward is
-    dense and reachable by moving mass onto ten tokens, so a few PPO steps raise it clearly.
-    """
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def params(module):
