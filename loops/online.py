@@ -283,8 +283,11 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                    reward_columns=columns)
     greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)
-    out = {"reward": score_rollout(greedy, **scoring)[K.SCORE],
-           "response_length": greedy[K.RESPONSE_MASK].sum(-1).float()}
+    reference = generate_rollout(state.model("ref"), tokenizer, prompts, do_sample=False, behaviour=None, **gen)
+    reward, ref_reward = score_rollout(greedy, **scoring)[K.SCORE], score_rollout(reference, **scoring)[K.SCORE]
+    out = {"reward": reward, "response_length": greedy[K.RESPONSE_MASK].sum(-1).float(),
+           # win-rate against the reference policy, greedy both: 1 per win, ½ per tie
+           "win_rate": (reward > ref_reward).float() + 0.5 * (reward == ref_reward).float()}
     if "answer" in columns:
         out["exact_match"] = score_rollout(greedy, reward_fn=_exact_match_reward, tokenizer=tokenizer,
                                            reward_columns={"answer": columns["answer"]})[K.SCORE]
@@ -300,7 +303,9 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
 def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: Dataset | None = None,
                     reward_fn: RewardFn | None = None) -> dict[str, float]:
     """Held-out metrics, means over the prompts: ``reward``, ``exact_match`` and ``response_length``
-    of greedy responses; ``sampled_reward`` and ``kl_ref`` of one sampled response per prompt.
+    of greedy responses; ``win_rate`` of those against the reference policy's greedy responses
+    (judged by the same reward; a tie counts ½); ``sampled_reward`` and ``kl_ref`` of one sampled
+    response per prompt.
 
     ``kl_ref = mean_b Σ_t (log π − log π_ref)`` (k1 of whole responses sampled at
     ``config.temperature``, both log-probs at that temperature). ``exact_match`` needs an ``answer``

@@ -124,7 +124,7 @@ def test_evaluate_is_deterministic_and_leaves_rng_alone(setup):
     first = evaluate_policy(state, dataclasses.replace(config, eval_batch_size=3), tokenizer=tokenizer,
                             reward_fn=digit_fraction)
     assert torch.equal(torch.get_rng_state(), global_before) and torch.equal(state.rng.get_state(), loop_before)
-    assert set(first) == {"reward", "response_length", "exact_match", "sampled_reward", "kl_ref"}
+    assert set(first) == {"reward", "response_length", "exact_match", "win_rate", "sampled_reward", "kl_ref"}
     assert all(isinstance(v, float) for v in first.values())
     assert first == evaluate_policy(state, dataclasses.replace(config, eval_batch_size=3), tokenizer=tokenizer,
                                     reward_fn=digit_fraction)
@@ -138,3 +138,10 @@ def test_make_reward_fn_defaults():
     assert make_reward_fn(OnlineConfig(), digit_fraction) is digit_fraction
     with pytest.raises(ValueError, match="valid"):
         make_reward_fn(OnlineConfig(task="nope"))
+
+
+def test_win_rate_against_the_reference_is_one_half_before_training(setup):
+    config, state, tokenizer, _ = setup
+    held_out = load_splits(config, task_dataset)[1]
+    out = evaluate_policy(state, config, tokenizer=tokenizer, dataset=held_out, reward_fn=digit_fraction)
+    assert out["win_rate"] == 0.5 and abs(out["kl_ref"]) < 1e-5  # the policy is its own reference: all ties
