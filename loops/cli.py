@@ -6,7 +6,8 @@ with their defaults and documentation). Values given on the command line overrid
 which overrides the defaults; unknown fields are an error that lists the valid ones.
 
 ``rlcore eval RECIPE --checkpoint DIR`` evaluates a saved policy on the recipe's held-out split,
-against the policy its run started from (the reference for KL).
+against the policy its run started from (the reference for KL); a recipe whose state is not a
+language-model policy (``ddpo``, ``reft``) rebuilds it with its own ``checkpoint_state``.
 """
 
 from __future__ import annotations
@@ -117,11 +118,14 @@ def _eval(args: argparse.Namespace) -> int:
     start = json.loads(saved.read_text()) if saved.exists() else {}
     known = {f.name for f in dataclasses.fields(module.Config)}
     start = {k: v for k, v in start.items() if k in known}
-    # The reference for KL: the policy the run started from (its own init_from, or a fresh init).
-    reference, _ = build_policy(_config(module, args, start, {"resume": False}))
-    config = _config(module, args, start, {"init_from": str(path), "resume": False})
-    policy, _ = build_policy(config)
-    state = init_state({"policy": policy, "ref": make_reference(reference)}, seed=config.seed)
+    if hasattr(module, "checkpoint_state"):  # recipes whose state is not a language-model policy
+        config = _config(module, args, start, {"resume": False})
+        state = module.checkpoint_state(config, path)
+    else:
+        config = _config(module, args, start, {"init_from": str(path), "resume": False})  # the reference for KL: the policy the run started from (its own init_from, or a fresh init)
+        reference, _ = build_policy(_config(module, args, start, {"resume": False}))
+        policy, _ = build_policy(config)
+        state = init_state({"policy": policy, "ref": make_reference(reference)}, seed=config.seed)
     print(json.dumps(module.evaluate(state, config), indent=2))
     return 0
 

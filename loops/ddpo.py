@@ -36,14 +36,15 @@ from tensordict import TensorDict
 
 from rlcore import keys as K
 from rlcore.algorithms.ddpo import batch_advantages, ddpo_loss, prompt_stats_init, prompt_stats_update
-from rlcore.loops.checkpoint import latest_checkpoint
+from rlcore.loops.checkpoint import latest_checkpoint, load_checkpoint
 from rlcore.loops.diffusion import (build_denoiser, ddim_schedule, get_reward_fn, latents_to_images, pretrain_denoiser,
                                     sample_trajectories, save_image_grid, score_images, step_logprobs, timestep_rows)
 from rlcore.loops.recipe import run
 from rlcore.loops.state import TrainState, advance, copy_generator, init_state, with_transforms
 from rlcore.loops.update import make_optimizer, update
 
-__all__ = ["Config", "build_state", "collect", "score", "train_epoch", "step", "evaluate", "train"]
+__all__ = ["Config", "build_state", "collect", "score", "train_epoch", "step", "evaluate", "train",
+           "checkpoint_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,3 +244,8 @@ def train(config: Config, *, reward_fn: Callable | None = None,
     finally:
         if pool is not None:
             pool.shutdown()
+
+
+def checkpoint_state(config: Config, path: str | Path) -> TrainState:
+    """The ``TrainState`` saved in checkpoint ``path`` (for ``rlcore eval ddpo``)."""
+    return load_checkpoint(path, build_state(config, pretrain=False), restore_global_rng=False)

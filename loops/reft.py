@@ -45,6 +45,7 @@ from rlcore.loops.data import tokenize_dataset
 from rlcore.loops.grpo import grpo_loss_fn
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import collect_rollout, policy_loss_fn, rollout_metrics, train_online
+from rlcore.loops.checkpoint import load_checkpoint
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
 from rlcore.loops.recipe import load_config as load_recipe_config
 from rlcore.loops.reft_data import ReftSpec, collate_reft, with_intervention_locations
@@ -59,7 +60,7 @@ from rlcore.rewards import with_rewards
 __all__ = [
     "init_reft_state", "trainable_fraction", "reft_sft_step", "reft_dpo_step", "reft_grpo_step", "reft_rloo_step",
     "reft_online_models", "train_reft_online", "ReftConfig", "reft_spec", "load_config", "reft_eval_loss",
-    "evaluate", "train_reft_sft", "Config", "train",
+    "evaluate", "train_reft_sft", "checkpoint_state", "Config", "train",
 ]
 
 
@@ -291,6 +292,16 @@ def train_reft_sft(config: ReftConfig, *, model: nn.Module | None = None, tokeni
     source = batch_source(train, config.batch_size, _collate_fn(tokenizer, spec), seed=config.seed)
     return run(step, state, source, config=config, num_steps=config.steps, name="reft_sft",
                eval_fn=lambda s: reft_eval_loss(s, eval_batches), callbacks=callbacks)
+
+
+def checkpoint_state(config: ReftConfig, path: str | Path) -> TrainState:
+    """The ReFT ``TrainState`` of checkpoint ``path``: the base policy with the saved interventions."""
+    model, _ = build_policy(config)
+    model.requires_grad_(False)
+    interventions = _new_interventions(model, reft_spec(config), config.zero_init, config.seed)
+    state = init_train_state({"policy": model, "ref": model, "interventions": interventions}, config,
+                             trainable=("interventions",))
+    return load_checkpoint(path, state, restore_global_rng=False)
 
 
 # The recipe protocol of ``rlcore.loops.cli`` (``Config``, ``train(config)``, ``evaluate(state, config)``).
