@@ -48,8 +48,12 @@ def recipe_module(name: str) -> ModuleType:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``field -> the comment written after it`` in the dataclass source (and its bases')."""
-    docs: dict[str, str] = {}
+    """``field -> the comment written after it`` in the dataclass source (and its bases'), else the
+    shared meaning of that field (``rlcore.loops.recipe.FIELD_DOCS``)."""
+    from rlcore.loops.recipe import FIELD_DOCS
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    docs: dict[str, str] = {k: v for k, v in FIELD_DOCS.items() if k in names}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue

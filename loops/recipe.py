@@ -51,8 +51,30 @@ from rlcore.loops.models import build_model, build_tokenizer, load_model, load_t
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.update import make_optimizer, make_scheduler
 
-__all__ = ["TINY_MODELS", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state", "load_splits",
+__all__ = ["TINY_MODELS", "FIELD_DOCS", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state", "load_splits",
            "batch_source", "mean_metrics", "run", "load_config", "config_dict"]
+
+# What the fields shared by the recipes' configs mean (a field's own comment, where written, wins).
+FIELD_DOCS: dict[str, str] = {
+    "model": '"tiny-llama" / "tiny-gpt2" (offline, char tokenizer) or a local path / hub name',
+    "hidden_size": "tiny models: width", "num_layers": "tiny models: decoder blocks",
+    "num_heads": "tiny models: attention heads", "max_position_embeddings": "tiny models: context length",
+    "init_from": "start from the policy weights of a checkpoint or run directory",
+    "device": "where models and batches live (cpu, cuda)",
+    "task": "a built-in task (loops.tasks) when no dataset is given",
+    "dataset": "a local jsonl / json / parquet / csv file", "eval_dataset": "held-out file (default: split off dataset)",
+    "num_train": "built-in task: training examples", "num_eval": "held-out examples",
+    "max_length": "tokens kept per sequence", "max_prompt_length": "prompt tokens kept",
+    "seed": "model init, data order, sampling", "steps": "fold steps", "batch_size": "examples per step",
+    "micro_batch_size": "rows per forward/backward (gradient accumulation); None: all",
+    "lr": "AdamW peak learning rate", "weight_decay": "AdamW decoupled weight decay (matrices only)",
+    "warmup_steps": "optimiser steps of linear warm-up", "schedule": "linear | cosine | constant (loops.update.SCHEDULES)",
+    "max_grad_norm": "global gradient-norm clip; None: off", "agg": "token aggregation (rlcore.masked.AGGREGATIONS)",
+    "eval_batch_size": "held-out examples per evaluation batch",
+    "run_dir": "checkpoints and metrics.jsonl; None writes nothing", "save_every": "checkpoint period in steps (0: at the end)",
+    "keep_last": "checkpoints kept (None: all)", "eval_every": "evaluation period in steps (0: never during training)",
+    "log_every": "progress line period in steps", "resume": "continue from the latest checkpoint of run_dir",
+}
 
 # Offline model names -> architecture of ``build_model`` (with the character tokenizer).
 TINY_MODELS: dict[str, str] = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}

@@ -204,16 +204,16 @@ class ReftConfig:
     num_train: int = 256
     num_eval: int = 32
     max_length: int = 64
-    layers: tuple[int, ...] = (1, 2)
-    component: str = "block_output"
-    positions: str = "f3+l3"
-    rank: int = 4
-    share_weights: bool = False
-    dropout: float = 0.0
-    variant: str = "loreft"
-    act: str = "identity"
-    blocks: str | None = None
-    zero_init: bool = False
+    layers: tuple[int, ...] = (1, 2)            # decoder blocks intervened on
+    component: str = "block_output"             # block_output | block_input (REFT_COMPONENTS)
+    positions: str = "f3+l3"                    # prompt positions: "f3+l3" = first 3 and last 3 tokens
+    rank: int = 4                               # r, the rank of the subspace
+    share_weights: bool = False                 # one intervention for all positions of a layer
+    dropout: float = 0.0                        # dropout on the edited state
+    variant: str = "loreft"                     # loreft | direft | noreft (REFT_INTERVENTIONS)
+    act: str = "identity"                       # activation of W h + b (REFT_ACTIVATIONS)
+    blocks: str | None = None                   # dotted path of the block list; None: found automatically
+    zero_init: bool = False                     # interventions start as the identity
     lr: float = 4e-3
     weight_decay: float = 0.0
     warmup_steps: int = 0
