@@ -7,10 +7,12 @@ The building blocks are exported here. Each trainer is a recipe module with a ``
 
 from importlib import import_module as _import_module
 
+from rlcore.loops.async_rl import *  # noqa: F401,F403
 from rlcore.loops.checkpoint import *  # noqa: F401,F403
 from rlcore.loops.collect import *  # noqa: F401,F403
 from rlcore.loops.data import *  # noqa: F401,F403
 from rlcore.loops.diffusion import *  # noqa: F401,F403
+from rlcore.loops.distributed import *  # noqa: F401,F403
 from rlcore.loops.fold import *  # noqa: F401,F403
 from rlcore.loops.logging import *  # noqa: F401,F403
 from rlcore.loops.models import *  # noqa: F401,F403
@@ -22,6 +24,8 @@ from rlcore.loops.score import *  # noqa: F401,F403
 from rlcore.loops.state import *  # noqa: F401,F403
 from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
+from rlcore.loops.workers import *  # noqa: F401,F403
 
-_MODULES = ('checkpoint', 'collect', 'data', 'diffusion', 'fold', 'logging', 'models', 'online', 'recipe', 'reft_data', 'reft_model', 'score', 'state', 'tasks', 'update')
+_MODULES = ('async_rl', 'checkpoint', 'collect', 'data', 'diffusion', 'distributed', 'fold', 'logging', 'models', 'online',
+            'recipe', 'reft_data', 'reft_model', 'score', 'state', 'tasks', 'update', 'workers')
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

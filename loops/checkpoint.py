@@ -19,6 +19,10 @@ and ``run_dir`` is fsynced. A process killed at any moment leaves either a compl
 save removes. Old checkpoints are renamed away before they are deleted, so a half-deleted
 one is never taken for a checkpoint. One writer per ``run_dir`` is assumed.
 
+Distributed runs (``loops.distributed``): every rank calls ``save_checkpoint``; sharded FSDP2
+tensors are gathered, rank 0 writes, and the others wait for it (and fail with it). Stored
+weights and optimiser state are those of one process, whatever the world size.
+
 No pickle anywhere: tensors go to safetensors, everything else to JSON; loading never executes
 stored code (a NamedTuple type is rebuilt from the template, or imported by its recorded name
 and checked to be a NamedTuple).
@@ -43,6 +47,9 @@ import torch
 from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
+from rlcore.loops.dist_sync import (all_ranks_ok, drop_tied, full_optimizer_state, full_weights,
+                                    load_full_weights, shard_optimizer_state)
+from rlcore.loops.distributed import dist_info, is_fsdp2, unwrap_model
 from rlcore.loops.state import TrainState
 
 __all__ = [
@@ -57,7 +64,8 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-_NAME = re.compile(r"^checkpoint-(\d+)$")
+_NAME = re.compile(r"^checkpoint-(?P<step>\d+)$")
+_OLD = re.compile(r"^\.old-(?P<name>checkpoint-(?P<step>\d+))-[0-9a-f]+$")  # set aside by a re-save
 _SCRATCH = (".tmp-", ".old-", ".del-")
 _SPECIAL = ("models", "optimizer", "scheduler")
 
@@ -171,22 +179,33 @@ def _is_hf(model: nn.Module) -> bool:
     return hasattr(model, "save_pretrained") and hasattr(model, "config")
 
 
-def _save_model(model: nn.Module, directory: Path) -> None:
+def _save_model(model: nn.Module, directory: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
     directory.mkdir(parents=True)
+    model = unwrap_model(model)  # DDP: no ``module.`` prefix, the checkpoint loads in one process
     if _is_hf(model):
-        model.save_pretrained(directory)
+        model.save_pretrained(directory, **({} if weights is None else {"state_dict": weights}))
+    elif weights is not None:
+        save_file({k: v.contiguous() for k, v in drop_tied(model, weights).items()},
+                  str(directory / "model.safetensors"))
     else:
         save_model(model, str(directory / "model.safetensors"))  # drops duplicates of tied tensors
 
 
 def _load_model(model: nn.Module, directory: Path) -> None:
-    """Load every ``*.safetensors`` of ``directory`` into ``model``'s own tensors, in place."""
+    """Load every ``*.safetensors`` of ``directory`` into ``model``'s own tensors, in place (a DDP
+    wrapper through its module; an FSDP2 module keeps its shards of the full tensors)."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no safetensors weights")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update(_load_tensors(f))
+    model = unwrap_model(model)
+    if is_fsdp2(model):
+        try:
+            return load_full_weights(model, weights)
+        except ValueError as e:
+            raise CheckpointError(f"{directory}: {e}") from e
     own = model.state_dict()
     unexpected = sorted(set(weights) - set(own))
     if unexpected and hasattr(type(model), "from_pretrained"):  # renamed on save: let HF map the names
@@ -273,13 +292,21 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The complete checkpoints of ``run_dir`` (``checkpoint-N`` with a manifest), by step."""
+    """The complete checkpoints of ``run_dir`` (``checkpoint-N`` with a manifest), by step.
+
+    A re-save of step ``N`` killed between its two renames leaves the previous ``checkpoint-N``
+    aside as ``.old-checkpoint-N-*``: while ``checkpoint-N`` is absent, that directory is listed in
+    its place (and the next save renames it back).
+    """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir()
-             if (m := _NAME.match(p.name)) and (p / "manifest.json").is_file()]
-    return [p for _, p in sorted(found)]
+    found: dict[int, Path] = {}
+    for pattern in (_NAME, _OLD):  # checkpoint-N first: an .old- copy only stands in for a missing one
+        for p in run_dir.iterdir():
+            if (m := pattern.match(p.name)) and (p / "manifest.json").is_file():
+                found.setdefault(int(m.group("step")), p)
+    return [found[step] for step in sorted(found)]
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -292,6 +319,10 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def _prune(run_dir: Path, keep_last: int | None) -> None:
+    for p in run_dir.iterdir():  # an interrupted re-save (see list_checkpoints): put the checkpoint back
+        m = _OLD.match(p.name)
+        if m and not (run_dir / m.group("name")).exists() and (p / "manifest.json").is_file():
+            os.replace(p, run_dir / m.group("name"))
     doomed = list_checkpoints(run_dir)[:-keep_last] if keep_last else []
     for p in doomed:  # rename first: a half-deleted directory never looks like a checkpoint
         os.replace(p, run_dir / f".del-{p.name}-{secrets.token_hex(4)}")
@@ -338,11 +369,12 @@ def _trainable(models: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
 
 # --- public API ---------------------------------------------------------------------------------------
 def _write_contents(tmp: Path, state: TrainState, step: int, config: dict, models: Mapping[str, nn.Module],
-                    extra_json: Any, metrics: Mapping[str, float]) -> None:
+                    extra_json: Any, metrics: Mapping[str, float], weights: Mapping[str, Any],
+                    optimizer_state: dict | None) -> None:
     for name, model in models.items():
-        _save_model(model, tmp / "models" / name)
-    if state.optimizer is not None:
-        _write_pair(tmp, "optimizer", state.optimizer.state_dict())
+        _save_model(model, tmp / "models" / name, weights.get(name))
+    if optimizer_state is not None:
+        _write_pair(tmp, "optimizer", optimizer_state)
     if state.scheduler is not None:
         _write_pair(tmp, "scheduler", state.scheduler.state_dict())
     rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name not in _SPECIAL}
@@ -352,7 +384,8 @@ def _write_contents(tmp: Path, state: TrainState, step: int, config: dict, model
     meta = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "models": sorted(models),
             "metrics": dict(metrics), "extra": extra_json}
     (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2, default=str))
-    (tmp / "README.md").write_text(_model_card(step, config, metrics, models))
+    unwrapped = {n: unwrap_model(m) for n, m in models.items()}
+    (tmp / "README.md").write_text(_model_card(step, config, metrics, unwrapped))
 
 
 def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None = None, config: Any = None,
@@ -374,24 +407,45 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None 
             the new one is in place); ``None`` keeps all.
     Returns:
         ``Path`` of the new checkpoint. Reads the global RNG states without changing them.
+
+    Distributed: call it on every rank (FSDP2 shards are gathered, rank 0 writes with its RNGs,
+    every rank returns once the checkpoint is in place or raises if rank 0 failed).
     """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     step = state.step if step is None else int(step)
     models = _trainable(state.models) if models is None else dict(models)
+    weights = {name: full_weights(model) for name, model in models.items()}  # collectives: every rank
+    optimizer_state = None if state.optimizer is None else full_optimizer_state(state.optimizer)
+    final, error = run_dir / f"checkpoint-{step}", None
+    if dist_info().is_main:
+        try:
+            _write_checkpoint(run_dir, final, state, step, _as_dict(config), models, extra_json,
+                              dict(metrics or {}), weights, optimizer_state, keep_last)
+        except BaseException as e:  # noqa: BLE001 -- re-raised below, after the other ranks hear of it
+            error = e
+    ok = all_ranks_ok(error is None)  # the barrier: every rank waits for rank 0's write
+    if error is not None:
+        raise error
+    if not ok:
+        raise CheckpointError(f"{final}: rank 0 failed to write the checkpoint (see its error)")
+    return final
+
+
+def _write_checkpoint(run_dir: Path, final: Path, state: TrainState, step: int, config: dict,
+                      models: Mapping[str, nn.Module], extra_json: Any, metrics: dict, weights: Mapping[str, Any],
+                      optimizer_state: dict | None, keep_last: int | None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".tmp-step-{step}-{secrets.token_hex(4)}"  # secrets: leaves `random` untouched
     tmp.mkdir()
     try:
-        _write_contents(tmp, state, step, _as_dict(config), models, extra_json, dict(metrics or {}))
+        _write_contents(tmp, state, step, config, models, extra_json, metrics, weights, optimizer_state)
         _write_manifest(tmp)
         _fsync_tree(tmp)
-        final = run_dir / f"checkpoint-{step}"
         _publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _prune(run_dir, keep_last)
-    return final
 
 
 def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_global_rng: bool = True) -> TrainState:
@@ -425,7 +479,8 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
             if not (path / f"{name}.json").is_file():
                 raise CheckpointError(f"{path}: the template has a {name} but the checkpoint stores none")
             try:
-                target.load_state_dict(_read_pair(path, name))
+                stored = _read_pair(path, name)
+                target.load_state_dict(shard_optimizer_state(stored, target) if name == "optimizer" else stored)
             except (ValueError, KeyError, RuntimeError) as e:
                 raise CheckpointError(f"{path / name}.json: does not fit the template's {name}: {e}") from e
     rest = {f.name: getattr(state_template, f.name) for f in dataclasses.fields(state_template)

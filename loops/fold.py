@@ -17,6 +17,11 @@ Callbacks are plain callables ``cb(state, metrics) -> None | "stop" | Mapping``:
 also after an early stop or an exhausted source; not after an exception). :func:`every` runs a
 callback every ``n`` steps, :func:`stop_when` turns a predicate into an early stop.
 
+Distributed (``loops.distributed``): every rank runs the same fold on its shard of each item
+(``shard_source``); each step's metrics are averaged over the ranks (one all-reduce) before the
+callbacks see them, so every rank logs, evaluates and stops on the same numbers. Every rank must
+report the same metric names.
+
 Resuming: ``state.step`` is the number of items already consumed. A resumed fold skips exactly
 that many items of ``source`` before the first step, so with a deterministic source (a list, a
 seeded shuffle, a ``datasets`` split) the resumed run sees the items the uninterrupted run would
@@ -34,6 +39,8 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
+
+from rlcore.loops.distributed import reduce_metrics
 
 __all__ = ["fold", "to_floats", "every", "stop_when", "STOP"]
 
@@ -150,7 +157,7 @@ def fold(step: Callable[[Any, Any], tuple[Any, Metrics]], state: Any,
             break
         new_state, metrics = step(state, item)
         state = dataclasses.replace(new_state, step=state.step + 1)
-        logged = to_floats(metrics)
+        logged = to_floats(reduce_metrics(metrics))  # the mean over ranks under torch.distributed
         for cb in callbacks:
             out = cb(state, logged)
             if isinstance(out, str):

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES
 from rlcore.baselines import with_grpo_advantage
@@ -35,7 +35,7 @@ from rlcore.checks import lookup
 from rlcore.loops.online import OnlineConfig, collect_rollout, evaluate_policy, policy_update, train_online
 from rlcore.loops.state import TrainState
 
-__all__ = ["Config", "step", "train", "evaluate", "grpo_loss_fn"]
+__all__ = ["Config", "advantages", "step", "train", "evaluate", "grpo_loss_fn"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +60,15 @@ def grpo_loss_fn(config: Any):
     return functools.partial(loss, kl_coef=config.kl_coef, kl=config.kl, max_length=config.max_new_tokens, **clip)
 
 
+def advantages(rollout: TensorDictBase, config: Config) -> TensorDictBase:
+    """Group-relative advantages of a scored rollout (``scale``, ``eps`` of ``config``)."""
+    return with_grpo_advantage(rollout, scale=config.scale, eps=config.eps)
+
+
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
     """One GRPO step on a batch of prompts: collect → group advantages → update (impure: trains)."""
     state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
-    rollout = with_grpo_advantage(rollout, scale=config.scale, eps=config.eps)
-    return policy_update(state, rollout, grpo_loss_fn(config), config=config)
+    return policy_update(state, advantages(rollout, config), grpo_loss_fn(config), config=config)
 
 
 def evaluate(state: TrainState, config: Config) -> dict[str, float]:

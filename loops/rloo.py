@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from rlcore.algorithms.policy_gradient import rloo_loss
 from rlcore.baselines import with_rloo_advantage
@@ -30,7 +30,7 @@ from rlcore.loops.online import OnlineConfig, collect_rollout, evaluate_policy, 
 from rlcore.loops.state import TrainState
 from rlcore.rewards import with_rewards
 
-__all__ = ["Config", "step", "train", "evaluate"]
+__all__ = ["Config", "advantages", "rloo_loss_fn", "step", "train", "evaluate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +45,20 @@ class Config(OnlineConfig):
     run_dir: str | None = "runs/rloo"
 
 
+def advantages(rollout: TensorDictBase, config: Config) -> TensorDictBase:
+    """KL-penalised rewards (k1 summed into the score, as TRL's RLOO) and leave-one-out advantages."""
+    return with_rloo_advantage(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
+
+
+def rloo_loss_fn(config: Config):
+    """``rloo_loss`` (sequence-level ratio) with the config's clip range bound."""
+    return functools.partial(rloo_loss, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
+
+
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
     """One RLOO step on a batch of prompts: collect → KL-penalised rewards → LOO advantages → update."""
     state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
-    rollout = with_rloo_advantage(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
-    loss = functools.partial(rloo_loss, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
-    return policy_update(state, rollout, loss, config=config)
+    return policy_update(state, advantages(rollout, config), rloo_loss_fn(config), config=config)
 
 
 def evaluate(state: TrainState, config: Config) -> dict[str, float]:

@@ -26,6 +26,10 @@ Gradient accumulation equals the full-minibatch gradient either way:
 - ``mask_key=None``: the loss is taken to be a mean over the rows of its micro-batch (DPO, reward
   modelling) and is weighted by ``b / minibatch_rows``.
 
+Data parallelism needs no change here or in the loss: under a ``torch.distributed`` process
+group ``update`` all-reduces the denominators, the gradients, the guards and the metrics (see
+``update`` and ``rlcore.loops.distributed``).
+
 A recipe's loss closure, for instance::
 
     def loss_fn(state, mb, **denominators):
@@ -41,14 +45,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from rlcore.checks import NonFiniteError, check_mask
+from rlcore.loops.dist_sync import GradSync, accumulation_context, grad_sync, reduce_gradients, total_grad_norm
+from rlcore.loops.distributed import agree, all_reduce_sum
 from rlcore.loops.state import TrainState, copy_generator
 
 __all__ = [
@@ -183,20 +191,27 @@ def enable_gradient_checkpointing(model: nn.Module) -> bool:
 
 
 # --- update ---------------------------------------------------------------------------------
+def _counts(batch: TensorDictBase, mask_key: Any) -> torch.Tensor:
+    mask = batch.get(mask_key)
+    check_mask(f"batch[{mask_key!r}]", mask)
+    return torch.stack([mask.sum(), mask.any(dim=-1).sum()])
+
+
 def global_denominators(batch: TensorDictBase, mask_key: Any) -> dict[str, torch.Tensor]:
     """The denominators of one optimiser step: ``num_tokens = Σ mask``, ``num_seqs`` = non-empty rows.
 
     Both are 0-d integer tensors clamped to at least 1, the conventions of
-    ``rlcore.masked.aggregate``. ``mask_key=None`` gives ``{}``.
+    ``rlcore.masked.aggregate``. Under a process group of ``W > 1`` ranks (``loops.distributed``)
+    the counts are summed over the ranks (one all-reduce, no host synchronisation): each rank's
+    loss is then its share of the loss of the global batch. ``mask_key=None`` gives ``{}``.
 
     Args:
         batch: TensorDict ``[B]`` holding ``mask_key`` ``[B, ..., T]`` bool.
     """
     if mask_key is None:
         return {}
-    mask = batch.get(mask_key)
-    check_mask(f"batch[{mask_key!r}]", mask)
-    return {"num_tokens": mask.sum().clamp(min=1), "num_seqs": mask.any(dim=-1).sum().clamp(min=1)}
+    num_tokens, num_seqs = all_reduce_sum(_counts(batch, mask_key)).clamp(min=1).unbind()
+    return {"num_tokens": num_tokens, "num_seqs": num_seqs}
 
 
 def _sizes(batch: TensorDictBase, minibatch_size: int | None, micro_batch_size: int | None,
@@ -216,6 +231,26 @@ def _sizes(batch: TensorDictBase, minibatch_size: int | None, micro_batch_size: 
     return n, mb, micro
 
 
+def _plan(n: int, mb: int, micro: int, sync: GradSync | None) -> list[int]:
+    """The rows of each minibatch of an epoch summed over the ranks (host ints, agreed up front).
+
+    Every rank must take the same number of optimiser steps (and, with FSDP2, run the same number
+    of forwards per step): checked here, on every rank, before any gradient is computed.
+    """
+    rows = [min(mb, n - s) for s in range(0, n, mb)]
+    if sync is None:
+        return rows
+    agree([len(rows)], what=f"update: optimiser steps per epoch ({len(rows)} here: {n} rows in minibatches of "
+                            f"{mb}; sizes are per rank)")
+    micros = [math.ceil(r / micro) for r in rows]
+    local = torch.tensor([*rows, *micros, *(c * c for c in micros)], dtype=torch.int64)
+    total = all_reduce_sum(local.to(sync.device)).cpu().view(3, -1)
+    if sync.lockstep and not torch.equal(total[1] ** 2, total[2] * sync.world_size):
+        raise ValueError(f"update: FSDP2 needs the same number of micro-batches per step on every rank; this "
+                         f"rank runs {micros} (micro_batch_size={micro} of {rows} rows)")
+    return total[0].tolist()
+
+
 def _named(metrics: Any) -> Iterable[tuple[str, torch.Tensor]]:
     if isinstance(metrics, TensorDictBase):
         metrics = metrics.items(include_nested=True, leaves_only=True)
@@ -226,20 +261,27 @@ def _named(metrics: Any) -> Iterable[tuple[str, torch.Tensor]]:
 
 
 def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *, micro_batch_size: int,
-                mask_key: Any, autocast_dtype: torch.dtype | None, device_type: str,
-                early_stop_key: str) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Forward/backward over the micro-batches of one minibatch; gradients add up in ``.grad``."""
+                rows: int, mask_key: Any, autocast_dtype: torch.dtype | None, device_type: str,
+                early_stop_key: str, sync: GradSync | None) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Forward/backward over the micro-batches of one minibatch; gradients add up in ``.grad``.
+
+    ``rows``: the minibatch's rows over every rank; each micro-batch's share of the step is
+    ``b / rows``, so the ranks' weighted sums add up to the global minibatch's.
+    """
     n = minibatch.batch_size[0]
     denominators = global_denominators(minibatch, mask_key)
+    scale = 1.0 if sync is None else sync.loss_scale
     sums: dict[str, torch.Tensor] = {}
     finite = stop = None  # 0-d bool tensors on the loss's device: no synchronisation here
     for start in range(0, n, micro_batch_size):
         micro = minibatch[start:start + micro_batch_size]
-        share = micro.batch_size[0] / n
-        with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            loss, metrics = loss_fn(state, micro, **denominators)
+        share = micro.batch_size[0] / rows
         loss_weight = 1.0 if denominators else share
-        (loss if loss_weight == 1.0 else loss * loss_weight).backward()
+        with accumulation_context(sync, last=start + micro_batch_size >= n):  # DDP no_sync but on the last
+            with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16,
+                                enabled=autocast_dtype is not None):
+                loss, metrics = loss_fn(state, micro, **denominators)
+            (loss if loss_weight * scale == 1.0 else loss * (loss_weight * scale)).backward()
         ok = torch.isfinite(loss.detach())
         finite = ok if finite is None else finite & ok
         stop = torch.zeros_like(ok) if stop is None else stop
@@ -252,6 +294,36 @@ def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *
     return sums, finite, stop
 
 
+def _synchronise(sums: dict[str, torch.Tensor], finite: torch.Tensor, stop: torch.Tensor,
+                 sync: GradSync | None) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One all-reduce of the step's metric sums, flags and gradient presence; then the gradients.
+
+    Metric sums are already weighted by global shares, so their sum over ranks is the global
+    value; a non-finite loss or an early stop on any rank holds for all of them.
+    """
+    if sync is None:
+        return sums, finite, stop
+    names = sorted(sums)
+    signature = zlib.crc32("\x00".join(names).encode()) % (1 << 24)
+    present = [p.grad is not None for p in sync.manual]
+    head = [float(len(names)), float(signature), float(len(names)) ** 2, float(signature) ** 2]
+    values = [torch.as_tensor(sums[k]).to(sync.device, torch.float64).reshape(()) for k in names]
+    flags = torch.stack([(~finite).to(sync.device, torch.float64), stop.to(sync.device, torch.float64)])
+    buf = torch.cat([torch.tensor(head + [float(x) for x in present], dtype=torch.float64, device=sync.device),
+                     flags, torch.stack(values) if values else flags[:0]])
+    dist.all_reduce(buf)
+    k = 4 + len(present)
+    host = buf[:k].tolist()  # the step's synchronisation point under NCCL (one small transfer)
+    W = sync.world_size
+    if host[0] ** 2 != host[2] * W or host[1] ** 2 != host[3] * W:
+        raise ValueError(f"update: the ranks report different metric names (this rank: {names}); every rank "
+                         "must run the same loss_fn")
+    reduce_gradients(sync, host[4:])
+    bad, halt = buf[k], buf[k + 1]
+    reduced = dict(zip(names, buf[k + 2:].unbind()))
+    return reduced, (bad == 0).to(finite.device), (halt > 0).to(stop.device)
+
+
 def _zero_grads(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
     for p in params:
@@ -261,9 +333,7 @@ def _zero_grads(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) ->
 def _optimizer_step(state: TrainState, params: list[torch.Tensor], finite: torch.Tensor, stop: torch.Tensor, *,
                     max_grad_norm: float | None, nonfinite: str, where: str) -> tuple[str, torch.Tensor]:
     """Check, clip and step, or leave everything untouched. Returns ``(outcome, grad_norm)``."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    norm = norm.to(finite.device)
+    norm = total_grad_norm([p.grad for p in params if p.grad is not None]).to(finite.device)
     ok, halt = torch.stack([finite & torch.isfinite(norm), stop]).tolist()  # the one sync of a step
     if not ok:
         _zero_grads(params, state.optimizer)
@@ -311,6 +381,19 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
         (``"raise"``). A true ``early_stop_key`` metric from ``loss_fn`` (PPO's target KL) drops
         that step's gradients and ends the epochs loop.
 
+    Distributed (a process group of ``W > 1`` ranks, ``loops.distributed``): ``batch`` is this
+    rank's share of the global batch and ``minibatch_size`` / ``micro_batch_size`` count this
+    rank's rows (DDP's per-device sizes; the ranks' shares may differ by a few rows). The token /
+    sequence / row counts of each minibatch are summed over the ranks before its losses, so each
+    rank's loss is its share of the global minibatch's loss; gradients are summed across ranks once
+    per step (unwrapped models; DDP / FSDP2 models reduce their own, averaging, so the loss is
+    multiplied by ``W`` before ``backward`` and the manual reduction averages too), never during
+    accumulation (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``); the loss metrics
+    are summed and the others averaged by rows across ranks; a non-finite loss or an early stop
+    on any rank holds for all. The result on ``W`` ranks is the result of one process on the
+    concatenated batch (up to float summation order). Every rank must take the same number of
+    steps per epoch (checked: ``ValueError`` on every rank before any gradient).
+
     Args:
         state: ``TrainState`` with ``optimizer`` (and optionally ``scheduler``, ``rng``).
         batch: TensorDict ``[B]``; never written into.
@@ -348,14 +431,19 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
         raise ValueError("state.rng: shuffling minibatches needs a torch.Generator (init_state(seed=...))")
     rng = copy_generator(state.rng) if shuffled else state.rng
     device_type = params[0].device.type if params else "cpu"
+    trained = [p for g in state.optimizer.param_groups for p in g["params"]]
+    sync = grad_sync(state.models.values(), list({id(p): p for p in [*trained, *params]}.values()))
+    rows = _plan(n, mb, micro, sync)
     steps, counts, lr = [], dict.fromkeys(("taken", "skipped", "stopped"), 0), None
     _zero_grads(params, state.optimizer)
     for epoch in range(epochs):
         order = torch.randperm(n, generator=rng) if shuffled else torch.arange(n)
-        for start in range(0, n, mb):
+        for k, start in enumerate(range(0, n, mb)):
             sums, finite, stop = _accumulate(
-                state, batch[order[start:start + mb]], loss_fn, micro_batch_size=micro, mask_key=mask_key,
-                autocast_dtype=autocast_dtype, device_type=device_type, early_stop_key=early_stop_key)
+                state, batch[order[start:start + mb]], loss_fn, micro_batch_size=micro, rows=rows[k],
+                mask_key=mask_key, autocast_dtype=autocast_dtype, device_type=device_type,
+                early_stop_key=early_stop_key, sync=sync)
+            sums, finite, stop = _synchronise(sums, finite, stop, sync)
             step_lr = state.optimizer.param_groups[0]["lr"]
             outcome, norm = _optimizer_step(state, params, finite, stop, max_grad_norm=max_grad_norm,
                                             nonfinite=nonfinite, where=f"epoch {epoch}, rows {start}:{start + mb}")

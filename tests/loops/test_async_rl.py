@@ -1,0 +1,234 @@
+"""async_rl: the off-policy correction kernels, and the generator process against the synchronous recipes.
+
+The loop tests start the generator with ``start_method="forkserver"``: the server imports
+rlcore.loops once per test session, every generator then forks from it in a fraction of a second.
+"""
+
+import contextlib
+import dataclasses
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlcore import keys as K
+from rlcore.loops import async_rl, grpo, rloo
+from rlcore.loops.async_rl import (LEARNERS, off_policy_metrics, train_async, truncated_importance_weights,
+                                   with_importance_correction)
+from rlcore.loops.checkpoint import list_checkpoints, load_checkpoint
+from rlcore.loops.online import build_online_state
+from rlcore.testing import assert_padding_invariant, assert_pure, make_rollout, right_padded_mask
+
+METHOD = "forkserver"
+
+
+# --- kernels ------------------------------------------------------------------------------------
+def reference_weights(prox, behav, mask, clip, level):
+    """Plain loops over rows and tokens."""
+    B, T = prox.shape
+    out = torch.zeros(B, T, dtype=prox.dtype)
+    for b in range(B):
+        valid = [t for t in range(T) if mask[b, t]]
+        total = sum(float(prox[b, t] - behav[b, t]) for t in valid)
+        for t in valid:
+            log_w = {"token": float(prox[b, t] - behav[b, t]), "sequence": total / len(valid),
+                     "sequence_sum": total}[level]
+            out[b, t] = min(math.exp(log_w), clip)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_sum"])
+def test_truncated_weights_match_the_reference(level, dtype):
+    g = torch.Generator().manual_seed(0)
+    prox, behav = (-torch.rand(4, 6, generator=g, dtype=torch.float64) * 2).to(dtype), \
+        (-torch.rand(4, 6, generator=g, dtype=torch.float64) * 2).to(dtype)
+    mask = right_padded_mask(torch.tensor([6, 3, 1, 0]), 6)
+    for clip in (0.5, 1.0, 3.0):
+        got = assert_pure(truncated_importance_weights, prox, behav, mask, clip=clip, level=level)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(got, reference_weights(prox, behav, mask, clip, level).to(dtype), rtol=tol, atol=tol)
+        assert got.dtype == dtype and (got[~mask] == 0).all() and (got <= clip).all()
+
+
+def test_truncated_weights_golden_and_no_overflow():
+    prox, behav = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-2.0, -1.0]])
+    m = torch.ones(1, 2, dtype=torch.bool)
+    torch.testing.assert_close(truncated_importance_weights(prox, behav, m, clip=2.0),
+                               torch.tensor([[2.0, math.exp(-1.0)]]))
+    far = truncated_importance_weights(torch.zeros(1, 3), torch.full((1, 3), -400.0), torch.ones(1, 3, dtype=torch.bool),
+                                       clip=5.0, level="sequence_sum")  # exp(1200) would overflow
+    torch.testing.assert_close(far, torch.full((1, 3), 5.0))
+
+
+def test_truncated_weights_ignore_padding_and_have_no_gradient():
+    batch = make_rollout(5, 6, 3, empty_rows=1, generator=torch.Generator().manual_seed(1))
+
+    def fn(b):
+        return truncated_importance_weights(b[K.LOGPROBS], b[K.OLD_LOGPROBS], b[K.RESPONSE_MASK], clip=2.0)
+
+    assert_padding_invariant(fn, batch, fill=float("nan"))
+    prox = batch[K.LOGPROBS].clone().requires_grad_()
+    assert not truncated_importance_weights(prox, batch[K.OLD_LOGPROBS], batch[K.RESPONSE_MASK]).requires_grad
+
+
+def test_truncated_weights_bad_input():
+    x, m = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="mask: expected a torch.bool mask"):
+        truncated_importance_weights(x, x, m.float())
+    with pytest.raises(ValueError, match=r"behaviour_logprobs: expected shape \[2, 3\].*got \[2, 4\]"):
+        truncated_importance_weights(x, torch.zeros(2, 4), m)
+    with pytest.raises(ValueError, match="clip: expected C > 0"):
+        truncated_importance_weights(x, x, m, clip=0.0)
+    with pytest.raises(ValueError, match="level"):
+        truncated_importance_weights(x, x, m, level="bogus")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(-3, 3), st.floats(0.1, 4.0))
+def test_on_policy_weights_are_one_and_correction_is_identity(shift, clip):
+    """prox = behaviour: w = min(1, C); with C ≥ 1 the corrected rollout equals the input."""
+    batch = make_rollout(4, 5, 3, generator=torch.Generator().manual_seed(2)).update(
+        {K.ADVANTAGES: torch.full((4, 5), shift)})
+    out = assert_pure(with_importance_correction, batch, batch[K.OLD_LOGPROBS], clip=clip)
+    mask = batch[K.RESPONSE_MASK]
+    expected = torch.where(mask, torch.full((4, 5), shift * min(1.0, clip)), 0.0)
+    torch.testing.assert_close(out[K.ADVANTAGES], expected)
+    torch.testing.assert_close(out[K.OLD_LOGPROBS], batch[K.OLD_LOGPROBS])
+
+
+def test_correction_weights_advantages_and_recentres_the_ratio():
+    batch = make_rollout(3, 4, 2, generator=torch.Generator().manual_seed(3))
+    batch = batch.update({K.ADVANTAGES: torch.ones(3, 4)})
+    prox = batch[K.OLD_LOGPROBS] + 0.3
+    out = with_importance_correction(batch, prox, clip=1.2, level="token")
+    mask = batch[K.RESPONSE_MASK]
+    torch.testing.assert_close(out[K.ADVANTAGES], torch.where(mask, torch.tensor(min(math.exp(0.3), 1.2)), 0.0))
+    assert torch.equal(out[K.OLD_LOGPROBS], prox)
+
+
+def test_off_policy_metrics_golden():
+    batch = make_rollout(2, 3, 2, generator=torch.Generator().manual_seed(4))
+    batch = batch.update({K.RESPONSE_MASK: torch.tensor([[True, True, False], [True, False, False]]),
+                          K.OLD_LOGPROBS: torch.tensor([[-1.0, -2.0, 9.0], [-3.0, 9.0, 9.0]]),
+                          K.POLICY_VERSION: torch.tensor([4, 5])})
+    prox = torch.tensor([[-1.5, -1.0, 0.0], [-2.0, 0.0, 0.0]])
+    m = off_policy_metrics(batch, prox, learner_version=6)
+    assert float(m["async/staleness"]) == 1.5 and float(m["async/staleness_max"]) == 2.0
+    assert float(m["async/logprob_gap"]) == pytest.approx((0.5 - 1.0 - 1.0) / 3)
+    assert float(m["async/logprob_abs_gap"]) == pytest.approx((0.5 + 1.0 + 1.0) / 3)
+
+
+def test_unknown_algorithm_lists_the_learners():
+    with pytest.raises(ValueError, match=r"algorithm.*'ppo'.*\['grpo', 'rloo'\]"):
+        train_async(grpo.Config(), algorithm="ppo")
+    assert sorted(LEARNERS) == ["grpo", "rloo"]
+
+
+# --- the loop ---------------------------------------------------------------------------------------
+def digits(prompts, completions, **_):
+    """Reward: the fraction of digits in the completion (a random tiny model starts near 0.1)."""
+    return [sum(c.isdigit() for c in x) / max(1, len(x)) for x in completions]
+
+
+TINY = dict(hidden_size=16, num_layers=1, num_heads=2, max_new_tokens=6, batch_size=2, num_train=32,
+            num_eval=4, run_dir=None, log_every=0)
+
+
+def flat(state):
+    return torch.cat([p.detach().reshape(-1) for p in state.model().parameters()])
+
+
+@pytest.mark.parametrize("recipe", [grpo, rloo])
+def test_no_lag_reproduces_the_synchronous_recipe(recipe):
+    """N = 0: same seeds, same rollouts, same parameters as the recipe's own synchronous step."""
+    config = recipe.Config(**TINY, num_samples=4, steps=3, lr=1e-2)
+    sync_state, sync_hist = recipe.train(config, reward_fn=digits)
+    state, hist = train_async(config, algorithm=recipe.__name__.rsplit(".", 1)[-1], max_lag=0, reward_fn=digits,
+                              start_method=METHOD)
+    assert torch.equal(flat(state), flat(sync_state))
+    assert (state.step, state.policy_version, state.samples_seen, state.tokens_seen) == \
+        (sync_state.step, sync_state.policy_version, sync_state.samples_seen, sync_state.tokens_seen)
+    assert torch.equal(state.rng.get_state(), sync_state.rng.get_state())
+    assert [h["rollout/score"] for h in hist] == [h["rollout/score"] for h in sync_hist]
+    assert all(h["async/staleness_max"] == 0 and abs(h["async/logprob_gap"]) < 1e-4 for h in hist)
+    assert not torch.equal(flat(state), flat(recipe.train(dataclasses.replace(config, steps=2), reward_fn=digits)[0]))
+
+
+def test_one_step_lag_overlaps_and_still_learns():
+    config = grpo.Config(**TINY, num_samples=4, steps=24, lr=1e-2)
+    state, hist = train_async(config, algorithm="grpo", max_lag=1, is_clip=2.0, reward_fn=digits, start_method=METHOD)
+    assert state.step == 24 and state.policy_version == 24
+    assert sum(h["async/overlap_s"] for h in hist) > 0  # generation of t+1 ran during the update on t
+    assert all(h["async/staleness_max"] <= 1 for h in hist) and hist[-1]["async/staleness"] == 1
+    assert all(0 < h["async/is_weight"] <= 2 for h in hist)
+    scores = [h["rollout/score"] for h in hist]
+    assert sum(scores[-6:]) / 6 > sum(scores[:6]) / 6 + 0.05, scores
+
+
+@contextlib.contextmanager
+def recorded_generator(monkeypatch):
+    handles = []
+    original = async_rl.generator_process
+
+    @contextlib.contextmanager
+    def recording(*args, **kwargs):
+        with original(*args, **kwargs) as handle:
+            handles.append(handle)
+            yield handle
+
+    monkeypatch.setattr(async_rl, "generator_process", recording)
+    yield handles
+
+
+def assert_stopped(handle):
+    assert not handle.process.is_alive() and handle.process.exitcode is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(handle.process.pid, 0)  # gone, and reaped: not an orphan, not a zombie
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_interrupted_learner_leaves_no_process_and_no_partial_checkpoint(tmp_path, monkeypatch, error):
+    config = grpo.Config(**{**TINY, "run_dir": str(tmp_path)}, num_samples=2, steps=8, lr=1e-2, save_every=2)
+
+    def fail_at_step_3(state, metrics):
+        if state.step == 3:
+            raise error("learner interrupted")
+
+    with recorded_generator(monkeypatch) as handles, pytest.raises(error, match="learner interrupted"):
+        train_async(config, algorithm="grpo", max_lag=1, reward_fn=digits, callbacks=[fail_at_step_3],
+                    start_method=METHOD)
+    assert len(handles) == 1
+    assert_stopped(handles[0])
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "metrics.jsonl"]  # no .tmp-*
+    restored = load_checkpoint(tmp_path / "checkpoint-2", build_online_state(config)[0])
+    assert restored.step == 2 and restored.policy_version == 2
+
+
+def test_interrupt_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    from rlcore.loops import checkpoint
+    config = grpo.Config(**{**TINY, "run_dir": str(tmp_path)}, num_samples=2, steps=6, lr=1e-2, save_every=2)
+    real, calls = checkpoint._write_manifest, []
+
+    def interrupted(root):
+        calls.append(root)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("during the save of checkpoint-4")
+        real(root)
+
+    monkeypatch.setattr(checkpoint, "_write_manifest", interrupted)
+    with recorded_generator(monkeypatch) as handles, pytest.raises(KeyboardInterrupt):
+        train_async(config, algorithm="grpo", max_lag=1, reward_fn=digits, start_method=METHOD)
+    assert_stopped(handles[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "metrics.jsonl"]
+
+
+def test_generator_failure_is_raised_in_the_learner(monkeypatch):
+    config = grpo.Config(**TINY, num_samples=2, steps=3, temperature=0.0)  # generate_rollout raises in the child
+    with recorded_generator(monkeypatch) as handles, pytest.raises(RuntimeError, match="generator process failed"):
+        train_async(config, algorithm="grpo", max_lag=1, reward_fn=digits, start_method=METHOD)
+    assert_stopped(handles[0])

@@ -1,0 +1,369 @@
+"""Data parallelism on CPU: 2 gloo ranks × b rows give the parameters of 1 process × 2b rows.
+
+One module-scoped fixture spawns the two ranks once (``loops.distributed.spawn``, a free port)
+and runs every distributed scenario in them; each rank writes what it saw to a temporary
+directory and the tests below compare it with one process on the concatenated batch. Tolerance
+for float64 parameters: 1e-10 (observed differences are float summation order, ~1e-16).
+"""
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tensordict import TensorDict
+
+from rlcore import keys as K
+from rlcore.algorithms.policy_gradient import grpo_loss
+from rlcore.loops.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlcore.loops.dist_sync import (accumulation_context, all_ranks_ok, drop_tied, full_optimizer_state, full_weights,
+                                    grad_sync, reduce_gradients, shard_optimizer_state, total_grad_norm)
+from rlcore.loops.distributed import (STRATEGIES, DistInfo, agree, dist_info, init_distributed, is_main,
+                                      reduce_metrics, shard_batch, shard_source, spawn, unwrap_model, wrap_model)
+from rlcore.loops.fold import fold
+from rlcore.loops.models import build_model
+from rlcore.loops.online import policy_loss_fn
+from rlcore.loops.state import init_state
+from rlcore.loops.update import global_denominators, update
+from rlcore.masked import aggregate
+from rlcore.testing import MockLM, make_rollout
+
+DT = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)
+MODES = ("token_mean", "seq_mean_token_mean")
+WRAPS = (None, "ddp", "fsdp2")
+B = 8  # global rows: 4 per rank
+
+
+# --- shared by the ranks and the single-process references ----------------------------------------
+def global_batch(rows=B, seed=1):
+    return make_rollout(rows, 6, 4, dtype=DT, empty_rows=1, generator=torch.Generator().manual_seed(seed))
+
+
+def response_logprobs(model, mb):
+    ids = torch.cat([mb[K.PROMPT_IDS], mb[K.RESPONSE_IDS]], -1)
+    attn = torch.cat([mb[K.PROMPT_MASK], mb[K.RESPONSE_MASK]], -1)
+    logits = model(ids, attn).logits[:, mb[K.PROMPT_IDS].shape[1] - 1:-1]
+    return logits.log_softmax(-1).gather(-1, mb[K.RESPONSE_IDS][..., None])[..., 0]
+
+
+def make_loss(mode):
+    def loss_fn(state, mb, **denominators):
+        lp = response_logprobs(state.model(), mb)
+        loss = aggregate(-lp, mb[K.RESPONSE_MASK], mode, **denominators)
+        return loss, TensorDict({"loss_nll": loss.detach(), "mean_lp": lp.detach().mean()}, [])
+    return loss_fn
+
+
+def row_mean_loss(state, mb):
+    lp = response_logprobs(state.model(), mb)
+    per_row = torch.where(mb[K.RESPONSE_MASK], -lp, 0.0).sum(-1)
+    return per_row.mean(), {"loss_rows": per_row.mean().detach()}
+
+
+def model_state(strategy=None, *, adam=False):
+    model = wrap_model(MockLM(seed=0).to(DT), strategy=strategy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adam else torch.optim.SGD(model.parameters(), lr=0.5)
+    return init_state(model, optimizer=opt, seed=3)
+
+
+def recipe_batch(rows=B):
+    """A rollout for a tiny Llama (vocabulary 103) with GRPO advantages."""
+    g = torch.Generator().manual_seed(5)
+    batch = make_rollout(rows, 5, 3, vocab_size=103, dtype=DT, group_size=2, generator=g)
+    return batch.update({K.ADVANTAGES: torch.randn(rows, 5, generator=g, dtype=DT)})
+
+
+def recipe_state():
+    """The online recipes' setting: an unwrapped Hugging Face policy (strategy None)."""
+    policy = build_model("llama", vocab_size=103, hidden_size=16, num_layers=1, num_heads=2, dtype=DT)
+    return init_state(wrap_model(policy, strategy=None), optimizer=torch.optim.SGD(policy.parameters(), lr=0.5),
+                      seed=3)
+
+
+RECIPE_LOSS = functools.partial(policy_loss_fn, loss=grpo_loss)  # chunked trunk -> head log-probs
+
+
+def flat(model):
+    """Every parameter as one float64 vector (FSDP2 shards gathered: a collective)."""
+    ps = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in unwrap_model(model).parameters()]
+    return torch.cat([p.detach().reshape(-1).to(DT) for p in ps])
+
+
+def floats(metrics):
+    return {k: float(v) for k, v in metrics.items()}
+
+
+# --- what each rank runs -------------------------------------------------------------------------------
+def _equivalence(out, tensors):
+    local = shard_batch(global_batch())
+    for mode in MODES:
+        for strategy in WRAPS:
+            state = model_state(strategy)
+            new, metrics = update(state, local, make_loss(mode), micro_batch_size=2, mask_key=K.RESPONSE_MASK,
+                                  max_grad_norm=1.0)
+            tensors[f"{mode}/{strategy}"] = flat(new.model())
+            out[f"{mode}/{strategy}"] = floats(metrics)
+    new, metrics = update(recipe_state(), shard_batch(recipe_batch()), RECIPE_LOSS, micro_batch_size=2,
+                          mask_key=K.RESPONSE_MASK)
+    tensors["recipe"], out["recipe"] = flat(new.model()), floats(metrics)
+    rows = shard_batch(global_batch(7))  # 4 + 3 rows, per-row mean loss, no mask_key
+    new, metrics = update(model_state(), rows, row_mean_loss, micro_batch_size=3, max_grad_norm=None)
+    tensors["rows"], out["rows"] = flat(new.model()), floats(metrics)
+    out["local_tokens"] = int(local[K.RESPONSE_MASK].sum())
+    out["denominators"] = {k: int(v) for k, v in global_denominators(local, K.RESPONSE_MASK).items()}
+
+
+def _guards(out, tensors):
+    info = dist_info()
+    local = shard_batch(global_batch())
+
+    def nan_on_rank_1(state, mb, **d):
+        loss, m = make_loss("token_mean")(state, mb, **d)
+        return loss * (float("nan") if info.rank == 1 else 1.0), m
+
+    state = model_state()
+    before = flat(state.model())
+    new, metrics = update(state, local, nan_on_rank_1, mask_key=K.RESPONSE_MASK)
+    out["nan"] = {"skipped": new.skipped_steps, "unchanged": bool(torch.equal(before, flat(new.model())))}
+
+    def stop_on_rank_0(state, mb, **d):
+        loss, m = make_loss("token_mean")(state, mb, **d)
+        return loss, {**m, "early_stop": torch.tensor(info.rank == 0)}
+
+    new, metrics = update(model_state(), local, stop_on_rank_0, minibatch_size=2, epochs=3, mask_key=K.RESPONSE_MASK)
+    out["stop"] = {"steps": new.optimizer_steps, "early_stop": float(metrics["early_stop"])}
+
+    uneven = global_batch(4 if info.rank == 0 else 6)  # 2 vs 3 minibatches of 2 rows
+    try:
+        update(model_state(), uneven, make_loss("token_mean"), minibatch_size=2, mask_key=K.RESPONSE_MASK)
+        out["uneven"] = "no error"
+    except ValueError as e:
+        out["uneven"] = str(e)
+    try:
+        agree([info.rank], what="ranks")
+        out["agree"] = "no error"
+    except ValueError as e:
+        out["agree"] = str(e)
+
+
+def _fold(out, tensors):
+    info = dist_info()
+    items = [{"x": [1.0, 2.0, 3.0, 4.0]}] * 2
+    source = shard_source(items)
+
+    def step(state, item):
+        return state, {"rank": torch.tensor(float(info.rank)), "rows": float(len(item["x"]))}
+
+    _, history = fold(step, init_state({}, seed=0), source)
+    out["fold"] = history
+
+
+def _checkpoint(out, tensors, run_dir):
+    local = shard_batch(global_batch())
+    for strategy in ("ddp", "fsdp2"):
+        state = model_state(strategy, adam=True)
+        state, _ = update(state, local, make_loss("token_mean"), mask_key=K.RESPONSE_MASK)
+        path = save_checkpoint(Path(run_dir) / strategy, state)
+        tensors[f"ckpt/{strategy}/saved"] = flat(state.model())
+        out[f"ckpt/{strategy}"] = str(path)
+        state, _ = update(state, shard_batch(global_batch(seed=2)), make_loss("token_mean"), mask_key=K.RESPONSE_MASK)
+        tensors[f"ckpt/{strategy}/next"] = flat(state.model())
+        # every rank can load it back into its wrapped model (and keeps training identically)
+        fresh = load_checkpoint(path, model_state(strategy, adam=True))
+        fresh, _ = update(fresh, shard_batch(global_batch(seed=2)), make_loss("token_mean"), mask_key=K.RESPONSE_MASK)
+        tensors[f"ckpt/{strategy}/reloaded_next"] = flat(fresh.model())
+
+
+def _worker(out_dir):
+    info = dist_info()
+    out, tensors = {"info": [info.rank, info.world_size, info.backend, is_main()]}, {}
+    _equivalence(out, tensors)
+    _guards(out, tensors)
+    _fold(out, tensors)
+    _checkpoint(out, tensors, Path(out_dir) / "runs")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out_dir) / f"rank{info.rank}.safetensors"))
+    (Path(out_dir) / f"rank{info.rank}.json").write_text(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    spawn(_worker, 2, str(out), backend="gloo", start_method="forkserver")  # imports once, in the server
+    return [(json.loads((out / f"rank{r}.json").read_text()), load_file(str(out / f"rank{r}.safetensors")))
+            for r in range(2)], out
+
+
+# --- single-process references -------------------------------------------------------------------------
+def one_process(mode):
+    new, metrics = update(model_state(), global_batch(), make_loss(mode), mask_key=K.RESPONSE_MASK, max_grad_norm=1.0)
+    return flat(new.model()), floats(metrics)
+
+
+# --- the tests -------------------------------------------------------------------------------------------
+def test_ranks_joined_one_group(ranks):
+    (r0, _), (r1, _) = ranks[0]
+    assert r0["info"] == [0, 2, "gloo", True] and r1["info"] == [1, 2, "gloo", False]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("strategy", WRAPS)
+def test_two_ranks_equal_one_process_on_the_global_batch(ranks, mode, strategy):
+    (r0, t0), (r1, t1) = ranks[0]
+    assert r0["local_tokens"] != r1["local_tokens"]  # unequal token counts per rank
+    expected, metrics = one_process(mode)
+    for t, r in ((t0, r0), (t1, r1)):
+        torch.testing.assert_close(t[f"{mode}/{strategy}"], expected, **TOL)
+        for name in ("loss", "loss_nll", "mean_lp", "grad_norm"):  # metrics of the global batch
+            assert r[f"{mode}/{strategy}"][name] == pytest.approx(metrics[name], rel=1e-10, abs=1e-12), name
+    assert (flat(model_state().model()) - expected).abs().max() > 1e-3  # the step moved the weights
+
+
+def test_recipe_loss_through_an_unwrapped_hf_policy(ranks):
+    """GRPO's loss closure of loops.online (chunked trunk -> head path) runs unchanged on 2 ranks."""
+    (r0, t0), (r1, t1) = ranks[0]
+    new, metrics = update(recipe_state(), recipe_batch(), RECIPE_LOSS, mask_key=K.RESPONSE_MASK)
+    for t, r in ((t0, r0), (t1, r1)):
+        torch.testing.assert_close(t["recipe"], flat(new.model()), **TOL)
+        assert r["recipe"]["loss"] == pytest.approx(float(metrics["loss"]), rel=1e-10, abs=1e-12)
+
+
+def test_local_denominators_would_not_match(ranks):
+    """The check above can fail: rank 0 alone (its own counts) gives other parameters."""
+    (r0, t0), _ = ranks[0]
+    expected, _ = one_process("token_mean")
+    assert r0["denominators"]["num_tokens"] == int(global_batch()[K.RESPONSE_MASK].sum())
+    alone, _ = update(model_state(), global_batch()[:4], make_loss("token_mean"), mask_key=K.RESPONSE_MASK,
+                      max_grad_norm=1.0)
+    assert (flat(alone.model()) - expected).abs().max() > 1e-6
+
+
+def test_row_mean_losses_weight_unequal_shards_by_global_rows(ranks):
+    (r0, t0), (r1, t1) = ranks[0]
+    new, metrics = update(model_state(), global_batch(7), row_mean_loss, max_grad_norm=None)
+    torch.testing.assert_close(t0["rows"], flat(new.model()), **TOL)
+    torch.testing.assert_close(t1["rows"], flat(new.model()), **TOL)
+    assert r0["rows"]["loss_rows"] == pytest.approx(float(metrics["loss_rows"]), rel=1e-10)
+
+
+def test_nonfinite_guard_and_early_stop_are_agreed(ranks):
+    (r0, _), (r1, _) = ranks[0]
+    assert r0["nan"] == r1["nan"] == {"skipped": 1, "unchanged": True}  # NaN on rank 1 only: both skip
+    assert r0["stop"] == r1["stop"] == {"steps": 0, "early_stop": 1.0}  # stop on rank 0 only: both stop
+
+
+def test_unequal_step_counts_raise_on_every_rank(ranks):
+    (r0, _), (r1, _) = ranks[0]
+    for r in (r0, r1):
+        assert "optimiser steps per epoch" in r["uneven"] and "disagree" in r["uneven"]
+        assert "ranks: the ranks disagree" in r["agree"]
+
+
+def test_fold_logs_the_mean_over_ranks(ranks):
+    (r0, _), (r1, _) = ranks[0]
+    assert r0["fold"] == r1["fold"] == [{"rank": 0.5, "rows": 2.0}] * 2  # 4 rows split 2 + 2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_rank0_checkpoint_loads_in_one_process_and_resumes(ranks, strategy):
+    (r0, t0), (r1, t1) = ranks[0]
+    path = Path(r0[f"ckpt/{strategy}"])
+    assert r1[f"ckpt/{strategy}"] == str(path) and latest_checkpoint(path.parent) == path
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # one writer, nothing left over
+    weights = load_file(str(path / "models" / "policy" / "model.safetensors"))
+    assert not any(k.startswith("module.") for k in weights)
+    # one process, plain module: the weights rank 0 saved, then one step on the whole next batch
+    state = load_checkpoint(path, model_state(adam=True))
+    torch.testing.assert_close(flat(state.model()), t0[f"ckpt/{strategy}/saved"], rtol=0, atol=0)
+    state, _ = update(state, global_batch(seed=2), make_loss("token_mean"), mask_key=K.RESPONSE_MASK)
+    for t in (t0, t1):
+        torch.testing.assert_close(flat(state.model()), t[f"ckpt/{strategy}/next"], **TOL)
+        torch.testing.assert_close(t[f"ckpt/{strategy}/reloaded_next"], t[f"ckpt/{strategy}/next"], **TOL)
+
+
+# --- in-process pieces ------------------------------------------------------------------------------
+def test_single_process_is_the_identity():
+    info = init_distributed()
+    assert info == DistInfo() and dist_info().world_size == 1 and is_main() and not info.distributed
+    model = MockLM()
+    assert all(wrap_model(model, strategy=s) is model for s in ("ddp", "fsdp2", None))
+    assert grad_sync([model], list(model.parameters())) is None
+    m = {"a": torch.tensor(1.0)}
+    assert reduce_metrics(m) is m
+    items = [1, 2]
+    assert shard_source(items) is items and shard_batch(items) is items
+
+
+def test_sync_helpers_are_plain_in_one_process():
+    model = MockLM().to(DT)
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert torch.equal(total_grad_norm(grads), torch.nn.utils.get_total_norm(grads))
+    assert total_grad_norm([]) == 0
+    before = [g.clone() for g in grads]
+    reduce_gradients(None)
+    with accumulation_context(None, last=False):
+        pass
+    assert all(torch.equal(a, b) for a, b in zip(before, grads))
+    assert all_ranks_ok(True) and not all_ranks_ok(False)
+    assert full_weights(model) is None
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    sd = full_optimizer_state(opt)
+    assert shard_optimizer_state(sd, opt) is sd
+
+
+def test_drop_tied_keeps_one_name_per_tensor():
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False))
+    model[1].weight = model[0].weight
+    weights = {"0.weight": torch.zeros(4, 3), "1.weight": torch.zeros(4, 3)}
+    assert list(drop_tied(model, weights)) == ["0.weight"]
+
+
+def test_wrap_model_rejects_unknown_strategies():
+    with pytest.raises(ValueError, match=r"strategy: unknown 'zero3'; valid: \['ddp', 'fsdp2', 'none'\]"):
+        wrap_model(MockLM(), strategy="zero3")
+    assert sorted(STRATEGIES) == ["ddp", "fsdp2", "none"]
+
+
+def test_init_distributed_needs_the_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 but \['RANK', 'MASTER_ADDR', 'MASTER_PORT'\] are not set"):
+        init_distributed()
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE: expected an integer"):
+        init_distributed()
+
+
+def test_shard_batch_blocks_concatenate_to_the_batch():
+    td = TensorDict({"x": torch.arange(7)}, [7])
+    parts = [shard_batch(td, rank=r, world_size=3) for r in range(3)]
+    assert [p.batch_size[0] for p in parts] == [3, 2, 2]  # tensor_split's rule
+    assert torch.equal(torch.cat([p["x"] for p in parts]), td["x"])
+    assert [list(t) for t in torch.arange(7).tensor_split(3)] == [p["x"].tolist() for p in parts]
+    cols = {"prompt": ["a", "b", "c"], "answer": ("1", "2", "3")}
+    assert shard_batch(cols, rank=1, world_size=2) == {"prompt": ["c"], "answer": ("3",)}
+    assert shard_batch([1, 2, 3, 4], rank=1, world_size=2) == [3, 4]
+    with pytest.raises(ValueError, match="2 rows cannot be split over 3 ranks"):
+        shard_batch([1, 2], rank=0, world_size=3)
+    with pytest.raises(ValueError, match="different lengths"):
+        shard_batch({"a": [1, 2], "b": [1]}, rank=0, world_size=2)
+    with pytest.raises(TypeError, match="shard_batch: expected a TensorDict"):
+        shard_batch(3, rank=0, world_size=2)
+
+
+def test_shard_source_keeps_resumability():
+    calls = []
+
+    def source(start):
+        calls.append(start)
+        return ([i, i + 100] for i in range(start, 10))
+
+    sharded = shard_source(source, rank=1, world_size=2)
+    assert callable(sharded) and list(sharded(3))[:2] == [[103], [104]] and calls == [3]
+    it = shard_source([[1, 2], [3, 4]], rank=0, world_size=2)
+    assert list(it) == [[1], [3]] and list(it) == [[1], [3]]  # re-iterable: fold can replay it
