@@ -100,6 +100,9 @@ def _parse_value(text: str) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from rlcore.loops.distributed import init_distributed
+
+    init_distributed()  # joins torchrun's process group; a no-op in one process
     module = recipe_module(args.recipe)
     config = _config(module, args)
     _, history = module.train(config)

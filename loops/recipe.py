@@ -45,6 +45,7 @@ from torch import nn
 
 from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume
 from rlcore.loops.data import load_local
+from rlcore.loops.distributed import is_main, shard_source
 from rlcore.loops.fold import every, fold, to_floats
 from rlcore.loops.logging import make_loggers
 from rlcore.loops.models import build_model, build_tokenizer, load_model, load_tokenizer
@@ -279,8 +280,10 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     if run_dir:
         cbs.append(Checkpointer(run_dir, every=_get(config, "save_every", 0) or max(num_steps, 1),
                                 keep_last=_get(config, "keep_last"), config={**config_dict(config), "recipe": name}))
-        cbs += make_loggers(run_dir, total=num_steps, stage=name, progress_every=_get(config, "log_every", 10) or 10)
-    return fold(step, state, source, num_steps=num_steps, callbacks=cbs)
+        if is_main():  # under torchrun, rank 0 logs (checkpoints handle ranks themselves)
+            cbs += make_loggers(run_dir, total=num_steps, stage=name, progress_every=_get(config, "log_every", 10) or 10)
+    # Under torchrun each item of the source is the global batch and every rank takes its share.
+    return fold(step, state, shard_source(source), num_steps=num_steps, callbacks=cbs)
 
 
 # --- configs -----------------------------------------------------------------------------------
