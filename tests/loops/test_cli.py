@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,22 @@ def test_console_script_lists_recipes():
     exe = Path(sys.executable).with_name("rlcore")
     out = subprocess.run([str(exe), "recipes"], capture_output=True, text=True, check=True).stdout
     assert [line.split()[0] for line in out.strip().splitlines()] == list(cli.RECIPES)
+
+
+@pytest.mark.slow
+def test_a_recipe_runs_under_torchrun_with_two_ranks(tmp_path):
+    """The same CLI command under torchrun: two gloo ranks, one checkpoint, one metrics log."""
+    from rlcore.loops.distributed import free_port
+
+    run = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           "-m", "rlcore.loops.cli", "train", "sft", "--config", str(ROOT / "configs" / "sft.yaml"), "--steps", "2",
+           "--batch_size", "8", "--run_dir", str(run), "--hidden_size", "32", "--num_layers", "1",
+           "--num_train", "32", "--num_eval", "8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list(run.glob("checkpoint-*"))) == 1
+    lines = (run / "metrics.jsonl").read_text().strip().splitlines()
+    assert len(lines) == 2  # rank 0 logs each step once
