@@ -55,10 +55,12 @@ def _broadcast_std(std: torch.Tensor | float, sample: torch.Tensor, event_dims: 
                              f"or the sample shape {list(sample.shape)}, got {list(std.shape)}")
         std = std.reshape(*std.shape, *([1] * event_dims))
     try:
-        torch.broadcast_shapes(std.shape, sample.shape)
+        fits = torch.broadcast_shapes(std.shape, sample.shape) == sample.shape  # std may not widen sample
     except RuntimeError:
+        fits = False
+    if not fits:
         raise ValueError(f"std: shape {list(std.shape)} does not broadcast to the sample shape "
-                         f"{list(sample.shape)}") from None
+                         f"{list(sample.shape)}")
     return std
 
 
@@ -125,10 +127,12 @@ def _alphas(timestep, sample: torch.Tensor, alphas_cumprod: torch.Tensor, final_
     if t.is_floating_point() or t.dtype == torch.bool:
         raise TypeError(f"timestep: expected an integer tensor or int, got dtype {t.dtype}")
     lead = sample.shape[:-event_dims]
-    if t.ndim > len(lead):
+    if t.ndim > len(lead) or any(n not in (1, m) for n, m in zip(t.shape[::-1], lead[::-1])):
         raise ValueError(f"timestep: expected a scalar or the leading shape {list(lead)}, got {list(t.shape)}")
     prev = t - stride
     final = torch.as_tensor(final_alpha_cumprod, dtype=alphas.dtype, device=alphas.device)
+    if final.ndim:
+        raise ValueError(f"final_alpha_cumprod: expected a float or a 0-d tensor, got shape {list(final.shape)}")
     a_t = alphas[t]
     a_prev = torch.where(prev >= 0, alphas[prev.clamp(min=0)], final)
     tail = [1] * event_dims
@@ -153,7 +157,9 @@ def ddim_step(model_output: torch.Tensor, timestep, sample: torch.Tensor, *, alp
     own sampler clamps ``t'`` at 0, i.e. uses ``ᾱ_0`` at the last step; pass
     ``final_alpha_cumprod=alphas_cumprod[0]`` (diffusers' ``set_alpha_to_one=False``, Stable
     Diffusion's setting) to get exactly that. With ``final_alpha_cumprod=1`` the last step is
-    deterministic (σ = 0) and has no density. ``1 − ᾱ' − σ²`` is clamped at 0 against rounding.
+    deterministic (σ = 0) and has no density; so is a step from ``t = 0`` with
+    ``final_alpha_cumprod = alphas_cumprod[0]`` (``ᾱ' = ᾱ_t``): its log-prob is NaN. Schedules
+    with ``steps_offset = 1`` (Stable Diffusion's) never take that step. ``1 − ᾱ' − σ²`` is clamped at 0 against rounding.
 
     Args:
         model_output: ``[..., C, H, W]`` float, the model's ε, x_0 or v prediction.

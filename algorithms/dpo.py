@@ -31,7 +31,12 @@ Choices where the peers differ (each tested):
     - f-divergence scores are ``f'(u)`` with ``u = π/π_ref``, written so that ``s(0) = 0``:
       ``1 − e^{−ρ}``, ``log 2 + logσ(ρ)``, ``(e^{(α−1)ρ} − 1)/(α−1)`` (as TRL 1.x). The constants
       cancel in ``Δ`` but not in the length-normalised ``ipo`` / ``sigmoid_norm``, where a policy
-      equal to its reference must score 0.
+      equal to its reference must score 0. The exponents of ``forward_kl`` and ``alpha`` are capped
+      (at 80, 11 for fp16, as TRL does for ``alpha``): past the cap the score is a huge finite
+      constant without gradient, where TRL's uncapped ``forward_kl`` gives −inf and a NaN loss.
+      ``ipo`` / ``ipo_sum`` square the score: with a score that large they overflow to ``+inf``
+      (loss and gradient) in float32 (``|s| > 1.8e19``, i.e. ``ρ < −44`` for ``forward_kl``): a
+      skipped step, never NaN.
     - nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down act on per-side
       rewards ``βρ``; the f-DPO reparameterisation only holds for the difference ``Δ``, so they
       accept ``divergence="reverse_kl"`` only (``ValueError`` otherwise, as TRL 1.x).
@@ -52,7 +57,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_mask, check_same_shape, require_keys
+from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, require_keys
 from rlcore.checks import lookup
 
 __all__ = [
@@ -70,8 +75,15 @@ def _reverse_kl(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
     return logratio
 
 
+def _exp_cap(logratio: Tensor) -> float:
+    # Largest exponent kept, so that e^t stays finite once cast back: 11 for fp16, 80 otherwise (as TRL).
+    return 11.0 if logratio.dtype == torch.float16 else 80.0
+
+
 def _forward_kl(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
-    return -torch.expm1(-logratio)  # 1 − e^{−ρ}
+    # 1 − e^{−ρ}, the exponent capped as for ``alpha``: a very unlikely completion (ρ < −80) gets a
+    # huge finite score (and no gradient) rather than −inf, whose difference Δ would be NaN.
+    return -torch.expm1((-logratio).clamp(max=_exp_cap(logratio)))
 
 
 def _js(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
@@ -81,10 +93,8 @@ def _js(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
 def _alpha(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
     if abs(alpha - 1.0) < 1e-6:  # the limit α → 1 is the reverse KL
         return logratio
-    # Exponent clamped so e^t stays finite once cast back: 11 for fp16, 80 otherwise (as TRL).
-    cap = 11.0 if logratio.dtype == torch.float16 else 80.0
     t = ((alpha - 1.0) * logratio).to(torch.promote_types(logratio.dtype, torch.float32))
-    return (torch.expm1(t.clamp(max=cap)) / (alpha - 1.0)).to(logratio.dtype)
+    return (torch.expm1(t.clamp(max=_exp_cap(logratio))) / (alpha - 1.0)).to(logratio.dtype)
 
 
 F_DIVERGENCES: dict[str, Callable[..., Tensor]] = {
@@ -466,6 +476,8 @@ def preference_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_
     Returns:
         A dict of ``[]`` detached tensors (merged into a loss's metrics TensorDict).
     """
+    check_same_shape("chosen_rewards", chosen_rewards, rejected_rewards=rejected_rewards,
+                     chosen_logps=chosen_logps, rejected_logps=rejected_logps)
     rw, rl = chosen_rewards.detach(), rejected_rewards.detach()
     return {
         "rewards/chosen": rw.mean(),
@@ -484,8 +496,10 @@ _LAYOUTS = {(s, k): ("[B, T] bool" if k == K.LOSS_MASK else "[B] float") for s, 
 
 def completion_lengths(batch: TensorDictBase, side: str) -> Tensor:
     """``[B]`` long: the completion token count of one side (``loss_mask.sum(-1)``)."""
+    require_keys(batch, [(side, K.LOSS_MASK)], where="completion_lengths", layouts={(side, K.LOSS_MASK): "[B, T] bool"})
     mask = batch.get((side, K.LOSS_MASK))
     check_mask(f"{side}.{K.LOSS_MASK}", mask)
+    check_ndim(f"{side}.{K.LOSS_MASK}", mask, ndim=2, layout="[B, T]")
     return mask.sum(-1)
 
 

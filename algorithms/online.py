@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_ndim, check_same_shape, require_keys
+from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, require_keys
 from rlcore.masked import masked_sum
 
 __all__ = ["best_worst_pairs", "online_preference_batch"]
@@ -118,6 +118,12 @@ def online_preference_batch(rollout: TensorDictBase, *, num_groups: int | None =
     """
     keys = [K.PROMPT_IDS, K.PROMPT_MASK, K.RESPONSE_IDS, K.RESPONSE_MASK, K.SCORE, K.GROUP_ID]
     require_keys(rollout, keys, where="online_preference_batch")
+    for ids, mask in ((K.PROMPT_IDS, K.PROMPT_MASK), (K.RESPONSE_IDS, K.RESPONSE_MASK)):
+        check_ndim(ids, rollout.get(ids), ndim=rollout.batch_dims + 1, layout="[B, P] / [B, R]")
+        check_mask(mask, rollout.get(mask), like=rollout.get(ids), like_name=ids)
+    for key in (K.LOGPROBS, K.REF_LOGPROBS):
+        if key in rollout.keys():
+            check_same_shape(K.RESPONSE_MASK, rollout.get(K.RESPONSE_MASK), **{key: rollout.get(key)})
     chosen, rejected, valid = best_worst_pairs(rollout.get(K.SCORE), rollout.get(K.GROUP_ID),
                                                num_groups=num_groups)
     chosen, rejected = chosen[valid], rejected[valid]

@@ -80,7 +80,10 @@ def odds_ratio_loss(chosen_logps_avg: Tensor, rejected_logps_avg: Tensor, *,
         chosen_logps_avg, rejected_logps_avg: ``[B]`` float, mean token log-probs (``< 0``).
         beta: ``λ`` of the paper, the weight of the odds-ratio term.
     Returns:
-        ``(losses [B], log_odds [B])`` in the input dtype (computed in float32 at least).
+        ``(losses [B], log_odds [B])`` in the input dtype (computed in float32 at least). An average
+        log-prob of exactly 0 (every token certain: it happens in float32) is taken as the largest
+        negative normal number, so the odds stay finite (``log_odds ≈ 87``) and carry no gradient;
+        TRL's form gives ``inf − inf = NaN`` there.
 
     >>> odds_ratio_loss(torch.tensor([-0.5]), torch.tensor([-2.0]), beta=1.0)
     (tensor([0.0967]), tensor([2.2873]))
@@ -94,8 +97,10 @@ def odds_ratio_loss(chosen_logps_avg: Tensor, rejected_logps_avg: Tensor, *,
     check_float("chosen_logps_avg", chosen_logps_avg)
     check_same_shape("chosen_logps_avg", chosen_logps_avg, rejected_logps_avg=rejected_logps_avg)
     dtype = chosen_logps_avg.dtype
-    lw = chosen_logps_avg.to(torch.promote_types(dtype, torch.float32))
-    ll = rejected_logps_avg.to(lw.dtype)
+    work = torch.promote_types(dtype, torch.float32)
+    top = -torch.finfo(work).tiny  # p̄ = 0 (probability 1) has infinite odds: use the closest normal number
+    lw = chosen_logps_avg.to(work).clamp(max=top)
+    ll = rejected_logps_avg.to(work).clamp(max=top)
     log_odds = (lw - ll) - (log1mexp(lw) - log1mexp(ll))
     return (-beta * F.logsigmoid(log_odds)).to(dtype), log_odds.to(dtype)
 
@@ -147,7 +152,9 @@ def alphapo_reward(logps: Tensor, *, alpha: float = 0.0) -> Tensor:
         logps: ``[...]`` float (average log-probs for SimPO, sums for CPO).
         alpha: ``α``; 0 gives the log-prob itself (the limit), ``α > 0`` flattens low rewards.
     Returns:
-        ``[...]``, differentiable.
+        ``[...]``, differentiable. The exponent ``−α·lp`` is capped at 80 (11 for fp16): below
+        ``lp = −80/α`` the reward is the finite constant ``−expm1(80)/α`` without gradient, where
+        the uncapped form overflows to −inf (and a margin of two such rewards is NaN).
 
     >>> alphapo_reward(torch.tensor([-1.0]), alpha=0.0), alphapo_reward(torch.tensor([-1.0]), alpha=0.5)
     (tensor([-1.]), tensor([-1.2974]))
@@ -158,7 +165,8 @@ def alphapo_reward(logps: Tensor, *, alpha: float = 0.0) -> Tensor:
     check_float("logps", logps)
     if alpha == 0.0:
         return logps
-    return -torch.expm1(-alpha * logps) / alpha
+    cap = 11.0 if logps.dtype == torch.float16 else 80.0  # e^cap stays finite, as the f-divergences of dpo
+    return -torch.expm1((-alpha * logps).clamp(max=cap)) / alpha
 
 
 def _margin_loss(lw: Tensor, ll: Tensor, beta: float, gamma: float, label_smoothing: float,

@@ -70,7 +70,8 @@ def sft_loss(batch: TensorDictBase, *, agg: str = "token_mean", num_tokens=None,
         ``loss_nll`` (= loss), ``num_tokens`` (scored tokens in this batch), and ``perplexity``
         ``= exp(token-mean NLL of this batch)``. Perplexity is always the per-token one (it is
         ``exp(loss)`` for the default ``token_mean`` without global denominators; for other modes
-        or global counts ``exp(loss)`` would not be a perplexity).
+        or global counts ``exp(loss)`` would not be a perplexity). It is ``+inf`` once the mean NLL
+        passes the exponent range of the dtype (≈ 88.7 nats in float32): a metric, not the loss.
 
     >>> b = TensorDict({"logprobs": torch.tensor([[-1.0, -3.0]]), "loss_mask": torch.tensor([[True, True]])}, [1])
     >>> loss, m = sft_loss(b); loss, m["perplexity"]

@@ -86,6 +86,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: bo
     >>> masked_var(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([True, True, False]))
     tensor(2.)
     """
+    _check(x, mask)  # before the first torch.where, which would broadcast a mis-shaped mask
     x = _zeroed(x, mask)  # padding must not reach the gradient either (0·NaN is NaN in backward)
     mean = masked_mean(x, mask, dim, keepdim=True)
     sq = masked_sum((x - mean).square(), mask, dim, keepdim)
@@ -107,6 +108,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, dim: Dim = None, shift
     Returns:
         ``[...]``, 0 outside the mask. Differentiable (callers usually pass detached values).
     """
+    _check(x, mask)
     x = _zeroed(x, mask)
     mean = masked_mean(x, mask, dim, keepdim=True)
     var = masked_var(x, mask, dim, keepdim=True, unbiased=unbiased)
@@ -151,9 +153,9 @@ def seq_sum_norm(values: torch.Tensor, mask: torch.Tensor, *, num_tokens=None, n
     """``Σ_i Σ_t m·ℓ / (N_seq · L)`` with a constant ``L`` (Dr. GRPO, https://arxiv.org/abs/2503.20783).
 
     ``L = max_length``: pass the generation limit. Left ``None``, ``L`` is the padded width
-    ``T``, which makes the value depend on padding.
+    ``T`` (at least 1, so a width-0 batch gives 0), which makes the value depend on padding.
     """
-    length = values.shape[-1] if max_length is None else max_length
+    length = max(values.shape[-1], 1) if max_length is None else max_length
     return masked_sum(values, mask) / (_rows(mask, num_seqs) * length)
 
 

@@ -83,7 +83,8 @@ def adaptive_kl_update(state: KLControllerState, observed_kl: torch.Tensor, n_st
         observed_kl: ``[]`` float, the current KL (see :func:`observed_kl` for which one).
         n_steps: samples since the last update (TRL: batch size × processes; verl: batch size).
         target: the KL to hold.  horizon: sets the speed (``β`` moves by at most
-            ``±20%·n_steps/horizon`` per update).
+            ``±20%·n_steps/horizon`` per update; keep ``n_steps < 5·horizon``: beyond, a KL
+            below target drives ``β`` negative, as in the peers' identical update).
     Returns:
         A new ``KLControllerState`` (``coef`` in the state's dtype).
 
@@ -152,6 +153,7 @@ def observed_kl(kl: torch.Tensor, mask: torch.Tensor, *, reduce: str = "sequence
     (tensor(3.), tensor(2.2500))
     """
     check_ndim("kl", kl, min_ndim=1, layout="[..., T]")
+    check_mask("mask", mask, like=kl, like_name="kl")
     try:
         fn = KL_REDUCTIONS[reduce]
     except KeyError:
