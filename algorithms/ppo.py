@@ -25,6 +25,8 @@ Choices where the peers differ (each one is tested):
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -186,10 +188,15 @@ def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, *, clip_eps_low: fl
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c: the dual-clip constant must be > 1, got {clip_ratio_c}")
     adv = advantages.detach()
-    ratio = torch.exp(log_ratio)
-    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high))
-    low = (ratio < 1.0 - clip_eps_low) & (adv < 0)
-    high = (ratio > 1.0 + clip_eps_high) & (adv > 0)
+    # max(−Aρ, −A·clip(ρ)) = −A·min(ρ, 1+ε_hi) for A ≥ 0 and −A·max(ρ, 1−ε_lo) for A < 0: each side
+    # is evaluated on the log-ratio clamped to its active bound, so a huge ratio never meets 0·inf
+    # (a tied GRPO group has A = 0) in the loss or in its gradient. Same values, same gradient.
+    log_hi = math.log1p(clip_eps_high)
+    log_lo = math.log1p(-clip_eps_low) if clip_eps_low < 1.0 else -math.inf
+    active = torch.where(adv >= 0, log_ratio.clamp(max=log_hi), log_ratio.clamp(min=log_lo))
+    loss = -adv * torch.exp(active)
+    low = (log_ratio < log_lo) & (adv < 0)
+    high = (log_ratio > log_hi) & (adv > 0)
     if clip_ratio_c is None:
         return Surrogate(loss, low, high, torch.zeros_like(low))
     cap = -adv * clip_ratio_c
