@@ -2,7 +2,7 @@
 
 The naive ``log_softmax(logits).gather(...)`` writes a second ``[B, T, V]`` tensor (after a
 float32 copy for half-precision logits) and its backward a third. The functions here work on row
-chunks (from hidden states: vocabulary blocks) whose temporaries stay ~16 MB, accumulate in
+chunks (from hidden states: vocabulary blocks) whose temporaries stay 16-32 MB, accumulate in
 float32 (float64 for float64 inputs), and save only what their backward needs. Extra memory
 (``N`` rows, ``V`` vocabulary): ``token_logprobs`` / ``entropy_from_logits`` one to three chunks
 forward, the gradient ``[N, V]`` plus one chunk backward; ``hidden_logprobs`` a few blocks and
@@ -12,6 +12,8 @@ Shapes: ``...`` any leading dims (``[B, T]`` typically), ``V`` vocabulary, ``H``
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -24,8 +26,10 @@ __all__ = ["token_logprobs", "entropy_from_logits", "hidden_logprobs", "sequence
 # Budgets for the float32 temporaries of one row chunk (logits path) and one block (hidden path).
 # Small against the [N, V] tensors (GBs), large enough that the per-op overhead of a chunk
 # (dispatch, waking the intra-op threads) stays negligible: measured on CPU, 4 MB chunks were
-# ~3x slower than 16 MB ones on a busy machine, and no faster on an idle one.
+# ~3x slower than 16 MB ones on a busy machine, and no faster on an idle one. The hidden path's
+# blocks also feed matmuls, which prefer them larger still.
 _CHUNK_BYTES = 16 * 2**20
+_BLOCK_BYTES = 32 * 2**20
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -86,21 +90,24 @@ def _check_labels(labels: torch.Tensor, like: torch.Tensor, like_name: str) -> N
 def _scaled_log_softmax(chunk: torch.Tensor, temperature: float, acc: torch.dtype):
     """``(x, log_softmax(x))`` with ``x = chunk / temperature`` in ``acc`` (``chunk`` itself if it can)."""
     x = chunk.to(acc)
-    if temperature != 1.0:
-        x = x / temperature
+    if temperature != 1.0:  # in place on our own copy, out of place on the caller's chunk
+        x = x / temperature if x is chunk else x.div_(temperature)
     return x, torch.log_softmax(x, dim=-1)
 
 
-def _logp_into(chunk: torch.Tensor, lse: torch.Tensor, temperature: float, dst: torch.Tensor) -> torch.Tensor:
-    """``chunk/τ − lse`` (the log-softmax) in one pass, written into ``dst`` when dtypes allow.
+def _logp_into(chunk: torch.Tensor, lse: torch.Tensor, temperature: float, out: torch.Tensor) -> torch.Tensor:
+    """``out = chunk/τ − lse`` (the log-softmax) in one pass; a half chunk is promoted as it is read."""
+    return torch.add(-lse[:, None], chunk, alpha=1.0 / temperature, out=out)
 
-    Returns ``dst`` itself when ``chunk`` and ``dst`` have the accumulation dtype (``lse``'s), else
-    a fresh tensor of that dtype (the caller copies it into ``dst``).
-    """
-    neg_lse = -lse[:, None]
-    if chunk.dtype == dst.dtype == lse.dtype:
-        return torch.add(neg_lse, chunk, alpha=1.0 / temperature, out=dst)
-    return torch.add(neg_lse, chunk.to(lse.dtype), alpha=1.0 / temperature)
+
+def _grad_buffers(logits: torch.Tensor, rows: int, acc: torch.dtype):
+    """The gradient ``[..., V]`` (logits' dtype), its ``[N, V]`` view, and a reusable float32 work
+    chunk for half-precision logits (``None`` otherwise: the work then happens in the gradient)."""
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad_rows = grad.view(-1, logits.shape[-1])
+    work = None if logits.dtype == acc else torch.empty(
+        min(rows, grad_rows.shape[0]), logits.shape[-1], dtype=acc, device=logits.device)
+    return grad, grad_rows, work
 
 
 # --- token_logprobs -------------------------------------------------------------------------
@@ -110,7 +117,7 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, rows):
         acc = _acc(logits.dtype)
-        n, vocab = labels.numel(), logits.shape[-1]
+        n = labels.numel()
         flat_labels = labels.reshape(n, 1)
         out = torch.empty(n, dtype=acc, device=logits.device)
         lse = torch.empty(n, dtype=acc, device=logits.device)
@@ -124,8 +131,9 @@ class _TokenLogprobs(torch.autograd.Function):
             # chunk. A −inf label logit gives lse = +inf, i.e. a zero softmax in backward
             # (finite gradients for a row whose log-prob is −inf), never NaN.
             lse[sl] = x.gather(-1, flat_labels[sl])[:, 0].clamp(min=lowest) - lp
+            del x, logp  # free this chunk's temporaries before the next chunk allocates its own
         ctx.save_for_backward(logits, flat_labels, lse)
-        ctx.temperature, ctx.rows, ctx.vocab = temperature, rows, vocab
+        ctx.temperature, ctx.rows = temperature, rows
         return out.view(labels.shape)
 
     @staticmethod
@@ -134,14 +142,13 @@ class _TokenLogprobs(torch.autograd.Function):
         logits, flat_labels, lse = ctx.saved_tensors
         t = ctx.temperature
         acc = lse.dtype
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        grad_rows = grad.view(-1, ctx.vocab)
+        grad, grad_rows, buf = _grad_buffers(logits, ctx.rows, acc)
         g = grad_out.reshape(-1, 1).to(acc) / t                    # [N, 1]
         for off, chunk in _row_chunks(logits, ctx.rows):
             sl = slice(off, off + len(chunk))
             dst = grad_rows[sl]
-            # work in the output buffer itself when no cast is needed: no extra temporaries
-            work = _logp_into(chunk, lse[sl], t, dst)
+            # in the gradient itself when no cast is needed: no temporaries at all
+            work = _logp_into(chunk, lse[sl], t, dst if buf is None else buf[:len(chunk)])
             work.exp_().mul_(-g[sl])                              # −g·softmax / T
             work.scatter_add_(-1, flat_labels[sl], g[sl])         # + g·onehot / T
             if work is not dst:
@@ -197,7 +204,7 @@ class _Entropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, temperature, rows):
         acc = _acc(logits.dtype)
-        n, vocab = logits.numel() // logits.shape[-1], logits.shape[-1]
+        n = math.prod(logits.shape[:-1])
         ent = torch.empty(n, dtype=acc, device=logits.device)
         lse = torch.empty(n, dtype=acc, device=logits.device)
         for off, chunk in _row_chunks(logits, rows):
@@ -208,8 +215,9 @@ class _Entropy(torch.autograd.Function):
             p = logp.exp()
             # p = 0 where logits are −inf: clamp log p so that p·log p is 0, not NaN
             ent[sl] = -p.mul_(logp.clamp_(min=torch.finfo(acc).min)).sum(-1)
+            del x, logp, p  # free this chunk's temporaries before the next chunk allocates its own
         ctx.save_for_backward(logits, lse, ent)
-        ctx.temperature, ctx.rows, ctx.vocab = temperature, rows, vocab
+        ctx.temperature, ctx.rows = temperature, rows
         return ent.view(logits.shape[:-1])
 
     @staticmethod
@@ -217,18 +225,18 @@ class _Entropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         logits, lse, ent = ctx.saved_tensors
         t, acc = ctx.temperature, lse.dtype
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        grad_rows = grad.view(-1, ctx.vocab)
+        grad, grad_rows, buf = _grad_buffers(logits, ctx.rows, acc)
         g = grad_out.reshape(-1, 1).to(acc) / t
         for off, chunk in _row_chunks(logits, ctx.rows):
             sl = slice(off, off + len(chunk))
             dst = grad_rows[sl]
-            logp = _logp_into(chunk, lse[sl], t, dst)
+            logp = _logp_into(chunk, lse[sl], t, dst if buf is None else buf[:len(chunk)])
             p = logp.exp()
             # ∂H/∂x_v = −p_v (log p_v + H) / T
             logp.clamp_(min=torch.finfo(acc).min).add_(ent[sl, None]).mul_(p).mul_(-g[sl])
             if logp is not dst:
                 dst.copy_(logp)
+            del p
         return grad, None, None
 
 
@@ -312,13 +320,14 @@ def _fold_vocabulary(h, labels, weight, bias, chunk, with_entropy, **kw):
         if with_entropy:
             u = rescale * (u + (m - m_new) * s) + (e * d).sum(-1)
         s, m = s * rescale + e.sum(-1), m_new
+        del l, d, e  # free the block before the next one is computed
     log_s = s.log()
     return m + log_s, label_logit, (log_s - u / s) if with_entropy else m[:0]
 
 
 def _hidden_rows(vocab_chunk: int) -> int:
-    """Rows per block of the hidden path, so that a ``[rows, vocab_chunk]`` block is ~16 MB."""
-    return max(1, _CHUNK_BYTES // (4 * vocab_chunk))
+    """Rows per block of the hidden path, so that a ``[rows, vocab_chunk]`` block is ~32 MB."""
+    return max(1, _BLOCK_BYTES // (4 * vocab_chunk))
 
 
 class _HiddenLogprobs(torch.autograd.Function):
@@ -368,6 +377,7 @@ class _HiddenLogprobs(torch.autograd.Function):
                         blk.add_((qd.T @ hr).to(acc))
                 if need_b:
                     grad_b[v0:v0 + ctx.chunk] += q.T @ row
+                del l, q, qd  # free the block before the next one is computed
             _label_grad(grad_h, grad_w, grad_b, rs, h, weight, labels[rs], g_lp[rs], label_logit[rs], **kw)
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         return (cast(grad_h, hidden), cast(grad_w, weight), cast(grad_b, weight),
@@ -425,7 +435,7 @@ def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     ``logp[...] = l_y/τ − log Σ_v exp(l_v/τ)``, ``H[...] = −Σ_v p_v log p_v``, ``p = softmax(l/τ)``.
 
     Memory: the ``[N, V]`` logits never exist. Rows are taken in blocks and the vocabulary in
-    blocks of ``chunk_size``; each ``[rows, chunk_size]`` block of logits is computed, folded
+    blocks of ``chunk_size``; each ``[rows, chunk_size]`` block of logits (~32 MB) is computed, folded
     into running float32 maxima / sums (an online log-sum-exp, plus ``Σ p·log p`` for the
     entropy) and dropped. The graph saves ``hidden``, ``weight``, ``bias``, ``labels`` and two
     ``[N]`` vectors; backward recomputes each block, so memory stays at the gradients

@@ -1,12 +1,14 @@
 """Tests of loops/collect.py: generation into rollouts, stop handling, groups, behaviour log-probs."""
 
+import math
+
 import pytest
 import torch
 from tensordict import TensorDict
 
 from rlcore import keys as K
-from rlcore.loops.collect import (BEHAVIOUR_LOGPROBS, generate_rollout, left_align, response_mask_from_ids,
-                                  uniform_length_sampler)
+from rlcore.loops.collect import (BEHAVIOUR_LOGPROBS, SAMPLERS, generate_rollout, gumbel_max_sample, left_align,
+                                  response_mask_from_ids, sample_responses, truncate_logits, uniform_length_sampler)
 from rlcore.loops.data import collate_prompts, tokenize_example
 from rlcore.loops.models import build_model
 from rlcore.loops.score import score_rollout
@@ -218,3 +220,140 @@ def test_errors(llama, tokenizer):
         generate_rollout(llama, tokenizer, "one prompt")
     with pytest.raises(ValueError, match=r"prompts: prompts \[1\] encode to no token"):
         generate_rollout(llama, tokenizer, ["a", ""])
+
+
+# --- samplers and the sampling loop ------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+def test_samplers_draw_from_the_softmax(name):
+    z = torch.tensor([1.0, 0.0, -1.0, 2.0, -float("inf"), 0.5])
+    n = 40_000
+    draws = SAMPLERS[name](z.expand(n, -1), generator=torch.Generator().manual_seed(0))
+    assert draws.shape == (n,) and draws.dtype == torch.long
+    freq = torch.bincount(draws, minlength=6).double() / n
+    p = z.double().softmax(-1)
+    assert freq[4] == 0  # a −inf logit is never drawn
+    assert (freq - p).abs().max() < 0.01, (freq, p)  # 4σ of a frequency over 40k draws
+    # reproducible from its generator; the global RNG is not touched
+    state = torch.get_rng_state()
+    a = SAMPLERS[name](z.expand(64, -1), generator=torch.Generator().manual_seed(3))
+    b = SAMPLERS[name](z.expand(64, -1), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and torch.equal(torch.get_rng_state(), state)
+
+
+def test_gumbel_max_against_a_plain_reference():
+    z = torch.randn(5, 7, generator=torch.Generator().manual_seed(1))
+    got = assert_pure(lambda x: gumbel_max_sample(x, generator=torch.Generator().manual_seed(4)), z)
+    u = torch.rand(5, 7, generator=torch.Generator().manual_seed(4))
+    for b in range(5):  # argmax_v z_v − log(−log u_v), written plainly
+        scores = [z[b, v].item() - math.log(-math.log(u[b, v].item())) for v in range(7)]
+        assert got[b].item() == max(range(7), key=scores.__getitem__)
+
+
+def test_truncate_logits_golden_and_hf_warpers():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    z = torch.tensor([[1.0, 3.0, 2.0, 2.0, -1.0]])
+    inf = float("inf")
+    assert truncate_logits(z, top_k=2).tolist() == [[-inf, 3.0, 2.0, 2.0, -inf]]  # ties with the k-th are kept
+    # p = softmax([1, 3, 2, 0, −1]) = [.086, .636, .234, .032, .012]; ascending cumulative .012, .043, .129, .363, 1:
+    # top-p 0.7 drops the entries whose cumulative is ≤ 0.3 (−1, 0, 1), top-p 0.5 also 2; top-p 0.01 keeps the max
+    y = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0]])
+    assert truncate_logits(y, top_p=0.7).tolist() == [[-inf, 3.0, 2.0, -inf, -inf]]
+    assert truncate_logits(y, top_p=0.5).tolist() == [[-inf, 3.0, -inf, -inf, -inf]]
+    assert truncate_logits(y, top_p=0.01).tolist() == [[-inf, 3.0, -inf, -inf, -inf]]
+    assert truncate_logits(y, top_k=3, top_p=0.7).tolist() == [[-inf, 3.0, 2.0, -inf, -inf]]
+    assert truncate_logits(z) is z and truncate_logits(z, top_k=0, top_p=1.0) is z
+    x = torch.randn(6, 50, generator=torch.Generator().manual_seed(2)) * 3
+    for k, p in [(5, None), (None, 0.9), (10, 0.5), (1, 0.3), (80, None)]:
+        ours = assert_pure(lambda t: truncate_logits(t, top_k=k, top_p=p), x)
+        ref = x.clone()
+        if k:
+            ref = TopKLogitsWarper(min(k, 50))(None, ref)
+        if p is not None:
+            ref = TopPLogitsWarper(p)(None, ref)
+        assert torch.equal(ours, ref), (k, p)
+
+
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
+@pytest.mark.parametrize("behaviour", sorted(BEHAVIOUR_LOGPROBS))
+def test_sampling_loop_logprobs_match_recomputation(lm, tokenizer, sampler, behaviour):
+    rollout = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=6, num_samples=3, temperature=0.7, seed=3,
+                               behaviour=behaviour, sampler=sampler)
+    assert rollout.batch_size == (9,) and rollout[K.GROUP_ID].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert rollout[K.OLD_LOGPROBS].dtype == torch.float32
+    samples = rollout[K.RESPONSE_IDS].view(3, 3, -1)
+    assert all(not torch.equal(samples[p, 0], samples[p, 1]) for p in range(3))  # a shared prefill, distinct draws
+    rescored = score_rollout(rollout, policy=lm, temperature=0.7)
+    torch.testing.assert_close(rescored[K.OLD_LOGPROBS], rollout[K.OLD_LOGPROBS], rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_loop_truncation_logprobs(lm, tokenizer):
+    kw = dict(max_new_tokens=6, num_samples=2, temperature=0.8, top_k=6, top_p=0.9, seed=5, sampler="gumbel")
+    sampled = generate_rollout(lm, tokenizer, PROMPTS, behaviour="sampled", **kw)
+    tempered = generate_rollout(lm, tokenizer, PROMPTS, behaviour="tempered", **kw)
+    assert torch.equal(sampled[K.RESPONSE_IDS], tempered[K.RESPONSE_IDS])  # same draws
+    mask = sampled[K.RESPONSE_MASK]
+    ids = torch.cat([sampled[K.PROMPT_IDS], sampled[K.RESPONSE_IDS]], -1)
+    attn = torch.cat([sampled[K.PROMPT_MASK], mask], -1)
+    P = sampled[K.PROMPT_IDS].shape[1]
+    with torch.no_grad():
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        z = lm(ids, attention_mask=attn.long(), position_ids=pos).logits[:, P - 1:-1] / 0.8
+    kept = truncate_logits(z.reshape(-1, z.shape[-1]), top_k=6, top_p=0.9).view_as(z)
+    y = sampled[K.RESPONSE_IDS][..., None]
+    assert torch.isfinite(kept.gather(-1, y))[mask].all()  # every draw inside the truncated support
+    torch.testing.assert_close(sampled[K.OLD_LOGPROBS][mask], (kept.gather(-1, y)[..., 0] - kept.logsumexp(-1))[mask],
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tempered[K.OLD_LOGPROBS][mask], (z.gather(-1, y)[..., 0] - z.logsumexp(-1))[mask],
+                               rtol=1e-4, atol=1e-4)
+    assert (sampled[K.OLD_LOGPROBS][mask] >= tempered[K.OLD_LOGPROBS][mask] - 1e-6).all()
+
+
+def test_sampling_loop_greedy_equals_generate(lm, tokenizer):
+    loop = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=5, do_sample=False, sampler="gumbel")
+    hf = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=5, do_sample=False)
+    assert torch.equal(loop[K.RESPONSE_IDS], hf[K.RESPONSE_IDS])
+    torch.testing.assert_close(loop[K.OLD_LOGPROBS], hf[K.OLD_LOGPROBS], rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_loop_stops_pads_and_ends_early(chatty, small_tokenizer):
+    eos, pad = small_tokenizer.eos_token_id, small_tokenizer.pad_token_id
+    rollout = generate_rollout(chatty, small_tokenizer, ["a", "ab", "b"], max_new_tokens=200, num_samples=4, seed=1,
+                               sampler="gumbel")
+    ids, mask, old = rollout[K.RESPONSE_IDS], rollout[K.RESPONSE_MASK], rollout[K.OLD_LOGPROBS]
+    lengths = mask.sum(-1)
+    assert ids.shape[1] == lengths.max() < 200  # the loop ended when the last row stopped
+    for b in range(ids.shape[0]):
+        n = int(lengths[b])
+        if n < ids.shape[1] or ids[b, n - 1] == eos:
+            assert ids[b, n - 1] == eos and (ids[b, n:] == pad).all()
+        assert (old[b][~mask[b]] == 0).all() and (old[b][mask[b]] < 0).all()
+
+
+def test_sampling_loop_seed_generator_and_global_rng(llama, tokenizer):
+    kw = dict(max_new_tokens=4, num_samples=2, sampler="gumbel")
+    state = torch.get_rng_state()
+    a = generate_rollout(llama, tokenizer, PROMPTS, seed=11, **kw)
+    assert torch.equal(torch.get_rng_state(), state), "a seeded generation advanced the global RNG"
+    b = generate_rollout(llama, tokenizer, PROMPTS, seed=11, **kw)
+    c = generate_rollout(llama, tokenizer, PROMPTS, seed=12, **kw)
+    assert (a == b).all() and not torch.equal(a[K.RESPONSE_IDS], c[K.RESPONSE_IDS])
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    d = generate_rollout(llama, tokenizer, PROMPTS, generator=g1, **kw)
+    e = generate_rollout(llama, tokenizer, PROMPTS, generator=g2, **kw)
+    f = generate_rollout(llama, tokenizer, PROMPTS, generator=g1, **kw)
+    assert (d == e).all() and not torch.equal(d[K.RESPONSE_IDS], f[K.RESPONSE_IDS])
+
+
+def test_sampling_loop_errors(llama, tokenizer):
+    with pytest.raises(ValueError, match=r"sampler: unknown 'fast'; valid: \['gumbel', 'multinomial'\]"):
+        generate_rollout(llama, tokenizer, PROMPTS, sampler="fast")
+    with pytest.raises(ValueError, match=r"sampler='gumbel': the sampling loop takes no generate_kwargs .*"
+                                         r"\['repetition_penalty'\]"):
+        generate_rollout(llama, tokenizer, PROMPTS, sampler="gumbel", repetition_penalty=1.2)
+    with pytest.raises(ValueError, match=r"use_cache=False"):
+        generate_rollout(llama, tokenizer, PROMPTS, sampler="gumbel", use_cache=False)
+    with pytest.raises(ValueError, match="max_new_tokens: expected >= 1, got 0"):
+        generate_rollout(llama, tokenizer, PROMPTS, sampler="gumbel", max_new_tokens=0)
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match="prompt_mask: expected a torch.bool mask"):
+        sample_responses(llama, ids, torch.ones(2, 3), max_new_tokens=2, stop_token_ids=[2], pad_token_id=0)

@@ -1,0 +1,436 @@
+"""Whole training steps side by side with TRL: a DPO step, and RLOO / GRPO steps with generation.
+
+Every implementation trains the same tiny Llama (``build_model``: hidden 256, 4 layers, 4 heads,
+vocabulary 32,000, built from a config, nothing downloaded) on the same data, through a
+word-level tokenizer of the whole vocabulary (``w<i>`` ↔ id ``i``), so TRL's text datasets and
+rlcore's id batches are the same tokens (checked when the rows are built).
+
+Cases (full size; ``--tiny`` shrinks every dimension):
+
+- ``dpo fp32`` / ``dpo bf16-autocast``: 8 pairs × 256 tokens (prompt 128, completions 128 ending
+  in EOS: 4,096 tokens a step), β = 0.1, sigmoid loss, reference model forward every step.
+  ``rlcore``: ``loops.dpo.dpo_step`` (reference log-probs, then ``update``: ``concatenated_forward``
+  on the chunked hidden-state log-prob path, the DPO loss, backward, clip, AdamW); under bf16 the
+  same pieces with the reference forward in ``torch.autocast`` and ``update(autocast_dtype=bf16)``.
+  ``plain``: full-logits forwards (``log_softmax → gather``), loss, backward, clip, AdamW.
+  ``trl``: ``DPOTrainer.training_step`` (TRL's defaults but ``bf16``: gradient checkpointing on,
+  its fused LM head; forward + backward only, no optimiser step) on the batch its collator makes
+  of the same rows; ``trl_no_ckpt`` with ``gradient_checkpointing=False``. Tokens/s = 4,096 / median.
+- ``rloo step`` / ``grpo step``: one prompt of 64 tokens × 8 samples × 64 new tokens (EOS is
+  ~1/32,000 per token: responses run to the budget), a Python reward function, one optimiser
+  epoch. ``rlcore``: the recipe's step with generation through the KV-cached sampling loop
+  (``generate_rollout(sampler="gumbel")``), then reference log-probs and the reward
+  (``score_rollout``), advantages, ``update`` (RLOO: k1 KL β = 0.05 in the reward; GRPO: β = 0, as
+  TRL's defaults; the GRPO recipe still computes reference log-probs, for its ``kl_ref`` metric).
+  ``rlcore_generate``: ``loops.rloo.step`` / ``loops.grpo.step`` as they are (HF ``generate``).
+  ``plain_generate``: HF ``generate``, full-logits forward + backward, AdamW. ``trl``:
+  ``RLOOTrainer`` / ``GRPOTrainer.training_step`` (``use_vllm=False``, defaults but ``bf16``;
+  generation, scoring, loss, backward). Samples/s = 8 / median.
+- ``collect``: the generation of those steps alone: ``rlcore`` (sampling loop, Gumbel-max, behaviour
+  log-probs), ``rlcore_multinomial`` (the loop with ``torch.multinomial``), ``rlcore_generate``
+  (``generate_rollout`` through HF ``generate``), ``hf_generate`` (bare ``model.generate``).
+  The share of a step spent generating is ``collect / step``.
+
+Every builder runs one untimed step (optimiser state and lazy initialisations exist before the
+timing and the peak-memory measurement); each thunk ends with the gradients freed, as a training
+loop does (TRL's rows: ``model.zero_grad(set_to_none=True)`` after ``training_step``).
+
+Project goals (aimed at, not asserted): DPO ≥ 3.5× TRL's tokens/s in float32 and ≥ 7× (TRL float32)
+with bf16 autocast, at ≤ 0.5× TRL's peak memory; RLOO / GRPO ≥ 1.5× TRL's samples/s and ≥ 1.3×
+the plain ``generate``-based step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import tempfile
+import warnings
+
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_DISABLE_PROGRESS_BARS"):
+    os.environ.setdefault(_var, "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import datasets  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from rlcore import keys as K  # noqa: E402
+from rlcore.algorithms.policy_gradient import rloo_loss  # noqa: E402
+from rlcore.baselines import with_grpo_advantage, with_rloo_advantage  # noqa: E402
+from rlcore.loops import dpo as dpo_recipe, grpo as grpo_recipe, rloo as rloo_recipe  # noqa: E402
+from rlcore.loops.collect import generate_rollout  # noqa: E402
+from rlcore.loops.data import collate_preference  # noqa: E402
+from rlcore.loops.models import build_model, make_reference  # noqa: E402
+from rlcore.loops.online import policy_loss_fn, update_sizes  # noqa: E402
+from rlcore.loops.score import score_rollout  # noqa: E402
+from rlcore.loops.state import TrainState, advance, copy_generator, init_state  # noqa: E402
+from rlcore.loops.update import make_optimizer, update  # noqa: E402
+from rlcore.rewards import with_rewards  # noqa: E402
+
+try:  # imported once here, so that the memory server's forked children inherit it
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+except ImportError:
+    DPOConfig = DPOTrainer = GRPOConfig = GRPOTrainer = RLOOConfig = RLOOTrainer = None
+
+PAD, BOS, EOS = 0, 1, 2
+LR, BETA_DPO = 1e-6, 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    pairs: int          # DPO pairs per step
+    prompt: int         # DPO prompt tokens
+    completion: int     # DPO completion tokens (EOS included)
+    prompts: int        # online: prompts per step
+    samples: int        # online: G samples per prompt
+    gen_prompt: int     # online: prompt tokens
+    new_tokens: int     # online: response budget
+
+
+FULL = Sizes(32000, 256, 4, 4, pairs=8, prompt=128, completion=128, prompts=1, samples=8, gen_prompt=64,
+             new_tokens=64)
+TINY = Sizes(256, 16, 1, 2, pairs=2, prompt=4, completion=4, prompts=1, samples=2, gen_prompt=4, new_tokens=4)
+
+
+def _sizes(tiny: bool) -> Sizes:
+    return TINY if tiny else FULL
+
+
+def _require(peer, name: str):
+    if peer is None:
+        raise ImportError(name=name)
+    return peer
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence the peers' construction (warnings, progress bars), restoring the settings after."""
+    hf_bars, ds_bars = hf_logging.is_progress_bar_enabled(), datasets.utils.logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if hf_bars:
+            hf_logging.enable_progress_bar()
+        if ds_bars:
+            datasets.enable_progress_bars()
+
+
+# --- tokenizer, model, data -------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """Whitespace-separated words ``w<i>`` ↔ ids ``i`` (``4 ≤ i < vocab``) plus ``<pad> <s> </s> <unk>``."""
+    words = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, "<unk>": 3, **{f"w{i}": i for i in range(4, vocab)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def to_text(ids: list[int]) -> str:
+    return " ".join("</s>" if i == EOS else f"w{i}" for i in ids)
+
+
+def _model(s: Sizes):
+    return build_model("llama", vocab_size=s.vocab, tokenizer=word_tokenizer(s.vocab), hidden_size=s.hidden,
+                       num_layers=s.layers, num_heads=s.heads, max_position_embeddings=256, seed=0)
+
+
+def _words(n: int, g: torch.Generator, vocab: int) -> list[int]:
+    return torch.randint(4, vocab, (n,), generator=g).tolist()
+
+
+def preference_rows(s: Sizes) -> list[dict]:
+    """``pairs`` rows of ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids``; completions end in EOS."""
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_ids": _words(s.prompt, g, s.vocab),
+             "chosen_ids": _words(s.completion - 1, g, s.vocab) + [EOS],
+             "rejected_ids": _words(s.completion - 1, g, s.vocab) + [EOS]} for _ in range(s.pairs)]
+
+
+def online_prompts(s: Sizes) -> list[str]:
+    g = torch.Generator().manual_seed(1)
+    return [to_text(_words(s.gen_prompt, g, s.vocab)) for _ in range(s.prompts)]
+
+
+def reward(prompts, completions, **_) -> list[float]:
+    """A Python reward: the fraction of completion words with an even id."""
+    return [sum(int(w[1:]) % 2 == 0 for w in c.split()) / max(len(c.split()), 1) for c in completions]
+
+
+def _stateful(step, state):
+    """A thunk running ``state, out = step(state)`` and keeping the new state for the next call."""
+    holder = [state]
+
+    def thunk():
+        holder[0], out = step(holder[0])
+        return out
+    thunk()  # warm-up: optimiser state, lazy initialisations
+    return thunk
+
+
+# --- DPO ----------------------------------------------------------------------------------------
+def _dpo_rlcore(s: Sizes, autocast: bool):
+    model = _model(s)
+    state = init_state({"policy": model, "ref": make_reference(model)}, optimizer=make_optimizer(model, lr=LR))
+    batch = collate_preference(preference_rows(s), pad_id=PAD)
+    loss = dpo_recipe.bind_loss(dpo_recipe.Config(loss_type="dpo", beta=BETA_DPO))
+    if not autocast:
+        return _stateful(lambda st: dpo_recipe.dpo_step(st, batch, loss=loss), state)
+    bf16 = torch.bfloat16
+    loss_fn = functools.partial(dpo_recipe.preference_loss_fn, loss=loss)
+
+    def step(st: TrainState):  # dpo_step's pieces, the reference forward under autocast as well
+        with torch.autocast("cpu", dtype=bf16):
+            scored = dpo_recipe.with_reference(st, batch)
+        return update(st, scored, loss_fn, autocast_dtype=bf16, max_grad_norm=1.0)
+    return _stateful(step, state)
+
+
+def _full_logprobs(model, ids, attention, scored):
+    """Per-sequence log-probs through the full ``[B, T, V]`` logits: ``Σ_t m_t log_softmax(z_{t-1})[x_t]``."""
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.where(scored, lp, 0.0).sum(-1)
+
+
+def _dpo_plain(s: Sizes, autocast: bool):
+    model = _model(s)
+    ref, opt = make_reference(model), make_optimizer(model, lr=LR)
+    batch = collate_preference(preference_rows(s), pad_id=PAD)
+    ids, attention, loss_mask = (torch.cat([batch[side, k] for side in (K.CHOSEN, K.REJECTED)])
+                                 for k in (K.INPUT_IDS, K.ATTENTION_MASK, K.LOSS_MASK))
+    scored, attention, n = (loss_mask & attention)[:, 1:], attention.long(), s.pairs
+
+    def step(_):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.no_grad():
+                r = _full_logprobs(ref, ids, attention, scored)
+            p = _full_logprobs(model, ids, attention, scored)
+            margin = (p[:n] - r[:n]) - (p[n:] - r[n:])
+            loss = -F.logsigmoid(BETA_DPO * margin).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return None, loss.detach()
+    return _stateful(step, None)
+
+
+def _dpo_trl(s: Sizes, bf16: bool, checkpointing: bool = True):
+    _require(DPOTrainer, "trl")
+    rows = preference_rows(s)
+    data = Dataset.from_list([{"prompt": to_text(r["prompt_ids"]) + " ", "chosen": to_text(r["chosen_ids"]),
+                               "rejected": to_text(r["rejected_ids"])} for r in rows])
+    model = _model(s)
+    with tempfile.TemporaryDirectory() as out, _quiet():
+        args = DPOConfig(output_dir=out, report_to=[], bf16=bf16, use_cpu=True, per_device_train_batch_size=s.pairs,
+                         gradient_checkpointing=checkpointing, beta=BETA_DPO, learning_rate=LR, save_strategy="no",
+                         logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0)
+        trainer = DPOTrainer(model=model, ref_model=make_reference(model), args=args, train_dataset=data,
+                             processing_class=word_tokenizer(s.vocab))
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's own loop before training_step
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    ours = collate_preference(rows, pad_id=PAD)
+    expected = torch.cat([ours[side, K.INPUT_IDS] for side in (K.CHOSEN, K.REJECTED)])
+    if not torch.equal(inputs["input_ids"], expected):
+        raise AssertionError("bench_steps: TRL's DPO batch is not the rows rlcore trains on")
+
+    def step(_):
+        loss = trainer.training_step(trainer.model, inputs, None)
+        trainer.model.zero_grad(set_to_none=True)
+        return None, loss
+    with _quiet():
+        return _stateful(step, None)
+
+
+# --- online steps (RLOO / GRPO) --------------------------------------------------------------------
+def _online_config(s: Sizes, kind: str):
+    recipe = rloo_recipe if kind == "rloo" else grpo_recipe
+    return recipe.Config(num_samples=s.samples, max_new_tokens=s.new_tokens, batch_size=s.prompts, lr=LR,
+                         steps=10**6, run_dir=None)
+
+
+def _online_state(s: Sizes, config) -> TrainState:
+    model = _model(s)
+    return init_state({"policy": model, "ref": make_reference(model)}, optimizer=make_optimizer(model, lr=config.lr),
+                      seed=config.seed)
+
+
+def collect_with_sampler(state: TrainState, prompts: list[str], *, config, tokenizer, sampler: str):
+    """``loops.online.collect_rollout`` with ``generate_rollout(sampler=...)``: ``(state, rollout)``."""
+    rng = copy_generator(state.rng)
+    rollout = generate_rollout(state.model("policy"), tokenizer, prompts, max_new_tokens=config.max_new_tokens,
+                               temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                               num_samples=config.num_samples, generator=rng, policy_version=state.policy_version,
+                               sampler=sampler)
+    rollout = score_rollout(rollout, ref=state.model("ref"), reward_fn=reward, tokenizer=tokenizer,
+                            temperature=config.temperature)
+    B = rollout.batch_size[0]
+    state = advance(dataclasses.replace(state, rng=rng), samples_seen=B, episodes=B,
+                    tokens_seen=rollout[K.RESPONSE_MASK].sum())
+    return state, rollout
+
+
+def sampler_step(state: TrainState, prompts: list[str], *, kind: str, config, tokenizer, sampler: str = "gumbel"):
+    """``loops.rloo.step`` / ``loops.grpo.step`` with the collect of :func:`collect_with_sampler`."""
+    state, rollout = collect_with_sampler(state, prompts, config=config, tokenizer=tokenizer, sampler=sampler)
+    if kind == "rloo":
+        rollout = with_rloo_advantage(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
+        loss = functools.partial(rloo_loss, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
+    else:
+        rollout = with_grpo_advantage(rollout, scale=config.scale, eps=config.eps)
+        loss = grpo_recipe.grpo_loss_fn(config)
+    loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature)
+    return update(state, rollout, loss_fn, **update_sizes(config, rollout.batch_size[0]), epochs=config.epochs,
+                  mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
+
+
+def _online_rlcore(s: Sizes, kind: str, sampler: str | None):
+    config, tok, prompts = _online_config(s, kind), word_tokenizer(s.vocab), online_prompts(s)
+    if sampler is None:  # the recipe's own step, HF generate
+        recipe = rloo_recipe if kind == "rloo" else grpo_recipe
+        step = functools.partial(recipe.step, rows={"prompt": prompts}, config=config, tokenizer=tok, reward_fn=reward)
+    else:
+        step = functools.partial(sampler_step, prompts=prompts, kind=kind, config=config, tokenizer=tok,
+                                 sampler=sampler)
+    return _stateful(step, _online_state(s, config))
+
+
+def _online_plain(s: Sizes, kind: str):
+    """HF ``generate``, the reward, group advantages, a full-logits forward + backward, AdamW."""
+    model, tok, G = _model(s), word_tokenizer(s.vocab), s.samples
+    ref, opt = make_reference(model), make_optimizer(model, lr=LR)
+    enc = tok(online_prompts(s), return_tensors="pt")
+    P = enc["input_ids"].shape[1]
+
+    def step(_):
+        with torch.no_grad():
+            ids = model.generate(**enc, do_sample=True, top_k=0, max_new_tokens=s.new_tokens, num_return_sequences=G,
+                                 pad_token_id=PAD, eos_token_id=EOS)
+        is_eos = (ids[:, P:] == EOS).long()
+        mask = torch.cat([torch.ones_like(ids[:, :P], dtype=torch.bool), (is_eos.cumsum(-1) - is_eos) == 0], -1)
+        scores = torch.tensor(reward(None, tok.batch_decode(ids[:, P:], skip_special_tokens=True)))
+        lp = _token_logprobs(model, ids, mask)[:, P - 1:]
+        m = mask[:, P:]
+        if kind == "rloo":  # k1 KL (β = 0.05) in the score, leave-one-out baseline, sequence log-prob
+            with torch.no_grad():
+                kl = torch.where(m, lp.detach() - _token_logprobs(ref, ids, mask)[:, P - 1:], 0.0).sum(-1)
+            r = (scores - 0.05 * kl).view(-1, G)
+            adv = (r - (r.sum(-1, keepdim=True) - r) / (G - 1)).reshape(-1)
+            loss = -(adv * torch.where(m, lp, 0.0).sum(-1)).mean()
+        else:  # group-normalised advantages, token mean
+            r = scores.view(-1, G)
+            adv = ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-4)).reshape(-1)
+            loss = -torch.where(m, adv[:, None] * lp, 0.0).sum() / m.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return None, loss.detach()
+    return _stateful(step, None)
+
+
+def _token_logprobs(model, ids, mask):
+    """``log_softmax(z_t)[x_{t+1}]`` ``[B, T-1]`` through the full logits."""
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits[:, :-1].float()
+    return logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def _online_trl(s: Sizes, kind: str):
+    Config, Trainer = (RLOOConfig, RLOOTrainer) if kind == "rloo" else (GRPOConfig, GRPOTrainer)
+    _require(Trainer, "trl")
+    prompts = online_prompts(s)
+    with tempfile.TemporaryDirectory() as out, _quiet():
+        _model(s).save_pretrained(f"{out}/policy")  # RLOO builds its reference from the policy's path
+        model = AutoModelForCausalLM.from_pretrained(f"{out}/policy")
+        args = Config(output_dir=f"{out}/run", report_to=[], bf16=False, use_cpu=True, use_vllm=False,
+                      per_device_train_batch_size=s.prompts * s.samples, num_generations=s.samples,
+                      max_completion_length=s.new_tokens, learning_rate=LR, save_strategy="no", logging_steps=10**9,
+                      disable_tqdm=True, dataloader_num_workers=0)
+        trainer = Trainer(model=model, reward_funcs=reward, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                          processing_class=word_tokenizer(s.vocab))
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = [{"prompt": p} for p in prompts for _ in range(s.samples)]  # what its repeat sampler yields
+
+    def step(_):
+        loss = trainer.training_step(trainer.model, inputs, None)
+        trainer.model.zero_grad(set_to_none=True)
+        return None, loss
+    with _quiet():
+        return _stateful(step, None)
+
+
+def _collect(s: Sizes, sampler: str | None):
+    model, tok, prompts = _model(s), word_tokenizer(s.vocab), online_prompts(s)
+    g = torch.Generator().manual_seed(0)
+    kw = dict(max_new_tokens=s.new_tokens, num_samples=s.samples, generator=g, sampler=sampler)
+    generate_rollout(model, tok, prompts, **kw)
+    return lambda: generate_rollout(model, tok, prompts, **kw)
+
+
+def _collect_hf(s: Sizes):
+    model, tok = _model(s), word_tokenizer(s.vocab)
+    enc = tok(online_prompts(s), return_tensors="pt")
+
+    def thunk():
+        with torch.no_grad():
+            return model.generate(**enc, do_sample=True, top_k=0, max_new_tokens=s.new_tokens,
+                                  num_return_sequences=s.samples, pad_token_id=PAD, eos_token_id=EOS)
+    thunk()
+    return thunk
+
+
+# --- protocol ---------------------------------------------------------------------------------------
+def _names(tiny: bool) -> dict[str, str]:
+    s = _sizes(tiny)
+    dpo = f"{s.pairs}x{s.prompt + s.completion} tok"
+    gen = f"{s.prompts}x{s.samples} samples x{s.new_tokens} new"
+    return {"dpo": f"dpo fp32 {dpo}", "dpo_bf16": f"dpo bf16-autocast {dpo}", "rloo": f"rloo step {gen}",
+            "grpo": f"grpo step {gen}", "collect": f"collect {gen}"}
+
+
+def cases(tiny: bool) -> dict[str, dict]:
+    s, n = _sizes(tiny), _names(tiny)
+    b = functools.partial
+    out = {
+        n["dpo"]: {"rlcore": b(_dpo_rlcore, s, False), "plain": b(_dpo_plain, s, False),
+                   "trl": b(_dpo_trl, s, False), "trl_no_ckpt": b(_dpo_trl, s, False, False)},
+        n["dpo_bf16"]: {"rlcore": b(_dpo_rlcore, s, True), "plain": b(_dpo_plain, s, True),
+                        "trl": b(_dpo_trl, s, True)},
+    }
+    for kind in ("rloo", "grpo"):
+        out[n[kind]] = {"rlcore": b(_online_rlcore, s, kind, "gumbel"),
+                        "rlcore_generate": b(_online_rlcore, s, kind, None),
+                        "plain_generate": b(_online_plain, s, kind), "trl": b(_online_trl, s, kind)}
+    out[n["collect"]] = {"rlcore": b(_collect, s, "gumbel"), "rlcore_multinomial": b(_collect, s, "multinomial"),
+                         "rlcore_generate": b(_collect, s, None), "hf_generate": b(_collect_hf, s)}
+    return out
+
+
+def floors(tiny: bool) -> dict[str, dict]:
+    """DPO: the matmul flops of the policy's forward + backward (3×) and the reference's forward
+    (1×): per token ``2·L·16H²`` (attention + SwiGLU projections) and ``2·L·T·H`` (causal scores),
+    plus ``2·V·H`` of the LM head on the completion tokens only (the rest is never scored).
+    The online steps are decode-latency bound: no floor."""
+    s, n = _sizes(tiny), _names(tiny)
+    T, tokens = s.prompt + s.completion, 2 * s.pairs * (s.prompt + s.completion)
+    trunk = 2 * s.layers * 16 * s.hidden**2 + 2 * s.layers * T * s.hidden
+    head = 2 * s.vocab * s.hidden * 2 * s.pairs * s.completion
+    flops = 4 * (tokens * trunk + head)
+    return {n["dpo"]: {"flops": flops}, n["dpo_bf16"]: {"flops": flops}}

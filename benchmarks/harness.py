@@ -1,0 +1,405 @@
+"""The benchmark harness: discovery, timing, peak-memory measurement, floors, the Markdown report.
+
+Protocol of a benchmark module ``benchmarks/bench_<topic>.py``::
+
+    def cases(tiny: bool) -> dict[str, dict[str, Callable[[], Callable[[], object]]]]:
+        '''case name -> {implementation name -> builder}; "rlcore" first.'''
+
+    def floors(tiny: bool) -> dict[str, dict]:   # optional
+        '''case name -> {"bytes": n} and/or {"flops": n}: the unavoidable traffic / work.'''
+
+A builder prepares the inputs (not timed) and returns the zero-argument thunk that is timed. A
+builder whose peer is missing raises ``ImportError`` or :class:`Unavailable`; its row is then
+skipped with a note. Every implementation of a case is timed in one process (warm-up, then
+``reps`` runs: median and interquartile range). Peak memory is measured once per
+(case, implementation) in a fresh process: the resident-set high-water mark while running the
+thunk once, above the resident set after building its inputs. Floors become times through the
+machine's measured copy bandwidth and matmul throughput (roofline: the larger of the two).
+
+Nothing here imports rlcore: the harness measures whatever the bench modules hand it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "REFERENCE_IMPL", "Unavailable", "Timing", "Rates", "Row",
+    "discover", "load", "build", "time_thunk", "measure_rates", "floor_seconds",
+    "machine_line", "versions", "MemoryProbe", "format_table", "format_report",
+]
+
+BENCH_DIR = Path(__file__).resolve().parent
+REFERENCE_IMPL = "rlcore"
+Builder = Callable[[], Callable[[], object]]
+
+
+class Unavailable(Exception):
+    """Raised by a builder whose implementation cannot run here (a peer is not installed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median_s: float
+    q1_s: float
+    q3_s: float
+    reps: int
+    min_s: float = math.nan
+
+    @property
+    def iqr_s(self) -> float:
+        return self.q3_s - self.q1_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    copy_bytes_per_s: float   # bytes read + written per second by a large tensor copy
+    matmul_flops_per_s: float  # float32 matmul throughput
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    topic: str
+    case: str
+    impl: str
+    timing: Timing | None = None
+    peak_bytes: int | None = None
+    floor_s: float | None = None
+    note: str = ""
+
+
+# --- discovery --------------------------------------------------------------------------------
+def discover(directory: Path = BENCH_DIR) -> dict[str, Path]:
+    """``topic -> path`` for every ``bench_<topic>.py`` in ``directory``, sorted by topic."""
+    return {p.stem.removeprefix("bench_"): p for p in sorted(directory.glob("bench_*.py"))}
+
+
+def load(path: Path) -> ModuleType:
+    """Import a bench module from its file path (benchmarks/ is not a package)."""
+    name = f"_bench_{Path(path).stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(builder: Builder) -> Callable[[], object]:
+    """Run a builder; a missing peer (``ImportError``) becomes :class:`Unavailable`."""
+    try:
+        return builder()
+    except ImportError as err:
+        raise Unavailable(f"not installed ({err.name or err})") from err
+
+
+# --- timing -----------------------------------------------------------------------------------
+def synchronize() -> None:
+    """Wait for queued device work, so a timer measures it (a no-op on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def time_thunk(thunk: Callable[[], object], *, reps: int, warmup: int = 1) -> Timing:
+    """Median and quartiles of ``reps`` timed calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        thunk()
+    synchronize()
+    times = []
+    for _ in range(max(1, reps)):
+        start = time.perf_counter()
+        result = thunk()
+        synchronize()
+        times.append(time.perf_counter() - start)
+        del result
+    q1, med, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else times * 3
+    return Timing(med, q1, q3, len(times), min(times))
+
+
+def measure_rates(*, tiny: bool = False) -> Rates:
+    """The machine's copy bandwidth (bytes read + written per second) and matmul throughput.
+
+    The fastest of several runs: what the machine can do, not what a busy moment allowed.
+    """
+    n_bytes = (8 if tiny else 256) * 2**20
+    src = torch.ones(n_bytes // 4)
+    dst = torch.empty_like(src)
+    copy = time_thunk(lambda: dst.copy_(src), reps=3 if tiny else 7)
+    n = 256 if tiny else 1024
+    a, b = torch.ones(n, n), torch.ones(n, n)
+    out = torch.empty(n, n)
+    mm = time_thunk(lambda: torch.mm(a, b, out=out), reps=3 if tiny else 7)
+    return Rates(2 * n_bytes / copy.min_s, 2 * n**3 / mm.min_s)
+
+
+def floor_seconds(floor: dict | None, rates: Rates) -> float | None:
+    """Time of a case's unavoidable work: ``max(bytes / bandwidth, flops / throughput)``."""
+    if not floor:
+        return None
+    parts = [floor.get("bytes", 0) / rates.copy_bytes_per_s, floor.get("flops", 0) / rates.matmul_flops_per_s]
+    return max(parts) or None
+
+
+# --- the machine ------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_line(threads: int) -> str:
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    device = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{_cpu_model()}, {os.cpu_count()} cores, torch threads {threads}, "
+            f"load average at start {load}{device}")
+
+
+def versions(packages: Iterable[str] = ("torch", "trl", "torchrl", "tensordict")) -> dict[str, str]:
+    """Installed versions, read from package metadata (nothing is imported)."""
+    out = {}
+    for name in packages:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+# --- peak memory ------------------------------------------------------------------------------
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset the resident-set high-water mark to the current resident set (Linux ≥ 4.0)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _status_kb("VmHWM") is not None
+    except OSError:
+        return False
+
+
+def _maxrss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def measure_once(path: str, case: str, impl: str, tiny: bool, threads: int) -> dict:
+    """In this (fresh) process: build the inputs, then run the thunk once; peak extra bytes.
+
+    Uses ``VmHWM`` reset through ``/proc/self/clear_refs`` where available (exact), else the
+    ``getrusage`` high-water mark (an underestimate when building the inputs peaked higher).
+    """
+    torch.set_num_threads(threads)
+    # start the runtime's lazy parts (thread pool, autograd engine) so they are not charged
+    x = torch.ones(1 << 16, requires_grad=True)
+    torch.autograd.grad(x.exp().sum(), x)
+    del x
+    try:
+        thunk = build(load(Path(path)).cases(tiny)[case][impl])
+    except Unavailable as err:
+        return {"error": str(err)}
+    gc.collect()
+    exact = _reset_peak()
+    before = _status_kb("VmRSS") * 1024 if exact else _maxrss_bytes()
+    result = thunk()
+    synchronize()
+    after = _status_kb("VmHWM") * 1024 if exact else _maxrss_bytes()
+    del result
+    return {"peak_bytes": max(0, after - before), "exact": exact}
+
+
+class MemoryProbe:
+    """Measures peak memory of (case, impl) pairs, each in a fresh process.
+
+    On POSIX a server process imports torch and the bench modules once and forks one child per
+    measurement (so a peer that takes seconds to import is imported once); it never runs a
+    tensor op itself, which keeps forking safe. Elsewhere each measurement is a new interpreter.
+    """
+
+    def __init__(self, paths: Iterable[Path], *, tiny: bool, threads: int, timeout_s: float = 600):
+        self.tiny, self.threads, self.timeout_s = tiny, threads, timeout_s
+        self.proc, self.ready = None, False
+        # glibc's mmap threshold, fixed: blocks from 1 MiB up are mapped on allocation and unmapped
+        # on release, so the peak counts live memory, not heap slack that depends on what the
+        # process did before (with the default, dynamic threshold the same thunk read 35-85 MB)
+        self.env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576")}
+        if hasattr(os, "fork"):
+            cmd = [sys.executable, __file__, "--serve", "--threads", str(threads), *["--tiny"] * tiny,
+                   *map(str, paths)]
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                         env=self.env)
+
+    def wait_ready(self) -> None:
+        """Block until the server has imported the bench modules (so it does not compete with timing)."""
+        if self.proc is not None and not self.ready:
+            self.proc.stdout.readline()
+            self.ready = True
+
+    def measure(self, path: Path, case: str, impl: str) -> dict:
+        request = {"path": str(path), "case": case, "impl": impl, "tiny": self.tiny, "threads": self.threads}
+        if self.proc is None:
+            cmd = [sys.executable, __file__, "--measure", json.dumps(request)]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, env=self.env)
+                return json.loads(done.stdout.strip().splitlines()[-1])
+            except (subprocess.TimeoutExpired, IndexError, json.JSONDecodeError) as err:
+                return {"error": f"measurement failed ({type(err).__name__})"}
+        self.wait_ready()
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line else {"error": "memory server died"}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+            self.proc = None
+
+    def __enter__(self) -> "MemoryProbe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _serve(paths: list[str], threads: int, tiny: bool, timeout_s: float = 600) -> None:
+    """Memory server loop: one JSON request per stdin line, one JSON answer per stdout line.
+
+    The protocol keeps stdout to itself: anything else printed (by imports, bench modules, the
+    children) goes to stderr.
+    """
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for p in paths:
+        try:  # import bench modules, and what their cases() import lazily, once before forking
+            load(Path(p)).cases(tiny)
+        except Exception:  # noqa: BLE001 - reported per measurement by the child instead
+            pass
+    gc.collect()
+    gc.freeze()  # children's collections then skip the inherited objects (no copy-on-write storm)
+    print("ready", file=proto, flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: measure, answer, and leave without running any cleanup
+            os.close(read_fd)
+            try:
+                answer = measure_once(req["path"], req["case"], req["impl"], req["tiny"], req["threads"])
+            except BaseException as err:  # noqa: BLE001
+                answer = {"error": f"{type(err).__name__}: {err}"}
+            with os.fdopen(write_fd, "w") as w:
+                w.write(json.dumps(answer))
+            os._exit(0)
+        os.close(write_fd)
+        with os.fdopen(read_fd) as r:
+            deadline = time.monotonic() + timeout_s
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.005)
+            text = r.read()
+        print(text or json.dumps({"error": "measurement process failed"}), file=proto, flush=True)
+
+
+# --- report -----------------------------------------------------------------------------------
+def _ms(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.3g}" if seconds < 1 else f"{seconds * 1e3:.0f}"
+
+
+def _fmt_ratio(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def format_table(rows: list[Row]) -> str:
+    """Markdown table: case, impl, median ms, IQR, ratio vs rlcore, peak extra MB, × floor."""
+    head = ("| case | impl | median ms | IQR ms | vs rlcore (peer/ours) | peak extra MB | × floor |\n"
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    ours = {r.case: r.timing for r in rows if r.impl == REFERENCE_IMPL and r.timing is not None}
+    lines = [head]
+    for r in rows:
+        if r.timing is None:
+            status = "failed" if r.note.startswith("failed") else "skipped"
+            lines.append(f"| {r.case} | {r.impl} | {status} | | | | |")
+            continue
+        ref = ours.get(r.case)
+        ratio = _fmt_ratio(r.timing.median_s / ref.median_s) if ref else "—"
+        mem = "—" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}"
+        dist = "—" if r.floor_s is None else _fmt_ratio(r.timing.median_s / r.floor_s)
+        lines.append(f"| {r.case} | {r.impl} | {_ms(r.timing.median_s)} | {_ms(r.timing.iqr_s)} | {ratio} "
+                     f"| {mem} | {dist} |")
+    notes = [f"- {r.case} / {r.impl}: {r.note}" for r in rows if r.note]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def format_report(tables: dict[str, str], *, command: str, threads: int, rates: Rates, machine: str) -> str:
+    vers = ", ".join(f"{k} {v}" for k, v in versions().items())
+    parts = [
+        "# Benchmarks", "",
+        f"Command: `{command}`  ",
+        f"Versions: {vers}  ",
+        f"Machine: {machine}  ",
+        f"Rates: copy {rates.copy_bytes_per_s / 1e9:.1f} GB/s (read + write), "
+        f"matmul {rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s (float32)", "",
+        "Median of the timed runs after a warm-up; IQR = interquartile range; vs rlcore = peer time / "
+        "rlcore time (> 1: rlcore faster); peak extra = resident-set high-water mark while running "
+        "once, above the resident set after building inputs, each in a fresh process; × floor = "
+        "median / (the case's bytes ÷ copy bandwidth, or flops ÷ matmul throughput).", "",
+    ]
+    for topic, table in tables.items():
+        parts += [f"## {topic}", "", table, ""]
+    return "\n".join(parts)
+
+
+def _main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="memory measurement entry points (used by run.py)")
+    parser.add_argument("--serve", action="store_true")
+    parser.add_argument("--measure", metavar="JSON")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("paths", nargs="*")
+    args = parser.parse_args(argv)
+    if args.serve:
+        torch.set_num_threads(args.threads)
+        _serve(args.paths, args.threads, args.tiny)
+    elif args.measure:
+        req = json.loads(args.measure)
+        print(json.dumps(measure_once(req["path"], req["case"], req["impl"], req["tiny"], req["threads"])))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,154 @@
+"""Tests for the benchmark harness: the tiny end-to-end run, and the harness pieces on fakes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness as H  # noqa: E402
+import run as R  # noqa: E402
+
+FAKE_BENCH = '''
+import torch
+
+def _alloc(n_bytes):
+    def builder():
+        x = torch.ones(4)
+        return lambda: torch.full((n_bytes // 4,), x[0].item())
+    return builder
+
+def _missing():
+    import a_peer_that_is_not_installed  # noqa: F401
+
+def _broken():
+    return lambda: 1 / 0
+
+def cases(tiny):
+    return {
+        "alloc": {"rlcore": _alloc(64 * 2**20), "small": _alloc(4096), "peer": _missing},
+        "broken": {"rlcore": _broken},
+    }
+
+def floors(tiny):
+    return {"alloc": {"bytes": 64 * 2**20}}
+'''
+
+
+@pytest.fixture
+def fake_dir(tmp_path: Path) -> Path:
+    (tmp_path / "bench_fake.py").write_text(textwrap.dedent(FAKE_BENCH))
+    return tmp_path
+
+
+def _run_tiny(*extra: str) -> str:
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "benchmarks/run.py", "--tiny", *extra], cwd=ROOT, capture_output=True,
+                          text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-2000:]
+    print(f"run.py --tiny {' '.join(extra)}: {time.monotonic() - start:.1f} s")
+    return done.stdout
+
+
+def test_tiny_run_prints_the_table():
+    """The logprobs benchmarks end to end (other topics: the slow test below)."""
+    out = _run_tiny("--topics", "logprobs")
+    assert "| case | impl | median ms | IQR ms | vs rlcore (peer/ours) | peak extra MB | × floor |" in out
+    for line in ("## logprobs", "Command: `python benchmarks/run.py --tiny --topics logprobs`", "Versions: torch ",
+                 "Machine: "):
+        assert line in out
+    rows = [line for line in out.splitlines() if line.startswith("| logits") or line.startswith("| hidden")]
+    assert len(rows) >= 5 * 2
+    ours = [r for r in rows if r.split("|")[2].strip() == "rlcore"]
+    assert len(ours) == 5 and all(r.split("|")[5].strip() == "1.00" for r in ours)
+    # every rlcore row got a memory figure and a floor distance
+    assert all(r.split("|")[6].strip() not in ("—", "") and r.split("|")[7].strip() != "—" for r in ours)
+
+
+@pytest.mark.slow
+def test_tiny_run_of_every_bench_module():
+    """``run.py --tiny`` over every bench_*.py: each topic gets its table, none fails to import."""
+    out = _run_tiny()
+    assert "failed to import" not in out
+    for topic in H.discover():
+        assert f"## {topic}" in out
+
+
+def test_missing_peer_and_broken_impl_are_notes_not_crashes(fake_dir, capsys):
+    (fake_dir / "bench_zbroken.py").write_text("import a_module_that_does_not_exist\n")
+    threads = str(torch.get_num_threads())  # run.main sets it for the process: keep it as it is
+    report = R.main(["--tiny", "--dir", str(fake_dir), "--no-memory", "--reps", "2", "--threads", threads])
+    assert "## zbroken" in report and "failed to import: ModuleNotFoundError" in report
+    assert "## fake" in report
+    assert "| alloc | peer | skipped |" in report
+    assert "alloc / peer: skipped: not installed (a_peer_that_is_not_installed)" in report
+    assert "| broken | rlcore | failed |" in report and "ZeroDivisionError" in report
+    small = next(line for line in report.splitlines() if line.startswith("| alloc | small |"))
+    assert float(small.split("|")[5]) > 0  # a ratio against rlcore's row
+
+
+def test_memory_probe_measures_peak_extra_in_fresh_processes(fake_dir):
+    path = fake_dir / "bench_fake.py"
+    with H.MemoryProbe([path], tiny=True, threads=1) as probe:
+        big = probe.measure(path, "alloc", "rlcore")
+        small = probe.measure(path, "alloc", "small")
+        missing = probe.measure(path, "alloc", "peer")
+    assert 60 <= big["peak_bytes"] / 2**20 <= 80, big
+    assert small["peak_bytes"] / 2**20 < 8, small
+    assert "not installed" in missing["error"]
+
+
+def test_time_thunk_floor_and_table_formatting():
+    calls = []
+    timing = H.time_thunk(lambda: calls.append(1), reps=5, warmup=2)
+    assert len(calls) == 7 and timing.reps == 5 and timing.q1_s <= timing.median_s <= timing.q3_s
+    rates = H.Rates(copy_bytes_per_s=1e9, matmul_flops_per_s=1e12)
+    assert H.floor_seconds({"bytes": 2e9}, rates) == pytest.approx(2.0)
+    assert H.floor_seconds({"bytes": 1e6, "flops": 3e12}, rates) == pytest.approx(3.0)
+    assert H.floor_seconds(None, rates) is None
+    rows = [H.Row("t", "c", "rlcore", H.Timing(0.010, 0.009, 0.012, 5), 3 * 2**20, 0.005),
+            H.Row("t", "c", "peer", H.Timing(0.030, 0.02, 0.04, 5), None, 0.005),
+            H.Row("t", "c", "absent", note="skipped: not installed (x)")]
+    table = H.format_table(rows)
+    assert "| c | rlcore | 10 | 3 | 1.00 | 3.0 | 2.00 |" in table
+    assert "| c | peer | 30 | 20 | 3.00 | — | 6.00 |" in table
+    assert "| c | absent | skipped |" in table and "- c / absent: skipped: not installed (x)" in table
+
+
+def test_discover_and_protocol_of_bench_logprobs():
+    paths = H.discover()
+    assert "logprobs" in paths
+    module = H.load(paths["logprobs"])
+    cases, floors = module.cases(True), module.floors(True)
+    assert set(floors) == set(cases)
+    for impls in cases.values():
+        assert next(iter(impls)) == H.REFERENCE_IMPL
+    versions = H.versions()
+    assert set(versions) >= {"torch", "trl", "torchrl"}
+
+
+def test_memory_server_protocol_survives_noisy_benches(tmp_path):
+    """A bench that prints to stdout (at import and while running) cannot break the protocol."""
+    (tmp_path / "bench_noisy.py").write_text(textwrap.dedent('''
+        import torch
+        print("hello from import")
+
+        def _b():
+            print("building")
+            return lambda: print("running") or torch.ones(8)
+
+        def cases(tiny):
+            return {"c": {"rlcore": _b}}
+    '''))
+    path = tmp_path / "bench_noisy.py"
+    with H.MemoryProbe([path], tiny=True, threads=1) as probe:
+        first, second = probe.measure(path, "c", "rlcore"), probe.measure(path, "c", "rlcore")
+    assert "peak_bytes" in first and "peak_bytes" in second
