@@ -67,8 +67,15 @@ def _zero(x: Tensor, mask: Tensor) -> Tensor:
 
 
 # --- importance ratios ------------------------------------------------------------------------
+def _check_ratio_inputs(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> None:
+    check_float("logprobs", logprobs)
+    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs)
+    check_mask("mask", mask, like=logprobs, like_name="logprobs")
+
+
 def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
     """``log ρ_t = lp_t − old_t`` per token, 0 outside ``mask`` (PPO)."""
+    _check_ratio_inputs(logprobs, old_logprobs, mask)
     return _zero(logprobs - old_logprobs.detach(), mask)
 
 
@@ -80,6 +87,7 @@ def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> 
     estimators give) and any aggregation mode (all weigh the tokens of one sequence equally),
     the aggregated loss has exactly the value and gradient of the sequence-level objective.
     """
+    _check_ratio_inputs(logprobs, old_logprobs, mask)
     mean = masked_mean(logprobs.detach() - old_logprobs.detach(), mask, dim=-1, keepdim=True)
     return _zero(logprobs - logprobs.detach() + mean, mask)
 
@@ -91,6 +99,7 @@ def sequence_sum_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor)
     ``seq_mean_token_mean`` the loss is ``mean_i ℓ(S_i)`` in value and gradient, TRL's
     sequence-level RLOO loss. The ratio is ``exp`` of the *sum* (not the mean, unlike GSPO).
     """
+    _check_ratio_inputs(logprobs, old_logprobs, mask)
     total = masked_sum(logprobs - old_logprobs.detach(), mask, dim=-1, keepdim=True)
     return _zero(total.expand_as(logprobs), mask)
 
@@ -331,11 +340,15 @@ def clip_fraction(clipped: Tensor, mask: Tensor, *, dtype: torch.dtype = torch.f
 def ratio_stats(log_ratio: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """``(mean_{mask} ρ, max_{mask} ρ)`` with ``ρ = exp(log_ratio)``.
 
+    An empty mask gives ``(0, 0)``.
+
     >>> ratio_stats(torch.tensor([0.0, 0.5, 7.0]).log1p(), torch.tensor([True, True, False]))
     (tensor(1.2500), tensor(1.5000))
     """
+    check_mask("mask", mask, like=log_ratio, like_name="log_ratio")
     ratio = torch.exp(_zero(log_ratio.detach(), mask))
-    return masked_mean(ratio, mask), _zero(ratio, mask).amax()
+    # max over the valid tokens (ratios are > 0, so the zeroed padding never wins); 0 when there are none
+    return masked_mean(ratio, mask), torch.cat([_zero(ratio, mask).flatten(), ratio.new_zeros(1)]).amax()
 
 
 def explained_variance(predictions: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
@@ -353,6 +366,7 @@ def explained_variance(predictions: Tensor, targets: Tensor, mask: Tensor) -> Te
     >>> explained_variance(v, r, torch.ones(3, dtype=torch.bool))
     tensor(0.6667)
     """
+    check_same_shape("targets", targets, predictions=predictions)
     targets, predictions = targets.detach(), predictions.detach()
     var_t = masked_var(targets, mask)
     var_res = masked_var(_zero(targets, mask) - _zero(predictions, mask), mask)
@@ -401,6 +415,8 @@ def _policy_terms(batch, mask, agg, *, surrogate, clip_eps_low, clip_eps_high, c
     zero = lp.new_zeros(())
     losses = {"loss_policy": agg(sur.loss), "loss_entropy": zero, "loss_kl": zero}
     token_lr = lp.detach() - old
+    if log_ratio_clamp is not None:  # the metrics see the ratio the loss sees
+        token_lr = token_lr.clamp(-log_ratio_clamp, log_ratio_clamp)
     ratio_mean, ratio_max = ratio_stats(log_ratio, mask)
     metrics = {"approx_kl_k1": approx_kl_k1(token_lr, mask), "approx_kl_k3": approx_kl_k3(token_lr, mask),
                "clipfrac_low": clip_fraction(sur.clipped_low, mask, dtype=lp.dtype),

@@ -219,7 +219,7 @@ def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.T
     """
     check_float("advantages", advantages)
     check_mask("mask", mask)
-    if mask.shape[:-1] != advantages.shape:
+    if mask.ndim == 0 or mask.shape[:-1] != advantages.shape:
         raise ValueError(f"mask: expected shape [{', '.join(map(str, advantages.shape))}, T] (the shape "
                          f"of advantages plus a time dim), got [{', '.join(map(str, mask.shape))}]")
     return torch.where(mask, advantages[..., None], torch.zeros((), dtype=advantages.dtype,
@@ -288,6 +288,9 @@ def remax_advantage(rewards: torch.Tensor, baseline_scores: torch.Tensor, mask: 
         Aligning Large Language Models", https://arxiv.org/abs/2310.10505
     """
     check_float("baseline_scores", baseline_scores)
+    if baseline_scores.shape != rewards.shape[:-1]:
+        raise ValueError(f"baseline_scores: expected shape [{', '.join(map(str, rewards.shape[:-1]))}] (the shape "
+                         f"of rewards without its time dim), got [{', '.join(map(str, baseline_scores.shape))}]")
     returns = discounted_returns(rewards, mask, gamma=1.0)
     return returns - broadcast_to_tokens(baseline_scores.detach().to(returns.dtype), mask)
 
