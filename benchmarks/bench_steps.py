@@ -13,9 +13,11 @@ Cases (full size; ``--tiny`` shrinks every dimension):
   on the chunked hidden-state log-prob path, the DPO loss, backward, clip, AdamW); under bf16 the
   same pieces with the reference forward in ``torch.autocast`` and ``update(autocast_dtype=bf16)``.
   ``plain``: full-logits forwards (``log_softmax → gather``), loss, backward, clip, AdamW.
-  ``trl``: ``DPOTrainer.training_step`` (TRL's defaults but ``bf16``: gradient checkpointing on,
-  its fused LM head; forward + backward only, no optimiser step) on the batch its collator makes
-  of the same rows; ``trl_no_ckpt`` with ``gradient_checkpointing=False``. Tokens/s = 4,096 / median.
+  ``trl``: ``DPOTrainer.training_step`` (TRL's defaults, gradient checkpointing on, its fused LM
+  head; ``bf16=False``, and ``bf16=True``, its own autocast, in the bf16 case; forward + backward
+  only, no optimiser step) on the batch its collator makes of the same rows; ``trl_no_ckpt`` with
+  ``gradient_checkpointing=False``. Tokens/s = 4,096 / median; the bf16 goal compares the bf16
+  ``rlcore`` row with the float32 ``trl`` row.
 - ``rloo step`` / ``grpo step``: one prompt of 64 tokens × 8 samples × 64 new tokens (EOS is
   ~1/32,000 per token: responses run to the budget), a Python reward function, one optimiser
   epoch. ``rlcore``: the recipe's step with generation through the KV-cached sampling loop

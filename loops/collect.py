@@ -258,7 +258,9 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
     for step in range(max_new_tokens):
         token, lp_s, lp_t = _draw(logits, pick=pick, temperature=tau, top_k=top_k, top_p=top_p, generator=generator)
         token = torch.where(done, pad_token_id, token)
-        tokens.append(token), sampled.append(lp_s), tempered.append(lp_t)
+        tokens.append(token)
+        sampled.append(lp_s)
+        tempered.append(lp_t)
         done = done | torch.isin(token, stops)
         if step + 1 == max_new_tokens or bool(done.all()):  # one host sync per step, as generate's criteria
             break

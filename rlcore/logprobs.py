@@ -23,11 +23,9 @@ from rlcore.masked import masked_mean, masked_sum
 
 __all__ = ["token_logprobs", "entropy_from_logits", "hidden_logprobs", "sequence_logprobs"]
 
-# Budgets for the float32 temporaries of one row chunk (logits path) and one block (hidden path).
-# Small against the [N, V] tensors (GBs), large enough that the per-op overhead of a chunk
-# (dispatch, waking the intra-op threads) stays negligible: measured on CPU, 4 MB chunks were
-# ~3x slower than 16 MB ones on a busy machine, and no faster on an idle one. The hidden path's
-# blocks also feed matmuls, which prefer them larger still.
+# float32 bytes of one row chunk (logits path) and one block (hidden path): small against [N, V],
+# large enough that per-op overhead stays negligible (4 MB chunks ran ~3x slower than 16 MB ones
+# on a busy CPU, no faster on an idle one); the hidden path's blocks also feed matmuls.
 _CHUNK_BYTES = 16 * 2**20
 _BLOCK_BYTES = 32 * 2**20
 
@@ -67,11 +65,8 @@ def _row_chunks(x: torch.Tensor, rows: int) -> list[tuple[int, torch.Tensor]]:
 
 
 def _rows_per_chunk(width: int, chunk_size: int | None) -> int:
-    if chunk_size is not None:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size}")
-        return chunk_size
-    return max(1, _CHUNK_BYTES // (4 * max(width, 1)))
+    _check_positive("chunk_size", chunk_size)
+    return chunk_size if chunk_size is not None else max(1, _CHUNK_BYTES // (4 * max(width, 1)))
 
 
 def _check_positive(name: str, value: float | None) -> None:
@@ -87,27 +82,44 @@ def _check_labels(labels: torch.Tensor, like: torch.Tensor, like_name: str) -> N
                         f"with shape {list(labels.shape)}")
 
 
-def _scaled_log_softmax(chunk: torch.Tensor, temperature: float, acc: torch.dtype):
-    """``(x, log_softmax(x))`` with ``x = chunk / temperature`` in ``acc`` (``chunk`` itself if it can)."""
-    x = chunk.to(acc)
-    if temperature != 1.0:  # in place on our own copy, out of place on the caller's chunk
-        x = x / temperature if x is chunk else x.div_(temperature)
+def _work(logits: torch.Tensor, rows: int, acc: torch.dtype, needed: bool) -> torch.Tensor | None:
+    """A reusable ``[rows, V]`` chunk in ``acc`` if ``needed``: one allocation per call, not per chunk."""
+    n = math.prod(logits.shape[:-1])
+    return torch.empty(min(rows, n), logits.shape[-1], dtype=acc, device=logits.device) if needed else None
+
+
+def _scaled_log_softmax(chunk: torch.Tensor, temperature: float, work: torch.Tensor | None):
+    """``(x, log_softmax(x))`` with ``x = chunk / τ`` in float32 (``chunk`` itself, or in ``work``)."""
+    if work is None:
+        x = chunk
+    elif chunk.dtype == work.dtype:
+        x = torch.div(chunk, temperature, out=work[:len(chunk)])
+    else:  # upcast first: a division by a Python number would run (and round) in half precision
+        x = work[:len(chunk)].copy_(chunk)
+        if temperature != 1.0:
+            x.div_(temperature)
     return x, torch.log_softmax(x, dim=-1)
 
 
-def _logp_into(chunk: torch.Tensor, lse: torch.Tensor, temperature: float, out: torch.Tensor) -> torch.Tensor:
-    """``out = chunk/τ − lse`` (the log-softmax) in one pass; a half chunk is promoted as it is read."""
-    return torch.add(-lse[:, None], chunk, alpha=1.0 / temperature, out=out)
+def _grad_chunks(logits, lse, rows, temperature, fill) -> torch.Tensor:
+    """Backward of a row-chunked function: ``work = logits/τ − lse`` (log p) per chunk, turned in
+    place into the chunk's gradient by ``fill(work, rows_slice)``, all in one gradient buffer.
 
-
-def _grad_buffers(logits: torch.Tensor, rows: int, acc: torch.dtype):
-    """The gradient ``[..., V]`` (logits' dtype), its ``[N, V]`` view, and a reusable float32 work
-    chunk for half-precision logits (``None`` otherwise: the work then happens in the gradient)."""
+    ``work`` is the gradient's own rows when no cast is needed (no temporary at all), else one
+    reusable float32 chunk copied into the half-precision gradient.
+    """
+    acc = lse.dtype
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    grad_rows = grad.view(-1, logits.shape[-1])
-    work = None if logits.dtype == acc else torch.empty(
-        min(rows, grad_rows.shape[0]), logits.shape[-1], dtype=acc, device=logits.device)
-    return grad, grad_rows, work
+    grad_rows, buf = grad.view(-1, logits.shape[-1]), _work(logits, rows, acc, logits.dtype != acc)
+    for off, chunk in _row_chunks(logits, rows):
+        sl = slice(off, off + len(chunk))
+        dst = grad_rows[sl]
+        out = dst if buf is None else buf[:len(chunk)]
+        work = torch.add(-lse[sl, None], chunk, alpha=1.0 / temperature, out=out)  # half chunks promoted
+        fill(work, sl)
+        if work is not dst:
+            dst.copy_(work)
+    return grad
 
 
 # --- token_logprobs -------------------------------------------------------------------------
@@ -119,12 +131,12 @@ class _TokenLogprobs(torch.autograd.Function):
         acc = _acc(logits.dtype)
         n = labels.numel()
         flat_labels = labels.reshape(n, 1)
-        out = torch.empty(n, dtype=acc, device=logits.device)
-        lse = torch.empty(n, dtype=acc, device=logits.device)
+        out, lse = (torch.empty(n, dtype=acc, device=logits.device) for _ in range(2))
         lowest = torch.finfo(acc).min
+        work = _work(logits, rows, acc, logits.dtype != acc or temperature != 1.0)
         for off, chunk in _row_chunks(logits, rows):
             sl = slice(off, off + len(chunk))
-            x, logp = _scaled_log_softmax(chunk, temperature, acc)
+            x, logp = _scaled_log_softmax(chunk, temperature, work)
             lp = logp.gather(-1, flat_labels[sl])[:, 0]
             out[sl] = lp
             # lse = x_y − logp_y: exact to a few ulps of |logp_y|, and no extra pass over the
@@ -140,20 +152,12 @@ class _TokenLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         logits, flat_labels, lse = ctx.saved_tensors
-        t = ctx.temperature
-        acc = lse.dtype
-        grad, grad_rows, buf = _grad_buffers(logits, ctx.rows, acc)
-        g = grad_out.reshape(-1, 1).to(acc) / t                    # [N, 1]
-        for off, chunk in _row_chunks(logits, ctx.rows):
-            sl = slice(off, off + len(chunk))
-            dst = grad_rows[sl]
-            # in the gradient itself when no cast is needed: no temporaries at all
-            work = _logp_into(chunk, lse[sl], t, dst if buf is None else buf[:len(chunk)])
-            work.exp_().mul_(-g[sl])                              # −g·softmax / T
-            work.scatter_add_(-1, flat_labels[sl], g[sl])         # + g·onehot / T
-            if work is not dst:
-                dst.copy_(work)
-        return grad, None, None, None
+        g = grad_out.reshape(-1, 1).to(lse.dtype) / ctx.temperature   # [N, 1]
+
+        def fill(logp, sl):  # log p → g·(onehot(y) − p)/τ, in place
+            logp.exp_().mul_(-g[sl]).scatter_add_(-1, flat_labels[sl], g[sl])
+
+        return _grad_chunks(logits, lse, ctx.rows, ctx.temperature, fill), None, None, None
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
@@ -191,6 +195,8 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     """
     check_float("logits", logits)
     check_ndim("logits", logits, min_ndim=1, layout="[..., V]")
+    if logits.shape[-1] == 0:
+        raise ValueError(f"logits: expected a non-empty vocabulary dim [..., V], got shape {list(logits.shape)}")
     _check_labels(labels, logits, "logits")
     _check_positive("temperature", temperature)
     rows = _rows_per_chunk(logits.shape[-1], chunk_size)
@@ -205,11 +211,11 @@ class _Entropy(torch.autograd.Function):
     def forward(ctx, logits, temperature, rows):
         acc = _acc(logits.dtype)
         n = math.prod(logits.shape[:-1])
-        ent = torch.empty(n, dtype=acc, device=logits.device)
-        lse = torch.empty(n, dtype=acc, device=logits.device)
+        ent, lse = (torch.empty(n, dtype=acc, device=logits.device) for _ in range(2))
+        work = _work(logits, rows, acc, logits.dtype != acc or temperature != 1.0)
         for off, chunk in _row_chunks(logits, rows):
             sl = slice(off, off + len(chunk))
-            x, logp = _scaled_log_softmax(chunk, temperature, acc)
+            x, logp = _scaled_log_softmax(chunk, temperature, work)
             # lse = max_v x_v − max_v log p_v: read where log p ≈ 0, so exact and finite
             lse[sl] = x.amax(dim=-1) - logp.amax(dim=-1)
             p = logp.exp()
@@ -224,20 +230,14 @@ class _Entropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         logits, lse, ent = ctx.saved_tensors
-        t, acc = ctx.temperature, lse.dtype
-        grad, grad_rows, buf = _grad_buffers(logits, ctx.rows, acc)
-        g = grad_out.reshape(-1, 1).to(acc) / t
-        for off, chunk in _row_chunks(logits, ctx.rows):
-            sl = slice(off, off + len(chunk))
-            dst = grad_rows[sl]
-            logp = _logp_into(chunk, lse[sl], t, dst if buf is None else buf[:len(chunk)])
+        g = grad_out.reshape(-1, 1).to(lse.dtype) / ctx.temperature
+        lowest = torch.finfo(lse.dtype).min
+
+        def fill(logp, sl):  # log p → −g·p·(log p + H)/τ, in place (log p clamped: 0·−inf is NaN)
             p = logp.exp()
-            # ∂H/∂x_v = −p_v (log p_v + H) / T
-            logp.clamp_(min=torch.finfo(acc).min).add_(ent[sl, None]).mul_(p).mul_(-g[sl])
-            if logp is not dst:
-                dst.copy_(logp)
-            del p
-        return grad, None, None
+            logp.clamp_(min=lowest).add_(ent[sl, None]).mul_(p).mul_(-g[sl])
+
+        return _grad_chunks(logits, lse, ctx.rows, ctx.temperature, fill), None, None
 
 
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
@@ -284,13 +284,9 @@ def _head_block(h, weight, bias, v0, v1, *, acc, logit_scale, softcap, temperatu
     """
     w = weight[v0:v1]
     z = (h @ w.T if bias is None else torch.addmm(bias[v0:v1], h, w.T)).to(acc)
-    if logit_scale != 1.0:
-        z.mul_(logit_scale)
-    if softcap is not None:
-        z.div_(softcap).tanh_().mul_(softcap)
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z
+    if softcap is not None:  # the three scalings folded into two passes
+        return z.mul_(logit_scale / softcap).tanh_().mul_(softcap / temperature)
+    return z if logit_scale == temperature else z.mul_(logit_scale / temperature)
 
 
 def _label_logit(l, labels, v0, current):
@@ -317,9 +313,10 @@ def _fold_vocabulary(h, labels, weight, bias, chunk, with_entropy, **kw):
         rescale = torch.exp(m - m_new)
         d = l.sub_(m_new[:, None])                                   # l − m', in place
         e = d.exp() if with_entropy else d.exp_()
+        s_block = e.sum(-1)
         if with_entropy:
-            u = rescale * (u + (m - m_new) * s) + (e * d).sum(-1)
-        s, m = s * rescale + e.sum(-1), m_new
+            u = rescale * (u + (m - m_new) * s) + e.mul_(d).sum(-1)
+        s, m = s * rescale + s_block, m_new
         del l, d, e  # free the block before the next one is computed
     log_s = s.log()
     return m + log_s, label_logit, (log_s - u / s) if with_entropy else m[:0]
@@ -363,9 +360,8 @@ class _HiddenLogprobs(torch.autograd.Function):
             h = hidden[rs]
             for v0 in range(0, weight.shape[0], ctx.chunk):
                 l = _head_block(h, weight, bias, v0, v0 + ctx.chunk, **kw)
-                q, row = _softmax_grad_block(l, lse[rs], ent[rs] if g_ent is not None else None, g_lp[rs],
-                                             None if g_ent is None else g_ent[rs], softcap=kw["softcap"],
-                                             temperature=kw["temperature"])
+                q, row = _softmax_grad_block(l, lse[rs], ent[rs], g_lp[rs], None if g_ent is None else g_ent[rs],
+                                             softcap=kw["softcap"], temperature=kw["temperature"])
                 qd, w = q.to(hidden.dtype), weight[v0:v0 + ctx.chunk]
                 if need_h:
                     grad_h[rs].addcmul_((qd @ w).to(acc), row[:, None])
@@ -397,10 +393,10 @@ def _softmax_grad_block(l, lse, ent, g_lp, g_ent, *, softcap, temperature):
         return l.sub_(lse[:, None]).exp_(), -g_lp
     dtanh = None if softcap is None else 1 - (l * (temperature / softcap)).square()  # 1 − tanh²
     logp = l.sub_(lse[:, None])
-    p = logp.exp()
     if g_ent is None:
-        q = p.mul_(g_lp[:, None])
+        q = logp.exp_().mul_(g_lp[:, None])
     else:
+        p = logp.exp()
         q = logp.add_(ent[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None]).mul_(p)
     if dtanh is not None:
         q.mul_(dtanh)
@@ -486,6 +482,9 @@ def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     _check_positive("softcap", softcap)
     _check_positive("chunk_size", chunk_size)
     lead = hidden.shape[:-1]
+    if hidden.numel() == 0:  # no rows: empty results, still attached to the graph of hidden
+        empty = hidden.sum(-1).to(_acc(hidden.dtype)) * 0
+        return (empty, empty.clone()) if with_entropy else empty
     lp, ent = _HiddenLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1).long(),
         float(temperature), None if softcap is None else float(softcap), float(logit_scale),

@@ -18,6 +18,7 @@ __all__ = [
     "assert_pure",
     "assert_padding_invariant",
     "assert_same",
+    "tensor_leaves",
     "right_padded_mask",
     "left_padded_mask",
     "make_rollout",
@@ -28,7 +29,8 @@ __all__ = [
 
 
 # --- walking nested inputs and outputs ------------------------------------------------------
-def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def tensor_leaves(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` for every tensor inside tensors, TensorDicts, dicts, lists, tuples and dataclasses."""
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, TensorDictBase):
@@ -36,13 +38,13 @@ def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{path}[{k!r}]", v
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _leaves(v, f"{path}[{k!r}]")
+            yield from tensor_leaves(v, f"{path}[{k!r}]")
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _leaves(v, f"{path}[{i}]")
+            yield from tensor_leaves(v, f"{path}[{i}]")
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from _leaves(getattr(obj, f.name), f"{path}.{f.name}")
+            yield from tensor_leaves(getattr(obj, f.name), f"{path}.{f.name}")
 
 
 def _structure(obj: Any) -> Any:
@@ -61,7 +63,7 @@ def assert_same(a: Any, b: Any, *, rtol: float = 0.0, atol: float = 0.0, what: s
     NaNs compare equal to NaNs; dtypes and shapes must match; tolerances default to bitwise.
     """
     assert _structure(a) == _structure(b), f"{what}: structures differ: {_structure(a)} vs {_structure(b)}"
-    la, lb = list(_leaves(a)), list(_leaves(b))
+    la, lb = list(tensor_leaves(a)), list(tensor_leaves(b))
     assert [p for p, _ in la] == [p for p, _ in lb], f"{what}: different leaves"
     if not la:
         assert a == b, f"{what}: {a!r} != {b!r}"
@@ -82,7 +84,7 @@ def assert_pure(fn: Callable, *args: Any, rtol: float = 0.0, atol: float = 0.0, 
         The first output, for further assertions.
     """
     inputs = (args, kwargs)
-    snapshot = [(p, t.detach().clone(), t._version) for p, t in _leaves(inputs)]
+    snapshot = [(p, t.detach().clone(), t._version) for p, t in tensor_leaves(inputs)]
     structure = _structure(inputs)
     generators = [g for g in list(args) + list(kwargs.values()) if isinstance(g, torch.Generator)]
     states = [g.get_state() for g in generators]
@@ -93,7 +95,7 @@ def assert_pure(fn: Callable, *args: Any, rtol: float = 0.0, atol: float = 0.0, 
     second = fn(*args, **kwargs)
 
     assert _structure(inputs) == structure, "an input TensorDict/dict gained or lost keys"
-    for (path, before, version), (_, after) in zip(snapshot, _leaves(inputs)):
+    for (path, before, version), (_, after) in zip(snapshot, tensor_leaves(inputs)):
         assert after._version == version, f"input{path} was written in place"
         torch.testing.assert_close(after.detach(), before, rtol=0, atol=0, equal_nan=True,
                                    msg=lambda m, p=path: f"input{p} changed: {m}")

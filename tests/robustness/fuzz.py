@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDictBase
 
-from rlcore.testing import assert_pure, assert_same
+from rlcore.testing import tensor_leaves, assert_pure, assert_same
 
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 ALL_DTYPES = (F64, F32, BF16)
@@ -263,20 +263,7 @@ def tensor_paths(kwargs: dict) -> Iterator[tuple[Path, torch.Tensor]]:
 
 
 def leaves(obj: Any, path: str = "out") -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, TensorDictBase):
-        for k, v in obj.items(include_nested=True, leaves_only=True):
-            yield f"{path}[{k!r}]", v
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from leaves(v, f"{path}[{k!r}]")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from leaves(v, f"{path}[{i}]")
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from leaves(getattr(obj, f.name), f"{path}.{f.name}")
+    return tensor_leaves(obj, path)
 
 
 def _name(path: Path) -> str:
