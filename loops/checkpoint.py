@@ -31,6 +31,7 @@ and checked to be a NamedTuple).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import json
 import os
@@ -264,20 +265,33 @@ def _fsync_tree(root: Path) -> None:
         _fsync(directory)
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _write_manifest(root: Path) -> None:
-    files = {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+    """``manifest.json``: size and SHA-256 of every file, written last (truncation and bit rot are caught)."""
+    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(root.rglob("*")) if p.is_file()}
     (root / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
 
 
 def _verify(path: Path) -> None:
     manifest = _read_json(path / "manifest.json")
-    for name, size in manifest["files"].items():
+    for name, entry in manifest["files"].items():
+        size, sha = (entry, None) if isinstance(entry, int) else (entry["size"], entry.get("sha256"))
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{f}: missing from the checkpoint (listed in manifest.json)")
         found = f.stat().st_size
         if found != size:
             raise CheckpointError(f"{f}: truncated or altered: {found} bytes, manifest.json says {size}")
+        if sha is not None and _sha256(f) != sha:
+            raise CheckpointError(f"{f}: corrupted: its SHA-256 differs from the one in manifest.json")
 
 
 def _publish(tmp: Path, final: Path) -> None:

@@ -237,9 +237,9 @@ def test_checkpointer_callback_saves_every_n_and_at_end(tmp_path):
 # --- errors --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("target, damage, message", [
     ("models/policy/model.safetensors", "truncate", r"model\.safetensors: truncated or altered"),
-    ("optimizer.safetensors", "header", r"optimizer\.safetensors: unreadable safetensors file, corrupted"),
-    ("state.safetensors", "header", r"state\.safetensors: unreadable safetensors file"),
-    ("state.json", "garbage", r"state\.json: unreadable JSON"),
+    ("optimizer.safetensors", "header", r"optimizer\.safetensors: corrupted: its SHA-256 differs"),
+    ("state.safetensors", "header", r"state\.safetensors: corrupted: its SHA-256 differs"),
+    ("state.json", "garbage", r"state\.json: corrupted: its SHA-256 differs"),
     ("scheduler.json", "delete", r"scheduler\.json: missing from the checkpoint"),
 ])
 def test_corrupted_files_raise_naming_the_file(tmp_path, target, damage, message):

@@ -219,8 +219,6 @@ def _damaged_files(tmp_path):
     print(f"damaged files: {checked} (every file x {len(DAMAGES)} damages), each named in a CheckpointError")
 
 
-@pytest.mark.xfail(strict=True, reason="reported: the manifest records sizes, not checksums: a same-size "
-                                       "corruption of tensor bytes loads silently")
 def test_same_size_payload_corruption_is_detected(tmp_path):
     path = save_checkpoint(tmp_path, make_state(5))
     f = path / "models" / "policy" / "model.safetensors"
