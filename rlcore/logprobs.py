@@ -76,7 +76,8 @@ def _check_positive(name: str, value: float | None) -> None:
 
 def _check_labels(labels: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
     """``labels`` must be an integer tensor shaped like ``like`` without its last dim."""
-    check_same_shape(f"{like_name}[..., 0]", like[..., 0], labels=labels)
+    lead = torch.empty((), device=like.device).expand(like.shape[:-1])  # a view: no copy, any width
+    check_same_shape(f"{like_name}[..., 0]", lead, labels=labels)
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels: expected an integer (long) tensor, got dtype {labels.dtype} "
                         f"with shape {list(labels.shape)}")
@@ -354,7 +355,7 @@ class _HiddenLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         zeros = lambda like: torch.zeros(like.shape, dtype=acc, device=like.device)  # noqa: E731
         grad_h, grad_w = zeros(hidden) if need_h else None, zeros(weight) if need_w else None
-        grad_b = zeros(weight[:, 0]) if need_b else None
+        grad_b = zeros(bias) if need_b else None
         for r0 in range(0, n, ctx.rows):
             rs = slice(r0, r0 + ctx.rows)
             h = hidden[rs]
@@ -473,7 +474,7 @@ def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         raise ValueError(f"weight: expected shape [V, {hidden.shape[-1]}] (H = hidden.shape[-1]), "
                          f"got {list(weight.shape)}")
     if bias is not None:
-        check_same_shape("weight[:, 0]", weight[:, 0], bias=bias)
+        check_same_shape("weight[:, 0]", weight.new_empty(()).expand(weight.shape[:1]), bias=bias)
     for name, x in (("weight", weight), ("bias", bias)):
         if x is not None and x.dtype != hidden.dtype:
             raise TypeError(f"{name}: expected dtype {hidden.dtype} (the dtype of hidden), got {x.dtype}")
@@ -482,11 +483,11 @@ def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     _check_positive("softcap", softcap)
     _check_positive("chunk_size", chunk_size)
     lead = hidden.shape[:-1]
-    if hidden.numel() == 0:  # no rows: empty results, still attached to the graph of hidden
+    if math.prod(lead) == 0:  # no rows: empty results, still attached to the graph of hidden
         empty = hidden.sum(-1).to(_acc(hidden.dtype)) * 0
         return (empty, empty.clone()) if with_entropy else empty
     lp, ent = _HiddenLogprobs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1).long(),
+        hidden.reshape(math.prod(lead), hidden.shape[-1]), weight, bias, labels.reshape(-1).long(),
         float(temperature), None if softcap is None else float(softcap), float(logit_scale),
         int(chunk_size), bool(with_entropy))
     return (lp.view(lead), ent.view(lead)) if with_entropy else lp.view(lead)

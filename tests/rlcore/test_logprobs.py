@@ -566,3 +566,16 @@ def test_token_logprobs_minus_inf_label_gives_finite_gradient():
     masked = sequence_logprobs(lp[None], torch.tensor([[False, True]]))
     (g,) = torch.autograd.grad(masked.sum(), x)
     assert torch.isfinite(g).all() and (g[0] == 0).all()
+
+
+def test_hidden_logprobs_degenerate_widths():
+    """No rows: empty results that still backpropagate; a zero-width hidden state: uniform logits."""
+    h0 = torch.zeros(0, 5, requires_grad=True)
+    lp, ent = hidden_logprobs(h0, torch.zeros(4, 5), torch.zeros(0, dtype=torch.long), with_entropy=True)
+    assert lp.shape == ent.shape == (0,)
+    assert torch.autograd.grad(lp.sum(), h0)[0].shape == (0, 5)
+    h, b = torch.zeros(3, 0, requires_grad=True), torch.tensor([0.0, 0, 0, 1], requires_grad=True)
+    lp = hidden_logprobs(h, torch.zeros(4, 0), torch.tensor([0, 1, 3]), bias=b)
+    ref = torch.log_softmax(b, -1)[[0, 1, 3]]
+    torch.testing.assert_close(lp, ref)
+    torch.testing.assert_close(torch.autograd.grad(lp.sum(), b)[0], torch.autograd.grad(ref.sum(), b)[0])
