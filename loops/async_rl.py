@@ -411,7 +411,8 @@ def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float
     train_ds, eval_ds = load_splits(config, task_dataset)
     reward = make_reward_fn(config, reward_fn)
     gen = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-               top_p=config.top_p, num_samples=config.num_samples, max_prompt_length=config.max_prompt_length)
+               top_p=config.top_p, num_samples=config.num_samples, max_prompt_length=config.max_prompt_length,
+               sampler=config.sampler)
     with generator_process(state.model("policy"), tokenizer, max_lag=max_lag, steps_done=state.step,
                            version=state.policy_version, generate_kwargs=gen, start_method=start_method,
                            device=generator_device or config.device) as handle:

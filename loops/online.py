@@ -87,6 +87,7 @@ class OnlineConfig:
     top_k: int | None = None         # truncation (None: off)
     top_p: float | None = None       # nucleus truncation (None: off)
     max_prompt_length: int | None = None  # keep the last tokens of longer prompts
+    sampler: str | None = "gumbel"   # decode loop's sampler (loops.collect.SAMPLERS); None: Hugging Face generate
     # --- optimisation (update) ---
     seed: int = 0                    # model init, data order, sampling
     steps: int = 100                 # fold steps: batches of prompts
@@ -189,7 +190,7 @@ def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: 
     rollout = generate_rollout(policy, tokenizer, list(rows["prompt"]), max_new_tokens=config.max_new_tokens,
                                temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                                num_samples=G, generator=rng, max_prompt_length=config.max_prompt_length,
-                               policy_version=state.policy_version)
+                               policy_version=state.policy_version, sampler=config.sampler)
     rollout = score_rollout(rollout, ref=state.model("ref") if reference else None, value_fn=value_fn,
                             reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                             reward_columns=repeat_columns(rows, G), temperature=config.temperature)
@@ -279,7 +280,8 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     """Per-prompt ``[b]`` evaluation quantities of one chunk of held-out rows."""
     columns, prompts = repeat_columns(rows, 1), list(rows["prompt"])
     policy = state.model("policy")
-    gen = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length, seed=seed)
+    gen = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length, seed=seed,
+               sampler=config.sampler)
     scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                    reward_columns=columns)
     greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)
