@@ -20,11 +20,11 @@ Cases (full size; ``--tiny`` shrinks every dimension):
   ``rlcore`` row with the float32 ``trl`` row.
 - ``rloo step`` / ``grpo step``: one prompt of 64 tokens × 8 samples × 64 new tokens (EOS is
   ~1/32,000 per token: responses run to the budget), a Python reward function, one optimiser
-  epoch. ``rlcore``: the recipe's step with generation through the KV-cached sampling loop
-  (``generate_rollout(sampler="gumbel")``), then reference log-probs and the reward
-  (``score_rollout``), advantages, ``update`` (RLOO: k1 KL β = 0.05 in the reward; GRPO: β = 0, as
+  epoch. ``rlcore``: the recipe's ``step`` with its default generation, the KV-cached sampling loop
+  (``sampler="gumbel"``), then reference log-probs and the reward (``score_rollout``),
+  advantages, ``update`` (RLOO: k1 KL β = 0.05 in the reward; GRPO: β = 0, as
   TRL's defaults; the GRPO recipe still computes reference log-probs, for its ``kl_ref`` metric).
-  ``rlcore_generate``: ``loops.rloo.step`` / ``loops.grpo.step`` as they are (HF ``generate``).
+  ``rlcore_generate``: the same step with ``sampler=None`` (HF ``generate``).
   ``plain_generate``: HF ``generate``, full-logits forward + backward, AdamW. ``trl``:
   ``RLOOTrainer`` / ``GRPOTrainer.training_step`` (``use_vllm=False``, defaults but ``bf16``;
   generation, scoring, loss, backward). Samples/s = 8 / median.
@@ -63,17 +63,12 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from rlcore import keys as K  # noqa: E402
-from rlcore.algorithms.policy_gradient import rloo_loss  # noqa: E402
-from rlcore.baselines import with_grpo_advantage, with_rloo_advantage  # noqa: E402
 from rlcore.loops import dpo as dpo_recipe, grpo as grpo_recipe, rloo as rloo_recipe  # noqa: E402
 from rlcore.loops.collect import generate_rollout  # noqa: E402
 from rlcore.loops.data import collate_preference  # noqa: E402
 from rlcore.loops.models import build_model, make_reference  # noqa: E402
-from rlcore.loops.online import policy_loss_fn, update_sizes  # noqa: E402
-from rlcore.loops.score import score_rollout  # noqa: E402
-from rlcore.loops.state import TrainState, advance, copy_generator, init_state  # noqa: E402
+from rlcore.loops.state import TrainState, init_state  # noqa: E402
 from rlcore.loops.update import make_optimizer, update  # noqa: E402
-from rlcore.rewards import with_rewards  # noqa: E402
 
 try:  # imported once here, so that the memory server's forked children inherit it
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -272,43 +267,12 @@ def _online_state(s: Sizes, config) -> TrainState:
                       seed=config.seed)
 
 
-def collect_with_sampler(state: TrainState, prompts: list[str], *, config, tokenizer, sampler: str):
-    """``loops.online.collect_rollout`` with ``generate_rollout(sampler=...)``: ``(state, rollout)``."""
-    rng = copy_generator(state.rng)
-    rollout = generate_rollout(state.model("policy"), tokenizer, prompts, max_new_tokens=config.max_new_tokens,
-                               temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                               num_samples=config.num_samples, generator=rng, policy_version=state.policy_version,
-                               sampler=sampler)
-    rollout = score_rollout(rollout, ref=state.model("ref"), reward_fn=reward, tokenizer=tokenizer,
-                            temperature=config.temperature)
-    B = rollout.batch_size[0]
-    state = advance(dataclasses.replace(state, rng=rng), samples_seen=B, episodes=B,
-                    tokens_seen=rollout[K.RESPONSE_MASK].sum())
-    return state, rollout
-
-
-def sampler_step(state: TrainState, prompts: list[str], *, kind: str, config, tokenizer, sampler: str = "gumbel"):
-    """``loops.rloo.step`` / ``loops.grpo.step`` with the collect of :func:`collect_with_sampler`."""
-    state, rollout = collect_with_sampler(state, prompts, config=config, tokenizer=tokenizer, sampler=sampler)
-    if kind == "rloo":
-        rollout = with_rloo_advantage(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
-        loss = functools.partial(rloo_loss, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
-    else:
-        rollout = with_grpo_advantage(rollout, scale=config.scale, eps=config.eps)
-        loss = grpo_recipe.grpo_loss_fn(config)
-    loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature)
-    return update(state, rollout, loss_fn, **update_sizes(config, rollout.batch_size[0]), epochs=config.epochs,
-                  mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
-
-
 def _online_rlcore(s: Sizes, kind: str, sampler: str | None):
+    """The recipe's own ``step``: ``sampler="gumbel"`` (the recipes' default) or ``None`` (HF generate)."""
     config, tok, prompts = _online_config(s, kind), word_tokenizer(s.vocab), online_prompts(s)
-    if sampler is None:  # the recipe's own step, HF generate
-        recipe = rloo_recipe if kind == "rloo" else grpo_recipe
-        step = functools.partial(recipe.step, rows={"prompt": prompts}, config=config, tokenizer=tok, reward_fn=reward)
-    else:
-        step = functools.partial(sampler_step, prompts=prompts, kind=kind, config=config, tokenizer=tok,
-                                 sampler=sampler)
+    recipe = rloo_recipe if kind == "rloo" else grpo_recipe
+    step = functools.partial(recipe.step, rows={"prompt": prompts}, config=dataclasses.replace(config, sampler=sampler),
+                             tokenizer=tok, reward_fn=reward)
     return _stateful(step, _online_state(s, config))
 
 

@@ -199,13 +199,25 @@ def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
-def _packed_logprobs(model, ids, mask, **kw) -> torch.Tensor:
-    """Log-probs aligned with ``ids`` from one packed row of all real tokens (``[N] → [rows, T]``)."""
-    flat = ids[mask][None]
-    pos = position_ids_from_mask(mask)[mask][None]
-    lp = token_logprobs_from_model(model, flat, None, position_ids=pos, **kw)[0]
-    aligned = torch.cat([lp.new_zeros(1), lp])
-    return torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(mask, aligned)
+def _scored_logprobs(model, ids, mask, position_ids, scored, *, temperature, chunked) -> torch.Tensor:
+    """Log-probs aligned with ``ids [B, T]`` (column ``t`` scores token ``t``), 0 where not ``scored``.
+
+    On the chunked path the LM head runs on the scored positions only: their hidden states are
+    gathered (``[N, H]``, ``N`` = scored tokens) before ``hidden_logprobs``, so prompt tokens cost
+    the trunk but not the ``H × V`` head, in forward and backward.
+    """
+    zero = torch.zeros((), device=ids.device)
+    if not chunked:
+        lp = token_logprobs_from_model(model, ids, mask, position_ids=position_ids, temperature=temperature,
+                                       chunked=False)
+        lp = torch.cat([lp.new_zeros(lp.shape[0], 1), lp], -1)
+        return torch.where(scored, lp, zero.to(lp.dtype))
+    hidden = trunk_hidden(model, ids, mask, position_ids=position_ids)
+    target = scored[:, 1:]
+    lp = hidden_logprobs(hidden[:, :-1][target], labels=ids[:, 1:][target], temperature=temperature,
+                         **_head_params(model))
+    return torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(
+        torch.cat([torch.zeros_like(scored[:, :1]), target], -1), lp)
 
 
 def score_sequences(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0, chunked: bool = True,
@@ -245,14 +257,14 @@ def score_sequences(model: nn.Module, batch: TensorDictBase, *, temperature: flo
     check_mask(K.ATTENTION_MASK, mask, like=ids, like_name=K.INPUT_IDS)
     check_mask(K.LOSS_MASK, loss, like=ids, like_name=K.INPUT_IDS)
     kw = dict(temperature=temperature, chunked=chunked)
+    pos = position_ids_from_mask(mask)
+    scored = loss & mask & (pos > 0)
     with torch.set_grad_enabled(torch.is_grad_enabled() and not reference):
-        if packed:
-            lp = _packed_logprobs(model, ids, mask, **kw)
+        if packed:  # one row of all real tokens, positions restarting with each sequence
+            flat = _scored_logprobs(model, ids[mask][None], None, pos[mask][None], scored[mask][None], **kw)[0]
+            lp = torch.zeros(ids.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
         else:
-            lp = token_logprobs_from_model(model, ids, mask, **kw)
-            lp = torch.cat([lp.new_zeros(lp.shape[0], 1), lp], -1)
-        scored = loss & mask & (position_ids_from_mask(mask) > 0)
-        lp = torch.where(scored, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+            lp = _scored_logprobs(model, ids, mask, pos, scored, **kw)
         logps = sequence_logprobs(lp, scored)
     seq_key, tok_key = (K.REF_LOGPS, K.REF_LOGPROBS) if reference else (K.LOGPS, K.LOGPROBS)
     return batch.copy().update({seq_key: logps, tok_key: lp})
