@@ -13,6 +13,7 @@ Shapes: ``...`` any leading dims (``[B, T]`` typically), ``V`` vocabulary, ``H``
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -341,44 +342,53 @@ class _HiddenLogprobs(torch.autograd.Function):
         lse, label_logit, ent = (torch.cat(p) for p in zip(*parts))
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent, label_logit)
         ctx.kw, ctx.chunk, ctx.rows, ctx.with_entropy = kw, chunk, rows, with_entropy
+        device = hidden.device.type  # backward recomputes the blocks under the forward's autocast
+        amp = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        ctx.amp = dict(device_type=device, dtype=torch.get_autocast_dtype(device)) if amp else None
         ctx.set_materialize_grads(False)
         return label_logit - lse, ent
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_lp, grad_ent):
-        hidden, weight, bias, labels, lse, ent, label_logit = ctx.saved_tensors
-        kw, acc, n = ctx.kw, ctx.kw["acc"], hidden.shape[0]
-        factor = kw["logit_scale"] / kw["temperature"]  # ∂l'/∂z without the soft cap
-        g_lp = torch.zeros(n, dtype=acc, device=hidden.device) if grad_lp is None else grad_lp.to(acc) * factor
-        g_ent = grad_ent.to(acc) * factor if grad_ent is not None and ctx.with_entropy else None
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        zeros = lambda like: torch.zeros(like.shape, dtype=acc, device=like.device)  # noqa: E731
-        grad_h, grad_w = zeros(hidden) if need_h else None, zeros(weight) if need_w else None
-        grad_b = zeros(bias) if need_b else None
-        for r0 in range(0, n, ctx.rows):
-            rs = slice(r0, r0 + ctx.rows)
-            h = hidden[rs]
-            for v0 in range(0, weight.shape[0], ctx.chunk):
-                l = _head_block(h, weight, bias, v0, v0 + ctx.chunk, **kw)
-                q, row = _softmax_grad_block(l, lse[rs], ent[rs], g_lp[rs], None if g_ent is None else g_ent[rs],
-                                             softcap=kw["softcap"], temperature=kw["temperature"])
-                qd, w = q.to(hidden.dtype), weight[v0:v0 + ctx.chunk]
-                if need_h:
-                    grad_h[rs].addcmul_((qd @ w).to(acc), row[:, None])
-                if need_w:
-                    hr, blk = (h.to(acc) * row[:, None]).to(hidden.dtype), grad_w[v0:v0 + ctx.chunk]
-                    if acc == hidden.dtype:
-                        blk.addmm_(qd.T, hr)                         # in place, no temporary
-                    else:
-                        blk.add_((qd.T @ hr).to(acc))
-                if need_b:
-                    grad_b[v0:v0 + ctx.chunk] += q.T @ row
-                del l, q, qd  # free the block before the next one is computed
-            _label_grad(grad_h, grad_w, grad_b, rs, h, weight, labels[rs], g_lp[rs], label_logit[rs], **kw)
-        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return (cast(grad_h, hidden), cast(grad_w, weight), cast(grad_b, weight),
-                None, None, None, None, None, None)
+        with contextlib.nullcontext() if ctx.amp is None else torch.autocast(**ctx.amp):
+            return _hidden_backward(ctx, grad_lp, grad_ent)
+
+
+def _hidden_backward(ctx, grad_lp, grad_ent):
+    """Backward of ``_HiddenLogprobs``: recompute each block of logits, accumulate the three gradients."""
+    hidden, weight, bias, labels, lse, ent, label_logit = ctx.saved_tensors
+    kw, acc, n = ctx.kw, ctx.kw["acc"], hidden.shape[0]
+    factor = kw["logit_scale"] / kw["temperature"]  # ∂l'/∂z without the soft cap
+    g_lp = torch.zeros(n, dtype=acc, device=hidden.device) if grad_lp is None else grad_lp.to(acc) * factor
+    g_ent = grad_ent.to(acc) * factor if grad_ent is not None and ctx.with_entropy else None
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    zeros = lambda like: torch.zeros(like.shape, dtype=acc, device=like.device)  # noqa: E731
+    grad_h, grad_w = zeros(hidden) if need_h else None, zeros(weight) if need_w else None
+    grad_b = zeros(bias) if need_b else None
+    for r0 in range(0, n, ctx.rows):
+        rs = slice(r0, r0 + ctx.rows)
+        h = hidden[rs]
+        for v0 in range(0, weight.shape[0], ctx.chunk):
+            l = _head_block(h, weight, bias, v0, v0 + ctx.chunk, **kw)
+            q, row = _softmax_grad_block(l, lse[rs], ent[rs], g_lp[rs], None if g_ent is None else g_ent[rs],
+                                         softcap=kw["softcap"], temperature=kw["temperature"])
+            qd, w = q.to(hidden.dtype), weight[v0:v0 + ctx.chunk]
+            if need_h:
+                grad_h[rs].addcmul_((qd @ w).to(acc), row[:, None])
+            if need_w:
+                hr, blk = (h.to(acc) * row[:, None]).to(hidden.dtype), grad_w[v0:v0 + ctx.chunk]
+                if acc == hidden.dtype and ctx.amp is None:
+                    blk.addmm_(qd.T, hr)                         # in place, no temporary
+                else:
+                    blk.add_((qd.T @ hr).to(acc))
+            if need_b:
+                grad_b[v0:v0 + ctx.chunk] += q.T @ row
+            del l, q, qd  # free the block before the next one is computed
+        _label_grad(grad_h, grad_w, grad_b, rs, h, weight, labels[rs], g_lp[rs], label_logit[rs], **kw)
+    cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+    return (cast(grad_h, hidden), cast(grad_w, weight), cast(grad_b, weight),
+            None, None, None, None, None, None)
 
 
 def _softmax_grad_block(l, lse, ent, g_lp, g_ent, *, softcap, temperature):

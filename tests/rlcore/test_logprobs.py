@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -287,6 +288,42 @@ def test_hidden_logprobs_low_precision(dtype, atol):
     assert gh.dtype == gw.dtype == dtype
     torch.testing.assert_close(gh.double(), rh, rtol=0, atol=atol * 4)
     torch.testing.assert_close(gw.double(), rw, rtol=0, atol=atol * 4)
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Records the dtype of every matrix product dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.dtypes.append(args[-1].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_hidden_logprobs_backward_runs_under_the_forwards_autocast():
+    """Under bf16 autocast the backward's recomputed blocks and gradient products are bf16 like
+    the forward's (consistent with the forward's log-normaliser, and at bf16 speed); the
+    gradients keep the inputs' dtype and agree with the autocast naive path."""
+    h = _logits(24, 16, scale=1.0, dtype=torch.float32).requires_grad_()
+    w = _logits(50, 16, scale=0.5, seed=3, dtype=torch.float32).requires_grad_()
+    y = _labels((24,), 50)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = hidden_logprobs(h, w, y, chunk_size=16)
+        naive = torch.log_softmax((h @ w.T).float(), -1).gather(-1, y[:, None])[:, 0]
+    with _MatmulDtypes() as seen:
+        gh, gw = torch.autograd.grad(lp.sum(), (h, w))
+    assert seen.dtypes and set(seen.dtypes) == {torch.bfloat16}
+    assert gh.dtype == gw.dtype == torch.float32
+    rh, rw = torch.autograd.grad(naive.sum(), (h, w))
+    torch.testing.assert_close(lp, naive, rtol=0, atol=2e-2)
+    torch.testing.assert_close(gh, rh, rtol=0, atol=3e-2)
+    torch.testing.assert_close(gw, rw, rtol=0, atol=3e-2)
+    with _MatmulDtypes() as seen:  # without autocast, float32 throughout
+        torch.autograd.grad(hidden_logprobs(h, w, y, chunk_size=16).sum(), (h, w))
+    assert set(seen.dtypes) == {torch.float32}
 
 
 def test_hidden_logprobs_equals_token_logprobs_of_the_logits():
