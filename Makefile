@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch==2.13.0 goes in the same command as tensordict, which asks for a bare torch.
-	$(PY) -m pip install --quiet "torch==2.13.0" -e ".[dev,bench,diffusion,peft,notebooks,demo]"
+	$(PY) -m pip install --quiet "torch==2.13.0" -e ".[dev,bench,diffusion,peft,notebooks,demo,ray]"
 	touch $@
 
 demo: setup

@@ -17,6 +17,7 @@ from rlcore.loops.fold import *  # noqa: F401,F403
 from rlcore.loops.logging import *  # noqa: F401,F403
 from rlcore.loops.models import *  # noqa: F401,F403
 from rlcore.loops.online import *  # noqa: F401,F403
+from rlcore.loops.placement import *  # noqa: F401,F403
 from rlcore.loops.recipe import *  # noqa: F401,F403
 from rlcore.loops.reft_data import *  # noqa: F401,F403
 from rlcore.loops.reft_model import *  # noqa: F401,F403
@@ -27,5 +28,5 @@ from rlcore.loops.update import *  # noqa: F401,F403
 from rlcore.loops.workers import *  # noqa: F401,F403
 
 _MODULES = ('async_rl', 'checkpoint', 'collect', 'data', 'diffusion', 'distributed', 'fold', 'logging', 'models', 'online',
-            'recipe', 'reft_data', 'reft_model', 'score', 'state', 'tasks', 'update', 'workers')
+            'placement', 'recipe', 'reft_data', 'reft_model', 'score', 'state', 'tasks', 'update', 'workers')
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

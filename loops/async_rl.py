@@ -2,15 +2,24 @@
 
 The learner (this process) and a generator process run concurrently::
 
-    learner   item t: rollout_t from the queue -> score (reference, reward) -> advantages -> update
+    learner   item t: rollout_t from the queue -> score (reference, reward, the critic's values)
+              -> prepare (advantages, GAE or preference pairs) -> update
               -> push the weights (version t+1) into shared memory
     generator item i: wait until the learner has finished ≥ i − N steps -> copy the newest weights
               -> generate_rollout (behaviour log-probs, POLICY_VERSION stamped) -> the queue
 
 So rollout ``t`` comes from a policy at most ``N`` updates old (``max_lag``). ``N = 0`` is the
 synchronous loop (the generator waits for every update; same seeds, same parameters as the
-recipe's own ``step``); ``N = 1`` overlaps the generation of batch ``t+1`` with the update on
-batch ``t``, the setting of Noukhovitch et al.
+recipe's own ``step``, minibatch shuffling included); ``N = 1`` overlaps the generation of
+batch ``t+1`` with the update on batch ``t``, the setting of Noukhovitch et al.
+
+Algorithms (``LEARNERS``): ``"grpo"``, ``"rloo"``, ``"ppo"``, ``"online_dpo"``. Each is its
+recipe's own hooks (:class:`Learner`): the synchronous ``step`` is ``collect_rollout →
+prepare → optimise`` and the learner runs the same ``prepare`` and ``optimise`` on the
+generator's rollout, so sync and async share one code path. Everything after generation runs
+on the learner's current models: PPO's values come from its current critic (never a stale
+one), its KL controller and score moments advance once per rollout; online DPO's pairs are
+ranked by the judge and get reference log-probs as in the recipe.
 
 Transport: the learner sends prompt batches with their sampling seeds on a request queue and
 receives rollouts (TensorDicts in shared memory) on a results queue bounded at ``N + 1``; the
@@ -21,10 +30,14 @@ samples (at random) from an in-process storage and would break the ``N = 0`` equ
 
 Off-policy correction (``is_clip = C``): with ``π_prox`` the learner's policy before the update
 (one no-grad forward) and ``π_b`` the generator's (the behaviour log-probs), the loss's ratio is
-taken against ``π_prox`` and the advantages are weighted by ``w = min(π_prox/π_b, C)`` (per token,
-or per sequence for sequence-ratio losses), detached: the decoupled PPO objective with a
-truncated importance weight. ``is_clip=None`` keeps the behaviour log-probs as the loss's
-``old_logprobs`` (the clipped ratio then absorbs the lag, as in the paper).
+taken against ``π_prox`` and the advantages are weighted by ``w = min(π_prox/π_b, C)``, detached:
+the decoupled PPO objective with a truncated importance weight, at the level of the loss's
+ratio: per token for PPO and token-ratio GRPO presets, the sequence's mean for GSPO, the
+sequence's sum for RLOO (``Learner.level``). PPO's value loss is not reweighted (its values and
+returns come from the learner's critic). Online DPO has no ratio (the DPO loss is an offline
+objective on pairs, off-policy by construction): ``is_clip`` is rejected with a ``ValueError``.
+``is_clip=None`` keeps the behaviour log-probs as the loss's ``old_logprobs`` (the clipped ratio
+then absorbs the lag, as in the paper).
 
 Metrics per step: ``async/staleness`` (mean ``version_learner − version_rollout``),
 ``async/staleness_max``, ``async/logprob_gap`` (``mean_t(log π_b − log π_prox)``, a k1 estimate of
@@ -45,6 +58,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import multiprocessing
@@ -53,6 +67,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -65,9 +80,9 @@ from rlcore.checks import check_mask, check_same_shape, lookup
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.collect import generate_rollout
 from rlcore.loops.distributed import process_context
-from rlcore.loops import grpo, rloo
-from rlcore.loops.online import (build_online_state, evaluate_policy, make_reward_fn, policy_update, prompt_source,
-                                 repeat_columns, with_policy_logprobs)
+from rlcore.loops import grpo, online_dpo, ppo, rloo
+from rlcore.loops.online import (evaluate_policy, make_reward_fn, prompt_source, repeat_columns, rollout_metrics,
+                                 with_policy_logprobs)
 from rlcore.loops.recipe import load_splits, run
 from rlcore.loops.score import score_rollout
 from rlcore.loops.state import TrainState, advance, copy_generator
@@ -140,55 +155,93 @@ def off_policy_metrics(rollout: TensorDictBase, proximal_logprobs: torch.Tensor,
 # --- what the learner does with a generated rollout ------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Learner:
-    """The algorithm-specific half of an online step, after generation.
+    """The algorithm-specific half of an online step, after generation: the recipe's own hooks.
+
+    A synchronous recipe's ``step`` is ``collect_rollout(**score_options) → prepare → optimise``;
+    :func:`learn` runs the same hooks on a rollout that the generator process produced.
 
     Attributes:
-        advantages: ``(rollout, config) -> rollout`` with ``advantages`` (and rewards).
-        loss: ``config -> (batch, **denominators) -> (loss, metrics)``.
-        level: ``config -> str``: the loss's ratio level, for the importance weights.
+        config: the recipe's ``Config`` class (``train_async`` checks the config is one).
+        build_state: ``config -> (state, tokenizer)``, validating the config first (the recipe's
+            models: a PPO state holds its critic and KL controller).
+        score_options: ``(state, config) -> dict`` of ``collect_rollout``'s scoring options
+            (``value_fn`` of the state's critic, ``reference=False``).
+        prepare: ``(state, rollout, config) -> (state, batch, info)``: from the scored rollout to
+            what the loss reads (advantages, GAE, preference pairs), and its metrics.
+        optimise: ``(state, batch, config) -> (state, metrics)``: the update (impure).
+        level: ``config -> str``, the level of the loss's importance ratio
+            (``algorithms.ppo.RATIO_LEVELS``) for ``is_clip``, whose ``batch`` keeps the rollout's
+            rows; ``None``: the loss has no ratio and ``is_clip`` is rejected.
     """
 
-    advantages: Callable[[TensorDictBase, Any], TensorDictBase]
-    loss: Callable[[Any], Callable[..., tuple]]
-    level: Callable[[Any], str]
+    config: type
+    build_state: Callable[[Any], tuple[TrainState, Any]]
+    score_options: Callable[[TrainState, Any], dict]
+    prepare: Callable[[TrainState, TensorDictBase, Any], tuple[TrainState, TensorDictBase, dict]]
+    optimise: Callable[[TrainState, TensorDictBase, Any], tuple[TrainState, TensorDict]]
+    level: Callable[[Any], str] | None
 
 
-def _grpo_level(config: Any) -> str:
-    return grpo.grpo_loss_fn(config).keywords.get("ratio_level", "token")
+def _recipe_learner(recipe: ModuleType, level: Callable[[Any], str] | None) -> Learner:
+    return Learner(config=recipe.Config, build_state=recipe.build_state, score_options=recipe.score_options,
+                   prepare=recipe.prepare, optimise=recipe.optimise, level=level)
+
+
+def _grpo_level(config: Any) -> str:  # the signature sees through nested partials (a preset keeps its own)
+    return inspect.signature(grpo.grpo_loss_fn(config)).parameters["ratio_level"].default
 
 
 LEARNERS: dict[str, Learner] = {
-    "grpo": Learner(advantages=grpo.advantages, loss=grpo.grpo_loss_fn, level=_grpo_level),
-    "rloo": Learner(advantages=rloo.advantages, loss=rloo.rloo_loss_fn, level=lambda c: "sequence_sum"),
+    "grpo": _recipe_learner(grpo, level=_grpo_level),                     # the preset's ratio level
+    "rloo": _recipe_learner(rloo, level=lambda config: "sequence_sum"),   # exp(Σ_t lp − Σ_t old)
+    "ppo": _recipe_learner(ppo, level=lambda config: "token"),            # ppo_loss's token ratio
+    "online_dpo": _recipe_learner(online_dpo, level=None),                # no ratio: is_clip rejected
 }
 
 
-def learn(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any, tokenizer,
-          reward_fn, learner: Learner, is_clip: float | None = None) -> tuple[TrainState, TensorDict]:
-    """Score a generated rollout and update on it, exactly as the synchronous recipe does after
-    generating: reference log-probs and rewards (``score_rollout``), the counters and the one
-    draw ``collect_rollout`` makes from ``state.rng``, the learner's own log-probs (metrics and
-    the optional correction), advantages, ``update``. Impure (trains the policy)."""
-    rollout = score_rollout(rollout, ref=state.model("ref"), reward_fn=reward_fn, reward_model=state.models.get("reward"),
-                            tokenizer=tokenizer, reward_columns=repeat_columns(rows, config.num_samples),
-                            temperature=config.temperature)
+def _score(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any, tokenizer,
+           reward_fn, value_fn=None, reference: bool = True) -> tuple[TrainState, TensorDictBase]:
+    """``collect_rollout`` after its generation: scores, the one draw it makes from ``state.rng``, counters."""
+    rollout = score_rollout(rollout, ref=state.model("ref") if reference else None, value_fn=value_fn,
+                            reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
+                            reward_columns=repeat_columns(rows, config.num_samples), temperature=config.temperature)
     rng = copy_generator(state.rng)
     torch.randint(0, 2**62, (), generator=rng)  # the seed draw of the synchronous collect_rollout
     B = rollout.batch_size[0]
     state = advance(dataclasses.replace(state, rng=rng), samples_seen=B, episodes=B,
                     tokens_seen=rollout[K.RESPONSE_MASK].sum())
+    return state, rollout
+
+
+def learn(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any, tokenizer,
+          reward_fn, learner: Learner, is_clip: float | None = None) -> tuple[TrainState, TensorDict]:
+    """Score a generated rollout and update on it, exactly as the synchronous recipe does after
+    generating: scores with the learner's current models (reference, reward, the critic's values:
+    ``learner.score_options``), the counters and the one draw ``collect_rollout`` makes from
+    ``state.rng``, the learner's own log-probs (metrics and the optional correction),
+    ``learner.prepare``, ``learner.optimise``. Impure (trains the policy).
+
+    With ``is_clip`` the prepared batch's advantages are weighted and its ``old_logprobs``
+    replaced (:func:`with_importance_correction` at ``learner.level``); the ``rollout/*`` metrics
+    stay those of the behaviour rollout.
+    """
+    if is_clip is not None and learner.level is None:
+        raise ValueError("is_clip: this learner's loss has no importance ratio to correct; pass is_clip=None")
+    state, rollout = _score(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                            **learner.score_options(state, config))
     with torch.no_grad():
         prox = with_policy_logprobs(state.model("policy"), rollout, temperature=config.temperature)[K.LOGPROBS]
     stats = off_policy_metrics(rollout, prox, state.policy_version)
-    rollout = learner.advantages(rollout, config)
+    state, batch, info = learner.prepare(state, rollout, config)
     if is_clip is not None:
-        w = truncated_importance_weights(prox, rollout[K.OLD_LOGPROBS], rollout[K.RESPONSE_MASK], clip=is_clip,
-                                         level=learner.level(config))
-        stats["async/is_weight"] = masked_mean(w, rollout[K.RESPONSE_MASK])
-        stats["async/is_truncated"] = masked_mean((w >= is_clip).to(torch.float64), rollout[K.RESPONSE_MASK])
-        rollout = with_importance_correction(rollout, prox, clip=is_clip, level=learner.level(config))
-    state, metrics = policy_update(state, rollout, learner.loss(config), config=config)
-    return state, metrics.update(stats)
+        level, mask = learner.level(config), batch[K.RESPONSE_MASK]
+        w = truncated_importance_weights(prox, batch[K.OLD_LOGPROBS], mask, clip=is_clip, level=level)
+        stats["async/is_weight"] = masked_mean(w, mask)
+        stats["async/is_truncated"] = masked_mean((w >= is_clip).to(torch.float64), mask)
+        batch = with_importance_correction(batch, prox, clip=is_clip, level=level)
+        info = {**rollout_metrics(rollout), **info}
+    state, metrics = learner.optimise(state, batch, config)
+    return state, metrics.update(info).update(stats)
 
 
 # --- the generator process ----------------------------------------------------------------------------
@@ -198,7 +251,8 @@ class GeneratorHandle:
 
     ``process``, the two queues, the shared-memory ``weights`` module with its ``cond``ition and
     the published counters ``steps_done`` / ``version``; ``learner_spans`` and ``generator_spans``
-    record ``(start, end)`` wall-clock times for the overlap metric.
+    record ``(start, end)`` wall-clock times for the overlap metric; ``learner_rng`` is the
+    learner's ``state.rng`` after its latest step (the seeds of later requests come from it).
     """
 
     process: Any
@@ -212,6 +266,7 @@ class GeneratorHandle:
     max_lag: int
     learner_spans: list = dataclasses.field(default_factory=list)
     generator_spans: list = dataclasses.field(default_factory=list)
+    learner_rng: torch.Generator | None = None
 
 
 def _copy_weights(dst: nn.Module, src: nn.Module) -> None:
@@ -348,14 +403,19 @@ def _overlap(span: tuple[float, float], spans: Sequence[tuple[float, float]]) ->
 def rollout_source(handle: GeneratorHandle, source: Callable[[int], Any], seeds: torch.Generator) -> Callable:
     """A resumable fold source of ``(rows, rollout, timing)`` items produced by the generator.
 
-    Before yielding item ``t`` it has requested items up to ``t + max_lag`` (each with a seed
-    drawn in item order from a copy of ``seeds``: the draws the synchronous recipe makes from
-    ``state.rng``), then blocks until rollout ``t`` arrives.
+    Before yielding item ``t`` it has requested items up to ``t + max_lag``, then blocks until
+    rollout ``t`` arrives. Seeds: item ``i`` requested before step ``t`` gets the ``(i − t + 1)``-th
+    draw from a copy of the learner's generator at the start of step ``t`` (``seeds`` for the
+    first step, then ``handle.learner_rng``): the draw the synchronous recipe makes at step ``t``
+    for ``i = t``, so ``N = 0`` samples what it samples even when ``update`` shuffles minibatches
+    with ``state.rng``; without shuffling, item ``i`` gets the ``(i − start + 1)``-th draw of ``seeds``.
     """
     def start_at(start: int) -> Iterator:
-        rng = copy_generator(seeds)
         rows_iter, pending, sent = iter(source(start)), {}, start
         for t in itertools.count(start):
+            rng = copy_generator(seeds if t == start or handle.learner_rng is None else handle.learner_rng)
+            for _ in range(sent - t):  # the draws of the items t..sent-1, requested before
+                torch.randint(0, 2**62, (), generator=rng)
             while sent <= t + handle.max_lag:
                 rows = next(rows_iter, None)
                 if rows is None:
@@ -381,6 +441,7 @@ def _async_step(state: TrainState, item: tuple, *, handle: GeneratorHandle, conf
     state, metrics = learn(state, rows, rollout.to(config.device), config=config, tokenizer=tokenizer,
                            reward_fn=reward_fn, learner=learner, is_clip=is_clip)
     push_weights(handle, state.model("policy"), steps_done=state.step + 1, version=state.policy_version)
+    handle.learner_rng = state.rng
     handle.learner_spans.append((start, time.time()))
     return state, metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in timing.items()})
 
@@ -390,22 +451,32 @@ def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float
                 generator_device: str | None = None) -> tuple[TrainState, list[dict[str, float]]]:
     """Train an online recipe asynchronously: generation in its own process, ``max_lag`` updates behind.
 
-    The run is the recipe's (``loops.online.train_online``: same state, data, evaluation,
-    checkpoints, logs, resume from ``config``), with the step split between the generator
-    (``generate_rollout`` on a copy of the policy) and the learner (:func:`learn`).
+    The run is the recipe's (its own state builder, e.g. PPO's critic and KL controller; the
+    data, evaluation, checkpoints, logs and resume of ``loops.online.train_online``), with the
+    step split between the generator (``generate_rollout`` on a copy of the policy) and the
+    learner (:func:`learn` with the recipe's hooks, ``LEARNERS[algorithm]``).
 
     Args:
-        config: the recipe's ``Config`` (``loops.grpo.Config``, ``loops.rloo.Config``).
+        config: the recipe's ``Config`` (``loops.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``).
         algorithm: a key of ``LEARNERS``.
         max_lag: ``N``: rollouts come from a policy at most ``N`` updates old; 0 is synchronous.
-        is_clip: ``C`` of the truncated importance correction, or ``None`` (off).
+        is_clip: ``C > 0`` of the truncated importance correction, or ``None`` (off); a
+            ``ValueError`` for a learner whose loss has no ratio (online DPO).
         start_method, generator_device: the generator process's (see :func:`generator_process`;
             device default ``config.device``).
     Returns:
         ``(state, history)`` as the recipe's ``train``; history rows carry the ``async/*`` metrics.
     """
     learner = lookup(LEARNERS, algorithm, what="algorithm")
-    state, tokenizer = build_online_state(config)
+    if not isinstance(config, learner.config):
+        raise TypeError(f"config: algorithm {algorithm!r} needs a {learner.config.__module__}.Config, "
+                        f"got {type(config).__module__}.{type(config).__qualname__}")
+    if is_clip is not None and learner.level is None:
+        raise ValueError(f"is_clip: {algorithm!r} has no importance ratio to correct (its loss is an offline "
+                         "objective on pairs); pass is_clip=None")
+    if is_clip is not None and not is_clip > 0:
+        raise ValueError(f"is_clip: expected C > 0 or None, got {is_clip}")
+    state, tokenizer = learner.build_state(config)
     if config.run_dir and config.resume:  # resume before the generator copies the weights
         state = resume(config.run_dir, state)
     train_ds, eval_ds = load_splits(config, task_dataset)

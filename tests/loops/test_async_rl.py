@@ -15,11 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlcore import keys as K
-from rlcore.loops import async_rl, grpo, rloo
+from rlcore.loops import async_rl, grpo, online_dpo, ppo, rloo
 from rlcore.loops.async_rl import (LEARNERS, off_policy_metrics, train_async, truncated_importance_weights,
                                    with_importance_correction)
 from rlcore.loops.checkpoint import list_checkpoints, load_checkpoint
-from rlcore.loops.online import build_online_state
 from rlcore.testing import assert_padding_invariant, assert_pure, make_rollout, right_padded_mask
 
 METHOD = "forkserver"
@@ -123,9 +122,43 @@ def test_off_policy_metrics_golden():
 
 
 def test_unknown_algorithm_lists_the_learners():
-    with pytest.raises(ValueError, match=r"algorithm.*'ppo'.*\['grpo', 'rloo'\]"):
+    with pytest.raises(ValueError, match=r"algorithm.*'a2c'.*\['grpo', 'online_dpo', 'ppo', 'rloo'\]"):
+        train_async(grpo.Config(), algorithm="a2c")
+    assert sorted(LEARNERS) == ["grpo", "online_dpo", "ppo", "rloo"]
+
+
+@pytest.mark.parametrize("recipe", [grpo, rloo, ppo, online_dpo])
+def test_learners_are_the_recipes_own_hooks(recipe):
+    """One code path: the learner runs the functions the synchronous step runs."""
+    learner = LEARNERS[recipe.__name__.rsplit(".", 1)[-1]]
+    assert (learner.config, learner.build_state, learner.score_options, learner.prepare, learner.optimise) == \
+        (recipe.Config, recipe.build_state, recipe.score_options, recipe.prepare, recipe.optimise)
+
+
+def test_ratio_levels_for_is_clip():
+    assert LEARNERS["ppo"].level(ppo.Config()) == "token"
+    assert LEARNERS["rloo"].level(rloo.Config()) == "sequence_sum"
+    assert LEARNERS["grpo"].level(grpo.Config()) == "token"
+    assert LEARNERS["grpo"].level(grpo.Config(loss_type="gspo")) == "sequence"
+    assert LEARNERS["online_dpo"].level is None
+
+
+def test_bad_arguments_fail_before_any_process(monkeypatch):
+    monkeypatch.setattr(async_rl, "generator_process", None)  # reaching it would raise TypeError
+    with pytest.raises(ValueError, match=r"is_clip: 'online_dpo' has no importance ratio"):
+        train_async(online_dpo.Config(), algorithm="online_dpo", is_clip=2.0)
+    with pytest.raises(ValueError, match=r"is_clip: expected C > 0"):
+        train_async(ppo.Config(), algorithm="ppo", is_clip=0.0)
+    with pytest.raises(TypeError, match=r"config: algorithm 'ppo' needs a rlcore.loops.ppo.Config, got "
+                                        r"rlcore.loops.grpo.Config"):
         train_async(grpo.Config(), algorithm="ppo")
-    assert sorted(LEARNERS) == ["grpo", "rloo"]
+    with pytest.raises(ValueError, match="value_model: unknown 'tied'"):  # the recipe's own checks
+        train_async(ppo.Config(value_model="tied"), algorithm="ppo")
+    with pytest.raises(ValueError, match="num_samples: online DPO"):
+        train_async(online_dpo.Config(num_samples=1), algorithm="online_dpo")
+    with pytest.raises(ValueError, match="is_clip: this learner's loss has no importance ratio"):
+        async_rl.learn(None, {}, None, config=online_dpo.Config(), tokenizer=None, reward_fn=None,
+                       learner=LEARNERS["online_dpo"], is_clip=1.0)
 
 
 # --- the loop ---------------------------------------------------------------------------------------
@@ -142,18 +175,32 @@ def flat(state):
     return torch.cat([p.detach().reshape(-1) for p in state.model().parameters()])
 
 
-@pytest.mark.parametrize("recipe", [grpo, rloo])
-def test_no_lag_reproduces_the_synchronous_recipe(recipe):
-    """N = 0: same seeds, same rollouts, same parameters as the recipe's own synchronous step."""
-    config = recipe.Config(**TINY, num_samples=4, steps=3, lr=1e-2)
+def flat_models(state):
+    """Every model's parameters (policy, reference, critic), in name order."""
+    return torch.cat([p.detach().reshape(-1) for name in sorted(state.models)
+                      for p in state.models[name].parameters()])
+
+
+NO_LAG_CASES = [(grpo, {}), (rloo, {}), (grpo, {"minibatch_size": 4, "epochs": 2}),  # shuffled minibatches
+                (ppo, {}), (ppo, {"value_model": "separate", "minibatch_size": 4}), (online_dpo, {})]
+
+
+@pytest.mark.parametrize("recipe, extra", NO_LAG_CASES, ids=lambda x: x.__name__.rsplit(".", 1)[-1]
+                         if hasattr(x, "__name__") else ",".join(f"{k}={v}" for k, v in x.items()) or "default")
+def test_no_lag_reproduces_the_synchronous_recipe(recipe, extra):
+    """N = 0: same seeds, same rollouts, same parameters (critic included), same transform states
+    and the same metrics as the recipe's own synchronous step."""
+    config = recipe.Config(**TINY, num_samples=4, steps=3, lr=1e-2, **extra)
     sync_state, sync_hist = recipe.train(config, reward_fn=digits)
     state, hist = train_async(config, algorithm=recipe.__name__.rsplit(".", 1)[-1], max_lag=0, reward_fn=digits,
                               start_method=METHOD)
-    assert torch.equal(flat(state), flat(sync_state))
-    assert (state.step, state.policy_version, state.samples_seen, state.tokens_seen) == \
-        (sync_state.step, sync_state.policy_version, sync_state.samples_seen, sync_state.tokens_seen)
+    assert torch.equal(flat_models(state), flat_models(sync_state))
+    assert (state.step, state.policy_version, state.samples_seen, state.tokens_seen, state.optimizer_steps) == \
+        (sync_state.step, sync_state.policy_version, sync_state.samples_seen, sync_state.tokens_seen,
+         sync_state.optimizer_steps)
     assert torch.equal(state.rng.get_state(), sync_state.rng.get_state())
-    assert [h["rollout/score"] for h in hist] == [h["rollout/score"] for h in sync_hist]
+    assert str(state.transforms) == str(sync_state.transforms)  # PPO: KL controller, score moments
+    assert [{k: v for k, v in h.items() if not k.startswith("async/")} for h in hist] == sync_hist
     assert all(h["async/staleness_max"] == 0 and abs(h["async/logprob_gap"]) < 1e-4 for h in hist)
     assert not torch.equal(flat(state), flat(recipe.train(dataclasses.replace(config, steps=2), reward_fn=digits)[0]))
 
@@ -167,6 +214,40 @@ def test_one_step_lag_overlaps_and_still_learns():
     assert all(0 < h["async/is_weight"] <= 2 for h in hist)
     scores = [h["rollout/score"] for h in hist]
     assert sum(scores[-6:]) / 6 > sum(scores[:6]) / 6 + 0.05, scores
+
+
+@pytest.mark.parametrize("recipe, is_clip", [(ppo, 2.0), (ppo, None), (online_dpo, None)],
+                         ids=["ppo-is_clip", "ppo", "online_dpo"])
+def test_one_step_lag_records_staleness_and_versions(recipe, is_clip, monkeypatch):
+    """N = 1: rollout t comes from version t − 1 or t (0 for the first), as the metrics say."""
+    seen, real_learn = [], async_rl.learn
+
+    def recording_learn(state, rows, rollout, **kwargs):
+        seen.append((state.policy_version, rollout[K.POLICY_VERSION].unique().tolist()))
+        return real_learn(state, rows, rollout, **kwargs)
+
+    monkeypatch.setattr(async_rl, "learn", recording_learn)
+    config = recipe.Config(**TINY, num_samples=2, steps=5, lr=1e-2)
+    state, hist = train_async(config, algorithm=recipe.__name__.rsplit(".", 1)[-1], max_lag=1, is_clip=is_clip,
+                              reward_fn=digits, start_method=METHOD)
+    assert state.step == 5 and len(seen) == 5 and seen[0] == (0, [0])
+    for (learner_version, (rollout_version,)), h in zip(seen, hist):
+        assert 0 <= learner_version - rollout_version <= 1
+        assert h["async/staleness"] == h["async/staleness_max"] == learner_version - rollout_version
+    assert all(h["async/staleness_max"] <= 1 for h in hist) and any(h["async/staleness"] == 1 for h in hist)
+    if is_clip is None:
+        assert not any(k.startswith("async/is_") for k in hist[-1])
+    else:
+        assert all(0 < h["async/is_weight"] <= is_clip and 0 <= h["async/is_truncated"] <= 1 for h in hist)
+        assert hist[0]["async/is_weight"] == pytest.approx(1.0, abs=1e-3)  # on-policy at the first step
+
+
+def test_correction_keeps_the_behaviour_rollout_metrics(monkeypatch):
+    """With is_clip the loss sees old_logprobs = π_prox, the logged rollout/kl_ref stays π_b's."""
+    config = grpo.Config(**TINY, num_samples=2, steps=1, lr=1e-2, kl_coef=0.1)
+    _, sync_hist = grpo.train(config, reward_fn=digits)
+    _, hist = train_async(config, algorithm="grpo", max_lag=0, is_clip=1.0, reward_fn=digits, start_method=METHOD)
+    assert hist[0]["rollout/kl_ref"] == sync_hist[0]["rollout/kl_ref"]
 
 
 @contextlib.contextmanager
@@ -190,23 +271,26 @@ def assert_stopped(handle):
         os.kill(handle.process.pid, 0)  # gone, and reaped: not an orphan, not a zombie
 
 
-@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
-def test_interrupted_learner_leaves_no_process_and_no_partial_checkpoint(tmp_path, monkeypatch, error):
-    config = grpo.Config(**{**TINY, "run_dir": str(tmp_path)}, num_samples=2, steps=8, lr=1e-2, save_every=2)
+@pytest.mark.parametrize("recipe, error", [(grpo, RuntimeError), (grpo, KeyboardInterrupt), (ppo, KeyboardInterrupt),
+                                           (online_dpo, RuntimeError)],
+                         ids=["grpo-RuntimeError", "grpo-KeyboardInterrupt", "ppo-KeyboardInterrupt",
+                              "online_dpo-RuntimeError"])
+def test_interrupted_learner_leaves_no_process_and_no_partial_checkpoint(tmp_path, monkeypatch, recipe, error):
+    config = recipe.Config(**{**TINY, "run_dir": str(tmp_path)}, num_samples=2, steps=8, lr=1e-2, save_every=2)
 
     def fail_at_step_3(state, metrics):
         if state.step == 3:
             raise error("learner interrupted")
 
     with recorded_generator(monkeypatch) as handles, pytest.raises(error, match="learner interrupted"):
-        train_async(config, algorithm="grpo", max_lag=1, reward_fn=digits, callbacks=[fail_at_step_3],
-                    start_method=METHOD)
+        train_async(config, algorithm=recipe.__name__.rsplit(".", 1)[-1], max_lag=1, reward_fn=digits,
+                    callbacks=[fail_at_step_3], start_method=METHOD)
     assert len(handles) == 1
     assert_stopped(handles[0])
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "metrics.jsonl"]  # no .tmp-*
-    restored = load_checkpoint(tmp_path / "checkpoint-2", build_online_state(config)[0])
-    assert restored.step == 2 and restored.policy_version == 2
+    restored = load_checkpoint(tmp_path / "checkpoint-2", recipe.build_state(config)[0])
+    assert restored.step == 2 and 1 <= restored.policy_version <= 2  # online DPO: a step of ties has no update
 
 
 def test_interrupt_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

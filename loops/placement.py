@@ -1,0 +1,311 @@
+"""Placement on Ray (the ``rlcore[ray]`` extra): generator, reward scorer and learner as actors.
+
+An online recipe (GRPO, RLOO, PPO, online DPO: ``async_rl.LEARNERS``) split over three Ray actors that call the plain functions of the
+single-process loop::
+
+    generator  a copy of the policy    generate_rollout(seed, policy_version)        (loops.collect)
+    scorer     reference, reward model, workers.compute_log_probs(model="ref"),
+               reward function          workers.compute_rewards                       (loops.workers)
+    learner    the recipe's TrainState  async_rl.learn on the scored rollout: the recipe's own
+               (policy, critic, AdamW)  hooks (score_options, prepare, optimise); then the
+                                        policy's CPU state_dict goes to the generator through
+                                        the object store
+
+The fold itself (``loops.recipe.run``: checkpoints, JSONL logs, evaluation, resume) runs inside
+the learner, which holds the state it threads. For item ``t`` the learner submits
+``scorer.score(generator.generate(rows_t, seed_t), rows_t)``: the rollout goes from the generator
+to the scorer to the learner as an object reference, never through the driver. Ray runs the calls
+one caller makes on one actor in the order they were made, so with ``max_lag = N`` the learner
+submits item ``t + N`` right after pushing the weights of step ``t − 1``: a rollout is at most
+``N`` updates old. ``N = 0`` is the synchronous recipe, ``N = 1`` overlaps the generation of
+batch ``t+1`` with the update on batch ``t`` (as ``loops.async_rl``).
+
+Which models sit where: the scorer holds the reward model and adds the reference log-probs of
+the rollout when the recipe scores them there (GRPO, RLOO, PPO); a recipe that asks for none
+(``score_options`` with ``reference=False``: online DPO, whose pairs get theirs in ``prepare``)
+keeps its reference in the learner. PPO's critic stays with the learner, which computes the
+values with its current weights (as ``async_rl.learn`` does).
+
+Determinism: sampling seeds are drawn in item order from a copy of the learner's ``state.rng``,
+and the learner replays that draw (``async_rl.learn``), the draws the synchronous
+``collect_rollout`` makes. With ``max_lag=0``, one minibatch per step (``update`` then never
+shuffles with ``state.rng``) and the same threads per process, a placed run ends with the very
+parameters as the recipe's ``train(config)`` (``loops.grpo``, ``loops.rloo``, ...).
+
+Ray is imported inside the functions: this module imports without it and
+:func:`require_ray` names the install (``pip install "rlcore[ray]"``).
+
+References:
+    Moritz et al., "Ray: A Distributed Framework for Emerging AI Applications",
+    https://arxiv.org/abs/1712.05889; Noukhovitch et al., "Asynchronous RLHF",
+    https://arxiv.org/abs/2410.18252
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from rlcore.checks import lookup
+from rlcore.loops.async_rl import LEARNERS, Learner, learn
+from rlcore.loops.checkpoint import resume
+from rlcore.loops.collect import generate_rollout
+from rlcore.loops.models import disable_dropout
+from rlcore.loops.online import build_online_state, evaluate_policy, make_reward_fn, prompt_source, repeat_columns
+from rlcore.loops.recipe import build_policy, load_splits, run
+from rlcore.loops.state import TrainState, copy_generator
+from rlcore.loops.tasks import task_dataset
+from rlcore.loops.workers import compute_log_probs, compute_rewards
+
+__all__ = ["RAY_INSTALL", "ROLES", "require_ray", "cpu_state_dict", "learn_scored", "GeneratorWorker",
+           "ScorerWorker", "LearnerWorker", "placed_source", "train_placed"]
+
+RAY_INSTALL = 'pip install "rlcore[ray]"'
+ROLES = ("generator", "scorer", "learner")
+
+
+def require_ray():
+    """The ``ray`` module, or an ``ImportError`` saying how to install it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(f"rlcore.loops.placement runs on Ray, which is not installed: {RAY_INSTALL}") from e
+    return ray
+
+
+def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters and buffers as detached CPU tensors (what travels to the generator)."""
+    return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def learn_scored(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any,
+                 learner: Learner, is_clip: float | None = None) -> tuple[TrainState, TensorDict]:
+    """``async_rl.learn`` on a rollout the scorer has already scored (``ref_logprobs``, ``score``).
+
+    The learner's state holds no reward model and (unless it kept one for ``prepare``) no
+    reference, so ``learn``'s scoring pass gets no reward function and a reference of ``None``
+    and adds only what the learner's own models give (PPO's values); the rest is ``learn``'s: the
+    replayed seed draw, the counters, the learner's log-probs and ``async/*`` metrics,
+    ``learner.prepare``, the optional importance correction, ``learner.optimise``. Impure (trains).
+    """
+    view = dataclasses.replace(state, models={"ref": None, **state.models})
+    new, metrics = learn(view, rows, rollout, config=config, tokenizer=None, reward_fn=None, learner=learner,
+                         is_clip=is_clip)
+    return dataclasses.replace(new, models=state.models), metrics
+
+
+# --- the actors: thin holders of state calling the plain functions ----------------------------------
+class GeneratorWorker:
+    """Holds a copy of the policy; generates rollouts stamped with the version of its weights."""
+
+    def __init__(self, config: Any, *, threads: int | None = None):
+        _set_threads(threads)
+        self.policy, self.tokenizer = build_policy(config)
+        disable_dropout(self.policy)
+        self.version = 0
+        self.kwargs = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
+                           top_p=config.top_p, num_samples=config.num_samples,
+                           max_prompt_length=config.max_prompt_length, sampler=config.sampler)
+
+    def set_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        """Load the learner's weights (a CPU ``state_dict``) as policy version ``version``."""
+        self.policy.load_state_dict(state_dict)
+        self.version = version
+        return version
+
+    def generate(self, prompts: Sequence, seed: int) -> TensorDict:
+        """``generate_rollout`` of ``G`` samples per prompt with ``seed``; the rollout on the CPU."""
+        return generate_rollout(self.policy, self.tokenizer, list(prompts), seed=seed, policy_version=self.version,
+                                **self.kwargs).to("cpu")
+
+
+class ScorerWorker:
+    """Holds the frozen reference (and reward model) and the reward function; also evaluates."""
+
+    def __init__(self, config: Any, *, reward_fn: Callable | None = None, threads: int | None = None):
+        _set_threads(threads)
+        state, self.tokenizer = build_online_state(config)  # policy (for evaluation), ref, reward
+        self.state = TrainState(models=state.models)
+        self.config = config
+        self.reward_fn = make_reward_fn(config, reward_fn)
+        self.eval_ds = None
+
+    def score(self, rollout: TensorDictBase, rows: Mapping[str, Sequence], *, reference: bool = True) -> TensorDict:
+        """``ref_logprobs [B, R]`` (with ``reference``) then ``score [B]`` (reward model and/or function)."""
+        c = self.config
+        rollout = rollout.to(c.device)
+        if reference:
+            _, rollout = compute_log_probs(self.state, rollout, model="ref", temperature=c.temperature)
+        _, rollout = compute_rewards(self.state, rollout, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
+                                     reward_columns=repeat_columns(rows, c.num_samples))
+        return rollout.to("cpu")
+
+    def evaluate(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """``evaluate_policy`` of the learner's weights on the held-out split."""
+        self.state.model("policy").load_state_dict(state_dict)
+        if self.eval_ds is None:
+            self.eval_ds = load_splits(self.config, task_dataset)[1]
+        return evaluate_policy(self.state, self.config, tokenizer=self.tokenizer, dataset=self.eval_ds,
+                               reward_fn=self.reward_fn)
+
+
+def placed_source(generator, scorer, prompts: Callable[[int], Any], seeds: torch.Generator, *, max_lag: int,
+                  reference: bool = True) -> Callable[[int], Iterator]:
+    """A resumable fold source of ``(rows, scored rollout ref)``, at most ``max_lag`` items ahead.
+
+    Before yielding item ``t`` it has submitted ``scorer.score(generator.generate(rows_i, seed_i),
+    rows_i, reference=)`` for every ``i ≤ t + max_lag``, seeds drawn in item order from a copy of
+    ``seeds`` (actor handles in, object references out: nothing waits here).
+    """
+    def start_at(start: int) -> Iterator:
+        rng = copy_generator(seeds)
+        rows_iter, pending, sent = iter(prompts(start)), {}, start
+        for t in itertools.count(start):
+            while sent <= t + max_lag:
+                rows = next(rows_iter, None)
+                if rows is None:
+                    break
+                seed = int(torch.randint(0, 2**62, (), generator=rng))
+                rollout = generator.generate.remote(list(rows["prompt"]), seed)
+                pending[sent] = (rows, scorer.score.remote(rollout, rows, reference=reference))
+                sent += 1
+            if t not in pending:
+                return
+            yield pending.pop(t)
+    return start_at
+
+
+def _placed_step(state: TrainState, item: tuple, *, generator, config: Any, learner: Learner,
+                 is_clip: float | None) -> tuple[TrainState, TensorDict]:
+    ray = require_ray()
+    rows, ref = item
+    start = time.time()
+    rollout = ray.get(ref)
+    wait = time.time() - start
+    state, metrics = learn_scored(state, rows, rollout.to(config.device), config=config, learner=learner,
+                                  is_clip=is_clip)
+    generator.set_weights.remote(ray.put(cpu_state_dict(state.model("policy"))), state.policy_version)
+    return state, metrics.update({"placed/wait_s": torch.tensor(wait, dtype=torch.float64)})
+
+
+class LearnerWorker:
+    """Holds the ``TrainState`` (policy, optimiser, schedule, counters, rng) and runs the fold."""
+
+    def __init__(self, config: Any, *, algorithm: str, is_clip: float | None = None, threads: int | None = None):
+        _set_threads(threads)
+        self.config, self.algorithm, self.is_clip = config, algorithm, is_clip
+        self.learner = lookup(LEARNERS, algorithm, what="algorithm")
+        state, _ = self.learner.build_state(config)
+        if config.run_dir and config.resume:  # before the first weights go to the generator
+            state = resume(config.run_dir, state)
+        # the scorer holds the reward model, and the reference unless prepare needs it here
+        self.reference = self.learner.score_options(state, config).get("reference", True)
+        moved = ("reward", "ref") if self.reference else ("reward",)
+        self.state = dataclasses.replace(state, models={k: v for k, v in state.models.items() if k not in moved})
+
+    def train(self, generator, scorer, *, max_lag: int,
+              callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
+        """``run`` over the prompt batches, each step on the scored rollout of its item."""
+        ray = require_ray()
+        config, state = self.config, self.state
+        ray.get(generator.set_weights.remote(cpu_state_dict(state.model("policy")), state.policy_version))
+        step = functools.partial(_placed_step, generator=generator, config=config, learner=self.learner,
+                                 is_clip=self.is_clip)
+        source = placed_source(generator, scorer, prompt_source(load_splits(config, task_dataset)[0], config),
+                               state.rng, max_lag=max_lag, reference=self.reference)
+
+        def eval_fn(s: TrainState) -> dict[str, float]:
+            return ray.get(scorer.evaluate.remote(cpu_state_dict(s.model("policy"))))
+
+        self.state, history = run(step, state, source, config=dataclasses.replace(config, resume=False),
+                                  num_steps=config.steps, eval_fn=eval_fn, name=f"placed-{self.algorithm}",
+                                  callbacks=callbacks)
+        return self.state, history
+
+
+# --- the driver -------------------------------------------------------------------------------------
+def _per_role(value: float | Mapping[str, float], name: str) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        return dict.fromkeys(ROLES, value)
+    if set(value) != set(ROLES):
+        raise ValueError(f"{name}: expected a number or a mapping of every role {list(ROLES)}, got keys "
+                         f"{sorted(value)}")
+    return dict(value)
+
+
+def train_placed(config: Any, *, algorithm: str = "grpo", max_lag: int = 0, is_clip: float | None = None,
+                 reward_fn: Callable | None = None, callbacks: Sequence[Callable] = (),
+                 num_cpus: float | Mapping[str, float] = 0.5, num_gpus: float | Mapping[str, float] = 0,
+                 threads: int | None = None, address: str | None = None) -> tuple[TrainState, list[dict[str, float]]]:
+    """Train an online recipe with the generator, scorer and learner placed as Ray actors.
+
+    Starts the three actors (named ``rlcore-<role>-<id>``), runs the learner's fold (see the
+    module doc) and kills the actors on every exit, exception or not. Uses the running Ray
+    instance, else starts one with ``ray.init(address=address)`` and shuts it down at the end.
+
+    Args:
+        config: the recipe's ``Config`` (``loops.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``); a relative
+            ``run_dir`` is made absolute here (the learner writes it, on its node).
+        algorithm: a key of ``async_rl.LEARNERS``.
+        max_lag: ``N ≥ 0``: rollouts come from a policy at most ``N`` updates old; 0 is synchronous.
+        is_clip: ``C`` of the truncated importance correction (``async_rl.learn``), or ``None``.
+        reward_fn: overrides the task reward (runs in the scorer: it must pickle).
+        callbacks: extra fold callbacks; they run in the learner (they must pickle).
+        num_cpus, num_gpus: Ray resources per actor, one number or a mapping of every role in
+            ``ROLES``. ``config.device`` is where each actor puts its models.
+        threads: ``torch.set_num_threads`` in each actor (default: Ray's, from ``num_cpus``).
+        address: for ``ray.init`` when Ray is not running (``"auto"``: join the local cluster).
+    Returns:
+        ``(state, history)`` as the recipe's ``train``: the learner's final ``TrainState`` (policy,
+        optimiser, counters; no reference) and one row of metrics per step, with ``async/*``
+        (staleness, behaviour-vs-learner gap) and ``placed/wait_s`` (the learner waiting for a
+        scored rollout).
+    """
+    learner = lookup(LEARNERS, algorithm, what="algorithm")
+    if not isinstance(config, learner.config):
+        raise TypeError(f"config: algorithm {algorithm!r} needs a {learner.config.__module__}.Config, "
+                        f"got {type(config).__module__}.{type(config).__qualname__}")
+    if is_clip is not None and (learner.level is None or not is_clip > 0):
+        raise ValueError(f"is_clip: expected C > 0 or None for {algorithm!r}, got {is_clip}"
+                         + (" (its loss has no importance ratio)" if learner.level is None else ""))
+    if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 0:
+        raise ValueError(f"max_lag: expected an int ≥ 0, got {max_lag!r}")
+    cpus, gpus = _per_role(num_cpus, "num_cpus"), _per_role(num_gpus, "num_gpus")
+    ray = require_ray()
+    if config.run_dir:
+        config = dataclasses.replace(config, run_dir=os.path.abspath(config.run_dir))
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address)
+    tag, actors = uuid.uuid4().hex[:8], []
+
+    def place(cls: type, role: str, *args, **kwargs):
+        remote = ray.remote(num_cpus=cpus[role], num_gpus=gpus[role])(cls)
+        actors.append(remote.options(name=f"rlcore-{role}-{tag}").remote(*args, threads=threads, **kwargs))
+        return actors[-1]
+
+    try:
+        generator = place(GeneratorWorker, "generator", config)
+        scorer = place(ScorerWorker, "scorer", config, reward_fn=reward_fn)
+        learner_actor = place(LearnerWorker, "learner", config, algorithm=algorithm, is_clip=is_clip)
+        return ray.get(learner_actor.train.remote(generator, scorer, max_lag=max_lag, callbacks=tuple(callbacks)))
+    finally:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        if started:
+            ray.shutdown()

@@ -1,0 +1,207 @@
+"""placement: the Ray actors against the synchronous recipes; importable and explicit without Ray.
+
+The Ray tests share one local instance (2 CPUs, no dashboard) per module and are skipped where
+``ray`` is not installed; each placed run starts three actor processes (a few seconds of imports).
+"""
+
+import dataclasses
+import importlib
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from rlcore.loops import grpo, rloo
+from rlcore.loops import placement
+from rlcore.loops.placement import RAY_INSTALL, ROLES, require_ray, train_placed
+
+# A reward that varies between samples of a random tiny model (a lambda: Ray pickles it by value).
+LENGTH_REWARD = lambda prompts, completions, **_: [float(len(c)) for c in completions]  # noqa: E731
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, batch_size=2, num_samples=2, max_new_tokens=6, num_train=16,
+            num_eval=4, eval_batch_size=4, run_dir=None, lr=1e-2)
+
+
+def policy_params(state):
+    return {k: v.detach().clone() for k, v in state.model("policy").state_dict().items()}
+
+
+# --- without Ray -------------------------------------------------------------------------------------
+def test_module_imports_without_ray_and_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    monkeypatch.setattr(sys.modules["rlcore.loops"], "placement", placement)  # restored after the re-import
+    monkeypatch.delitem(sys.modules, "rlcore.loops.placement")
+    fresh = importlib.import_module("rlcore.loops.placement")  # no top-level `import ray`
+    assert fresh is not placement and fresh.RAY_INSTALL == 'pip install "rlcore[ray]"'
+    with pytest.raises(ImportError, match=r'pip install "rlcore\[ray\]"'):
+        fresh.require_ray()
+    with pytest.raises(ImportError, match=r'not installed: pip install "rlcore\[ray\]"'):
+        fresh.train_placed(grpo.Config(**TINY, steps=1))
+
+
+def test_bad_arguments_fail_before_any_actor_starts(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # nothing below may reach Ray
+    config = grpo.Config(**TINY, steps=1)
+    with pytest.raises(ValueError, match=r"algorithm: unknown 'a2c'; valid: \["):
+        train_placed(config, algorithm="a2c")
+    with pytest.raises(TypeError, match=r"config: algorithm 'rloo' needs a rlcore.loops.rloo.Config"):
+        train_placed(config, algorithm="rloo")
+    with pytest.raises(ValueError, match=r"max_lag: expected an int ≥ 0, got -1"):
+        train_placed(config, max_lag=-1)
+    with pytest.raises(ValueError, match=r"is_clip: expected C > 0 or None for 'grpo', got 0"):
+        train_placed(config, is_clip=0)
+    with pytest.raises(ValueError, match=r"num_cpus: expected a number or a mapping of every role"):
+        train_placed(config, num_cpus={"learner": 1})
+    with pytest.raises(ValueError, match=r"num_gpus: expected a number or a mapping of every role \['generator', "
+                                          r"'scorer', 'learner'\], got keys \['gpu'\]"):
+        train_placed(config, num_gpus={"gpu": 1})
+    assert ROLES == ("generator", "scorer", "learner") and RAY_INSTALL == 'pip install "rlcore[ray]"'
+
+
+def test_require_ray_returns_the_module_when_installed():
+    ray = pytest.importorskip("ray")
+    assert require_ray() is ray
+
+
+class FakeMethod:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((self.name, args, kwargs))
+        return (self.name, len(self.calls) - 1)  # stands for an object reference
+
+
+class FakeActor:
+    def __init__(self, calls, *methods):
+        for m in methods:
+            setattr(self, m, FakeMethod(m, calls))
+
+
+@pytest.mark.parametrize("max_lag", [0, 1, 2])
+def test_placed_source_submits_at_most_max_lag_items_ahead_with_the_recipe_seeds(max_lag):
+    calls = []
+    generator, scorer = FakeActor(calls, "generate"), FakeActor(calls, "score")
+    prompts = lambda start: ({"prompt": [f"p{i}"]} for i in range(start, 5))  # noqa: E731
+    seeds = torch.Generator().manual_seed(7)
+    before = seeds.get_state()
+    items = placement.placed_source(generator, scorer, prompts, seeds, max_lag=max_lag, reference=False)(0)
+    expected = torch.Generator().manual_seed(7)
+    for t in range(5):
+        rows, ref = next(items)
+        submitted = [c for c in calls if c[0] == "generate"]
+        assert rows == {"prompt": [f"p{t}"]} and len(submitted) == min(t + 1 + max_lag, 5)
+        assert ref[0] == "score" and calls[ref[1]][2] == {"reference": False}
+        assert submitted[t][1] == ([f"p{t}"], int(torch.randint(0, 2**62, (), generator=expected)))
+    assert next(items, None) is None and torch.equal(seeds.get_state(), before)  # the input generator untouched
+
+
+def test_learn_scored_after_the_scorer_equals_async_learn(one_thread):
+    from rlcore.loops.async_rl import LEARNERS, learn
+    from rlcore.loops.collect import generate_rollout
+
+    config = grpo.Config(**TINY, steps=1)
+    rows = {"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]}
+    full, tokenizer = grpo.build_state(config)
+    rollout = generate_rollout(full.model("policy"), tokenizer, rows["prompt"], max_new_tokens=6, num_samples=2,
+                               seed=3, policy_version=0, sampler=config.sampler)
+    want_state, want = learn(full, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=LENGTH_REWARD,
+                             learner=LEARNERS["grpo"])
+    lean, _ = grpo.build_state(config)
+    lean = dataclasses.replace(lean, models={"policy": lean.model("policy")})
+    scored = placement.ScorerWorker(config, reward_fn=LENGTH_REWARD).score(rollout, rows)
+    got_state, got = assert_pure_state(placement.learn_scored, lean, rows, scored, config=config,
+                                       learner=LEARNERS["grpo"])
+    assert sorted(got_state.models) == ["policy"] and got_state.policy_version == want_state.policy_version == 1
+    for (name, a), b in zip(policy_params(got_state).items(), policy_params(want_state).values()):
+        assert torch.equal(a, b), name
+    assert set(got.keys()) == set(want.keys())
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+def assert_pure_state(fn, state, *args, **kwargs):
+    """``fn(state, ...)`` leaves the input state's models mapping and generator as they were."""
+    models, rng = dict(state.models), state.rng.get_state()
+    out = fn(state, *args, **kwargs)
+    assert dict(state.models) == models and torch.equal(state.rng.get_state(), rng)
+    return out
+
+
+# --- on a local Ray instance ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    start = time.time()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    print(f"ray.init: {time.time() - start:.1f} s")
+    yield ray
+    ray.shutdown()
+
+
+def rlcore_actors(ray):
+    return [a for a in ray.util.list_named_actors() if a.startswith("rlcore-")]
+
+
+def assert_no_actors_left(ray, timeout=10.0):
+    deadline = time.time() + timeout
+    while rlcore_actors(ray) and time.time() < deadline:
+        time.sleep(0.1)
+    assert rlcore_actors(ray) == []
+
+
+@pytest.fixture
+def one_thread():
+    """The actors run single-threaded (threads=1): so does the synchronous reference, for bitwise equality."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_lag_0_reproduces_the_synchronous_recipe(ray_local, one_thread):
+    config = grpo.Config(**TINY, steps=2, eval_every=2)
+    state, history = train_placed(config, algorithm="grpo", max_lag=0, reward_fn=LENGTH_REWARD, threads=1)
+    sync_state, sync_history = grpo.train(config, reward_fn=LENGTH_REWARD)
+    placed, sync = policy_params(state), policy_params(sync_state)
+    assert any(not torch.equal(a, b) for a, b in zip(sync.values(), policy_params(grpo.build_state(config)[0]).values()))
+    for name in sync:  # the same parameters, bit for bit
+        assert torch.equal(placed[name], sync[name]), name
+    for counter in ("step", "optimizer_steps", "samples_seen", "episodes", "tokens_seen", "policy_version"):
+        assert getattr(state, counter) == getattr(sync_state, counter), counter
+    assert torch.equal(state.rng.get_state(), sync_state.rng.get_state())
+    assert "ref" not in state.models  # the reference lives in the scorer
+    for row, sync_row in zip(history, sync_history):
+        assert row["async/staleness_max"] == 0.0 and row["placed/wait_s"] >= 0
+        assert {k: row[k] for k in sync_row} == sync_row  # losses, rollout and eval metrics alike
+    assert "eval/reward" in history[-1]
+    assert_no_actors_left(ray_local)
+
+
+def test_lag_1_is_one_version_stale_and_leaves_no_actors(ray_local):
+    config = rloo.Config(**TINY, steps=3)
+    state, history = train_placed(config, algorithm="rloo", max_lag=1, reward_fn=LENGTH_REWARD,
+                                  num_cpus={"generator": 0.5, "scorer": 0.25, "learner": 0.5})
+    assert state.step == 3 and state.policy_version == 3
+    # item 0 is generated by version 0; item t ≥ 1 was submitted before the push of step t - 1
+    assert [row["async/staleness_max"] for row in history] == [0.0, 1.0, 1.0]
+    assert [row["async/staleness"] for row in history] == [0.0, 1.0, 1.0]
+    assert all(torch.isfinite(torch.tensor(row["loss"])) for row in history)
+    assert_no_actors_left(ray_local)
+
+
+def test_an_error_after_placing_the_actors_kills_them(ray_local, monkeypatch):
+    lock = threading.Lock()  # a callback that cannot travel to the learner: train.remote() raises
+    killed, kill = [], ray_local.kill
+    monkeypatch.setattr(ray_local, "kill", lambda actor, **kw: (killed.append(actor), kill(actor, **kw)))
+
+    def callback(state, metrics):
+        with lock:
+            return None
+
+    with pytest.raises(TypeError, match="lock"):
+        train_placed(grpo.Config(**TINY, steps=1), callbacks=[callback])
+    assert len(killed) == len(ROLES)  # all three were placed, then killed
+    assert_no_actors_left(ray_local)
