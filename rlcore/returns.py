@@ -15,6 +15,8 @@ time steps. The readable reference loops live in the test suite (``tests/referen
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDictBase
@@ -42,7 +44,22 @@ def _discount_matrix(n: int, coef: float, dtype: torch.dtype, device: torch.devi
     if n == 0:
         return torch.zeros(0, 0, dtype=dtype, device=device)
     padded = torch.tensor(_powers(coef, n, dtype)[::-1] + [0.0] * max(n - 1, 0), dtype=dtype, device=device)
-    return padded.unfold(0, n, 1).flip(0)  # row s, column t reads padded[n-1-s+t] = coef^(s-t)
+    return padded.unfold(0, n, 1).flip(0).contiguous()  # row s, column t reads padded[n-1-s+t] = coef^(s-t)
+
+
+def _block_decay(coef: float, block: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[coef^C, …, coef^1]``: the weight of the next block's head at offsets ``t < C``."""
+    return torch.tensor(_powers(coef, block + 1, dtype)[:0:-1], dtype=dtype, device=device)
+
+
+_CACHED = {f: functools.lru_cache(maxsize=64)(f) for f in (_discount_matrix, _block_decay)}
+
+
+def _constant(build, *key) -> torch.Tensor:
+    """``build(*key)``, cached in eager mode: the scan's weights are constants per ``(size, coef,
+    dtype, device)``, never written into, and building them costs more than the products they
+    serve at RL sizes. Under ``torch.compile`` they are built in the graph (constant-folded)."""
+    return build(*key) if torch.compiler.is_compiling() else _CACHED[build](*key)
 
 
 def discounted_cumsum(x: torch.Tensor, *, coef: float, block: int = BLOCK) -> torch.Tensor:
@@ -80,14 +97,13 @@ def discounted_cumsum(x: torch.Tensor, *, coef: float, block: int = BLOCK) -> to
 def _scan(x: torch.Tensor, coef: float, block: int) -> torch.Tensor:
     T = x.shape[-1]
     if T <= block:
-        return x @ _discount_matrix(T, coef, x.dtype, x.device)
+        return x @ _constant(_discount_matrix, T, coef, x.dtype, x.device)
     nb = -(-T // block)
     blocks = (F.pad(x, (0, nb * block - T)) if nb * block > T else x).unflatten(-1, (nb, block))
-    local = blocks @ _discount_matrix(block, coef, x.dtype, x.device)      # sums inside each block
-    heads = _scan(local[..., 0], coef ** block, block)                    # full sums at block starts
-    carry = F.pad(heads[..., 1:], (0, 1))                                 # ... of the following block
-    decay = torch.tensor(_powers(coef, block + 1, x.dtype)[:0:-1], dtype=x.dtype,
-                         device=x.device)                                 # coef^(C - t), t < C
+    local = blocks @ _constant(_discount_matrix, block, coef, x.dtype, x.device)  # sums inside each block
+    heads = _scan(local[..., 0], coef ** block, block)                            # full sums at block starts
+    carry = F.pad(heads[..., 1:], (0, 1))                                         # ... of the following block
+    decay = _constant(_block_decay, coef, block, x.dtype, x.device)               # coef^(C - t), t < C
     return torch.addcmul(local, carry[..., None], decay).flatten(-2)[..., :T]
 
 
@@ -105,7 +121,7 @@ def _pack_index(mask: torch.Tensor) -> torch.Tensor:
 def _pack(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``[..., T + 2]``: valid values packed to the front, zeros after them (slot ``T`` included);
     slot ``T + 1`` receives every masked entry (garbage, NaN) and is never read."""
-    return x.new_zeros(*x.shape[:-1], x.shape[-1] + 2).scatter(-1, index, x)
+    return x.new_zeros(*x.shape[:-1], x.shape[-1] + 2).scatter_(-1, index, x)
 
 
 def _unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -170,8 +186,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
     index = _pack_index(mask)
     r_packed, v_packed = _pack(r, index), _pack(v, index)
     # Packed, the next valid value sits in the next slot; slot T and the tail hold 0.
-    delta = r_packed[..., :T] - v_packed[..., :T]
-    delta = delta.add_(v_packed[..., 1:T + 1], alpha=gamma)  # in place on a fresh temporary
+    delta = r_packed[..., :T].sub_(v_packed[..., :T]).add_(v_packed[..., 1:T + 1], alpha=gamma)  # fresh: in place
     adv = _unpack(_scan(delta, gamma * lam, BLOCK), index)
     returns = torch.where(mask, adv + v, torch.zeros((), dtype=work, device=v.device))
     return adv.to(dtype), returns.to(dtype)
