@@ -30,6 +30,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -44,7 +45,7 @@ import torch
 __all__ = [
     "REFERENCE_IMPL", "Unavailable", "Timing", "Rates", "Row",
     "discover", "load", "build", "time_thunk", "measure_rates", "floor_seconds",
-    "machine_line", "versions", "MemoryProbe", "format_table", "format_report",
+    "machine_line", "versions", "MemoryProbe", "format_table", "format_report", "sections_of", "merge_reports",
 ]
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -367,22 +368,37 @@ def format_table(rows: list[Row]) -> str:
 
 
 def format_report(tables: dict[str, str], *, command: str, threads: int, rates: Rates, machine: str) -> str:
-    vers = ", ".join(f"{k} {v}" for k, v in versions().items())
-    parts = [
-        "# Benchmarks", "",
-        f"Command: `{command}`  ",
-        f"Versions: {vers}  ",
-        f"Machine: {machine}  ",
-        f"Rates: copy {rates.copy_bytes_per_s / 1e9:.1f} GB/s (read + write), "
-        f"matmul {rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s (float32)", "",
-        "Median of the timed runs after a warm-up; IQR = interquartile range; vs rlcore = peer time / "
-        "rlcore time (> 1: rlcore faster); peak extra = resident-set high-water mark while running "
-        "once, above the resident set after building inputs, each in a fresh process; × floor = "
-        "median / (the case's bytes ÷ copy bandwidth, or flops ÷ matmul throughput).", "",
-    ]
-    for topic, table in tables.items():
-        parts += [f"## {topic}", "", table, ""]
-    return "\n".join(parts)
+    """The report: a legend, then one section per topic headed by the run that measured it."""
+    run = (f"Run: `{command}`  \nVersions: {', '.join(f'{k} {v}' for k, v in versions().items())}  \n"
+           f"Machine: {machine}  \nRates: copy {rates.copy_bytes_per_s / 1e9:.1f} GB/s (read + write), "
+           f"matmul {rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s (float32)")
+    sections = {topic: f"## {topic}\n\n{run}\n\n{table}\n" for topic, table in tables.items()}
+    return _assemble(sections)
+
+
+_LEGEND = (
+    "# Benchmarks\n\n"
+    "Each section was measured by the run named at its head (`python benchmarks/run.py --topics T "
+    "--write` replaces section T only). Median of the timed runs after a warm-up; IQR = "
+    "interquartile range; vs rlcore = peer time / rlcore time (> 1: rlcore faster); peak extra = "
+    "resident-set high-water mark while running once, above the resident set after building "
+    "inputs, each in a fresh process; × floor = median / (the case's bytes ÷ copy bandwidth, or "
+    "flops ÷ matmul throughput).\n")
+
+
+def _assemble(sections: dict[str, str]) -> str:
+    return "\n".join([_LEGEND, *(sections[t] for t in sorted(sections))])
+
+
+def sections_of(report: str) -> dict[str, str]:
+    """``topic -> section text`` of a report written by :func:`format_report` (legend dropped)."""
+    chunks = re.split(r"^(?=## )", report, flags=re.MULTILINE)
+    return {c.split("\n", 1)[0][3:].strip(): c.rstrip("\n") + "\n" for c in chunks if c.startswith("## ")}
+
+
+def merge_reports(old: str, new: str) -> str:
+    """``old`` with the topics of ``new`` replaced (or added); the other topics keep their runs."""
+    return _assemble({**sections_of(old), **sections_of(new)})
 
 
 def _main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,8 @@
 Discovers ``benchmarks/bench_*.py`` (protocol in ``benchmarks/harness.py``), times every
 implementation of each case in this process, measures each one's peak extra memory in a fresh
 process, converts the cases' floors into times with this machine's measured rates, and prints
-the report; ``--write`` also saves it to ``benchmarks/RESULTS.md``. ``--only`` keeps the cases
+the report; ``--write`` also saves it to ``benchmarks/RESULTS.md``, replacing the sections of the
+topics run and keeping the others (each section names the run, machine load and rates it comes from). ``--only`` keeps the cases
 whose ``topic/case`` contains the substring; ``--topics`` loads only the named bench modules
 (their imports can take seconds). Missing peers are skipped with a note.
 """
@@ -117,8 +118,9 @@ def main(argv: list[str] | None = None) -> str:
             probe.close()
     report = H.format_report(tables, command=command, threads=args.threads, rates=rates, machine=machine)
     print(report)
-    if args.write:
-        (H.BENCH_DIR / "RESULTS.md").write_text(report)
+    if args.write:  # replaces the sections of the topics run, keeps the others
+        results = H.BENCH_DIR / "RESULTS.md"
+        results.write_text(H.merge_reports(results.read_text() if results.exists() else "", report))
     return report
 
 

@@ -62,7 +62,7 @@ def test_tiny_run_prints_the_table():
     """The logprobs benchmarks end to end (other topics: the slow test below)."""
     out = _run_tiny("--topics", "logprobs")
     assert "| case | impl | median ms | IQR ms | vs rlcore (peer/ours) | peak extra MB | × floor |" in out
-    for line in ("## logprobs", "Command: `python benchmarks/run.py --tiny --topics logprobs`", "Versions: torch ",
+    for line in ("## logprobs", "Run: `python benchmarks/run.py --tiny --topics logprobs`", "Versions: torch ",
                  "Machine: "):
         assert line in out
     rows = [line for line in out.splitlines() if line.startswith("| logits") or line.startswith("| hidden")]
@@ -104,6 +104,19 @@ def test_memory_probe_measures_peak_extra_in_fresh_processes(fake_dir):
     assert 60 <= big["peak_bytes"] / 2**20 <= 80, big
     assert small["peak_bytes"] / 2**20 < 8, small
     assert "not installed" in missing["error"]
+
+
+def test_write_replaces_only_the_topics_run():
+    rates = H.Rates(copy_bytes_per_s=1e9, matmul_flops_per_s=1e12)
+    first = H.format_report({"a": "table A1", "b": "table B1"}, command="run 1", threads=2, rates=rates, machine="m1")
+    second = H.format_report({"b": "table B2", "c": "table C2"}, command="run 2", threads=2, rates=rates,
+                             machine="m2")
+    merged = H.merge_reports(first, second)
+    sections = H.sections_of(merged)
+    assert list(sections) == ["a", "b", "c"] and merged.startswith("# Benchmarks")
+    assert "table A1" in sections["a"] and "run 1" in sections["a"] and "m1" in sections["a"]
+    assert "table B2" in sections["b"] and "run 2" in sections["b"] and "B1" not in merged
+    assert H.merge_reports("", first) == first and H.merge_reports(merged, merged) == merged
 
 
 def test_time_thunk_floor_and_table_formatting():
