@@ -7,6 +7,7 @@ The building blocks are exported here. Each trainer is a recipe module with a ``
 
 from importlib import import_module as _import_module
 
+from rlcore.loops.async_learners import *  # noqa: F401,F403
 from rlcore.loops.async_rl import *  # noqa: F401,F403
 from rlcore.loops.checkpoint import *  # noqa: F401,F403
 from rlcore.loops.collect import *  # noqa: F401,F403
@@ -27,6 +28,6 @@ from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
 from rlcore.loops.workers import *  # noqa: F401,F403
 
-_MODULES = ('async_rl', 'checkpoint', 'collect', 'data', 'diffusion', 'distributed', 'fold', 'logging', 'models', 'online',
+_MODULES = ('async_learners', 'async_rl', 'checkpoint', 'collect', 'data', 'diffusion', 'distributed', 'fold', 'logging', 'models', 'online',
             'placement', 'recipe', 'reft_data', 'reft_model', 'score', 'state', 'tasks', 'update', 'workers')
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

@@ -36,7 +36,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES
 from rlcore.baselines import with_grpo_advantage
 from rlcore.checks import lookup
-from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, evaluate_policy, policy_update,
+from rlcore.loops.online import (OnlineConfig, build_online_state, evaluate_policy, online_step, policy_update,
                                  train_online)
 from rlcore.loops.state import TrainState
 
@@ -99,11 +99,8 @@ def optimise(state: TrainState, batch: TensorDictBase, config: Config) -> tuple[
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
     """One GRPO step on a batch of prompts: collect → group advantages → update (impure: trains)."""
-    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                                     **score_options(state, config))
-    state, batch, info = prepare(state, rollout, config)
-    state, metrics = optimise(state, batch, config)
-    return state, metrics.update(info)
+    return online_step(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                       score_options=score_options, prepare=prepare, optimise=optimise)
 
 
 def evaluate(state: TrainState, config: Config) -> dict[str, float]:

@@ -9,8 +9,11 @@ preference pairs) and the loss; what is the same lives here:
 - :func:`build_online_state`: policy + frozen reference (+ frozen reward model, + the recipe's own
   models such as a critic), AdamW, schedule, transform states;
 - :func:`prompt_source`: a resumable stream of prompt batches (dicts of dataset columns);
-- :func:`collect_rollout`: ``G`` samples per prompt from the policy, seeded from ``state.rng``,
-  scored with reference log-probs, optional values, and the task reward (or reward model);
+- :func:`collect_rollout`: ``G`` samples per prompt from the policy, seeded from ``state.rng``
+  (:func:`generate_kwargs`, :func:`draw_seed`), then :func:`score_collected`: reference
+  log-probs, optional values, the task reward (or reward model), the seed draw and the counters;
+- :func:`online_step`: a recipe's synchronous step from its hooks (``collect_rollout →
+  prepare → optimise``);
 - :func:`policy_loss_fn`: the ``update`` loss closure of the policy-gradient recipes (log-probs
   through the policy, then any ``(batch, **denominators) -> (loss, metrics)`` loss);
 - :func:`evaluate_policy`: held-out mean reward and exact match (greedy) and KL to the reference
@@ -55,7 +58,8 @@ from rlcore.masked import masked_sum
 from rlcore.transforms import observed_kl
 
 __all__ = ["OnlineConfig", "make_reward_fn", "build_online_state", "prompt_source", "update_sizes",
-           "repeat_columns", "collect_rollout", "with_policy_logprobs", "policy_loss_fn", "policy_update", "rollout_metrics",
+           "repeat_columns", "generate_kwargs", "draw_seed", "collect_rollout", "score_collected", "online_step",
+           "with_policy_logprobs", "policy_loss_fn", "policy_update", "rollout_metrics",
            "evaluate_policy", "train_online"]
 
 RewardFn = Callable[..., Any]
@@ -165,39 +169,100 @@ def repeat_columns(rows: Mapping[str, Sequence], num_samples: int, *,
 
 
 # --- collect and score ---------------------------------------------------------------------------
+def generate_kwargs(config: Any) -> dict[str, Any]:
+    """The sampling keywords of ``generate_rollout`` for ``config`` (everything but prompts, seed and
+    version): ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``num_samples``,
+    ``max_prompt_length``, ``sampler``. The synchronous recipes, the generator process of
+    ``loops.async_rl`` and the generator actor of ``loops.placement`` all sample with these."""
+    return dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
+                top_p=config.top_p, num_samples=config.num_samples, max_prompt_length=config.max_prompt_length,
+                sampler=config.sampler)
+
+
+def draw_seed(generator: torch.Generator) -> int:
+    """One sampling seed from ``generator`` (advancing it): ``randint(0, 2**62)`` on its device, the
+    draw ``generate_rollout(generator=...)`` makes. Item ``i``'s seed in every online loop."""
+    return int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+
+
 def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
                     reward_fn: RewardFn | None, num_samples: int | None = None,
                     value_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                     reference: bool = True) -> tuple[TrainState, TensorDict]:
     """Sample ``G`` responses per prompt and score them: ``(state, rollout)``.
 
-    ``generate_rollout(policy, ...)`` with a seed drawn from a copy of ``state.rng``, then
-    ``score_rollout`` with the reference (``ref_logprobs``, unless ``reference=False``),
-    ``value_fn`` (``values``), and the reward (``score``: ``reward_fn`` on the decoded texts with the
-    other dataset columns repeated per sample, plus ``state.models["reward"]`` when present).
-    Behaviour log-probs (``old_logprobs``) come from generation itself.
+    ``generate_rollout(policy, ..., seed=draw_seed(copy of state.rng))`` (``generate_kwargs``), then
+    :func:`score_collected`, which scores the rollout and carries the seed draw over to the
+    returned state. Behaviour log-probs (``old_logprobs``) come from generation itself.
 
     Args:
         rows: a prompt batch, dict of columns with ``prompt`` (``P`` rows).
         num_samples: ``G`` (default ``config.num_samples``).
+        value_fn, reference: scoring options (:func:`score_collected`).
     Returns:
-        The state with the advanced generator and the counters ``samples_seen``, ``episodes``,
-        ``tokens_seen`` advanced, and the rollout TensorDict ``[B = P·G]`` (``rlcore.keys``).
+        As :func:`score_collected`: the advanced state and the rollout TensorDict ``[B = P·G]``.
     """
     G = config.num_samples if num_samples is None else num_samples
-    rng = copy_generator(state.rng)
-    policy = state.model("policy")
-    rollout = generate_rollout(policy, tokenizer, list(rows["prompt"]), max_new_tokens=config.max_new_tokens,
-                               temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                               num_samples=G, generator=rng, max_prompt_length=config.max_prompt_length,
-                               policy_version=state.policy_version, sampler=config.sampler)
+    rollout = generate_rollout(state.model("policy"), tokenizer, list(rows["prompt"]),
+                               **{**generate_kwargs(config), "num_samples": G},
+                               seed=draw_seed(copy_generator(state.rng)), policy_version=state.policy_version)
+    return score_collected(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                           value_fn=value_fn, reference=reference, num_samples=G)
+
+
+def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any,
+                    tokenizer, reward_fn: RewardFn | None,
+                    value_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                    reference: bool = True, num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
+    """``collect_rollout`` after generation: score a rollout sampled from ``rows`` with a seed drawn
+    from ``state.rng``, and advance the state past that draw and those samples.
+
+    ``score_rollout`` with the reference (``ref_logprobs``, unless ``reference=False``),
+    ``value_fn`` (``values``) and the reward (``score``: ``reward_fn`` on the decoded texts with
+    the other dataset columns repeated per sample, plus ``state.models["reward"]`` when present);
+    then one :func:`draw_seed` from a copy of ``state.rng`` (the seed the rollout was sampled
+    with) and the counters. A rollout generated elsewhere (``loops.async_rl``, ``loops.placement``)
+    with that seed therefore leaves the state exactly as the synchronous ``collect_rollout`` does.
+
+    Args:
+        rows: the prompt batch the rollout was sampled from (``P`` rows of columns).
+        rollout: ``[B = P·G]`` from ``generate_rollout`` (``loops.collect``).
+        reward_fn: ``None`` with no ``state.models["reward"]`` keeps the rollout's ``score`` (if any).
+        value_fn: ``(input_ids, attention_mask) -> [B, T]`` or ``None``.
+        reference: add ``ref_logprobs`` from ``state.models["ref"]``.
+        num_samples: ``G`` (default ``config.num_samples``).
+    Returns:
+        ``(state, rollout)``: the state with the generator advanced by one draw and ``samples_seen``,
+        ``episodes`` (``+B``), ``tokens_seen`` (``+Σ response_mask``) advanced (the input state is
+        untouched); a shallow copy of the rollout with the scores.
+    """
+    G = config.num_samples if num_samples is None else num_samples
     rollout = score_rollout(rollout, ref=state.model("ref") if reference else None, value_fn=value_fn,
                             reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                             reward_columns=repeat_columns(rows, G), temperature=config.temperature)
+    rng = copy_generator(state.rng)
+    draw_seed(rng)  # the seed the rollout was sampled with
     B = rollout.batch_size[0]
     state = advance(dataclasses.replace(state, rng=rng), samples_seen=B, episodes=B,
                     tokens_seen=rollout[K.RESPONSE_MASK].sum())
     return state, rollout
+
+
+def online_step(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
+                reward_fn: RewardFn | None, score_options: Callable[[TrainState, Any], dict],
+                prepare: Callable[..., tuple[TrainState, TensorDictBase, dict]],
+                optimise: Callable[..., tuple[TrainState, TensorDict]]) -> tuple[TrainState, TensorDict]:
+    """One synchronous online step from a recipe's hooks: ``collect_rollout(**score_options(state, config))
+    → prepare(state, rollout, config) → optimise(state, batch, config)`` (impure: trains).
+
+    ``loops.async_learners.learn`` runs the same hooks on a rollout generated elsewhere.
+    Returns ``(state, metrics)``: ``optimise``'s metrics updated with ``prepare``'s.
+    """
+    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                                     **score_options(state, config))
+    state, batch, info = prepare(state, rollout, config)
+    state, metrics = optimise(state, batch, config)
+    return state, metrics.update(info)
 
 
 def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0) -> TensorDictBase:
@@ -244,14 +309,17 @@ def policy_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable[.
     return loss(with_policy_logprobs(state.model("policy"), batch, temperature=temperature), **denominators)
 
 
-def policy_update(state: TrainState, rollout: TensorDictBase, loss: Callable[..., tuple], *,
-                  config: Any) -> tuple[TrainState, TensorDict]:
+def policy_update(state: TrainState, rollout: TensorDictBase, loss: Callable[..., tuple], *, config: Any,
+                  wrap_loss: Callable[[Callable], Callable] | None = None) -> tuple[TrainState, TensorDict]:
     """``update`` of the policy on a scored rollout with a policy-gradient ``loss`` (impure: trains).
 
     The minibatch sizes, epochs and gradient clipping come from ``config``; the step's metrics
-    gain the rollout's (``rollout_metrics``).
+    gain the rollout's (``rollout_metrics``). ``wrap_loss`` maps the ``update`` loss closure
+    (:func:`policy_loss_fn` bound to ``loss``) to the one used, e.g.
+    ``loops.reft_model.with_interventions`` (``None``: as is).
     """
     loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature)
+    loss_fn = loss_fn if wrap_loss is None else wrap_loss(loss_fn)
     state, metrics = update(state, rollout, loss_fn, **update_sizes(config, rollout.batch_size[0]),
                             epochs=config.epochs, mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
     return state, metrics.update(rollout_metrics(rollout))

@@ -40,7 +40,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.online import online_preference_batch
 from rlcore.loops.dpo import UNPAIRED, bind_loss, needs_reference, preference_loss_fn, with_reference
-from rlcore.loops.online import OnlineConfig, build_online_state, collect_rollout, evaluate_policy, rollout_metrics, \
+from rlcore.loops.online import OnlineConfig, build_online_state, evaluate_policy, online_step, rollout_metrics, \
     train_online, update_sizes
 from rlcore.loops.state import TrainState
 from rlcore.loops.update import update
@@ -119,11 +119,8 @@ def optimise(state: TrainState, pairs: TensorDictBase, config: Config) -> tuple[
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
     """One online DPO step on a batch of prompts: collect → best/worst pairs → update (impure)."""
-    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                                     **score_options(state, config))
-    state, pairs, info = prepare(state, rollout, config)
-    state, metrics = optimise(state, pairs, config)
-    return state, metrics.update(info)
+    return online_step(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                       score_options=score_options, prepare=prepare, optimise=optimise)
 
 
 def evaluate(state: TrainState, config: Config) -> dict[str, float]:

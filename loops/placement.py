@@ -1,15 +1,16 @@
 """Placement on Ray (the ``rlcore[ray]`` extra): generator, reward scorer and learner as actors.
 
-An online recipe (GRPO, RLOO, PPO, online DPO: ``async_rl.LEARNERS``) split over three Ray actors that call the plain functions of the
-single-process loop::
+An online recipe (GRPO, RLOO, PPO, online DPO: ``async_learners.LEARNERS``) split over three Ray
+actors that call the plain functions of the single-process loop::
 
     generator  a copy of the policy    generate_rollout(seed, policy_version)        (loops.collect)
     scorer     reference, reward model, workers.compute_log_probs(model="ref"),
                reward function          workers.compute_rewards                       (loops.workers)
-    learner    the recipe's TrainState  async_rl.learn on the scored rollout: the recipe's own
-               (policy, critic, AdamW)  hooks (score_options, prepare, optimise); then the
-                                        policy's CPU state_dict goes to the generator through
-                                        the object store
+    learner    the recipe's TrainState  learn_placed on the scored rollout (score_collected,
+               (policy, critic, AdamW)  async_learners.learn_scored: the recipe's own hooks
+                                        score_options, prepare, optimise); then the policy's
+                                        CPU state_dict goes to the generator through the
+                                        object store (WeightPush)
 
 The fold itself (``loops.recipe.run``: checkpoints, JSONL logs, evaluation, resume) runs inside
 the learner, which holds the state it threads. For item ``t`` the learner submits
@@ -24,10 +25,14 @@ Which models sit where: the scorer holds the reward model and adds the reference
 the rollout when the recipe scores them there (GRPO, RLOO, PPO); a recipe that asks for none
 (``score_options`` with ``reference=False``: online DPO, whose pairs get theirs in ``prepare``)
 keeps its reference in the learner. PPO's critic stays with the learner, which computes the
-values with its current weights (as ``async_rl.learn`` does).
+values with its current weights (as ``async_learners.learn`` does).
+
+Weights: each push is checked (``ray.get``) just before the next one and at the end of the run
+(:class:`WeightPush`), so an error in the generator's ``set_weights`` fails the learner's run
+within one step instead of being lost.
 
 Determinism: sampling seeds are drawn in item order from a copy of the learner's ``state.rng``,
-and the learner replays that draw (``async_rl.learn``), the draws the synchronous
+and the learner replays that draw (``online.score_collected``), the draws the synchronous
 ``collect_rollout`` makes. With ``max_lag=0``, one minibatch per step (``update`` then never
 shuffles with ``state.rng``) and the same threads per process, a placed run ends with the very
 parameters as the recipe's ``train(config)`` (``loops.grpo``, ``loops.rloo``, ...).
@@ -56,18 +61,19 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from rlcore.checks import lookup
-from rlcore.loops.async_rl import LEARNERS, Learner, learn
+from rlcore.loops.async_learners import Learner, check_learner, learn_scored
+from rlcore.loops.async_rl import check_max_lag
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.collect import generate_rollout
 from rlcore.loops.models import disable_dropout
-from rlcore.loops.online import build_online_state, evaluate_policy, make_reward_fn, prompt_source, repeat_columns
+from rlcore.loops.online import (build_online_state, draw_seed, evaluate_policy, generate_kwargs, make_reward_fn,
+                                 prompt_source, repeat_columns, score_collected)
 from rlcore.loops.recipe import build_policy, load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset
 from rlcore.loops.workers import compute_log_probs, compute_rewards
 
-__all__ = ["RAY_INSTALL", "ROLES", "require_ray", "cpu_state_dict", "learn_scored", "GeneratorWorker",
+__all__ = ["RAY_INSTALL", "ROLES", "require_ray", "cpu_state_dict", "learn_placed", "WeightPush", "GeneratorWorker",
            "ScorerWorker", "LearnerWorker", "placed_source", "train_placed"]
 
 RAY_INSTALL = 'pip install "rlcore[ray]"'
@@ -93,20 +99,44 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def learn_scored(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any,
+def learn_placed(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any,
                  learner: Learner, is_clip: float | None = None) -> tuple[TrainState, TensorDict]:
-    """``async_rl.learn`` on a rollout the scorer has already scored (``ref_logprobs``, ``score``).
+    """The learner actor's step on a rollout the scorer has scored (``score``, and ``ref_logprobs``
+    when the learner's ``score_options`` ask for them): the rest of ``async_learners.learn``.
 
-    The learner's state holds no reward model and (unless it kept one for ``prepare``) no
-    reference, so ``learn``'s scoring pass gets no reward function and a reference of ``None``
-    and adds only what the learner's own models give (PPO's values); the rest is ``learn``'s: the
-    replayed seed draw, the counters, the learner's log-probs and ``async/*`` metrics,
-    ``learner.prepare``, the optional importance correction, ``learner.optimise``. Impure (trains).
+    ``loops.online.score_collected`` with only what the learner's own models add (PPO's values:
+    ``learner.score_options`` with no reference, no reward function, and the state holds no
+    reward model), which replays the seed draw and advances the counters; then
+    ``async_learners.learn_scored``. Impure (trains).
     """
-    view = dataclasses.replace(state, models={"ref": None, **state.models})
-    new, metrics = learn(view, rows, rollout, config=config, tokenizer=None, reward_fn=None, learner=learner,
-                         is_clip=is_clip)
-    return dataclasses.replace(new, models=state.models), metrics
+    options = {**learner.score_options(state, config), "reference": False}  # the scorer added ref_logprobs
+    state, rollout = score_collected(state, rows, rollout, config=config, tokenizer=None, reward_fn=None, **options)
+    return learn_scored(state, rollout, config=config, learner=learner, is_clip=is_clip)
+
+
+class WeightPush:
+    """The learner's pushes of its weights to the generator actor, each checked one push later.
+
+    ``push`` first waits for the previous push (``ray.get``: an error raised in the generator's
+    ``set_weights`` is raised here, within one step), then submits the new one and keeps its
+    ``ObjectRef``; ``wait`` waits for the last one (at the end of the run).
+    """
+
+    def __init__(self, ray, generator):
+        self.ray, self.generator, self.pending = ray, generator, None
+
+    def wait(self) -> float:
+        """Wait for the pending push, if any (raising its error); the seconds waited."""
+        start, pending, self.pending = time.time(), self.pending, None
+        if pending is not None:
+            self.ray.get(pending)
+        return time.time() - start
+
+    def push(self, model: nn.Module, version: int) -> float:
+        """``wait``, then submit ``generator.set_weights(cpu_state_dict(model), version)``; the seconds waited."""
+        waited = self.wait()
+        self.pending = self.generator.set_weights.remote(self.ray.put(cpu_state_dict(model)), version)
+        return waited
 
 
 # --- the actors: thin holders of state calling the plain functions ----------------------------------
@@ -118,9 +148,7 @@ class GeneratorWorker:
         self.policy, self.tokenizer = build_policy(config)
         disable_dropout(self.policy)
         self.version = 0
-        self.kwargs = dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                           top_p=config.top_p, num_samples=config.num_samples,
-                           max_prompt_length=config.max_prompt_length, sampler=config.sampler)
+        self.kwargs = generate_kwargs(config)
 
     def set_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         """Load the learner's weights (a CPU ``state_dict``) as policy version ``version``."""
@@ -180,8 +208,7 @@ def placed_source(generator, scorer, prompts: Callable[[int], Any], seeds: torch
                 rows = next(rows_iter, None)
                 if rows is None:
                     break
-                seed = int(torch.randint(0, 2**62, (), generator=rng))
-                rollout = generator.generate.remote(list(rows["prompt"]), seed)
+                rollout = generator.generate.remote(list(rows["prompt"]), draw_seed(rng))
                 pending[sent] = (rows, scorer.score.remote(rollout, rows, reference=reference))
                 sent += 1
             if t not in pending:
@@ -190,17 +217,17 @@ def placed_source(generator, scorer, prompts: Callable[[int], Any], seeds: torch
     return start_at
 
 
-def _placed_step(state: TrainState, item: tuple, *, generator, config: Any, learner: Learner,
+def _placed_step(state: TrainState, item: tuple, *, weights: WeightPush, config: Any, learner: Learner,
                  is_clip: float | None) -> tuple[TrainState, TensorDict]:
-    ray = require_ray()
     rows, ref = item
     start = time.time()
-    rollout = ray.get(ref)
+    rollout = weights.ray.get(ref)
     wait = time.time() - start
-    state, metrics = learn_scored(state, rows, rollout.to(config.device), config=config, learner=learner,
+    state, metrics = learn_placed(state, rows, rollout.to(config.device), config=config, learner=learner,
                                   is_clip=is_clip)
-    generator.set_weights.remote(ray.put(cpu_state_dict(state.model("policy"))), state.policy_version)
-    return state, metrics.update({"placed/wait_s": torch.tensor(wait, dtype=torch.float64)})
+    push_wait = weights.push(state.model("policy"), state.policy_version)
+    return state, metrics.update({"placed/wait_s": torch.tensor(wait, dtype=torch.float64),
+                                  "placed/push_wait_s": torch.tensor(push_wait, dtype=torch.float64)})
 
 
 class LearnerWorker:
@@ -209,7 +236,7 @@ class LearnerWorker:
     def __init__(self, config: Any, *, algorithm: str, is_clip: float | None = None, threads: int | None = None):
         _set_threads(threads)
         self.config, self.algorithm, self.is_clip = config, algorithm, is_clip
-        self.learner = lookup(LEARNERS, algorithm, what="algorithm")
+        self.learner = check_learner(algorithm, config, is_clip)
         state, _ = self.learner.build_state(config)
         if config.run_dir and config.resume:  # before the first weights go to the generator
             state = resume(config.run_dir, state)
@@ -223,8 +250,10 @@ class LearnerWorker:
         """``run`` over the prompt batches, each step on the scored rollout of its item."""
         ray = require_ray()
         config, state = self.config, self.state
-        ray.get(generator.set_weights.remote(cpu_state_dict(state.model("policy")), state.policy_version))
-        step = functools.partial(_placed_step, generator=generator, config=config, learner=self.learner,
+        weights = WeightPush(ray, generator)
+        weights.push(state.model("policy"), state.policy_version)
+        weights.wait()  # the first weights are in place before any generation
+        step = functools.partial(_placed_step, weights=weights, config=config, learner=self.learner,
                                  is_clip=self.is_clip)
         source = placed_source(generator, scorer, prompt_source(load_splits(config, task_dataset)[0], config),
                                state.rng, max_lag=max_lag, reference=self.reference)
@@ -235,6 +264,7 @@ class LearnerWorker:
         self.state, history = run(step, state, source, config=dataclasses.replace(config, resume=False),
                                   num_steps=config.steps, eval_fn=eval_fn, name=f"placed-{self.algorithm}",
                                   callbacks=callbacks)
+        weights.wait()  # the last push: its error fails the run too
         return self.state, history
 
 
@@ -261,9 +291,9 @@ def train_placed(config: Any, *, algorithm: str = "grpo", max_lag: int = 0, is_c
     Args:
         config: the recipe's ``Config`` (``loops.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``); a relative
             ``run_dir`` is made absolute here (the learner writes it, on its node).
-        algorithm: a key of ``async_rl.LEARNERS``.
+        algorithm: a key of ``async_learners.LEARNERS`` (``async_learners.check_learner``).
         max_lag: ``N ≥ 0``: rollouts come from a policy at most ``N`` updates old; 0 is synchronous.
-        is_clip: ``C`` of the truncated importance correction (``async_rl.learn``), or ``None``.
+        is_clip: ``C`` of the truncated importance correction (``async_learners.learn_scored``), or ``None``.
         reward_fn: overrides the task reward (runs in the scorer: it must pickle).
         callbacks: extra fold callbacks; they run in the learner (they must pickle).
         num_cpus, num_gpus: Ray resources per actor, one number or a mapping of every role in
@@ -273,18 +303,11 @@ def train_placed(config: Any, *, algorithm: str = "grpo", max_lag: int = 0, is_c
     Returns:
         ``(state, history)`` as the recipe's ``train``: the learner's final ``TrainState`` (policy,
         optimiser, counters; no reference) and one row of metrics per step, with ``async/*``
-        (staleness, behaviour-vs-learner gap) and ``placed/wait_s`` (the learner waiting for a
-        scored rollout).
+        (staleness, behaviour-vs-learner gap), ``placed/wait_s`` (the learner waiting for a
+        scored rollout) and ``placed/push_wait_s`` (waiting for the previous weight push).
     """
-    learner = lookup(LEARNERS, algorithm, what="algorithm")
-    if not isinstance(config, learner.config):
-        raise TypeError(f"config: algorithm {algorithm!r} needs a {learner.config.__module__}.Config, "
-                        f"got {type(config).__module__}.{type(config).__qualname__}")
-    if is_clip is not None and (learner.level is None or not is_clip > 0):
-        raise ValueError(f"is_clip: expected C > 0 or None for {algorithm!r}, got {is_clip}"
-                         + (" (its loss has no importance ratio)" if learner.level is None else ""))
-    if not isinstance(max_lag, int) or isinstance(max_lag, bool) or max_lag < 0:
-        raise ValueError(f"max_lag: expected an int ≥ 0, got {max_lag!r}")
+    check_learner(algorithm, config, is_clip)
+    check_max_lag(max_lag)
     cpus, gpus = _per_role(num_cpus, "num_cpus"), _per_role(num_gpus, "num_gpus")
     ray = require_ray()
     if config.run_dir:

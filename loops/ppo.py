@@ -47,7 +47,7 @@ from rlcore.algorithms.ppo import early_stop, ppo_loss
 from rlcore.checks import lookup
 from rlcore.logprobs import token_logprobs
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
-from rlcore.loops.online import OnlineConfig, build_online_state, collect_rollout, evaluate_policy, rollout_metrics, \
+from rlcore.loops.online import OnlineConfig, build_online_state, evaluate_policy, online_step, rollout_metrics, \
     train_online, update_sizes, with_policy_logprobs
 from rlcore.loops.recipe import build_policy
 from rlcore.loops.state import TrainState, with_transforms
@@ -216,11 +216,8 @@ def optimise(state: TrainState, batch: TensorDictBase, config: Config) -> tuple[
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
     """One PPO step on a batch of prompts: collect → rewards → GAE → K epochs of updates (impure)."""
-    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                                     **score_options(state, config))
-    state, batch, info = prepare(state, rollout, config)
-    state, metrics = optimise(state, batch, config)
-    return state, metrics.update(info)
+    return online_step(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                       score_options=score_options, prepare=prepare, optimise=optimise)
 
 
 def evaluate(state: TrainState, config: Config) -> dict[str, float]:

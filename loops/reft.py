@@ -14,8 +14,10 @@ therefore the reference policy for free (``"ref"`` is the same object: no copy).
 - GRPO / RLOO (``reft_grpo_step`` / ``reft_rloo_step`` with ``train_reft_online``): the policy is a
   ``ReftModel`` (``{"policy": ReftModel(base), "ref": base}``), so the online recipes' collection
   and evaluation generate with the interventions at the prompt positions (with a KV cache only the
-  prompt is edited, ``rlcore.loops.reft_model``); the rollout gets its locations and the loss
-  closure ``loops.online.policy_loss_fn`` runs inside ``intervened``.
+  prompt is edited, ``rlcore.loops.reft_model``); the steps are the recipes' own hooks
+  (``grpo.prepare`` / ``rloo.prepare``, ``grpo_loss_fn`` / ``rloo_loss_fn``) through
+  ``loops.online.online_step``, with the rollout's locations added and the loss closure
+  ``loops.online.policy_loss_fn`` run inside ``intervened``.
 
 ``train_reft_sft(config)`` runs the SFT recipe from a ``ReftConfig`` (``configs/reft_sft.yaml`` via
 ``load_config``) with the scaffolding of ``rlcore.loops.recipe``.
@@ -30,6 +32,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -37,14 +40,12 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from rlcore import keys as K
-from rlcore.algorithms.policy_gradient import rloo_loss
 from rlcore.algorithms.reft import trainable_parameters
-from rlcore.baselines import with_grpo_advantage, with_rloo_advantage
 from rlcore.loops.dpo import preference_loss_fn, with_reference
 from rlcore.loops.data import tokenize_dataset
-from rlcore.loops.grpo import grpo_loss_fn
+from rlcore.loops import grpo, rloo
 from rlcore.loops.models import pad_token_id
-from rlcore.loops.online import collect_rollout, policy_loss_fn, rollout_metrics, train_online
+from rlcore.loops.online import online_step, policy_update, train_online
 from rlcore.loops.checkpoint import load_checkpoint
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
 from rlcore.loops.recipe import load_config as load_recipe_config
@@ -55,7 +56,6 @@ from rlcore.loops.sft import scoring_mask, sft_loss_fn
 from rlcore.loops.state import TrainState, advance, init_state
 from rlcore.loops.tasks import task_dataset
 from rlcore.loops.update import make_optimizer, update
-from rlcore.rewards import with_rewards
 
 __all__ = [
     "init_reft_state", "trainable_fraction", "reft_sft_step", "reft_dpo_step", "reft_grpo_step", "reft_rloo_step",
@@ -128,35 +128,34 @@ def reft_dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, c
     return advance(state, samples_seen=batch.batch_size[0]), metrics
 
 
-def _reft_collect(state: TrainState, rows: dict, **kwargs) -> tuple[TrainState, TensorDict]:
-    state, rollout = collect_rollout(state, rows, **kwargs)  # generation through the ReftModel policy
-    return state, with_intervention_locations(rollout, state.model("policy").spec)
+def _reft_online_step(recipe: ModuleType, loss_fn: Callable[[Any], Callable], state: TrainState, rows: dict, *,
+                      config: Any, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
+    """``recipe.step`` with the rollout's intervention locations and the loss inside ``intervened``."""
+    def prepare(state: TrainState, rollout: TensorDictBase, config: Any):
+        return recipe.prepare(state, with_intervention_locations(rollout, state.model("policy").spec), config)
 
+    def optimise(state: TrainState, batch: TensorDictBase, config: Any):
+        return policy_update(state, batch, loss_fn(config), config=config, wrap_loss=with_interventions)
 
-def _online_update(state, rollout, loss, config) -> tuple[TrainState, TensorDict]:
-    loss_fn = with_interventions(functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature))
-    state, metrics = update(state, rollout, loss_fn, minibatch_size=config.minibatch_size,
-                            micro_batch_size=config.micro_batch_size, epochs=config.epochs,
-                            mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
-    return state, metrics.update(rollout_metrics(rollout))
+    return online_step(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                       score_options=recipe.score_options, prepare=prepare, optimise=optimise)
 
 
 def reft_grpo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
                    reward_fn) -> tuple[TrainState, TensorDict]:
     """``loops.grpo.step`` for a ``ReftModel`` policy: collect (intervened generation, base reference),
-    group advantages, update of the interventions with ``policy_loss_fn`` inside ``intervened``."""
-    state, rollout = _reft_collect(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
-    rollout = with_grpo_advantage(rollout, scale=config.scale, eps=config.eps)
-    return _online_update(state, rollout, grpo_loss_fn(config), config)
+    ``grpo.prepare`` (group advantages), update of the interventions with ``grpo.grpo_loss_fn``
+    inside ``intervened``."""
+    return _reft_online_step(grpo, grpo.grpo_loss_fn, state, rows, config=config, tokenizer=tokenizer,
+                             reward_fn=reward_fn)
 
 
 def reft_rloo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
                    reward_fn) -> tuple[TrainState, TensorDict]:
-    """``loops.rloo.step`` for a ``ReftModel`` policy (KL-penalised rewards against the base model)."""
-    state, rollout = _reft_collect(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
-    rollout = with_rloo_advantage(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
-    loss = functools.partial(rloo_loss, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
-    return _online_update(state, rollout, loss, config)
+    """``loops.rloo.step`` for a ``ReftModel`` policy: ``rloo.prepare`` (KL-penalised rewards against
+    the base model, leave-one-out advantages), ``rloo.rloo_loss_fn`` inside ``intervened``."""
+    return _reft_online_step(rloo, rloo.rloo_loss_fn, state, rows, config=config, tokenizer=tokenizer,
+                             reward_fn=reward_fn)
 
 
 def reft_online_models(spec: ReftSpec, *, zero_init: bool = False, seed: int = 0) -> Callable[[nn.Module], dict]:

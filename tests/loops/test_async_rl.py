@@ -1,4 +1,5 @@
-"""async_rl: the off-policy correction kernels, and the generator process against the synchronous recipes.
+"""async_rl and async_learners: the off-policy correction kernels, the learners, and the generator
+process against the synchronous recipes.
 
 The loop tests start the generator with ``start_method="forkserver"``: the server imports
 rlcore.loops once per test session, every generator then forks from it in a fraction of a second.
@@ -16,8 +17,9 @@ from hypothesis import strategies as st
 
 from rlcore import keys as K
 from rlcore.loops import async_rl, grpo, online_dpo, ppo, rloo
-from rlcore.loops.async_rl import (LEARNERS, off_policy_metrics, train_async, truncated_importance_weights,
-                                   with_importance_correction)
+from rlcore.loops.async_learners import (LEARNERS, check_learner, learn, learn_scored, off_policy_metrics,
+                                         truncated_importance_weights, with_importance_correction)
+from rlcore.loops.async_rl import check_max_lag, train_async
 from rlcore.loops.checkpoint import list_checkpoints, load_checkpoint
 from rlcore.testing import assert_padding_invariant, assert_pure, make_rollout, right_padded_mask
 
@@ -156,9 +158,66 @@ def test_bad_arguments_fail_before_any_process(monkeypatch):
         train_async(ppo.Config(value_model="tied"), algorithm="ppo")
     with pytest.raises(ValueError, match="num_samples: online DPO"):
         train_async(online_dpo.Config(num_samples=1), algorithm="online_dpo")
+    with pytest.raises(ValueError, match=r"max_lag: expected an int ≥ 0, got -1"):
+        train_async(grpo.Config(), algorithm="grpo", max_lag=-1)
+    dpo_learner = LEARNERS["online_dpo"]  # learn and learn_scored check before scoring or training
     with pytest.raises(ValueError, match="is_clip: this learner's loss has no importance ratio"):
-        async_rl.learn(None, {}, None, config=online_dpo.Config(), tokenizer=None, reward_fn=None,
-                       learner=LEARNERS["online_dpo"], is_clip=1.0)
+        learn(None, {}, None, config=online_dpo.Config(), tokenizer=None, reward_fn=None, learner=dpo_learner,
+              is_clip=1.0)
+    with pytest.raises(ValueError, match="is_clip: this learner's loss has no importance ratio"):
+        learn_scored(None, None, config=online_dpo.Config(), learner=dpo_learner, is_clip=1.0)
+
+
+@pytest.mark.parametrize("algorithm, config, is_clip", [("grpo", grpo.Config(), None), ("grpo", grpo.Config(), 2.0),
+                                                        ("ppo", ppo.Config(), 0.5), ("rloo", rloo.Config(), 1.0),
+                                                        ("online_dpo", online_dpo.Config(), None)])
+def test_check_learner_returns_the_recipe_learner(algorithm, config, is_clip):
+    assert check_learner(algorithm, config, is_clip) is LEARNERS[algorithm]
+
+
+def test_check_learner_and_max_lag_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"algorithm: unknown 'a2c'; valid: \['grpo', 'online_dpo', 'ppo', 'rloo'\]"):
+        check_learner("a2c", grpo.Config(), None)
+    with pytest.raises(TypeError, match=r"config: algorithm 'grpo' needs a rlcore.loops.grpo.Config, got "
+                                        r"rlcore.loops.rloo.Config"):
+        check_learner("grpo", rloo.Config(), None)
+    with pytest.raises(ValueError, match=r"is_clip: 'online_dpo' has no importance ratio to correct"):
+        check_learner("online_dpo", online_dpo.Config(), 1.0)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"is_clip: expected C > 0 or None for 'rloo', got"):
+            check_learner("rloo", rloo.Config(), bad)
+    for bad in (-1, 1.0, True, None):
+        with pytest.raises(ValueError, match=r"max_lag: expected an int ≥ 0, got"):
+            check_max_lag(bad)
+    assert check_max_lag(0) is None and check_max_lag(3) is None
+
+
+def test_learn_is_score_collected_then_learn_scored():
+    """``learn`` = ``online.score_collected`` (the recipe's scoring options) then ``learn_scored``."""
+    from rlcore.loops.collect import generate_rollout
+    from rlcore.loops.online import draw_seed, generate_kwargs, score_collected
+    from rlcore.loops.state import copy_generator
+
+    config = ppo.Config(**TINY, num_samples=2, steps=1, lr=1e-2)
+    rows = {"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]}
+    results = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        state, tokenizer = ppo.build_state(config)
+        rollout = generate_rollout(state.model("policy"), tokenizer, rows["prompt"], **generate_kwargs(config),
+                                   seed=draw_seed(copy_generator(state.rng)), policy_version=0)
+        if split:
+            state, scored = score_collected(state, rows, rollout, config=config, tokenizer=tokenizer,
+                                            reward_fn=digits, **ppo.score_options(state, config))
+            results.append(learn_scored(state, scored, config=config, learner=LEARNERS["ppo"], is_clip=2.0))
+        else:
+            results.append(learn(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=digits,
+                                 learner=LEARNERS["ppo"], is_clip=2.0))
+    (a, ma), (b, mb) = results
+    assert torch.equal(flat_models(a), flat_models(b)) and torch.equal(a.rng.get_state(), b.rng.get_state())
+    assert (a.samples_seen, a.tokens_seen, a.policy_version) == (b.samples_seen, b.tokens_seen, b.policy_version)
+    assert set(ma.keys()) == set(mb.keys()) and all(torch.equal(ma[k], mb[k]) for k in ma.keys())
+    assert "async/is_weight" in ma.keys() and "kl_coef" in ma.keys()  # correction on, prepare's metrics kept
 
 
 # --- the loop ---------------------------------------------------------------------------------------
@@ -220,7 +279,7 @@ def test_one_step_lag_overlaps_and_still_learns():
                          ids=["ppo-is_clip", "ppo", "online_dpo"])
 def test_one_step_lag_records_staleness_and_versions(recipe, is_clip, monkeypatch):
     """N = 1: rollout t comes from version t − 1 or t (0 for the first), as the metrics say."""
-    seen, real_learn = [], async_rl.learn
+    seen, real_learn = [], async_rl.learn  # the name train_async's step calls
 
     def recording_learn(state, rows, rollout, **kwargs):
         seen.append((state.policy_version, rollout[K.POLICY_VERSION].unique().tolist()))

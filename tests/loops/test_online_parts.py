@@ -8,8 +8,11 @@ from tensordict import TensorDict
 
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import grpo_loss
-from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, evaluate_policy, make_reward_fn,
-                                 policy_loss_fn, prompt_source, repeat_columns, rollout_metrics, with_policy_logprobs)
+from rlcore.loops.collect import generate_rollout
+from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, draw_seed, evaluate_policy,
+                                 generate_kwargs, make_reward_fn, online_step, policy_loss_fn, prompt_source,
+                                 repeat_columns, rollout_metrics, score_collected, with_policy_logprobs)
+from rlcore.loops.state import copy_generator
 from rlcore.loops.recipe import load_splits
 from rlcore.loops.score import token_logprobs_from_model
 from rlcore.loops.tasks import task_dataset
@@ -88,6 +91,82 @@ def test_collect_rollout_without_reference(setup):
                                  reference=False, num_samples=2)
     assert K.REF_LOGPROBS not in rollout.keys() and rollout.batch_size == torch.Size([2 * len(rows["prompt"])])
     assert "rollout/kl_ref" not in rollout_metrics(rollout)
+
+
+def test_generate_kwargs_and_draw_seed():
+    config = OnlineConfig(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4, max_prompt_length=9,
+                          sampler=None)
+    assert generate_kwargs(config) == dict(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4,
+                                           max_prompt_length=9, sampler=None)
+    g, expected = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    seeds = [draw_seed(g) for _ in range(3)]
+    assert seeds == [int(torch.randint(0, 2**62, (), generator=expected)) for _ in range(3)]
+    assert len(set(seeds)) == 3 and all(0 <= x < 2**62 for x in seeds)
+    assert torch.equal(g.get_state(), expected.get_state())  # one draw each, like generate_rollout(generator=)
+
+
+def test_collect_rollout_is_generation_then_score_collected(setup):
+    """The split the asynchronous loops use: a rollout sampled elsewhere with ``draw_seed(state.rng)``,
+    then ``score_collected``, gives the rollout and state of ``collect_rollout`` exactly."""
+    config, state, tokenizer, rows = setup
+    want_state, want = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+    generated = generate_rollout(state.model("policy"), tokenizer, list(rows["prompt"]), **generate_kwargs(config),
+                                 generator=copy_generator(state.rng), policy_version=state.policy_version)
+    got_state, got = assert_pure(score_collected, state, rows, generated, config=config, tokenizer=tokenizer,
+                                 reward_fn=digit_fraction)
+    assert set(got.keys()) == set(want.keys())
+    for key in want.keys():
+        assert torch.equal(got[key], want[key]), key
+    assert torch.equal(got_state.rng.get_state(), want_state.rng.get_state())
+    for counter in ("samples_seen", "episodes", "tokens_seen", "step", "policy_version"):
+        assert getattr(got_state, counter) == getattr(want_state, counter), counter
+    assert K.SCORE not in generated.keys() and K.REF_LOGPROBS not in generated.keys()  # the input is not modified
+
+
+def test_score_collected_options_and_columns(setup):
+    config, state, tokenizer, rows = setup
+    seen = {}
+
+    def reward(prompts, completions, *, answer, **_):
+        seen["answer"] = list(answer)
+        return [0.5] * len(completions)
+
+    generated = generate_rollout(state.model("policy"), tokenizer, list(rows["prompt"]),
+                                 **{**generate_kwargs(config), "num_samples": 2}, seed=1)
+    head = lambda ids, mask: torch.ones(ids.shape, dtype=torch.float32)  # noqa: E731
+    new, scored = score_collected(state, rows, generated, config=config, tokenizer=tokenizer, reward_fn=reward,
+                                  value_fn=head, reference=False, num_samples=2)
+    assert K.REF_LOGPROBS not in scored.keys() and seen["answer"] == [a for a in rows["answer"] for _ in range(2)]
+    m = scored[K.RESPONSE_MASK]
+    assert torch.equal(scored[K.VALUES], m.float()) and torch.equal(scored[K.SCORE], torch.full((len(m),), 0.5))
+    assert new.samples_seen == state.samples_seen + len(m)
+    # no reward function and no reward model: the rollout's score (from a scorer elsewhere) is kept
+    _, kept = score_collected(state, rows, scored, config=config, tokenizer=None, reward_fn=None, reference=False,
+                              num_samples=2)
+    assert torch.equal(kept[K.SCORE], scored[K.SCORE])
+
+
+def test_online_step_chains_the_hooks(setup):
+    config, state, tokenizer, rows = setup
+    calls = []
+
+    def score_options(s, c):
+        calls.append("score_options")
+        return {"reference": False}
+
+    def prepare(s, rollout, c):
+        calls.append(("prepare", K.REF_LOGPROBS in rollout.keys(), s.samples_seen))
+        return s, rollout, {"info": torch.tensor(1.0)}
+
+    def optimise(s, batch, c):
+        calls.append(("optimise", batch.batch_size[0]))
+        return s, TensorDict({"loss": torch.tensor(0.0)}, batch_size=[])
+
+    new, metrics = online_step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction,
+                               score_options=score_options, prepare=prepare, optimise=optimise)
+    B = len(rows["prompt"]) * config.num_samples
+    assert calls == ["score_options", ("prepare", False, state.samples_seen + B), ("optimise", B)]
+    assert sorted(metrics.keys()) == ["info", "loss"] and new.samples_seen == state.samples_seen + B
 
 
 def test_policy_logprobs_and_loss_closure(setup):

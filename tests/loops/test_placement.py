@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from rlcore.loops import grpo, rloo
+from rlcore.loops import grpo, online_dpo, ppo, rloo
 from rlcore.loops import placement
 from rlcore.loops.placement import RAY_INSTALL, ROLES, require_ray, train_placed
 
@@ -52,6 +52,8 @@ def test_bad_arguments_fail_before_any_actor_starts(monkeypatch):
         train_placed(config, max_lag=-1)
     with pytest.raises(ValueError, match=r"is_clip: expected C > 0 or None for 'grpo', got 0"):
         train_placed(config, is_clip=0)
+    with pytest.raises(ValueError, match=r"is_clip: 'online_dpo' has no importance ratio"):
+        train_placed(online_dpo.Config(**TINY, steps=1), algorithm="online_dpo", is_clip=1.0)
     with pytest.raises(ValueError, match=r"num_cpus: expected a number or a mapping of every role"):
         train_placed(config, num_cpus={"learner": 1})
     with pytest.raises(ValueError, match=r"num_gpus: expected a number or a mapping of every role \['generator', "
@@ -98,28 +100,83 @@ def test_placed_source_submits_at_most_max_lag_items_ahead_with_the_recipe_seeds
     assert next(items, None) is None and torch.equal(seeds.get_state(), before)  # the input generator untouched
 
 
-def test_learn_scored_after_the_scorer_equals_async_learn(one_thread):
-    from rlcore.loops.async_rl import LEARNERS, learn
+@pytest.mark.parametrize("recipe", [grpo, ppo, online_dpo], ids=["grpo", "ppo", "online_dpo"])
+def test_learn_placed_after_the_scorer_equals_async_learn(one_thread, recipe):
+    """scorer.score, then the learner's learn_placed (its own models: PPO's critic, online DPO's
+    reference) = async_learners.learn with every model in one state."""
+    from rlcore.loops.async_learners import LEARNERS, learn
     from rlcore.loops.collect import generate_rollout
 
-    config = grpo.Config(**TINY, steps=1)
+    name = recipe.__name__.rsplit(".", 1)[-1]
+    config = recipe.Config(**TINY, steps=1)
     rows = {"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]}
-    full, tokenizer = grpo.build_state(config)
+    full, tokenizer = recipe.build_state(config)
     rollout = generate_rollout(full.model("policy"), tokenizer, rows["prompt"], max_new_tokens=6, num_samples=2,
                                seed=3, policy_version=0, sampler=config.sampler)
     want_state, want = learn(full, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=LENGTH_REWARD,
-                             learner=LEARNERS["grpo"])
-    lean, _ = grpo.build_state(config)
-    lean = dataclasses.replace(lean, models={"policy": lean.model("policy")})
-    scored = placement.ScorerWorker(config, reward_fn=LENGTH_REWARD).score(rollout, rows)
-    got_state, got = assert_pure_state(placement.learn_scored, lean, rows, scored, config=config,
-                                       learner=LEARNERS["grpo"])
-    assert sorted(got_state.models) == ["policy"] and got_state.policy_version == want_state.policy_version == 1
-    for (name, a), b in zip(policy_params(got_state).items(), policy_params(want_state).values()):
-        assert torch.equal(a, b), name
+                             learner=LEARNERS[name])
+    lean, _ = recipe.build_state(config)
+    reference = recipe.score_options(lean, config).get("reference", True)
+    kept = sorted(k for k in lean.models if k != "reward" and not (k == "ref" and reference))
+    lean = dataclasses.replace(lean, models={k: lean.models[k] for k in kept})
+    scored = placement.ScorerWorker(config, reward_fn=LENGTH_REWARD).score(rollout, rows, reference=reference)
+    got_state, got = assert_pure_state(placement.learn_placed, lean, rows, scored, config=config,
+                                       learner=LEARNERS[name])
+    assert sorted(got_state.models) == kept and got_state.policy_version == want_state.policy_version == 1
+    for (key, a), b in zip(policy_params(got_state).items(), policy_params(want_state).values()):
+        assert torch.equal(a, b), key
+    assert torch.equal(got_state.rng.get_state(), want_state.rng.get_state())
+    assert (got_state.samples_seen, got_state.tokens_seen) == (want_state.samples_seen, want_state.tokens_seen)
+    assert str(got_state.transforms) == str(want_state.transforms)  # PPO: KL controller, score moments
     assert set(got.keys()) == set(want.keys())
     for key, value in want.items():
         assert torch.equal(got[key], value), key
+
+
+class FakeRay:
+    """``put`` / ``get`` of object references that are plain values, or exceptions to raise."""
+
+    def __init__(self):
+        self.got = []
+
+    def put(self, value):
+        return ("put", value)
+
+    def get(self, ref):
+        self.got.append(ref)
+        if isinstance(ref, BaseException):
+            raise ref
+        return ref
+
+
+class FailingWeights:
+    """A generator handle whose ``set_weights`` of ``fail_from`` on returns a failed reference."""
+
+    def __init__(self, fail_from):
+        self.fail_from, self.calls = fail_from, []
+        self.set_weights = self
+
+    def remote(self, state_dict, version):
+        self.calls.append(version)
+        return RuntimeError(f"set_weights {version} failed") if version >= self.fail_from else version
+
+
+def test_weight_push_checks_each_push_before_the_next_and_at_the_end():
+    ray, generator, model = FakeRay(), FailingWeights(fail_from=2), torch.nn.Linear(2, 1)
+    push = placement.WeightPush(ray, generator)
+    assert push.wait() >= 0 and ray.got == []  # nothing pending
+    push.push(model, 0)
+    push.push(model, 1)
+    assert ray.got == [0] and generator.calls == [0, 1]  # push 0 checked before push 1 went out
+    push.push(model, 2)  # push 1 is fine; push 2 fails in the "generator"
+    with pytest.raises(RuntimeError, match="set_weights 2 failed"):
+        push.push(model, 3)  # surfaces before the next push is submitted
+    assert generator.calls == [0, 1, 2]
+    push = placement.WeightPush(ray, FailingWeights(fail_from=0))
+    push.push(model, 0)
+    with pytest.raises(RuntimeError, match="set_weights 0 failed"):
+        push.wait()  # the end of the run
+    assert push.wait() >= 0  # checked once: nothing pending any more
 
 
 def assert_pure_state(fn, state, *args, **kwargs):
@@ -204,4 +261,20 @@ def test_an_error_after_placing_the_actors_kills_them(ray_local, monkeypatch):
     with pytest.raises(TypeError, match="lock"):
         train_placed(grpo.Config(**TINY, steps=1), callbacks=[callback])
     assert len(killed) == len(ROLES)  # all three were placed, then killed
+    assert_no_actors_left(ray_local)
+
+
+def test_a_failed_weight_push_fails_the_run_within_a_step_and_leaves_no_actors(ray_local, tmp_path, monkeypatch):
+    class RefusingGenerator(placement.GeneratorWorker):  # defined here: Ray ships it by value
+        def set_weights(self, state_dict, version):
+            if version >= 1:  # the first push after an update
+                raise RuntimeError(f"generator refused weights of version {version}")
+            return super().set_weights(state_dict, version)
+
+    monkeypatch.setattr(placement, "GeneratorWorker", RefusingGenerator)
+    config = grpo.Config(**{**TINY, "run_dir": str(tmp_path)}, steps=4)
+    with pytest.raises(RuntimeError, match="generator refused weights of version 1"):
+        train_placed(config, algorithm="grpo", max_lag=1, reward_fn=LENGTH_REWARD)
+    # the push after step 0 failed; step 1 checks it before its own push: steps 0 and 1 ran, 1 was not logged
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
     assert_no_actors_left(ray_local)
