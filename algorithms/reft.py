@@ -153,6 +153,24 @@ class _Rotation(nn.Module):
         nn.init.orthogonal_(self.weight, generator=generator)
 
 
+def _orthogonal_from(rotate: nn.Module, generator: torch.Generator | None) -> None:
+    """Register the orthogonal parametrisation on ``rotate.weight``, seeded from ``generator``.
+
+    For ``r < H`` the parametrisation completes ``R`` to an ``H × H`` orthogonal base with random
+    columns drawn from the global RNG; that base steers training. With a ``generator`` the draw
+    comes from a seed taken from it, inside ``fork_rng`` (the caller's global RNG is untouched), so
+    the same generator gives the same run in any process.
+    """
+    if generator is None:
+        orthogonal(rotate, "weight")
+        return
+    seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+    device = rotate.weight.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        orthogonal(rotate, "weight")
+
+
 class ReftIntervention(nn.Module):
     """Parameters ``R [r, H]``, ``W [r, H]``, ``b [r]`` of one ReFT intervention; ``forward(h)`` applies it.
 
@@ -188,7 +206,7 @@ class ReftIntervention(nn.Module):
         self.variant, self.act = variant, act
         self.rotate = _Rotation(rank, hidden_size, generator, **factory)
         if spec.orthogonal:
-            orthogonal(self.rotate, "weight")
+            _orthogonal_from(self.rotate, generator)
         self.weight = nn.Parameter(torch.empty(rank, hidden_size, **factory))
         self.bias = nn.Parameter(torch.zeros(rank, **factory))
         with torch.no_grad():

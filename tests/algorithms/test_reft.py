@@ -201,3 +201,20 @@ def test_module_bad_arguments():
     with pytest.raises(ValueError, match="rank: expected at most hidden_size=6"):
         ReftIntervention(H, 7)
     ReftIntervention(H, 7, variant="direft")  # unconstrained R may be tall
+
+
+def test_a_generator_fixes_the_whole_state_and_leaves_the_global_rng_alone():
+    """The orthogonal parametrisation completes R [r, H] to an H × H base with random columns; with
+    a generator that draw is seeded from it, so the global RNG neither decides nor sees it."""
+    states = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        before = torch.random.get_rng_state()
+        module = ReftIntervention(8, 3, generator=torch.Generator().manual_seed(5))
+        assert torch.equal(torch.random.get_rng_state(), before)
+        states.append(module.state_dict())
+    assert states[0].keys() == states[1].keys() and any("base" in k for k in states[0])
+    for key in states[0]:
+        assert torch.equal(states[0][key], states[1][key]), key
+    other = ReftIntervention(8, 3, generator=torch.Generator().manual_seed(6)).state_dict()
+    assert not all(torch.equal(states[0][k], other[k]) for k in other)
