@@ -6,6 +6,7 @@ prints one line per setting: wall time and rollout samples per second of the syn
 (``loops.grpo.train``) and of ``loops.async_rl.train_async`` with ``max_lag`` 0 and 1, on the
 offline tiny Llama and a digit-counting reward. Also follows the harness protocol
 (``cases``), so ``benchmarks/run.py --only async`` times it beside the other benchmarks.
+``split``: the learner and the generator on half of the threads each (disjoint cores).
 
 The gain of ``N = 1`` is the overlap of generation with the update: on ``c`` free cores it is
 bounded by ``(t_gen + t_learn) / max(t_gen, t_learn)``; with both processes on the same few
@@ -33,16 +34,25 @@ def _config(tiny: bool, steps: int | None = None):
                        log_every=0)
 
 
-def _run(kind: str, config) -> float:
-    """Train once; returns the wall time in seconds."""
+def _run(kind: str, config, split: bool = False) -> float:
+    """Train once; returns the wall time in seconds. ``split``: the learner and the generator get
+    half of this process's threads each (disjoint cores), instead of all of them each."""
     from rlcore.loops import grpo
     from rlcore.loops.async_rl import train_async
+    threads = torch.get_num_threads()
+    half = max(1, threads // 2)
     start = time.perf_counter()
-    if kind == "sync":
-        grpo.train(config, reward_fn=_digits)
-    else:
-        train_async(config, algorithm="grpo", max_lag=int(kind[-1]), reward_fn=_digits, start_method="forkserver")
-    return time.perf_counter() - start
+    try:
+        if kind == "sync":
+            grpo.train(config, reward_fn=_digits)
+        else:
+            if split:
+                torch.set_num_threads(half)
+            train_async(config, algorithm="grpo", max_lag=int(kind[-1]), reward_fn=_digits, start_method="forkserver",
+                        generator_threads=half if split else threads)
+        return time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cases(tiny: bool) -> dict:
@@ -52,6 +62,7 @@ def cases(tiny: bool) -> dict:
         "rlcore": lambda: functools.partial(_run, "sync", config),
         "rlcore-async-N0": lambda: functools.partial(_run, "async0", config),
         "rlcore-async-N1": lambda: functools.partial(_run, "async1", config),
+        "rlcore-async-N1-split": lambda: functools.partial(_run, "async1", config, split=True),
     }}
 
 
@@ -68,8 +79,9 @@ def main() -> None:
     _run("async0", _config(True, 1))  # start the fork server (imports rlcore.loops once) outside the timings
     print(f"GRPO, {config.steps} steps x {config.batch_size} prompts x {config.num_samples} samples, "
           f"hidden {config.hidden_size}, {config.max_new_tokens} new tokens, {torch.get_num_threads()} threads")
-    for kind, label in (("sync", "synchronous recipe"), ("async0", "async, max_lag=0"), ("async1", "async, max_lag=1")):
-        seconds = _run(kind, config)
+    for kind, split, label in (("sync", False, "synchronous recipe"), ("async0", False, "async, max_lag=0"),
+                               ("async1", False, "async, max_lag=1"), ("async1", True, "async, max_lag=1, split")):
+        seconds = _run(kind, config, split)
         print(f"  {label:20s} {seconds:7.2f} s   {samples / seconds:8.1f} samples/s")
 
 

@@ -269,7 +269,8 @@ def _async_step(state: TrainState, item: tuple, *, handle: GeneratorHandle, conf
 
 def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float | None = None, reward_fn=None,
                 callbacks: Sequence[Callable] = (), start_method: str = "spawn",
-                generator_device: str | None = None) -> tuple[TrainState, list[dict[str, float]]]:
+                generator_device: str | None = None,
+                generator_threads: int | None = None) -> tuple[TrainState, list[dict[str, float]]]:
     """Train an online recipe asynchronously: generation in its own process, ``max_lag`` updates behind.
 
     The run is the recipe's (its own state builder, e.g. PPO's critic and KL controller; the
@@ -283,8 +284,10 @@ def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float
         max_lag: ``N``: rollouts come from a policy at most ``N`` updates old; 0 is synchronous.
         is_clip: ``C > 0`` of the truncated importance correction, or ``None`` (off); a
             ``ValueError`` for a learner whose loss has no ratio (online DPO).
-        start_method, generator_device: the generator process's (see :func:`generator_process`;
-            device default ``config.device``).
+        start_method, generator_device, generator_threads: the generator process's (see
+            :func:`generator_process`; device default ``config.device``, threads default the
+            learner's). On a CPU, give the two processes disjoint cores (e.g. 1 + 1 on 2 cores):
+            oversubscribed, they slow each other down more than the overlap gains.
     Returns:
         ``(state, history)`` as the recipe's ``train``; history rows carry the ``async/*`` metrics.
     """
@@ -297,7 +300,8 @@ def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float
     reward = make_reward_fn(config, reward_fn)
     with generator_process(state.model("policy"), tokenizer, max_lag=max_lag, steps_done=state.step,
                            version=state.policy_version, generate_kwargs=generate_kwargs(config),
-                           start_method=start_method, device=generator_device or config.device) as handle:
+                           start_method=start_method, device=generator_device or config.device,
+                           threads=generator_threads) as handle:
         step = functools.partial(_async_step, handle=handle, config=config, tokenizer=tokenizer, reward_fn=reward,
                                  learner=learner, is_clip=is_clip)
         eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,

@@ -90,8 +90,12 @@ def _work(logits: torch.Tensor, rows: int, acc: torch.dtype, needed: bool) -> to
     return torch.empty(min(rows, n), logits.shape[-1], dtype=acc, device=logits.device) if needed else None
 
 
-def _scaled_log_softmax(chunk: torch.Tensor, temperature: float, work: torch.Tensor | None):
-    """``(x, log_softmax(x))`` with ``x = chunk / τ`` in float32 (``chunk`` itself, or in ``work``)."""
+def _scaled_log_softmax(chunk: torch.Tensor, temperature: float, work: torch.Tensor | None,
+                        out: torch.Tensor | None = None):
+    """``(x, log_softmax(x))`` with ``x = chunk / τ`` in float32 (``chunk`` itself, or in ``work``);
+    the log-softmax is written into ``out`` when given (a buffer reused across chunks: a fresh
+    multi-megabyte result per chunk would be fresh pages, and first-touch faults cost as much as
+    the arithmetic)."""
     if work is None:
         x = chunk
     elif chunk.dtype == work.dtype:
@@ -100,7 +104,7 @@ def _scaled_log_softmax(chunk: torch.Tensor, temperature: float, work: torch.Ten
         x = work[:len(chunk)].copy_(chunk)
         if temperature != 1.0:
             x.div_(temperature)
-    return x, torch.log_softmax(x, dim=-1)
+    return x, (torch.log_softmax(x, dim=-1) if out is None else torch.log_softmax(x, dim=-1, out=out[:len(x)]))
 
 
 def _grad_chunks(logits, lse, rows, temperature, fill) -> torch.Tensor:
@@ -136,9 +140,10 @@ class _TokenLogprobs(torch.autograd.Function):
         out, lse = (torch.empty(n, dtype=acc, device=logits.device) for _ in range(2))
         lowest = torch.finfo(acc).min
         work = _work(logits, rows, acc, logits.dtype != acc or temperature != 1.0)
+        buf = _work(logits, rows, acc, True)
         for off, chunk in _row_chunks(logits, rows):
             sl = slice(off, off + len(chunk))
-            x, logp = _scaled_log_softmax(chunk, temperature, work)
+            x, logp = _scaled_log_softmax(chunk, temperature, work, buf)
             lp = logp.gather(-1, flat_labels[sl])[:, 0]
             out[sl] = lp
             # lse = x_y − logp_y: exact to a few ulps of |logp_y|, and no extra pass over the
@@ -215,9 +220,10 @@ class _Entropy(torch.autograd.Function):
         n = math.prod(logits.shape[:-1])
         ent, lse = (torch.empty(n, dtype=acc, device=logits.device) for _ in range(2))
         work = _work(logits, rows, acc, logits.dtype != acc or temperature != 1.0)
+        buf = _work(logits, rows, acc, True)
         for off, chunk in _row_chunks(logits, rows):
             sl = slice(off, off + len(chunk))
-            x, logp = _scaled_log_softmax(chunk, temperature, work)
+            x, logp = _scaled_log_softmax(chunk, temperature, work, buf)
             # lse = max_v x_v − max_v log p_v: read where log p ≈ 0, so exact and finite
             lse[sl] = x.amax(dim=-1) - logp.amax(dim=-1)
             p = logp.exp()

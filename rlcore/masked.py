@@ -71,6 +71,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: b
     return total / _count(mask, dim, keepdim).clamp(min=1).to(total.dtype)
 
 
+def _centred(x: torch.Tensor, mask: torch.Tensor, dim: Dim, unbiased: bool):
+    """``(mean, x − mean under the mask (0 elsewhere), variance)`` with one masking of ``x`` and
+    one count: the shared moments of :func:`masked_var` and :func:`masked_whiten` (keepdim)."""
+    n = _count(mask, dim, keepdim=True)
+    z = _zeroed(x, mask)
+    mean = (z.sum() if dim is None else z.sum(dim=dim, keepdim=True)) / n.clamp(min=1).to(x.dtype)
+    centred = (z - mean) * mask  # z is finite off the mask (0): the product is an exact 0 there
+    sq = centred.square()
+    var = (sq.sum() if dim is None else sq.sum(dim=dim, keepdim=True)) / (n - 1 if unbiased else n).clamp(min=1).to(
+        x.dtype)
+    return mean, centred, var
+
+
 def masked_var(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: bool = False, *,
                unbiased: bool = True) -> torch.Tensor:
     """Variance of the selected values: ``Σ_{mask}(x - μ)² / (n - 1)`` (or ``/ n`` when biased).
@@ -87,12 +100,11 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: bo
     tensor(2.)
     """
     _check(x, mask)  # before the first torch.where, which would broadcast a mis-shaped mask
-    x = _zeroed(x, mask)  # padding must not reach the gradient either (0·NaN is NaN in backward)
-    mean = masked_mean(x, mask, dim, keepdim=True)
-    sq = masked_sum((x - mean).square(), mask, dim, keepdim)
-    n = _count(mask, dim, keepdim)
-    denom = (n - 1 if unbiased else n).clamp(min=1).to(sq.dtype)
-    return sq / denom
+    var = _centred(x, mask, dim, unbiased)[2]
+    if keepdim or dim is None:
+        return var
+    dims = (dim,) if isinstance(dim, int) else dim
+    return var.squeeze(dims)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, dim: Dim = None, shift_mean: bool = True,
@@ -109,13 +121,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, dim: Dim = None, shift
         ``[...]``, 0 outside the mask. Differentiable (callers usually pass detached values).
     """
     _check(x, mask)
-    x = _zeroed(x, mask)
-    mean = masked_mean(x, mask, dim, keepdim=True)
-    var = masked_var(x, mask, dim, keepdim=True, unbiased=unbiased)
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return _zeroed(out, mask)
+    mean, centred, var = _centred(x, mask, dim, unbiased)
+    out = centred * torch.rsqrt(var + eps)  # 0 outside the mask already
+    return out if shift_mean else torch.where(mask, out + mean, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # --- aggregation of per-token losses ---------------------------------------------------------
