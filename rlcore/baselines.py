@@ -59,11 +59,12 @@ def _dense_ids(group_id: torch.Tensor) -> torch.Tensor:
 def _grouping(scores: torch.Tensor, group_id: torch.Tensor | None
               ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
     """``(group_sum, count)``: ``group_sum(x)`` gives each element the sum of ``x`` over its group
-    (shaped like ``scores``); ``count`` is the group size, broadcastable to ``scores``."""
+    (broadcastable to ``scores``: ``[..., 1]`` in the grouped view, so arithmetic on it stays per
+    group); ``count`` is the group size, broadcastable to ``scores``."""
     if group_id is None:
         check_ndim("scores", scores, min_ndim=1, layout="[..., G]")
         count = torch.tensor(scores.shape[-1], dtype=scores.dtype, device=scores.device)
-        return (lambda x: x.sum(-1, keepdim=True).expand_as(x)), count
+        return (lambda x: x.sum(-1, keepdim=True)), count
     check_ndim("scores", scores, ndim=1, layout="[B] (flat scores with group_id)")
     check_ndim("group_id", group_id, ndim=1, layout="[B]")
     check_same_shape("scores", scores, group_id=group_id)
@@ -102,7 +103,7 @@ def group_mean(scores: torch.Tensor, *, group_id: torch.Tensor | None = None) ->
     """
     s = _scores(scores)
     group_sum, count = _grouping(s, group_id)
-    return (group_sum(s) / count).to(scores.dtype)
+    return (group_sum(s) / count).expand_as(s).contiguous().to(scores.dtype)
 
 
 # --- RLOO ------------------------------------------------------------------------------------
