@@ -174,6 +174,13 @@ def floors(tiny: bool) -> dict[str, dict[str, int]]:
     return out
 
 
+def goals(tiny: bool) -> dict[str, list[tuple[str, str, float]]]:
+    """The project's goals: GAE ≥ 10× TRL's loop and ≥ 5× torchrl's vectorised estimator."""
+    gae_sizes = _sizes(tiny)[0]
+    B, T = gae_sizes[0]
+    return {f"gae {B}x{T} f32": [("speedup", "trl_loop", 10.0), ("speedup", "torchrl_vec", 5.0)]}
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
     tiny = "--tiny" in sys.argv

@@ -133,6 +133,18 @@ def cases(tiny: bool) -> dict[str, dict]:
     return out
 
 
+def goals(tiny: bool) -> dict[str, list[tuple[str, str, float]]]:
+    """Logits: forward ≤ 2× its floor, forward+backward ≤ 3× (float32 and bf16 alike). Hidden:
+    peak ≤ 10% of "LM head then log-probs", at ≤ 1.1× its time (a speedup ≥ 1/1.1)."""
+    out = {}
+    for name, spec in _names(tiny).items():
+        if spec is None:
+            out[name] = [("memory", "matmul+log_softmax", 0.1), ("speedup", "matmul+log_softmax", round(1 / 1.1, 3))]
+        else:
+            out[name] = [("floor", "", 3.0 if spec[1] else 2.0)]
+    return out
+
+
 def floors(tiny: bool) -> dict[str, dict]:
     """Logits: read the logits once (forward) or twice plus write the gradient (forward+backward).
     Hidden: the three matmuls of forward+backward, ``6·N·V·H`` flops."""

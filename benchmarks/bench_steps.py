@@ -389,6 +389,16 @@ def cases(tiny: bool) -> dict[str, dict]:
     return out
 
 
+def goals(tiny: bool) -> dict[str, list[tuple[str, str, float]]]:
+    """DPO ≥ 3.5× TRL's tokens/s in float32 and ≥ 7× TRL's float32 with bf16 autocast, at ≤ 0.5×
+    TRL's peak; RLOO / GRPO ≥ 1.5× TRL's samples/s and ≥ 1.3× the plain ``generate`` step."""
+    n = _names(tiny)
+    online = [("speedup", "trl", 1.5), ("speedup", "plain_generate", 1.3)]
+    return {n["dpo"]: [("speedup", "trl", 3.5), ("memory", "trl", 0.5)],
+            n["dpo_bf16"]: [("speedup", f"{n['dpo']}/trl", 7.0), ("memory", "trl", 0.5)],
+            n["rloo"]: online, n["grpo"]: online}
+
+
 def floors(tiny: bool) -> dict[str, dict]:
     """DPO: the matmul flops of the policy's forward + backward (3×) and the reference's forward
     (1×): per token ``2·L·16H²`` (attention + SwiGLU projections) and ``2·L·T·H`` (causal scores),

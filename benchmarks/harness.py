@@ -8,6 +8,11 @@ Protocol of a benchmark module ``benchmarks/bench_<topic>.py``::
     def floors(tiny: bool) -> dict[str, dict]:   # optional
         '''case name -> {"bytes": n} and/or {"flops": n}: the unavoidable traffic / work.'''
 
+    def goals(tiny: bool) -> dict[str, list[tuple[str, str, float]]]:   # optional
+        '''case name -> [(kind, other, target)]: "speedup" (other's time / rlcore's ≥ target),
+        "memory" (rlcore's peak / other's ≤ target), "floor" (rlcore's × floor ≤ target; other
+        unused). ``other`` names an implementation of the case, or "case/impl" of the topic.'''
+
 A builder prepares the inputs (not timed) and returns the zero-argument thunk that is timed. A
 builder whose peer is missing raises ``ImportError`` or :class:`Unavailable`; its row is then
 skipped with a note. Every implementation of a case is timed in one process (warm-up, then
@@ -46,6 +51,7 @@ __all__ = [
     "REFERENCE_IMPL", "Unavailable", "Timing", "Rates", "Row",
     "discover", "load", "build", "time_thunk", "measure_rates", "floor_seconds",
     "machine_line", "versions", "MemoryProbe", "format_table", "format_report", "sections_of", "merge_reports",
+    "goal_lines",
 ]
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -346,7 +352,39 @@ def _fmt_ratio(x: float) -> str:
     return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
 
 
-def format_table(rows: list[Row]) -> str:
+_GOAL_TEXT = {"speedup": "≥ {t:g}× faster than {o}", "memory": "peak ≤ {t:g}× {o}'s", "floor": "≤ {t:g}× its floor"}
+
+
+def _goal_value(kind: str, ours: Row, other: Row | None) -> float | None:
+    if ours.timing is None:
+        return None
+    if kind == "floor":
+        return None if ours.floor_s is None else ours.timing.median_s / ours.floor_s
+    if other is None:
+        return None
+    if kind == "speedup":
+        return None if other.timing is None else other.timing.median_s / ours.timing.median_s
+    return None if not (ours.peak_bytes and other.peak_bytes) else ours.peak_bytes / other.peak_bytes
+
+
+def goal_lines(rows: list[Row], goals: dict[str, list[tuple[str, str, float]]]) -> list[str]:
+    """One line per goal: what was aimed at, the measured value, met / missed / not measured."""
+    index = {(r.case, r.impl): r for r in rows}
+    lines = []
+    for case, items in goals.items():
+        ours = index.get((case, REFERENCE_IMPL))
+        if ours is None:
+            continue
+        for kind, other, target in items:
+            ref_case, _, ref_impl = other.rpartition("/")
+            value = _goal_value(kind, ours, index.get((ref_case or case, ref_impl)))
+            met = None if value is None else (value >= target if kind == "speedup" else value <= target)
+            verdict = "not measured" if met is None else f"{value:.2f}×, {'met' if met else 'MISSED'}"
+            lines.append(f"- goal, {case}: rlcore {_GOAL_TEXT[kind].format(t=target, o=other)}: {verdict}")
+    return lines
+
+
+def format_table(rows: list[Row], goals: dict | None = None) -> str:
     """Markdown table: case, impl, median ms, IQR, ratio vs rlcore, peak extra MB, × floor."""
     head = ("| case | impl | median ms | IQR ms | vs rlcore (peer/ours) | peak extra MB | × floor |\n"
             "| --- | --- | ---: | ---: | ---: | ---: | ---: |")
@@ -363,7 +401,7 @@ def format_table(rows: list[Row]) -> str:
         dist = "—" if r.floor_s is None else _fmt_ratio(r.timing.median_s / r.floor_s)
         lines.append(f"| {r.case} | {r.impl} | {_ms(r.timing.median_s)} | {_ms(r.timing.iqr_s)} | {ratio} "
                      f"| {mem} | {dist} |")
-    notes = [f"- {r.case} / {r.impl}: {r.note}" for r in rows if r.note]
+    notes = [f"- {r.case} / {r.impl}: {r.note}" for r in rows if r.note] + goal_lines(rows, goals or {})
     return "\n".join(lines + ([""] + notes if notes else []))
 
 

@@ -64,7 +64,7 @@ def run_topic(topic: str, path: Path, probe: H.MemoryProbe | None, *, args, rate
                         "" if answer.get("exact") else "memory: getrusage high-water mark (may undercount)")
             rows.append(H.Row(topic, case, impl, timing, peak, floor_s, note))
             print(f"  {topic}/{case} {impl}: {timing.median_s * 1e3:.3g} ms", file=sys.stderr, flush=True)
-    return H.format_table(rows)
+    return H.format_table(rows, module.goals(args.tiny) if hasattr(module, "goals") else None)
 
 
 def main(argv: list[str] | None = None) -> str:

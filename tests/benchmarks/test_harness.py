@@ -165,3 +165,21 @@ def test_memory_server_protocol_survives_noisy_benches(tmp_path):
     with H.MemoryProbe([path], tiny=True, threads=1) as probe:
         first, second = probe.measure(path, "c", "rlcore"), probe.measure(path, "c", "rlcore")
     assert "peak_bytes" in first and "peak_bytes" in second
+
+
+def test_goal_lines_say_met_missed_or_not_measured():
+    rows = [H.Row("t", "c", "rlcore", H.Timing(0.010, 0.009, 0.012, 5), 10 * 2**20, 0.004),
+            H.Row("t", "c", "peer", H.Timing(0.120, 0.1, 0.13, 5), 200 * 2**20),
+            H.Row("t", "d", "rlcore", H.Timing(0.050, 0.04, 0.06, 5)),
+            H.Row("t", "c", "absent", note="skipped: not installed (x)")]
+    goals = {"c": [("speedup", "peer", 10.0), ("memory", "peer", 0.01), ("floor", "", 3.0), ("speedup", "absent", 2.0)],
+             "d": [("speedup", "c/peer", 2.0)], "e": [("speedup", "peer", 1.0)]}
+    lines = H.goal_lines(rows, goals)
+    assert lines == [
+        "- goal, c: rlcore ≥ 10× faster than peer: 12.00×, met",
+        "- goal, c: rlcore peak ≤ 0.01× peer's: 0.05×, MISSED",
+        "- goal, c: rlcore ≤ 3× its floor: 2.50×, met",
+        "- goal, c: rlcore ≥ 2× faster than absent: not measured",
+        "- goal, d: rlcore ≥ 2× faster than c/peer: 2.40×, met",
+    ]
+    assert lines[0] in H.format_table(rows, goals)
