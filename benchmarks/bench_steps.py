@@ -197,6 +197,15 @@ def _dpo_rlcore(s: Sizes, autocast: bool):
     return _stateful(step, state)
 
 
+def _plain_update(model, opt, loss: torch.Tensor) -> torch.Tensor:
+    """The plain rows' optimiser step: backward, clip at 1, AdamW, gradients freed."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def _full_logprobs(model, ids, attention, scored):
     """Per-sequence log-probs through the full ``[B, T, V]`` logits: ``Σ_t m_t log_softmax(z_{t-1})[x_t]``."""
     logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
@@ -219,11 +228,7 @@ def _dpo_plain(s: Sizes, autocast: bool):
             p = _full_logprobs(model, ids, attention, scored)
             margin = (p[:n] - r[:n]) - (p[n:] - r[n:])
             loss = -F.logsigmoid(BETA_DPO * margin).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return None, loss.detach()
+        return None, _plain_update(model, opt, loss)
     return _stateful(step, None)
 
 
@@ -302,11 +307,7 @@ def _online_plain(s: Sizes, kind: str):
             r = scores.view(-1, G)
             adv = ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-4)).reshape(-1)
             loss = -torch.where(m, adv[:, None] * lp, 0.0).sum() / m.sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return None, loss.detach()
+        return None, _plain_update(model, opt, loss)
     return _stateful(step, None)
 
 

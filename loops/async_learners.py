@@ -196,7 +196,7 @@ def learn(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBa
     Args:
         rows: the prompt batch (``P`` rows of columns) the rollout was sampled from.
         rollout: ``[B = P·G]`` from ``generate_rollout``, sampled with the seed that
-            ``loops.online.draw_seed`` draws from ``state.rng``.
+            ``loops.collect.draw_seed`` draws from ``state.rng``.
         learner: an entry of ``LEARNERS``.  is_clip: see :func:`learn_scored`.
     Returns:
         ``(state, metrics)`` as the recipe's ``step``, plus the ``async/*`` metrics.

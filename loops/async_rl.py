@@ -50,9 +50,9 @@ from torch import nn
 
 from rlcore.loops.async_learners import Learner, check_learner, learn
 from rlcore.loops.checkpoint import resume
-from rlcore.loops.collect import generate_rollout
+from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.distributed import process_context
-from rlcore.loops.online import draw_seed, evaluate_policy, generate_kwargs, make_reward_fn, prompt_source
+from rlcore.loops.online import evaluate_policy, generate_kwargs, make_reward_fn, prompt_source
 from rlcore.loops.recipe import load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset

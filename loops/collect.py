@@ -49,7 +49,7 @@ from rlcore.logprobs import token_logprobs
 from rlcore.loops.data import collate_prompts, tokenize_example
 from rlcore.loops.models import pad_token_id, position_ids_from_mask
 
-__all__ = ["generate_rollout", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align", "uniform_length_sampler",
+__all__ = ["generate_rollout", "draw_seed", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align", "uniform_length_sampler",
            "SAMPLERS", "multinomial_sample", "gumbel_max_sample", "truncate_logits", "sample_responses"]
 
 
@@ -305,6 +305,12 @@ def _generate_hf(model: nn.Module, batch: TensorDict, *, record: Callable | None
     return response, None if record is None else record(out, response, temperature)
 
 
+def draw_seed(generator: torch.Generator) -> int:
+    """One sampling seed from ``generator`` (advancing it): ``randint(0, 2**62)`` on its device, the
+    draw ``generate_rollout(generator=...)`` makes. Item ``i``'s seed in every online loop."""
+    return int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+
+
 def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: int = 64, temperature: float = 1.0,
                      top_k: int | None = None, top_p: float | None = None, num_samples: int = 1,
                      length_sampler: Callable[[], int] | None = None, eos_token_id: int | Sequence[int] | None = None,
@@ -378,7 +384,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
     if length_sampler is not None:
         max_new_tokens = int(length_sampler())
     if generator is not None:
-        seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
+        seed = draw_seed(generator)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, enabled=seed is not None), torch.no_grad():
         if seed is not None:

@@ -10,7 +10,7 @@ preference pairs) and the loss; what is the same lives here:
   models such as a critic), AdamW, schedule, transform states;
 - :func:`prompt_source`: a resumable stream of prompt batches (dicts of dataset columns);
 - :func:`collect_rollout`: ``G`` samples per prompt from the policy, seeded from ``state.rng``
-  (:func:`generate_kwargs`, :func:`draw_seed`), then :func:`score_collected`: reference
+  (:func:`generate_kwargs`, ``loops.collect.draw_seed``), then :func:`score_collected`: reference
   log-probs, optional values, the task reward (or reward model), the seed draw and the counters;
 - :func:`online_step`: a recipe's synchronous step from its hooks (``collect_rollout →
   prepare → optimise``);
@@ -46,7 +46,7 @@ from torch import nn
 
 from rlcore import keys as K
 from rlcore.kl import kl_estimate
-from rlcore.loops.collect import generate_rollout
+from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.fold import to_floats
 from rlcore.loops.models import disable_dropout, load_model, make_reference
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
@@ -58,7 +58,7 @@ from rlcore.masked import masked_sum
 from rlcore.transforms import observed_kl
 
 __all__ = ["OnlineConfig", "make_reward_fn", "build_online_state", "prompt_source", "update_sizes",
-           "repeat_columns", "generate_kwargs", "draw_seed", "collect_rollout", "score_collected", "online_step",
+           "repeat_columns", "generate_kwargs", "collect_rollout", "score_collected", "online_step",
            "with_policy_logprobs", "policy_loss_fn", "policy_update", "rollout_metrics",
            "evaluate_policy", "train_online"]
 
@@ -179,12 +179,6 @@ def generate_kwargs(config: Any) -> dict[str, Any]:
                 sampler=config.sampler)
 
 
-def draw_seed(generator: torch.Generator) -> int:
-    """One sampling seed from ``generator`` (advancing it): ``randint(0, 2**62)`` on its device, the
-    draw ``generate_rollout(generator=...)`` makes. Item ``i``'s seed in every online loop."""
-    return int(torch.randint(0, 2**62, (), generator=generator, device=generator.device))
-
-
 def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
                     reward_fn: RewardFn | None, num_samples: int | None = None,
                     value_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -220,7 +214,7 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
     ``score_rollout`` with the reference (``ref_logprobs``, unless ``reference=False``),
     ``value_fn`` (``values``) and the reward (``score``: ``reward_fn`` on the decoded texts with
     the other dataset columns repeated per sample, plus ``state.models["reward"]`` when present);
-    then one :func:`draw_seed` from a copy of ``state.rng`` (the seed the rollout was sampled
+    then one ``draw_seed`` from a copy of ``state.rng`` (the seed the rollout was sampled
     with) and the counters. A rollout generated elsewhere (``loops.async_rl``, ``loops.placement``)
     with that seed therefore leaves the state exactly as the synchronous ``collect_rollout`` does.
 

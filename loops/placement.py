@@ -64,9 +64,9 @@ from torch import nn
 from rlcore.loops.async_learners import Learner, check_learner, learn_scored
 from rlcore.loops.async_rl import check_max_lag
 from rlcore.loops.checkpoint import resume
-from rlcore.loops.collect import generate_rollout
+from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.models import disable_dropout
-from rlcore.loops.online import (build_online_state, draw_seed, evaluate_policy, generate_kwargs, make_reward_fn,
+from rlcore.loops.online import (build_online_state, evaluate_policy, generate_kwargs, make_reward_fn,
                                  prompt_source, repeat_columns, score_collected)
 from rlcore.loops.recipe import build_policy, load_splits, run
 from rlcore.loops.state import TrainState, copy_generator

@@ -206,12 +206,11 @@ def _scored_logprobs(model, ids, mask, position_ids, scored, *, temperature, chu
     gathered (``[N, H]``, ``N`` = scored tokens) before ``hidden_logprobs``, so prompt tokens cost
     the trunk but not the ``H × V`` head, in forward and backward.
     """
-    zero = torch.zeros((), device=ids.device)
     if not chunked:
         lp = token_logprobs_from_model(model, ids, mask, position_ids=position_ids, temperature=temperature,
                                        chunked=False)
         lp = torch.cat([lp.new_zeros(lp.shape[0], 1), lp], -1)
-        return torch.where(scored, lp, zero.to(lp.dtype))
+        return torch.where(scored, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
     hidden = trunk_hidden(model, ids, mask, position_ids=position_ids)
     target = scored[:, 1:]
     lp = hidden_logprobs(hidden[:, :-1][target], labels=ids[:, 1:][target], temperature=temperature,

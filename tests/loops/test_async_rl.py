@@ -195,7 +195,8 @@ def test_check_learner_and_max_lag_errors_name_the_argument():
 def test_learn_is_score_collected_then_learn_scored():
     """``learn`` = ``online.score_collected`` (the recipe's scoring options) then ``learn_scored``."""
     from rlcore.loops.collect import generate_rollout
-    from rlcore.loops.online import draw_seed, generate_kwargs, score_collected
+    from rlcore.loops.collect import draw_seed
+    from rlcore.loops.online import generate_kwargs, score_collected
     from rlcore.loops.state import copy_generator
 
     config = ppo.Config(**TINY, num_samples=2, steps=1, lr=1e-2)

@@ -8,8 +8,8 @@ from tensordict import TensorDict
 
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import grpo_loss
-from rlcore.loops.collect import generate_rollout
-from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, draw_seed, evaluate_policy,
+from rlcore.loops.collect import draw_seed, generate_rollout
+from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, evaluate_policy,
                                  generate_kwargs, make_reward_fn, online_step, policy_loss_fn, prompt_source,
                                  repeat_columns, rollout_metrics, score_collected, with_policy_logprobs)
 from rlcore.loops.state import copy_generator
