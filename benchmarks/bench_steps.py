@@ -32,6 +32,9 @@ Cases (full size; ``--tiny`` shrinks every dimension):
   log-probs), ``rlcore_multinomial`` (the loop with ``torch.multinomial``), ``rlcore_generate``
   (``generate_rollout`` through HF ``generate``), ``hf_generate`` (bare ``model.generate``).
   The share of a step spent generating is ``collect / step``.
+- ``rlcore_vllm`` rows (collect, RLOO, GRPO), where vLLM is installed (``.venv-vllm``, from
+  ``make test-vllm``): the same with ``sampler="vllm"``, the engine given the same cores
+  (``VLLM_CPU_OMP_THREADS_BIND``, none reserved). Its processes' memory is not in the peak column.
 
 Every builder runs one untimed step (optimiser state and lazy initialisations exist before the
 timing and the peak-memory measurement); each thunk ends with the gradients freed, as a training
@@ -47,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import os
 import tempfile
 import warnings
@@ -273,7 +277,9 @@ def _online_state(s: Sizes, config) -> TrainState:
 
 
 def _online_rlcore(s: Sizes, kind: str, sampler: str | None):
-    """The recipe's own ``step``: ``sampler="gumbel"`` (the recipes' default) or ``None`` (HF generate)."""
+    """The recipe's own ``step``: ``sampler="gumbel"`` (the recipes' default), ``None`` (HF generate)
+    or ``"vllm"``."""
+    _engine_cores(sampler)
     config, tok, prompts = _online_config(s, kind), word_tokenizer(s.vocab), online_prompts(s)
     recipe = rloo_recipe if kind == "rloo" else grpo_recipe
     step = functools.partial(recipe.step, rows={"prompt": prompts}, config=dataclasses.replace(config, sampler=sampler),
@@ -343,7 +349,16 @@ def _online_trl(s: Sizes, kind: str):
         return _stateful(step, None)
 
 
+def _engine_cores(sampler: str | None) -> None:
+    """For ``sampler="vllm"``: vLLM installed, its CPU workers bound to this process's thread count."""
+    if sampler == "vllm":
+        _require(importlib.util.find_spec("vllm"), "vllm")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{torch.get_num_threads() - 1}")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
 def _collect(s: Sizes, sampler: str | None):
+    _engine_cores(sampler)
     model, tok, prompts = _model(s), word_tokenizer(s.vocab), online_prompts(s)
     g = torch.Generator().manual_seed(0)
     kw = dict(max_new_tokens=s.new_tokens, num_samples=s.samples, generator=g, sampler=sampler)
@@ -384,9 +399,11 @@ def cases(tiny: bool) -> dict[str, dict]:
     for kind in ("rloo", "grpo"):
         out[n[kind]] = {"rlcore": b(_online_rlcore, s, kind, "gumbel"),
                         "rlcore_generate": b(_online_rlcore, s, kind, None),
+                        "rlcore_vllm": b(_online_rlcore, s, kind, "vllm"),
                         "plain_generate": b(_online_plain, s, kind), "trl": b(_online_trl, s, kind)}
     out[n["collect"]] = {"rlcore": b(_collect, s, "gumbel"), "rlcore_multinomial": b(_collect, s, "multinomial"),
-                         "rlcore_generate": b(_collect, s, None), "hf_generate": b(_collect_hf, s)}
+                         "rlcore_generate": b(_collect, s, None), "hf_generate": b(_collect_hf, s),
+                         "rlcore_vllm": b(_collect, s, "vllm")}
     return out
 
 

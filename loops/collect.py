@@ -30,13 +30,15 @@ prompt once for its ``G`` samples, draws with the chosen sampler (Gumbel-max: ``
 with Gumbel noise from uniforms, exact and ~4x cheaper on CPU than ``softmax`` + ``multinomial``,
 whose exponential draws over ``V`` dominate a small model's decode step) and reads both behaviour
 log-probs from the same logits, with no ``[B, V]`` copies kept. It supports temperature, top-k
-and top-p, greedy decoding and stop tokens; not ``generate_kwargs``. Both engines give the same
-rollout layout and log-probs that match a recomputation through ``loops.score``.
+and top-p, greedy decoding and stop tokens; not ``generate_kwargs``. ``sampler="vllm"`` runs a
+vLLM engine kept in step with the model's weights (``loops.vllm_engine``; optional). All engines
+give the same rollout layout and log-probs that match a recomputation through ``loops.score``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -50,7 +52,7 @@ from rlcore.loops.data import collate_prompts, tokenize_example
 from rlcore.loops.models import pad_token_id, position_ids_from_mask
 
 __all__ = ["generate_rollout", "draw_seed", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align", "uniform_length_sampler",
-           "SAMPLERS", "multinomial_sample", "gumbel_max_sample", "truncate_logits", "sample_responses"]
+           "SAMPLERS", "VLLM", "multinomial_sample", "gumbel_max_sample", "truncate_logits", "sample_responses"]
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, stop_token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -158,6 +160,7 @@ SAMPLERS: dict[str, Callable[..., torch.Tensor]] = {
     "multinomial": multinomial_sample,
     "gumbel": gumbel_max_sample,
 }
+VLLM = "vllm"  # the sampler name of the vLLM engine (loops.vllm_engine)
 
 
 def truncate_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -317,7 +320,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
                      stop_token_ids: Sequence[int] = (), do_sample: bool = True, seed: int | None = None,
                      generator: torch.Generator | None = None, behaviour: str | None = "sampled",
                      max_prompt_length: int | None = None, policy_version: int | None = None,
-                     use_cache: bool = True, sampler: str | None = None, **generate_kwargs) -> TensorDict:
+                     use_cache: bool = True, sampler: str | None = None, engine_options: Mapping[str, Any] | None = None,
+                     **generate_kwargs) -> TensorDict:
     """Sample ``G = num_samples`` responses per prompt (KV cache) into a rollout.
 
     Prompts are tokenised (conversations through the chat template) and left padded; a prompt
@@ -344,7 +348,11 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
             none (no ``old_logprobs``; recompute them with ``score_rollout``).
         max_prompt_length: keep the last tokens of longer text prompts (default: no limit).
         policy_version: stamped on every row as ``policy_version [B]`` when given.
-        sampler: ``None`` (``generate``) or a key of ``SAMPLERS`` (``"gumbel"``: the fast loop).
+        sampler: ``None`` (``generate``), a key of ``SAMPLERS`` (``"gumbel"``: the fast loop), or
+            ``"vllm"``: a vLLM engine for ``model`` (``loops.vllm_engine``; ``vllm`` installed),
+            which records ``behaviour="sampled"`` log-probs (``"tempered"`` too when there is no
+            top-k / top-p, where the two agree).
+        engine_options: ``vllm.LLM`` keywords for ``sampler="vllm"`` (``engine_for``).
         generate_kwargs: passed to ``generate`` (e.g. ``repetition_penalty``, ``min_new_tokens``);
             the sampling loop takes none.
     Returns:
@@ -368,8 +376,15 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
                          "or None") from None
     if not temperature > 0:
         raise ValueError(f"temperature: expected > 0, got {temperature} (use do_sample=False for greedy)")
+    if engine_options and sampler != VLLM:
+        raise ValueError(f"engine_options: only for sampler={VLLM!r}, got sampler={sampler!r}")
+    if sampler == VLLM and behaviour == "tempered" and (top_k or (top_p is not None and top_p < 1.0)):
+        raise ValueError("behaviour='tempered' with top_k/top_p: the vLLM engine records the log-probs of the "
+                         "truncated distribution only (behaviour='sampled'); use behaviour=None and recompute "
+                         "with score_rollout, or another sampler")
     if sampler is not None:
-        lookup(SAMPLERS, sampler, what="sampler")
+        if sampler != VLLM:
+            lookup(SAMPLERS, sampler, what="sampler")
         if generate_kwargs or not use_cache:
             raise ValueError(f"sampler={sampler!r}: the sampling loop takes no generate_kwargs and always uses the "
                              f"KV cache (got {sorted(generate_kwargs) + ([] if use_cache else ['use_cache=False'])}); "
@@ -394,6 +409,13 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
                                          num_samples=num_samples, stops=stops, pad=pad, do_sample=do_sample,
                                          temperature=temperature, top_k=top_k, top_p=top_p, use_cache=use_cache,
                                          generate_kwargs=generate_kwargs)
+        elif sampler == VLLM:
+            from rlcore.loops.vllm_engine import engine_for, vllm_generate
+            response, old = vllm_generate(engine_for(model, engine_options), batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
+                                          max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
+                                          num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p,
+                                          greedy=not do_sample, seed=seed)
+            old = None if record is None else old
         else:
             g = None if seed is None else torch.Generator(device).manual_seed(seed)
             response, *lps = sample_responses(model, batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],

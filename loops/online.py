@@ -91,7 +91,8 @@ class OnlineConfig:
     top_k: int | None = None         # truncation (None: off)
     top_p: float | None = None       # nucleus truncation (None: off)
     max_prompt_length: int | None = None  # keep the last tokens of longer prompts
-    sampler: str | None = "gumbel"   # decode loop's sampler (loops.collect.SAMPLERS); None: Hugging Face generate
+    sampler: str | None = "gumbel"   # decode loop's sampler (loops.collect.SAMPLERS); None: Hugging Face generate; "vllm": a vLLM engine
+    engine_options: dict = dataclasses.field(default_factory=dict)  # vllm.LLM keywords when sampler="vllm"
     # --- optimisation (update) ---
     seed: int = 0                    # model init, data order, sampling
     steps: int = 100                 # fold steps: batches of prompts
@@ -172,11 +173,11 @@ def repeat_columns(rows: Mapping[str, Sequence], num_samples: int, *,
 def generate_kwargs(config: Any) -> dict[str, Any]:
     """The sampling keywords of ``generate_rollout`` for ``config`` (everything but prompts, seed and
     version): ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``num_samples``,
-    ``max_prompt_length``, ``sampler``. The synchronous recipes, the generator process of
+    ``max_prompt_length``, ``sampler``, ``engine_options``. The synchronous recipes, the generator process of
     ``loops.async_rl`` and the generator actor of ``loops.placement`` all sample with these."""
     return dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
                 top_p=config.top_p, num_samples=config.num_samples, max_prompt_length=config.max_prompt_length,
-                sampler=config.sampler)
+                sampler=config.sampler, engine_options=config.engine_options)
 
 
 def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
@@ -343,7 +344,7 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     columns, prompts = repeat_columns(rows, 1), list(rows["prompt"])
     policy = state.model("policy")
     gen = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length, seed=seed,
-               sampler=config.sampler)
+               sampler=config.sampler, engine_options=config.engine_options)
     scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                    reward_columns=columns)
     greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)

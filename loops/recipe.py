@@ -291,7 +291,8 @@ _TRUE, _FALSE, _NONE = ("true", "yes", "on", "1"), ("false", "no", "off", "0"), 
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """``value`` as type ``tp`` (int, float, bool, str, Optional / unions, tuples, lists)."""
+    """``value`` as type ``tp`` (int, float, bool, str, Optional / unions, tuples, lists, dicts: a
+    mapping, or its YAML text)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if type(None) in args and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
@@ -336,6 +337,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return tp(number)
     if tp is str:
         return value if isinstance(value, str) else str(value)
+    if tp is dict or origin is dict:
+        loaded = yaml.safe_load(value) if isinstance(value, str) else value
+        if not isinstance(loaded, Mapping):
+            raise ValueError(f"{where}: expected a mapping (e.g. '{{key: value}}'), got {value!r}")
+        return dict(loaded)
     return value
 
 

