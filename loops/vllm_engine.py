@@ -6,6 +6,7 @@ Nothing else in rlcore imports vLLM.
 One engine per policy module, built on first use and kept in a per-process registry
 (:func:`engine_for`); the policy module stays the only source of truth for the weights:
 
+- **PEFT policies.** A LoRA-wrapped policy's engine holds the merged weights (``engine_state_dict``).
 - **Built without a checkpoint.** The engine starts from the policy's config alone
   (``load_format="dummy"``: random weights, no write of the weights to disk), then receives the
   policy's weights through the same push as every later update.
@@ -37,6 +38,7 @@ for the same seed; its log-probs match a recomputation through ``loops.score`` t
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import multiprocessing
 import os
@@ -49,8 +51,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-__all__ = ["ENGINE_DEFAULTS", "WeightLoader", "Engine", "build_engine", "load_engine_weights", "engine_for",
-           "close_engines", "vllm_generate", "weights_fingerprint"]
+__all__ = ["ENGINE_DEFAULTS", "WeightLoader", "Engine", "build_engine", "engine_state_dict", "load_engine_weights",
+           "engine_for", "close_engines", "vllm_generate", "weights_fingerprint"]
 
 # vLLM engine arguments rlcore sets (any can be overridden through ``engine_options``).
 ENGINE_DEFAULTS: dict[str, Any] = dict(
@@ -111,12 +113,65 @@ def weights_fingerprint(model: nn.Module) -> tuple:
     return tuple((p.data_ptr(), p._version) for p in model.parameters())
 
 
+def _base_model(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _saves_modules(model: nn.Module) -> bool:
+    """Whether ``model`` (PEFT) trains copies of whole modules (``modules_to_save``)."""
+    return _base_model(model) is not model and any(
+        hasattr(m, "original_module") and hasattr(m, "modules_to_save") for m in model.modules())
+
+
+def engine_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights an engine loads for ``model``: Hugging Face names, CPU copies (``model`` untouched).
+
+    Tied weights appear under each of their names. For a PEFT model the LoRA adapters are merged
+    into copies of their base weights, ``W + ΔW`` for each active adapter (``get_delta_weight``:
+    ``(α/r)·B·A``) unless the adapters are disabled or already merged; the active ``modules_to_save``
+    copies replace their originals (not while the adapters are disabled). DoRA (a learned
+    magnitude) is refused.
+    """
+    base = _base_model(model)
+    weights = {name: t.detach().to("cpu").clone() for name, t in base.state_dict().items()}
+    if base is model:
+        return weights
+    layers = {name: m for name, m in base.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
+    # modules_to_save wrappers: the active adapter's trained copy, or the original when disabled
+    chosen = {}
+    for name, m in base.named_modules():
+        if hasattr(m, "original_module") and hasattr(m, "modules_to_save"):
+            adapter = next((a for a in m.active_adapters if a in m.modules_to_save), None)
+            use = "original_module" if m.disable_adapters or adapter is None else f"modules_to_save.{adapter}"
+            chosen[name] = f"{name}.{use}."
+    out = {}
+    for name, t in weights.items():
+        if "lora_magnitude_vector" in name:
+            raise NotImplementedError(f"{name}: DoRA adapters cannot be merged for the engine; merge_and_unload() "
+                                      "a copy of the model, or use sampler='gumbel'")
+        if ".lora_" in name:
+            continue
+        wrapper = next((w for w in chosen if name.startswith(f"{w}.")), None)
+        if wrapper is not None:
+            if not name.startswith(chosen[wrapper]):
+                continue  # the copy not in use
+            name = f"{wrapper}.{name[len(chosen[wrapper]):]}"
+        out[name.replace(".base_layer.", ".")] = t
+    for name, layer in layers.items():
+        if layer.merged or layer.disable_adapters:
+            continue
+        key = f"{name}.weight"
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                out[key] = out[key] + layer.get_delta_weight(adapter).detach().to("cpu", out[key].dtype)
+    return out
+
+
 def load_engine_weights(engine: Engine, model: nn.Module) -> None:
-    """Load ``model``'s weights into ``engine`` and drop its prefix cache; record the fingerprint."""
+    """Load ``model``'s weights (:func:`engine_state_dict`) into ``engine`` and drop its prefix cache;
+    record the fingerprint."""
     # One safetensors blob: bytes cross vLLM's RPC (in-process or between processes) as they are.
-    # Tied weights go under each of their names: vLLM's layer-wise reload expects every module's.
-    weights = {name: t.detach().to("cpu").clone() for name, t in model.state_dict().items()}
-    engine.llm.collective_rpc("rlcore_load_weights", args=(safetensors.torch.save(weights),))
+    engine.llm.collective_rpc("rlcore_load_weights", args=(safetensors.torch.save(engine_state_dict(model)),))
     engine.llm.reset_prefix_cache()
     engine.fingerprint = weights_fingerprint(model)
 
@@ -147,7 +202,11 @@ def build_engine(model: nn.Module, **options: Any) -> Engine:
             ``max_model_len``, ``kv_cache_memory_bytes``, ``tensor_parallel_size``).
     """
     vllm = _vllm()
-    config = model.config
+    config = _base_model(model).config
+    if getattr(config, "tie_word_embeddings", False) and _saves_modules(model):
+        # a trained modules_to_save copy of the LM head (or embeddings) unties them: the engine must not tie
+        config = copy.deepcopy(config)
+        config.tie_word_embeddings = False
     kwargs = dict(ENGINE_DEFAULTS, dtype=next(model.parameters()).dtype,
                   max_model_len=getattr(config, "max_position_embeddings", None))
     if not torch.cuda.is_available():  # a CPU build: bounded KV cache, no compile warm-up (~30 s)
@@ -212,6 +271,12 @@ def vllm_generate(engine: Engine, prompt_ids: torch.Tensor, prompt_mask: torch.T
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()))
     rows = [ids[m].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+    limit = engine.llm.llm_engine.model_config.max_model_len
+    longest = max(len(r) for r in rows)
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"prompt_ids: the longest prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) "
+                         f"exceeds the engine's max_model_len ({limit}); set max_prompt_length, or a larger "
+                         "engine_options['max_model_len'] (up to the model's max_position_embeddings)")
     seeds = torch.randint(0, 2**31 - 1, (len(rows) * num_samples,),
                           generator=torch.Generator().manual_seed(seed)).tolist()
     params = [vllm.SamplingParams(n=1, max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,

@@ -72,6 +72,48 @@ def test_config_reads_engine_options():
     assert grpo.Config().engine_options == {}
 
 
+def test_engine_state_dict_is_the_state_dict_of_a_plain_model(tokenizer):
+    from rlcore.loops.vllm_engine import engine_state_dict
+    model = build_model(tokenizer=tokenizer, **WIDE)
+    weights = engine_state_dict(model)
+    assert list(weights) == list(model.state_dict())  # tied weights under each name
+    assert all(torch.equal(weights[k], v) and weights[k].data_ptr() != v.data_ptr()
+               for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("adapters", ["active", "disabled"])
+def test_engine_state_dict_merges_lora_without_touching_the_model(tokenizer, adapters):
+    """W + (α/r)·B·A written out, against peft's own merge_and_unload of a copy."""
+    peft = pytest.importorskip("peft")
+    import contextlib
+    import copy
+    from rlcore.loops.vllm_engine import engine_state_dict
+    base = build_model(tokenizer=tokenizer, **WIDE)
+    plain = {k: v.clone() for k, v in base.state_dict().items()}
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():  # the saved lm_head copy differs from the original
+        model.base_model.model.lm_head.modules_to_save["default"].weight.add_(1.0)
+    before = {k: (v.clone(), v._version) for k, v in model.state_dict().items()}
+    ctx = model.disable_adapter() if adapters == "disabled" else contextlib.nullcontext()
+    with ctx:
+        weights = engine_state_dict(model)
+    assert {k: (v.clone(), v._version) for k, v in model.state_dict().items()}.keys() == before.keys()
+    assert all(torch.equal(v, before[k][0]) and v._version == before[k][1] for k, v in model.state_dict().items())
+    if adapters == "disabled":
+        expected = plain
+    else:
+        expected = copy.deepcopy(model).merge_and_unload().state_dict()
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        by_hand = plain["model.layers.0.self_attn.q_proj.weight"] + 2.0 * layer.lora_B["default"].weight \
+            @ layer.lora_A["default"].weight
+        torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"], by_hand.detach())
+    assert sorted(weights) == sorted(expected)
+    for k, v in expected.items():
+        torch.testing.assert_close(weights[k], v.detach(), msg=k)
+
+
 # --- with vLLM ---------------------------------------------------------------------------------------
 @needs_vllm
 def test_rollout_layout_matches_the_other_engines(policy, tokenizer):
@@ -134,6 +176,34 @@ def test_greedy_decoding_matches_the_model(policy, tokenizer):
     ours = generate_rollout(policy, tokenizer, PROMPTS, max_new_tokens=8, do_sample=False, sampler="gumbel")
     assert torch.equal(theirs[K.RESPONSE_IDS], ours[K.RESPONSE_IDS])
     torch.testing.assert_close(theirs[K.OLD_LOGPROBS], ours[K.OLD_LOGPROBS], atol=1e-4, rtol=0)
+
+
+@needs_vllm
+def test_too_long_for_the_engine_is_a_clear_error(policy, tokenizer):
+    with pytest.raises(ValueError, match=r"prompt_ids: the longest prompt \(\d+ tokens\) plus max_new_tokens "
+                                         r"\(300\) exceeds the engine's max_model_len \(256\)"):
+        _vllm(policy, tokenizer, max_new_tokens=300)
+
+
+@needs_vllm
+def test_lora_policy_samples_from_its_merged_weights(tokenizer):
+    """LoRA merged, and a trained copy of the tied LM head (the engine is built untied)."""
+    peft = pytest.importorskip("peft")
+    base = build_model(tokenizer=tokenizer, seed=3, **WIDE)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(3.0)
+    rollout = _vllm(model, tokenizer, num_samples=2, seed=0)
+    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
+    attention = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention.long(),
+                       position_ids=(attention.long().cumsum(-1) - 1).clamp(min=0)).logits.float()
+    P, mask = rollout[K.PROMPT_IDS].shape[1], rollout[K.RESPONSE_MASK]
+    expected = logits[:, P - 1:-1].log_softmax(-1).gather(-1, rollout[K.RESPONSE_IDS][..., None])[..., 0]
+    torch.testing.assert_close(rollout[K.OLD_LOGPROBS][mask], expected[mask], atol=1e-4, rtol=0)
 
 
 @needs_vllm
