@@ -47,7 +47,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import safetensors.torch
+from safetensors.torch import load as safetensors_load, save as safetensors_save
 import torch
 from torch import nn
 
@@ -73,7 +73,7 @@ class WeightLoader:
     def rlcore_load_weights(self, blob: bytes) -> int:
         """Load a safetensors blob of Hugging Face-named weights into the worker's model; returns how
         many tensors it held."""
-        weights = safetensors.torch.load(blob)
+        weights = safetensors_load(blob)
         # vLLM's in-place reload: loads checkpoint-format weights into layers whose parameters
         # were already processed into kernel formats (a second plain load_weights cannot).
         self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
@@ -171,7 +171,7 @@ def load_engine_weights(engine: Engine, model: nn.Module) -> None:
     """Load ``model``'s weights (:func:`engine_state_dict`) into ``engine`` and drop its prefix cache;
     record the fingerprint."""
     # One safetensors blob: bytes cross vLLM's RPC (in-process or between processes) as they are.
-    engine.llm.collective_rpc("rlcore_load_weights", args=(safetensors.torch.save(engine_state_dict(model)),))
+    engine.llm.collective_rpc("rlcore_load_weights", args=(safetensors_save(engine_state_dict(model)),))
     engine.llm.reset_prefix_cache()
     engine.fingerprint = weights_fingerprint(model)
 
@@ -195,7 +195,9 @@ def build_engine(model: nn.Module, **options: Any) -> Engine:
 
     The engine is built from ``model.config`` (``ENGINE_DEFAULTS``, ``dtype`` the model's,
     ``max_model_len`` its ``max_position_embeddings``; without CUDA a 256 MiB KV cache and eager
-    mode), then :func:`load_engine_weights` loads the weights.
+    mode; untied when a PEFT ``modules_to_save`` copy unties the LM head), then
+    :func:`load_engine_weights` loads the weights. vLLM's usage statistics are switched off
+    (``VLLM_NO_USAGE_STATS=1``) unless the environment says otherwise.
 
     Args:
         options: ``vllm.LLM`` keywords, over the defaults (e.g. ``gpu_memory_utilization``,
@@ -214,6 +216,7 @@ def build_engine(model: nn.Module, **options: Any) -> Engine:
     kwargs.update(options)
     workdir = tempfile.TemporaryDirectory(prefix="rlcore-vllm-")
     config.save_pretrained(workdir.name)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report to vLLM's server unless asked for
     in_process = multiprocessing.current_process().daemon  # a daemonic process may not start children
     with _environment(**({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})):
         llm = vllm.LLM(model=workdir.name, **kwargs)

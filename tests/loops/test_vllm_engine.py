@@ -7,6 +7,7 @@ this file); the others run everywhere. vLLM's CPU attention has kernels for head
 
 import importlib.util
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -213,6 +214,7 @@ def test_engine_stays_out_of_the_trainer_process(policy, tokenizer):
     assert torch.get_num_threads() == threads
     assert torch.set_num_threads.__module__ == "torch"  # not patched by vLLM's CPU worker
     assert not torch.distributed.is_initialized()
+    assert os.environ["VLLM_NO_USAGE_STATS"] == "1"  # nothing reported to vLLM's server
 
 
 @needs_vllm
