@@ -6,7 +6,6 @@ Nothing else in rlcore imports vLLM.
 One engine per policy module, built on first use and kept in a per-process registry
 (:func:`engine_for`); the policy module stays the only source of truth for the weights:
 
-- **PEFT policies.** A LoRA-wrapped policy's engine holds the merged weights (``engine_state_dict``).
 - **Built without a checkpoint.** The engine starts from the policy's config alone
   (``load_format="dummy"``: random weights, no write of the weights to disk), then receives the
   policy's weights through the same push as every later update.
@@ -15,6 +14,7 @@ One engine per policy module, built on first use and kept in a per-process regis
   ``copy_`` advances) is compared with the one last pushed; on a change the engine reloads every
   weight (vLLM's in-place ``reload_weights``, through :class:`WeightLoader` in its workers) and drops its
   prefix cache, whose keys and values came from the old weights.
+- **PEFT policies.** A LoRA-wrapped policy's engine holds the merged weights (``engine_state_dict``).
 - **Tokens in, tokens out.** Prompts go in as the ids ``generate_rollout`` tokenised and left
   padded (padding stripped per row); the engine has no tokenizer (``skip_tokenizer_init``).
 - **Behaviour log-probs from the engine.** ``logprobs_mode="processed_logprobs"``: the sampled
