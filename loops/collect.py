@@ -383,8 +383,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
                          "truncated distribution only (behaviour='sampled'); use behaviour=None and recompute "
                          "with score_rollout, or another sampler")
     if sampler is not None:
-        if sampler != VLLM:
-            lookup(SAMPLERS, sampler, what="sampler")
+        lookup({**SAMPLERS, VLLM: None}, sampler, what="sampler")
         if generate_kwargs or not use_cache:
             raise ValueError(f"sampler={sampler!r}: the sampling loop takes no generate_kwargs and always uses the "
                              f"KV cache (got {sorted(generate_kwargs) + ([] if use_cache else ['use_cache=False'])}); "

@@ -345,7 +345,7 @@ def test_sampling_loop_seed_generator_and_global_rng(llama, tokenizer):
 
 
 def test_sampling_loop_errors(llama, tokenizer):
-    with pytest.raises(ValueError, match=r"sampler: unknown 'fast'; valid: \['gumbel', 'multinomial'\]"):
+    with pytest.raises(ValueError, match=r"sampler: unknown 'fast'; valid: \['gumbel', 'multinomial', 'vllm'\]"):
         generate_rollout(llama, tokenizer, PROMPTS, sampler="fast")
     with pytest.raises(ValueError, match=r"sampler='gumbel': the sampling loop takes no generate_kwargs .*"
                                          r"\['repetition_penalty'\]"):
