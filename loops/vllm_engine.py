@@ -44,12 +44,14 @@ import multiprocessing
 import os
 import tempfile
 import weakref
+from unittest import mock
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from safetensors.torch import load as safetensors_load, save as safetensors_save
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 __all__ = ["ENGINE_DEFAULTS", "WeightLoader", "Engine", "build_engine", "engine_state_dict", "load_engine_weights",
            "engine_for", "close_engines", "vllm_generate", "weights_fingerprint"]
@@ -176,20 +178,6 @@ def load_engine_weights(engine: Engine, model: nn.Module) -> None:
     engine.fingerprint = weights_fingerprint(model)
 
 
-@contextlib.contextmanager
-def _environment(**values: str):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def build_engine(model: nn.Module, **options: Any) -> Engine:
     """A vLLM engine for ``model`` (a Hugging Face causal LM), holding its current weights.
 
@@ -218,7 +206,7 @@ def build_engine(model: nn.Module, **options: Any) -> Engine:
     config.save_pretrained(workdir.name)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")  # no usage report to vLLM's server unless asked for
     in_process = multiprocessing.current_process().daemon  # a daemonic process may not start children
-    with _environment(**({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})):
+    with mock.patch.dict(os.environ, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {}):
         llm = vllm.LLM(model=workdir.name, **kwargs)
     engine = Engine(llm=llm, options=dict(options), workdir=workdir)
     load_engine_weights(engine, model)
@@ -290,10 +278,7 @@ def vllm_generate(engine: Engine, prompt_ids: torch.Tensor, prompt_mask: torch.T
     outputs = engine.llm.generate(requests, params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, toks)] for o, toks in zip(outputs, tokens)]
-    R = max(len(t) for t in tokens)
-    response = torch.full((len(tokens), R), pad_token_id, dtype=torch.long)
-    old = torch.zeros(len(tokens), R, dtype=torch.float32)
-    for i, (t, lp) in enumerate(zip(tokens, logprobs)):
-        response[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-        old[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    response = pad_sequence([torch.tensor(t, dtype=torch.long) for t in tokens], batch_first=True,
+                            padding_value=pad_token_id)
+    old = pad_sequence([torch.tensor(lp, dtype=torch.float32) for lp in logprobs], batch_first=True)
     return response.to(prompt_ids.device), old.to(prompt_ids.device)
