@@ -49,7 +49,7 @@ from rlcore import keys as K
 from rlcore.checks import check_mask, lookup, require_keys
 from rlcore.logprobs import token_logprobs
 from rlcore.loops.data import collate_prompts, tokenize_example
-from rlcore.loops.models import pad_token_id, position_ids_from_mask
+from rlcore.loops.models import cache_keyword, pad_token_id, position_ids_from_mask
 
 __all__ = ["generate_rollout", "draw_seed", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align", "uniform_length_sampler",
            "SAMPLERS", "VLLM", "multinomial_sample", "gumbel_max_sample", "truncate_logits", "sample_responses"]
@@ -198,11 +198,16 @@ def truncate_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: fl
 
 # --- the sampling loop -----------------------------------------------------------------------------
 def _prefill(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, num_samples: int):
-    """One forward over the ``P`` prompts; the KV cache and last logits repeated to ``B = P·G`` rows."""
+    """One forward over the ``P`` prompts; the KV cache and last logits repeated to ``B = P·G`` rows.
+
+    A model with ``prompt_kwargs(mask)`` (``ReftModel``: its intervention locations) gets those
+    keywords in this forward only: decoding steps come after the prompt.
+    """
     cache = DynamicCache(config=model.config)
     position = position_ids_from_mask(mask)
-    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    extra = model.prompt_kwargs(mask) if callable(getattr(model, "prompt_kwargs", None)) else {}
+    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position, use_cache=True, logits_to_keep=1,
+                   **{cache_keyword(model): cache}, **extra).logits[:, -1]
     cache.batch_repeat_interleave(num_samples)
     rep = lambda x: x.repeat_interleave(num_samples, dim=0)  # noqa: E731
     return cache, rep(logits), rep(mask.long()), rep(position[:, -1])
@@ -235,7 +240,7 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
     has stopped or after ``max_new_tokens`` steps.
 
     Args:
-        model: a Hugging Face causal LM (``past_key_values``, ``logits_to_keep``), dropout off.
+        model: a Hugging Face causal LM (a KV cache, ``logits_to_keep``), dropout off.
         prompt_ids: ``[P, L]`` long, left padded.  prompt_mask: ``[P, L]`` bool, ≥ 1 True per row.
         max_new_tokens: the budget.  stop_token_ids: ids that end a response (EOS included).
         num_samples: ``G``; rows are prompt-major (``B = P·G``).
@@ -255,6 +260,7 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
         raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
     check_mask("prompt_mask", prompt_mask, like=prompt_ids, like_name="prompt_ids")
     cache, logits, attention, position = _prefill(model, prompt_ids, prompt_mask, num_samples)
+    cached = {cache_keyword(model): cache}
     stops = torch.as_tensor(list(stop_token_ids), device=prompt_ids.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     tokens, sampled, tempered = [], [], []
@@ -270,7 +276,7 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
         attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], -1)
         position = position + 1
         logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+                       use_cache=True, **cached).logits[:, -1]
     return tuple(torch.stack(x, -1) for x in (tokens, sampled, tempered))
 
 
@@ -382,6 +388,9 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
         raise ValueError("behaviour='tempered' with top_k/top_p: the vLLM engine records the log-probs of the "
                          "truncated distribution only (behaviour='sampled'); use behaviour=None and recompute "
                          "with score_rollout, or another sampler")
+    if sampler == VLLM and callable(getattr(model, "prompt_kwargs", None)):
+        raise ValueError(f"sampler={VLLM!r}: {type(model).__name__} edits its forwards (prompt_kwargs), which a vLLM "
+                         "engine cannot run; use sampler='gumbel' or None")
     if sampler is not None:
         lookup({**SAMPLERS, VLLM: None}, sampler, what="sampler")
         if generate_kwargs or not use_cache:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 import math
 import string
 import warnings
@@ -33,7 +35,7 @@ from rlcore.checks import check_mask, check_ndim, check_same_shape
 __all__ = [
     "build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS", "CHAT_TEMPLATE",
     "build_model", "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS",
-    "disable_dropout", "position_ids_from_mask", "last_token_index", "trunk_hidden",
+    "disable_dropout", "position_ids_from_mask", "last_token_index", "trunk_hidden", "cache_keyword", "cache_length",
     "ValueHead", "policy_and_values", "token_values", "reward_model_scores",
     "call_reward_fn", "combine_rewards", "missing_eos_penalty",
     "make_reference", "reference_via_disabled_adapter",
@@ -294,6 +296,39 @@ def _decoder(model: nn.Module) -> nn.Module:
         return model.base_model
     raise TypeError(f"model: cannot find the trunk of {type(model).__name__} (no get_decoder() or base_model); "
                     "pass a Hugging Face model or use the logits path")
+
+
+@functools.cache
+def _cache_keyword_of(module_type: type) -> str | None:
+    names = inspect.signature(module_type.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in names), None)
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword under which ``model``'s forward takes a KV cache.
+
+    Transformers names it ``cache`` from 5.24 on (``past_key_values`` stays as a deprecated alias
+    that warns on every call) and ``past_key_values`` before. Read off ``model.forward``'s
+    signature, else its trunk's, so wrappers whose forward takes ``**kwargs`` (``ReftModel``,
+    PEFT) answer for the model they wrap; ``past_key_values`` when neither names one.
+    """
+    found = _cache_keyword_of(type(model))
+    if found is None:
+        with contextlib.suppress(TypeError):
+            found = _cache_keyword_of(type(_decoder(model)))
+    return found or "past_key_values"
+
+
+def cache_length(args: Sequence, kwargs: dict) -> int | None:
+    """The number of cached columns a forward starts after: its cache's ``get_seq_length()``.
+
+    The cache is found by type (any argument with ``get_seq_length``), not by name, so it is
+    found under ``cache`` and ``past_key_values`` alike. ``None`` when the forward has no cache.
+    """
+    for value in (*kwargs.values(), *args):
+        if callable(getattr(value, "get_seq_length", None)):
+            return int(value.get_seq_length())
+    return None
 
 
 def trunk_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,

@@ -9,9 +9,10 @@ the frozen base policy, so ReFT DPO needs no second model for its reference.
 The block list is found generically (``find_blocks``): the ``nn.ModuleList`` holding
 ``config.num_hidden_layers`` blocks (``model.layers`` for Llama-style models, ``transformer.h``
 for GPT-2-style ones), or the dotted path ``spec.blocks``. A pre-hook on the module that owns
-the list reads the KV cache (``past_key_values.get_seq_length()``) so that the columns of the
-current forward are known: the locations index the full sequence, and a forward that starts at
-column ``offset`` edits ``locations − offset`` where that falls inside it.
+the list reads the KV cache's length (``forward_offset``; the cache is found by type, whatever
+name the transformers version passes it under) so that the columns of the current forward are
+known: the locations index the full sequence, and a forward that starts at column ``offset``
+edits ``locations − offset`` where that falls inside it.
 
 Generation with a KV cache: the prefill forward covers the prompt and is edited at the prompt
 positions; every decoding step starts past the prompt, so nothing is edited there. Only prompt
@@ -48,6 +49,7 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.algorithms.reft import ReftIntervention, trainable_parameters
 from rlcore.checks import check_float, check_ndim
+from rlcore.loops.models import cache_length
 from rlcore.loops.reft_data import REFT_ACTIVATIONS, ReftSpec, reft_locations
 
 __all__ = [
@@ -194,16 +196,31 @@ def _hook_input(block: nn.Module, edit: Callable[[torch.Tensor], torch.Tensor]):
 COMPONENT_HOOKS: dict[str, Callable] = {"block_output": _hook_output, "block_input": _hook_input}
 
 
+def forward_offset(signature: inspect.Signature, args: Sequence, kwargs: dict) -> int:
+    """The first column of a trunk forward called with ``args`` / ``kwargs``: the KV-cache length.
+
+    The cache is found by type (``cache_length``), so the name it is passed under does not matter
+    (``cache`` from transformers 5.24 on, ``past_key_values`` before). Without a cache, a 2-D
+    attention mask longer than the input (past and current columns, the Hugging Face convention)
+    gives the offset; otherwise the forward starts at column 0.
+    """
+    offset = cache_length(args, kwargs)
+    if offset is not None:
+        return offset
+    bound = signature.bind_partial(*args, **kwargs).arguments
+    inputs = next((bound[n] for n in ("input_ids", "inputs_embeds") if bound.get(n) is not None), None)
+    mask = bound.get("attention_mask")
+    if inputs is not None and isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        return max(mask.shape[1] - inputs.shape[1], 0)
+    return 0
+
+
 def _hook_offset(owner: nn.Module, current: dict):
-    """A pre-hook on the blocks' owner recording the KV-cache length of each forward in ``current``."""
-    names = list(inspect.signature(owner.forward).parameters)
-    index = names.index("past_key_values") if "past_key_values" in names else None
+    """A pre-hook on the blocks' owner recording the first column of each forward in ``current``."""
+    signature = inspect.signature(owner.forward)
 
     def hook(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        if cache is None and index is not None and len(args) > index:
-            cache = args[index]
-        current["offset"] = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        current["offset"] = forward_offset(signature, args, kwargs)
     hook._rlcore_reft = True
     return owner.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -270,8 +287,9 @@ class ReftModel(nn.Module):
     - ``forward(..., intervention_locations=loc)`` runs ``model(...)`` inside
       ``reft_interventions``; without locations it is the base model.
     - ``generate(...)``: the input of generation is the prompt, so without explicit locations they
-      are computed from its ``attention_mask`` (``reft_locations``) and repeated for
-      ``num_return_sequences``; only prompt positions are edited (module doc).
+      are computed from its ``attention_mask`` (``prompt_kwargs``) and repeated for
+      ``num_return_sequences``; only prompt positions are edited (module doc). The decode loop
+      (``generate_rollout(sampler="gumbel")``) gets the same locations from ``prompt_kwargs``.
     - ``get_decoder`` / ``get_output_embeddings`` / ``config`` are the base model's, so
       ``rlcore.loops.score`` works on the wrapper: inside ``intervened`` (or ``intervene``) its
       forwards are edited, outside they are the base model's.
@@ -315,13 +333,21 @@ class ReftModel(nn.Module):
         with self.intervene(intervention_locations):
             return self.model(*args, **kwargs)
 
+    def prompt_kwargs(self, prompt_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"intervention_locations": loc}`` for a forward over prompts ``prompt_mask [B, P]``.
+
+        The decode loop (``loops.collect.sample_responses``) passes these to its prefill forward,
+        so sampled responses see the interventions exactly as ``generate`` and a rescoring do.
+        """
+        first, last = self.spec.counts
+        return {"intervention_locations": reft_locations(prompt_mask.bool(), first_n=first, last_n=last)}
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  intervention_locations: torch.Tensor | None = None, **kwargs):
         if intervention_locations is None:
-            mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-            first, last = self.spec.counts
-            intervention_locations = reft_locations(mask, first_n=first, last_n=last)
+            mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask
+            intervention_locations = self.prompt_kwargs(mask)["intervention_locations"]
         loc = intervention_locations.repeat_interleave(kwargs.get("num_return_sequences") or 1, 0)
         with self.intervene(loc):
             return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)

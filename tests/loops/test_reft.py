@@ -3,6 +3,7 @@
 import dataclasses
 import doctest
 import functools
+import inspect
 import json
 import math
 from pathlib import Path
@@ -461,26 +462,86 @@ def test_reft_dpo_reference_is_base_and_loss_decreases(tokenizer):
     assert not torch.allclose(pol["chosen", K.LOGPS], ref["chosen", K.REF_LOGPS])
 
 
+@pytest.mark.parametrize("sampler", [None, "gumbel"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_generation_with_interventions_matches_rescoring(tokenizer, arch):
+def test_generation_with_interventions_matches_rescoring(tokenizer, arch, sampler):
+    """Both KV-cached paths (``generate`` and the decode loop) against a full forward inside ``intervened``.
+
+    Guards the cache offset on every transformers version (the cache argument was renamed
+    ``past_key_values`` → ``cache`` in 5.24: a hook reading it by name edited every decoding step)
+    and the decode loop's prefill (it must run with the interventions on).
+    """
     model, spec = tiny(tokenizer, arch), ReftSpec(layers=(0, 1), positions="f2+l2", rank=4)
     policy = ReftModel(model, spec, generator=torch.Generator().manual_seed(0))
     state = init_state({"policy": policy, "ref": model})
     prompts = ["spell: abc\n", "hi\n", "a longer prompt\n"]
-    rollout = with_intervention_locations(generate_rollout(policy, tokenizer, prompts, num_samples=2, max_new_tokens=6,
-                                                           seed=3), spec)
+    generate = functools.partial(generate_rollout, policy, tokenizer, prompts, num_samples=2, max_new_tokens=6, seed=3,
+                                 sampler=sampler)
+    rollout = with_intervention_locations(generate(), spec)
     assert rollout[K.INTERVENTION_LOCATIONS].shape == (6, 4)
     assert torch.equal(rollout[K.INTERVENTION_LOCATIONS][::2], rollout[K.INTERVENTION_LOCATIONS][1::2])
     with intervened(state, rollout):
         rescored = score_rollout(rollout, policy=policy)
     mask = rollout[K.RESPONSE_MASK]
-    # decoding steps (KV cache) are not intervened, prompt positions are: a full forward agrees
+    # decoding steps (KV cache) are not intervened, prompt positions are: a full forward agrees to float32 rounding
+    # of a different batching (measured ≤ 1e-6; a wrong offset moves tokens by 0.2 nats)
     torch.testing.assert_close(rescored[K.OLD_LOGPROBS][mask], rollout[K.OLD_LOGPROBS][mask], rtol=1e-4, atol=1e-4)
     base = score_rollout(rollout, policy=model)  # interventions off: the base model differs
     assert (base[K.OLD_LOGPROBS][mask] - rollout[K.OLD_LOGPROBS][mask]).abs().max() > 1e-3
-    no_cache = generate_rollout(policy, tokenizer, prompts, num_samples=2, max_new_tokens=6, seed=3, use_cache=False)
-    assert torch.equal(no_cache[K.RESPONSE_IDS], rollout[K.RESPONSE_IDS])
-    torch.testing.assert_close(no_cache[K.OLD_LOGPROBS], rollout[K.OLD_LOGPROBS], rtol=1e-4, atol=1e-4)
+    if sampler is None:  # generate without a KV cache: every step is a full forward over [prompt | response so far]
+        no_cache = generate(use_cache=False)
+        # the same seeded draws; a flip would need two log-probs within float rounding of a sampling boundary
+        assert torch.equal(no_cache[K.RESPONSE_IDS], rollout[K.RESPONSE_IDS])
+        torch.testing.assert_close(no_cache[K.OLD_LOGPROBS], rollout[K.OLD_LOGPROBS], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_decoding_steps_are_not_edited(tokenizer, arch, monkeypatch):
+    """Only the prefill forward edits anything: every decoding step starts past the prompt."""
+    policy = ReftModel(tiny(tokenizer, arch), ReftSpec(layers=(0,), positions="f1+l1", rank=2),
+                       generator=torch.Generator().manual_seed(0))
+    calls = []
+
+    def spy(hidden, locations, edits, *, offset=0):
+        out = intervene(hidden, locations, edits, offset=offset)
+        calls.append((hidden.shape[1], bool((out != hidden).any())))
+        return out
+    monkeypatch.setattr(reft_model, "intervene", spy)
+    for sampler in (None, "gumbel"):
+        calls.clear()
+        generate_rollout(policy, tokenizer, ["abc\n", "hello\n"], num_samples=2, max_new_tokens=4, seed=0,
+                         sampler=sampler, **({"min_new_tokens": 4} if sampler is None else {}))
+        (prefill_width, prefill_edited), *decoding = calls
+        assert prefill_width > 1 and prefill_edited, calls
+        # generate keeps the hooks on while decoding (they must edit nothing); the decode loop installs them
+        # for its prefill only
+        assert all(width == 1 and not edited for width, edited in decoding), (sampler, calls)
+        assert (len(decoding) == 3) if sampler is None else not decoding, (sampler, calls)
+
+
+def test_forward_offset_finds_the_cache_under_any_name():
+    from transformers import DynamicCache
+    from rlcore.loops.reft_model import forward_offset
+
+    def trunk(input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None, **kwargs):
+        pass
+    signature = inspect.signature(trunk)
+    cache = DynamicCache()
+    cache.update(torch.zeros(2, 1, 5, 4), torch.zeros(2, 1, 5, 4), layer_idx=0)
+    ids, mask = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 6, dtype=torch.long)
+    assert forward_offset(signature, (), {"input_ids": ids, "cache": cache}) == 5
+    assert forward_offset(signature, (), {"input_ids": ids, "past_key_values": cache}) == 5  # before 5.24
+    assert forward_offset(signature, (ids, None, None, cache), {}) == 5  # positional
+    # no cache object: the 2-D attention mask covers past and current columns
+    assert forward_offset(signature, (), {"input_ids": ids, "attention_mask": mask}) == 5
+    assert forward_offset(signature, (), {"inputs_embeds": torch.zeros(2, 6, 4), "attention_mask": mask}) == 0
+    assert forward_offset(signature, (ids,), {}) == 0
+
+
+def test_vllm_sampler_refuses_a_reft_policy(tokenizer):
+    policy = ReftModel(tiny(tokenizer), ReftSpec(layers=(0,), positions="f1", rank=2))
+    with pytest.raises(ValueError, match="vLLM engine cannot run"):
+        generate_rollout(policy, tokenizer, ["abc"], max_new_tokens=2, sampler="vllm")
 
 
 @pytest.mark.parametrize("recipe,step", [(grpo, reft_grpo_step), (rloo, reft_rloo_step)])
