@@ -45,6 +45,7 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.algorithms.ppo import early_stop, ppo_loss
 from rlcore.checks import lookup
+from rlcore.kl import kl_estimate
 from rlcore.logprobs import token_logprobs
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
 from rlcore.loops.online import OnlineConfig, build_online_state, evaluate_policy, online_step, rollout_metrics, \
@@ -201,7 +202,10 @@ def prepare(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple
         rollout = rollout.update({K.REWARDS: masked_whiten(rollout[K.REWARDS], mask, shift_mean=False)})
     rollout = with_gae(rollout, gamma=config.gamma, lam=config.lam, whiten=config.whiten)
     kl_update = kl_controller(config.kl_controller)[1]
-    new_kl = kl_update(kl_state, observed_kl(rollout[K.KL], mask), rollout.batch_size[0], target=config.target,
+    # the controller sees the k1 KL of whole responses, mean_b Σ_t (old − ref), whatever estimator `kl`
+    # puts in the reward (TRL's PPOTrainer feeds it the same)
+    k1 = kl_estimate(rollout[K.OLD_LOGPROBS], rollout[K.REF_LOGPROBS], "k1")
+    new_kl = kl_update(kl_state, observed_kl(k1, mask), rollout.batch_size[0], target=config.target,
                        horizon=config.horizon)
     state = with_transforms(state, kl=new_kl, score_moments=moments)
     return state, rollout, {**info, "kl_coef": kl_state.coef, "rollout/score_processed": score.mean()}

@@ -131,3 +131,19 @@ def test_yaml_config_loads_and_runs(tmp_path):
     assert state.step == 2 and "eval/kl_ref" in history[-1]
     stored = sorted(p.name for p in (tmp_path / "checkpoint-2" / "models").iterdir())
     assert stored == ["policy", "value"]  # the frozen reference is rebuilt, not stored
+
+
+@pytest.mark.parametrize("kl", ["abs", "k2"])
+def test_the_kl_controller_sees_the_k1_kl_whatever_the_reward_estimator(kl, monkeypatch):
+    """TRL feeds its controller mean_b Σ_t (logprob − ref) however kl_penalty shapes the reward."""
+    seen = []
+    real = ppo.kl_controller
+
+    def spy(name):
+        init, update = real(name)
+        return init, lambda state, current, n, **kw: seen.append(float(current)) or update(state, current, n, **kw)
+    monkeypatch.setattr(ppo, "kl_controller", spy)
+    config = ppo.Config(**TINY, steps=3, batch_size=4, num_samples=2, lr=5e-2, kl=kl)
+    _, history = ppo.train(config, reward_fn=digit_fraction)
+    assert seen == pytest.approx([h["rollout/kl_ref"] for h in history], abs=1e-6)
+    assert any(abs(value) > 1e-3 for value in seen[1:])  # the policy moved: an estimator mix-up would show
