@@ -8,14 +8,16 @@ including the first stop token), ``old_logprobs [B, R]`` (the behaviour log-prob
 Behaviour log-probs, recorded from generation itself (no second forward) with
 ``BEHAVIOUR_LOGPROBS``:
 
-- ``"sampled"`` (default): log-probs under the distribution the token was actually drawn
-  from: the model's logits after every logits processor ``generate`` ran (temperature, and the
-  truncation and renormalisation of top-k / top-p, plus anything in the model's generation
-  config such as a repetition penalty). This is the correct behaviour policy for importance
-  ratios; with top-k/top-p it is larger than the tempered full-vocabulary log-prob, so a
-  learner that recomputes ``log softmax(z/τ)`` does not get a ratio of exactly 1 on-policy.
-- ``"tempered"``: ``log softmax(z/τ)`` of the raw logits, the quantity ``score`` recomputes
-  (``token_logprobs_from_model(..., temperature=τ)``), whatever top-k / top-p did.
+- ``"tempered"`` (default): ``log softmax(z/τ)`` of the raw logits over the full vocabulary,
+  whatever top-k / top-p did. It is the one definition the policy, old-policy and reference
+  log-probs share (``loops.score`` recomputes exactly this, ``token_logprobs_from_model(...,
+  temperature=τ)``), so an unchanged policy has KL 0 to its own copy and an importance ratio of 1
+  for any top-k / top-p: truncation shapes sampling only, as in TRL and verl.
+- ``"sampled"``: log-probs under the distribution the token was actually drawn from: the logits
+  after every logits processor ``generate`` ran (temperature, the truncation and renormalisation
+  of top-k / top-p, plus anything in the model's generation config such as a repetition penalty).
+  With top-k / top-p it is larger than the tempered log-prob, so it must not be compared with
+  recomputed or reference log-probs (the KL to an unchanged copy is then > 0).
 
 Without top-k / top-p (the defaults here; ``generate``'s own default of top-k 50 is switched
 off explicitly) the two agree, and both match a recomputation through ``loops.score`` up to the
@@ -50,6 +52,7 @@ from rlcore.checks import check_mask, lookup, require_keys
 from rlcore.logprobs import token_logprobs
 from rlcore.loops.data import collate_prompts, tokenize_example
 from rlcore.loops.models import cache_keyword, pad_token_id, position_ids_from_mask
+from rlcore.loops.score import score_rollout
 
 __all__ = ["generate_rollout", "draw_seed", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align", "uniform_length_sampler",
            "SAMPLERS", "VLLM", "multinomial_sample", "gumbel_max_sample", "truncate_logits", "sample_responses"]
@@ -311,7 +314,7 @@ def _generate_hf(model: nn.Module, batch: TensorDict, *, record: Callable | None
         pad_token_id=pad, use_cache=use_cache, return_dict_in_generate=True,
         output_scores=record is _sampled_logprobs, output_logits=record is _tempered_logprobs, **generate_kwargs)
     response = out.sequences[:, batch[K.PROMPT_IDS].shape[-1]:]
-    return response, None if record is None else record(out, response, temperature)
+    return response, None if record is None else record(out, response, temperature if do_sample else 1.0)
 
 
 def draw_seed(generator: torch.Generator) -> int:
@@ -324,7 +327,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
                      top_k: int | None = None, top_p: float | None = None, num_samples: int = 1,
                      length_sampler: Callable[[], int] | None = None, eos_token_id: int | Sequence[int] | None = None,
                      stop_token_ids: Sequence[int] = (), do_sample: bool = True, seed: int | None = None,
-                     generator: torch.Generator | None = None, behaviour: str | None = "sampled",
+                     generator: torch.Generator | None = None, behaviour: str | None = "tempered",
                      max_prompt_length: int | None = None, policy_version: int | None = None,
                      use_cache: bool = True, sampler: str | None = None, engine_options: Mapping[str, Any] | None = None,
                      **generate_kwargs) -> TensorDict:
@@ -356,8 +359,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
         policy_version: stamped on every row as ``policy_version [B]`` when given.
         sampler: ``None`` (``generate``), a key of ``SAMPLERS`` (``"gumbel"``: the fast loop), or
             ``"vllm"``: a vLLM engine for ``model`` (``loops.vllm_engine``; ``vllm`` installed),
-            which records ``behaviour="sampled"`` log-probs (``"tempered"`` too when there is no
-            top-k / top-p, where the two agree).
+            which records the truncated distribution's log-probs; with top-k / top-p and
+            ``behaviour="tempered"`` the log-probs come from one forward of ``model`` instead.
         engine_options: ``vllm.LLM`` keywords for ``sampler="vllm"`` (``engine_for``).
         generate_kwargs: passed to ``generate`` (e.g. ``repetition_penalty``, ``min_new_tokens``);
             the sampling loop takes none.
@@ -384,10 +387,6 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
         raise ValueError(f"temperature: expected > 0, got {temperature} (use do_sample=False for greedy)")
     if engine_options and sampler != VLLM:
         raise ValueError(f"engine_options: only for sampler={VLLM!r}, got sampler={sampler!r}")
-    if sampler == VLLM and behaviour == "tempered" and (top_k or (top_p is not None and top_p < 1.0)):
-        raise ValueError("behaviour='tempered' with top_k/top_p: the vLLM engine records the log-probs of the "
-                         "truncated distribution only (behaviour='sampled'); use behaviour=None and recompute "
-                         "with score_rollout, or another sampler")
     if sampler == VLLM and callable(getattr(model, "prompt_kwargs", None)):
         raise ValueError(f"sampler={VLLM!r}: {type(model).__name__} edits its forwards (prompt_kwargs), which a vLLM "
                          "engine cannot run; use sampler='gumbel' or None")
@@ -397,6 +396,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
             raise ValueError(f"sampler={sampler!r}: the sampling loop takes no generate_kwargs and always uses the "
                              f"KV cache (got {sorted(generate_kwargs) + ([] if use_cache else ['use_cache=False'])}); "
                              "use sampler=None for generate")
+    truncating = bool(top_k) or (top_p is not None and top_p < 1.0)
+    rescore = False
     pad = pad_token_id(tokenizer)
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     stops = [*([] if eos is None else torch.as_tensor(eos).reshape(-1).tolist()), *stop_token_ids]
@@ -423,7 +424,10 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
                                           max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
                                           num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p,
                                           greedy=not do_sample, seed=seed)
-            old = None if record is None else old
+            # the engine records the truncated distribution's log-probs ("sampled"); with truncation on,
+            # "tempered" ones come from a forward of the policy below
+            rescore = behaviour == "tempered" and do_sample and truncating
+            old = None if record is None or rescore else old
         else:
             g = None if seed is None else torch.Generator(device).manual_seed(seed)
             response, *lps = sample_responses(model, batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
@@ -439,6 +443,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
             new[K.OLD_LOGPROBS] = torch.where(mask, old, torch.zeros((), dtype=old.dtype, device=old.device))
     rows = response.shape[0]
     rollout = batch.apply(lambda x: x.repeat_interleave(num_samples, dim=0), batch_size=[rows]).update(new)
+    if rescore:
+        rollout = score_rollout(rollout, policy=model, temperature=temperature)
     if policy_version is not None:
         rollout[K.POLICY_VERSION] = torch.full((rows,), policy_version, dtype=torch.long, device=device)
     return rollout

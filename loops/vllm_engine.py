@@ -19,7 +19,9 @@ One engine per policy module, built on first use and kept in a per-process regis
   padded (padding stripped per row); the engine has no tokenizer (``skip_tokenizer_init``).
 - **Behaviour log-probs from the engine.** ``logprobs_mode="processed_logprobs"``: the sampled
   token's log-prob under the distribution it was drawn from, after temperature and top-k / top-p:
-  rlcore's ``behaviour="sampled"``. Greedy decoding (``do_sample=False``) records the log-probs at
+  rlcore's ``behaviour="sampled"``, which equals the default ``"tempered"`` without truncation
+  (with top-k / top-p, ``generate_rollout`` takes the tempered ones from a forward of the policy).
+  Greedy decoding (``do_sample=False``) records the log-probs at
   temperature 1, as the other engines do.
 - **Seeds.** Each of the ``B = P·G`` samples is its own request with its own seed, drawn from a
   generator seeded with the rollout's seed: the same seed gives the same rollout, and the ``G``

@@ -5,6 +5,7 @@ this file); the others run everywhere. vLLM's CPU attention has kernels for head
 ..., so the models here are 64 wide with 2 heads.
 """
 
+import copy
 import importlib.util
 import multiprocessing
 import os
@@ -48,11 +49,6 @@ def _vllm(model, tokenizer, prompts=PROMPTS, **kwargs):
 def test_engine_options_belong_to_the_vllm_sampler(lm, tokenizer):
     with pytest.raises(ValueError, match=r"engine_options: only for sampler='vllm', got sampler='gumbel'"):
         generate_rollout(lm, tokenizer, ["1+1="], sampler="gumbel", engine_options={"max_model_len": 64})
-
-
-def test_tempered_behaviour_with_truncation_is_refused(lm, tokenizer):
-    with pytest.raises(ValueError, match=r"behaviour='tempered' with top_k/top_p: the vLLM engine"):
-        generate_rollout(lm, tokenizer, ["1+1="], sampler="vllm", behaviour="tempered", top_k=5)
 
 
 def test_generate_kwargs_are_refused(lm, tokenizer):
@@ -144,7 +140,7 @@ def test_behaviour_logprobs_match_a_recomputation(policy, tokenizer):
 @needs_vllm
 def test_truncated_logprobs_are_those_of_the_truncated_distribution(policy, tokenizer):
     """top-k then top-p, renormalised: behaviour="sampled", written out from the model's logits."""
-    rollout = _vllm(policy, tokenizer, num_samples=4, seed=5, top_k=6, top_p=0.5)
+    rollout = _vllm(policy, tokenizer, num_samples=4, seed=5, top_k=6, top_p=0.5, behaviour="sampled")
     ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
     attention = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
     with torch.no_grad():
@@ -157,6 +153,20 @@ def test_truncated_logprobs_are_those_of_the_truncated_distribution(policy, toke
             assert z[token] > -float("inf"), "drawn from outside the truncated support"
             expected = z.log_softmax(-1)[token]
             assert abs(float(rollout[K.OLD_LOGPROBS][row, t]) - float(expected)) < 1e-4
+
+
+@needs_vllm
+def test_tempered_logprobs_with_truncation_are_of_the_full_vocabulary(policy, tokenizer):
+    """The default behaviour under top-k / top-p: the full-vocabulary log-probs the reference and the
+    learner use (one forward of the policy), so the KL of the policy to its own copy is 0."""
+    rollout = _vllm(policy, tokenizer, num_samples=4, seed=5, top_k=6, top_p=0.5, temperature=0.8)
+    mask = rollout[K.RESPONSE_MASK]
+    full = score_rollout(rollout, ref=copy.deepcopy(policy), temperature=0.8)[K.REF_LOGPROBS]
+    torch.testing.assert_close(rollout[K.OLD_LOGPROBS][mask], full[mask], atol=1e-5, rtol=0)
+    sampled = _vllm(policy, tokenizer, num_samples=4, seed=5, top_k=6, top_p=0.5, temperature=0.8,
+                    behaviour="sampled")
+    assert torch.equal(sampled[K.RESPONSE_IDS], rollout[K.RESPONSE_IDS])  # the same draws
+    assert (sampled[K.OLD_LOGPROBS][mask] > full[mask] + 1e-4).all()  # renormalised over fewer tokens
 
 
 @needs_vllm
@@ -175,6 +185,15 @@ def test_seeds_make_rollouts_reproducible_and_samples_independent(policy, tokeni
 def test_greedy_decoding_matches_the_model(policy, tokenizer):
     theirs = _vllm(policy, tokenizer, do_sample=False)
     ours = generate_rollout(policy, tokenizer, PROMPTS, max_new_tokens=8, do_sample=False, sampler="gumbel")
+    # two engines: their logits agree to ~1e-4 (the log-probs below), not bitwise; the ids are compared
+    # exactly because no greedy step is a near-tie (top-2 logit gap > 1e-2 everywhere, seen >= 0.28)
+    ids = torch.cat([ours[K.PROMPT_IDS], ours[K.RESPONSE_IDS]], -1)
+    attention = torch.cat([ours[K.PROMPT_MASK], ours[K.RESPONSE_MASK]], -1)
+    with torch.no_grad():
+        position = (attention.long().cumsum(-1) - 1).clamp(min=0)
+        logits = policy(ids, attention_mask=attention.long(), position_ids=position).logits.float()
+    top2 = logits[:, ours[K.PROMPT_IDS].shape[1] - 1:-1].topk(2, dim=-1).values
+    assert ((top2[..., 0] - top2[..., 1])[ours[K.RESPONSE_MASK]] > 1e-2).all()
     assert torch.equal(theirs[K.RESPONSE_IDS], ours[K.RESPONSE_IDS])
     torch.testing.assert_close(theirs[K.OLD_LOGPROBS], ours[K.OLD_LOGPROBS], atol=1e-4, rtol=0)
 
