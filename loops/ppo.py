@@ -10,7 +10,9 @@ One step reads top to bottom::
               advantages whitened over the rollout (rlcore.returns.with_gae, `whiten`)
     update    `epochs` passes of shuffled minibatches of ppo_loss (clipped surrogate + vf_coef·clipped
               value loss, ratio_threshold), stopped early when the policy KL passes 1.5·target_kl
-    state     the KL controller sees the rollout's KL (mean_b Σ_t KL_t over `B` samples, TRL's choice)
+              (checked after each epoch, as TRL; `early_stopping_check: minibatch` before every step)
+    state     the KL controller sees the rollout's k1 KL (mean_b Σ_t (old − ref) over `B` samples, TRL's
+              choice, whatever estimator `kl` puts in the reward)
 
 The step is split at generation: ``collect_rollout`` (with the critic's values), then
 :func:`prepare` (scores, rewards, GAE, the KL controller and score moments) and :func:`optimise`
@@ -52,7 +54,7 @@ from rlcore.loops.online import OnlineConfig, build_online_state, evaluate_polic
     train_online, update_sizes, with_policy_logprobs
 from rlcore.loops.recipe import build_policy
 from rlcore.loops.state import TrainState, with_transforms
-from rlcore.loops.update import update
+from rlcore.loops.update import EARLY_STOP_CHECKS, update
 from rlcore.masked import masked_whiten
 from rlcore.returns import with_gae
 from rlcore.rewards import process_scores, with_rewards
@@ -84,6 +86,7 @@ class Config(OnlineConfig):
     ratio_threshold: float | None = 10.0  # skip a minibatch whose mean ratio exceeds this (TRL ratio_threshold)
     early_stopping: bool = False     # stop the epochs when the policy KL > 1.5·target_kl (TRL early_stopping)
     target_kl: float = 1.0           # the early-stopping KL (TRL target_kl)
+    early_stopping_check: str = "epoch"  # "epoch": after each epoch, on its last minibatch's KL, keeping its steps (TRL); "minibatch": before every step, dropping it
     scale: bool = False              # score / running std (TRL use_score_scaling)
     normalize: bool = False          # (score − running mean) / running std (TRL use_score_norm)
     clip: float | None = None        # clamp processed scores to ±clip (TRL score_clip)
@@ -164,6 +167,7 @@ def check(config: Config) -> None:
     """Fail on a bad config before any model is built (an unknown ``value_model`` or ``kl_controller``)."""
     lookup(CRITICS, config.value_model, what="value_model")
     kl_controller(config.kl_controller)
+    lookup(dict.fromkeys(EARLY_STOP_CHECKS), config.early_stopping_check, what="early_stopping_check")
 
 
 def _state_options(config: Config) -> dict[str, Any]:
@@ -215,7 +219,7 @@ def optimise(state: TrainState, batch: TensorDictBase, config: Config) -> tuple[
     """The update on a prepared rollout: ``epochs`` passes of :func:`ppo_loss_fn` (impure: trains)."""
     return update(state, batch, functools.partial(ppo_loss_fn, config=config),
                   **update_sizes(config, batch.batch_size[0]), epochs=config.epochs, mask_key=K.RESPONSE_MASK,
-                  max_grad_norm=config.max_grad_norm)
+                  max_grad_norm=config.max_grad_norm, early_stop_check=config.early_stopping_check)
 
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:

@@ -73,6 +73,7 @@ __all__ = [
 ]
 
 NONFINITE_MODES = ("skip", "raise")
+EARLY_STOP_CHECKS = ("minibatch", "epoch")
 LossFn = Callable[..., tuple[torch.Tensor, Any]]
 
 
@@ -363,7 +364,7 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
            micro_batch_size: int | None = None, epochs: int = 1, mask_key: Any = None,
            max_grad_norm: float | None = 1.0, params: Iterable[torch.Tensor] | None = None,
            nonfinite: str = "skip", autocast_dtype: torch.dtype | None = None, shuffle: bool = True,
-           early_stop_key: str = "early_stop") -> tuple[TrainState, TensorDict]:
+           early_stop_key: str = "early_stop", early_stop_check: str = "minibatch") -> tuple[TrainState, TensorDict]:
     """Optimise ``loss_fn`` on ``batch``: ``epochs`` passes of shuffled minibatches (impure).
 
     Per epoch the rows are permuted with ``state.rng`` (when there is more than one minibatch and
@@ -378,8 +379,11 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
         a non-finite loss (any micro-batch) or gradient norm skips the step: gradients are
         dropped, weights, optimiser and scheduler are left exactly as they were, and the step is
         counted in ``state.skipped_steps`` (``nonfinite="skip"``), or ``NonFiniteError`` is raised
-        (``"raise"``). A true ``early_stop_key`` metric from ``loss_fn`` (PPO's target KL) drops
-        that step's gradients and ends the epochs loop.
+        (``"raise"``). A true ``early_stop_key`` metric from ``loss_fn`` (PPO's target KL) ends
+        the epochs loop: with ``early_stop_check="minibatch"`` any minibatch's flag drops that
+        step's gradients and stops at once; with ``"epoch"`` (legacy TRL's PPO) the flag of each
+        epoch's last minibatch is read after its step is taken, and a true one skips the
+        remaining epochs (every step of the epoch is kept).
 
     Distributed (a process group of ``W > 1`` ranks, ``loops.distributed``): ``batch`` is this
     rank's share of the global batch and ``minibatch_size`` / ``micro_batch_size`` count this
@@ -409,6 +413,7 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
             parameters' device type; backward outside it. ``None``: no autocast.
         shuffle: permute rows each epoch (needs ``state.rng``).
         early_stop_key: the metric name that stops the epochs loop.
+        early_stop_check: ``"minibatch"`` or ``"epoch"`` (above).
     Returns:
         ``(state, metrics)``: ``state`` with the advanced generator copy as ``rng`` and
         ``optimizer_steps``, ``skipped_steps``, ``policy_version`` (+1 if any step was taken)
@@ -424,6 +429,9 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
         raise ValueError("state.optimizer: update needs an optimiser (see make_optimizer)")
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"nonfinite: unknown mode {nonfinite!r}; valid: {list(NONFINITE_MODES)}")
+    if early_stop_check not in EARLY_STOP_CHECKS:
+        raise ValueError(f"early_stop_check: unknown {early_stop_check!r}; valid: {list(EARLY_STOP_CHECKS)}")
+    per_epoch = early_stop_check == "epoch"
     n, mb, micro = _sizes(batch, minibatch_size, micro_batch_size, epochs)
     params = [p for g in state.optimizer.param_groups for p in g["params"]] if params is None else list(params)
     shuffled = shuffle and mb < n
@@ -445,15 +453,19 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
                 early_stop_key=early_stop_key, sync=sync)
             sums, finite, stop = _synchronise(sums, finite, stop, sync)
             step_lr = state.optimizer.param_groups[0]["lr"]
-            outcome, norm = _optimizer_step(state, params, finite, stop, max_grad_norm=max_grad_norm,
-                                            nonfinite=nonfinite, where=f"epoch {epoch}, rows {start}:{start + mb}")
+            outcome, norm = _optimizer_step(state, params, finite, torch.zeros_like(stop) if per_epoch else stop,
+                                            max_grad_norm=max_grad_norm, nonfinite=nonfinite,
+                                            where=f"epoch {epoch}, rows {start}:{start + mb}")
             counts[outcome] += 1
             lr = step_lr if outcome == "taken" else lr
             steps.append({**sums, "grad_norm": norm.detach()})
             if outcome == "stopped":
                 break
-        if counts["stopped"]:
+        if counts["stopped"] or (per_epoch and bool(stop)):  # the epoch's last minibatch decides
+            halted = True
             break
+    else:
+        halted = False
     new_state = dataclasses.replace(
         state, rng=rng, optimizer_steps=state.optimizer_steps + counts["taken"],
         skipped_steps=state.skipped_steps + counts["skipped"],
@@ -461,5 +473,5 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
     f64 = functools.partial(torch.tensor, dtype=torch.float64)
     metrics = {**_mean(steps), "lr": f64(state.optimizer.param_groups[0]["lr"] if lr is None else lr),
                "optimizer_steps": f64(counts["taken"]), "skipped_steps": f64(counts["skipped"]),
-               "early_stop": f64(float(counts["stopped"] > 0))}
+               "early_stop": f64(float(halted))}
     return new_state, TensorDict(metrics, batch_size=[])

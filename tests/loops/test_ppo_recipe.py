@@ -76,14 +76,19 @@ def test_score_processing_uses_running_moments():
 
 
 def test_early_stopping_stops_the_epochs():
+    """TRL 0.7's rule by default: the KL is checked after each epoch (its steps kept); ``minibatch`` is stricter."""
     base = ppo.Config(**TINY, steps=1, batch_size=4, num_samples=2, epochs=3, minibatch_size=4, lr=1e-3,
                       early_stopping=True)
-    always = dataclasses.replace(base, target_kl=-1.0)  # approx KL > −1.5 always: stop at the first minibatch
-    state, history = ppo.train(always, reward_fn=digit_fraction)
+    always = dataclasses.replace(base, target_kl=-1.0)  # approx KL > −1.5 always
+    state, history = ppo.train(always, reward_fn=digit_fraction)  # the first epoch's 2 steps, then stop
+    assert history[0]["early_stop"] == 1.0 and state.optimizer_steps == 2 and state.policy_version == 1
+    state, history = ppo.train(dataclasses.replace(always, early_stopping_check="minibatch"), reward_fn=digit_fraction)
     assert history[0]["early_stop"] == 1.0 and state.optimizer_steps == 0 and state.policy_version == 0
     never = dataclasses.replace(base, target_kl=1e9)
     state, history = ppo.train(never, reward_fn=digit_fraction)
     assert history[0]["early_stop"] == 0.0 and state.optimizer_steps == 3 * 2
+    with pytest.raises(ValueError, match=r"early_stopping_check: unknown 'step'; valid: \['epoch', 'minibatch'\]"):
+        ppo.train(dataclasses.replace(base, early_stopping_check="step"))
 
 
 def test_ratio_threshold_skips_every_minibatch():

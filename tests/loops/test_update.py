@@ -201,6 +201,27 @@ def test_early_stop_metric_ends_the_epochs_and_skips_that_step():
     torch.testing.assert_close(new.model().w.detach(), -torch.ones(2, dtype=DT) / (math.sqrt(2) + 1e-6))
 
 
+@pytest.mark.parametrize("flagged,steps", [((2,), 2), ((4,), 4), ((1, 3, 5, 7), 8), ((), 8)])
+def test_epoch_check_reads_each_epochs_last_minibatch_after_its_steps(flagged, steps):
+    """Legacy TRL PPO: the epoch's steps are all taken; only its last minibatch's flag ends the epochs."""
+    calls = []
+
+    def loss_fn(state, mb):
+        calls.append(1)
+        return (state.model().w * 1.0).sum(), {"early_stop": torch.tensor(len(calls) in flagged)}
+
+    new, metrics = update(linear_state(), TensorDict({"x": torch.zeros(8)}, [8]), loss_fn, minibatch_size=4, epochs=4,
+                          early_stop_check="epoch")
+    assert len(calls) == steps and new.optimizer_steps == steps and new.skipped_steps == 0
+    assert metrics["early_stop"] == float(steps < 8) and metrics["optimizer_steps"] == steps
+
+
+def test_unknown_early_stop_check_is_refused():
+    with pytest.raises(ValueError, match=r"early_stop_check: unknown 'step'; valid: \['minibatch', 'epoch'\]"):
+        update(linear_state(), TensorDict({"x": torch.zeros(2)}, [2]), lambda s, mb: (s.model().w.sum(), {}),
+               early_stop_check="step")
+
+
 # --- non-finite guard ------------------------------------------------------------------------------
 def nan_at(k, *, grad=False):
     """A loss that is NaN (or has an infinite gradient with a finite value) on call k."""
