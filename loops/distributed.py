@@ -56,6 +56,8 @@ import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
+from rlcore.transforms import RunningMoments, running_moments_init, running_moments_merge
+
 __all__ = [
     "DistInfo",
     "init_distributed",
@@ -63,6 +65,7 @@ __all__ = [
     "shutdown_distributed",
     "is_main",
     "barrier",
+    "all_gather_moments",
     "STRATEGIES",
     "wrap_model",
     "unwrap_model",
@@ -194,6 +197,29 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     buf = x.detach().to(info.device, copy=True)
     dist.all_reduce(buf)
     return buf.to(x.device)
+
+
+def all_gather_moments(moments: RunningMoments) -> RunningMoments:
+    """The moments of every rank's values together, the same on every rank (``moments`` in one process).
+
+    Each rank's ``(count, mean, M2)`` is gathered and the parts merged in rank order with
+    ``running_moments_merge`` (Chan et al.'s exact formula), so ``W`` ranks holding shards of a
+    batch get the moments of the whole batch, as TRL's cross-rank ``RunningMoments`` does.
+    """
+    info = dist_info()
+    if not info.distributed:
+        return moments
+    dtype, device = moments.mean.dtype, moments.mean.device
+    local = torch.stack([moments.count.to(torch.float64), moments.mean.to(torch.float64),
+                         moments.m2.to(torch.float64)]).to(info.device)
+    parts = [torch.empty_like(local) for _ in range(info.world_size)]
+    dist.all_gather(parts, local)
+    merged = running_moments_init(dtype, device)
+    for count, mean, m2 in (part.tolist() for part in parts):
+        part = RunningMoments(torch.tensor(int(count), device=device), torch.tensor(mean, dtype=dtype, device=device),
+                              torch.tensor(m2, dtype=dtype, device=device))
+        merged = running_moments_merge(merged, part)
+    return merged
 
 
 def agree(values: Sequence[int], *, what: str) -> None:

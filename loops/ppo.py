@@ -49,6 +49,7 @@ from rlcore.algorithms.ppo import early_stop, ppo_loss
 from rlcore.checks import lookup
 from rlcore.kl import kl_estimate
 from rlcore.logprobs import token_logprobs
+from rlcore.loops.distributed import all_gather_moments, all_reduce_sum, dist_info
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
 from rlcore.loops.online import OnlineConfig, build_online_state, evaluate_policy, online_step, rollout_metrics, \
     train_online, update_sizes, with_policy_logprobs
@@ -58,7 +59,8 @@ from rlcore.loops.update import EARLY_STOP_CHECKS, update
 from rlcore.masked import masked_whiten
 from rlcore.returns import with_gae
 from rlcore.rewards import process_scores, with_rewards
-from rlcore.transforms import kl_controller, observed_kl, running_moments_init, running_moments_update
+from rlcore.transforms import (kl_controller, observed_kl, running_moments_init, running_moments_merge,
+                               running_moments_update)
 
 __all__ = ["Config", "Critic", "CRITICS", "check", "build_state", "score_options", "prepare", "optimise", "step",
            "train", "evaluate", "ppo_loss_fn", "value_fn"]
@@ -189,15 +191,29 @@ def score_options(state: TrainState, config: Config) -> dict[str, Any]:
     return {"value_fn": value_fn(state, config)}
 
 
+def _global_kl(kl: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(current KL, samples)`` for the controller over every rank's rollout (TRL gathers them too):
+    the rank means weighted by their non-empty rows, and the global batch size; as given in one process."""
+    if not dist_info().distributed:
+        return kl, mask.shape[0]
+    rows = mask.any(-1).sum().to(torch.float64)
+    total, rows, samples = all_reduce_sum(torch.stack([kl.to(torch.float64) * rows, rows,
+                                                       torch.tensor(float(mask.shape[0]), dtype=torch.float64)]))
+    return (total / rows.clamp(min=1)).to(kl.dtype), int(samples)
+
+
 def prepare(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple[TrainState, TensorDictBase, dict]:
     """After scoring, before the update: processed scores, KL-penalised rewards, GAE advantages.
 
     Returns ``(state, rollout, info)``: the state with the KL controller and the score moments
-    advanced on this rollout (the update reads neither), the rollout with ``rewards``, ``kl``,
+    advanced on this rollout (the update reads neither; under ``torchrun`` both see every rank's
+    rollout, so the ranks keep one β and one set of moments), the rollout with ``rewards``, ``kl``,
     ``advantages``, ``returns``, and the rollout's metrics (``kl_coef`` is the β used here).
     """
     info = rollout_metrics(rollout)
-    moments = running_moments_update(state.transforms["score_moments"], rollout[K.SCORE])
+    before = state.transforms["score_moments"]
+    batch_moments = running_moments_update(running_moments_init(before.mean.dtype, before.mean.device), rollout[K.SCORE])
+    moments = running_moments_merge(before, all_gather_moments(batch_moments))  # every rank's scores
     score = process_scores(rollout[K.SCORE], moments, scale=config.scale, normalize=config.normalize, clip=config.clip)
     kl_state = state.transforms["kl"]
     rollout = with_rewards(rollout.copy().update({K.SCORE: score}), kl_coef=kl_state.coef, kl=config.kl)
@@ -209,7 +225,7 @@ def prepare(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple
     # the controller sees the k1 KL of whole responses, mean_b Σ_t (old − ref), whatever estimator `kl`
     # puts in the reward (TRL's PPOTrainer feeds it the same)
     k1 = kl_estimate(rollout[K.OLD_LOGPROBS], rollout[K.REF_LOGPROBS], "k1")
-    new_kl = kl_update(kl_state, observed_kl(k1, mask), rollout.batch_size[0], target=config.target,
+    new_kl = kl_update(kl_state, *_global_kl(observed_kl(k1, mask), mask), target=config.target,
                        horizon=config.horizon)
     state = with_transforms(state, kl=new_kl, score_moments=moments)
     return state, rollout, {**info, "kl_coef": kl_state.coef, "rollout/score_processed": score.mean()}

@@ -22,6 +22,7 @@ from rlcore.loops.dist_sync import (accumulation_context, all_ranks_ok, drop_tie
                                     grad_sync, reduce_gradients, shard_optimizer_state, total_grad_norm)
 from rlcore.loops.distributed import (STRATEGIES, DistInfo, agree, dist_info, init_distributed, is_main,
                                       reduce_metrics, shard_batch, shard_source, spawn, unwrap_model, wrap_model)
+from rlcore.loops import ppo
 from rlcore.loops.fold import fold
 from rlcore.loops.models import build_model
 from rlcore.loops.online import policy_loss_fn
@@ -29,6 +30,7 @@ from rlcore.loops.state import init_state
 from rlcore.loops.update import global_denominators, update
 from rlcore.masked import aggregate
 from rlcore.testing import MockLM, make_rollout
+from rlcore.transforms import running_moments_init
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -161,6 +163,31 @@ def _fold(out, tensors):
     out["fold"] = history
 
 
+PPO_STATS = dict(normalize=True, kl_controller="adaptive", kl_coef=0.2, target=0.05, horizon=40, kl="abs")
+
+
+def ppo_statistics(rollouts):
+    """``ppo.prepare`` on each rollout in turn: the KL coefficient, score moments and processed scores."""
+    config = ppo.Config(**PPO_STATS)
+    state = init_state({}, transforms={"kl": ppo.kl_controller("adaptive")[0](0.2), "score_moments": running_moments_init()})
+    seen = {}
+    for i, rollout in enumerate(rollouts):
+        state, prepared, _ = ppo.prepare(state, rollout, config)
+        moments = state.transforms["score_moments"]
+        seen[f"ppo/{i}/coef"] = torch.as_tensor(state.transforms["kl"].coef, dtype=DT).reshape(1)
+        seen[f"ppo/{i}/moments"] = torch.stack([moments.count.to(DT), moments.mean, moments.m2])
+        seen[f"ppo/{i}/score"] = prepared[K.SCORE].to(DT)
+    return seen
+
+
+def ppo_rollouts():
+    return [make_rollout(B, 6, 4, dtype=DT, empty_rows=1, generator=torch.Generator().manual_seed(s)) for s in (7, 8)]
+
+
+def _ppo_statistics(out, tensors):
+    tensors.update(ppo_statistics([shard_batch(r) for r in ppo_rollouts()]))
+
+
 def _checkpoint(out, tensors, run_dir):
     local = shard_batch(global_batch())
     for strategy in ("ddp", "fsdp2"):
@@ -183,6 +210,7 @@ def _worker(out_dir):
     _equivalence(out, tensors)
     _guards(out, tensors)
     _fold(out, tensors)
+    _ppo_statistics(out, tensors)
     _checkpoint(out, tensors, Path(out_dir) / "runs")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out_dir) / f"rank{info.rank}.safetensors"))
     (Path(out_dir) / f"rank{info.rank}.json").write_text(json.dumps(out))
@@ -264,6 +292,22 @@ def test_unequal_step_counts_raise_on_every_rank(ranks):
 def test_fold_logs_the_mean_over_ranks(ranks):
     (r0, _), (r1, _) = ranks[0]
     assert r0["fold"] == r1["fold"] == [{"rank": 0.5, "rows": 2.0}] * 2  # 4 rows split 2 + 2
+
+
+def test_ppo_kl_controller_and_score_moments_see_every_rank(ranks):
+    """Adaptive KL and score normalisation on 2 ranks equal 1 process on the global batch (TRL gathers them)."""
+    (_, t0), (_, t1) = ranks[0]
+    single = ppo_statistics(ppo_rollouts())
+    for i in range(2):
+        for t in (t0, t1):  # both ranks hold the global β and moments
+            torch.testing.assert_close(t[f"ppo/{i}/coef"], single[f"ppo/{i}/coef"], **TOL)
+            torch.testing.assert_close(t[f"ppo/{i}/moments"], single[f"ppo/{i}/moments"], **TOL)
+        # each rank's scores are normalised with the global moments: its rows of the global result
+        torch.testing.assert_close(torch.cat([t0[f"ppo/{i}/score"], t1[f"ppo/{i}/score"]]), single[f"ppo/{i}/score"], **TOL)
+    assert single["ppo/1/moments"][0] == 2 * B and single["ppo/1/coef"] != single["ppo/0/coef"]
+    # a rank on its own would see other statistics
+    alone = ppo_statistics([shard_batch(r, rank=0, world_size=2) for r in ppo_rollouts()])
+    assert not torch.allclose(alone["ppo/1/coef"], single["ppo/1/coef"], rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
