@@ -32,16 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import json
 import os
 import random
 import re
 import secrets
 import shutil
+import sys
 import time
+import types
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ __all__ = [
     "resume",
     "Checkpointer",
     "CheckpointError",
+    "verify_checkpoint",
 ]
 
 FORMAT_VERSION = 1
@@ -104,16 +106,18 @@ def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
                     f"(tensors, numbers, strings, lists, dicts, NamedTuples and dataclasses only)")
 
 
-def _import(name: str, where: str) -> type:
-    module, _, qualname = name.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise CheckpointError(f"{where}: cannot find the stored type {name} (give a template value)") from e
-    if not isinstance(obj, type):
-        raise CheckpointError(f"{where}: stored type {name} is not a class")
+def _stored_type(name: str, where: str) -> type:
+    """The class a checkpoint names for a value with no template: one of rlcore's own NamedTuples or
+    dataclasses, in a module already loaded. Nothing is imported or executed on a checkpoint's word;
+    for any other type, load with a template value (``state_template``)."""
+    module_name, _, qualname = name.partition(":")
+    module = sys.modules.get(module_name) if module_name.split(".")[0] == "rlcore" else None
+    obj: Any = module
+    for part in qualname.split(".") if module is not None else ():
+        obj = vars(obj).get(part) if isinstance(obj, (types.ModuleType, type)) else None
+    if module is None or not isinstance(obj, type):
+        raise CheckpointError(f"{where}: the stored type {name!r} is not one of rlcore's loaded types; a checkpoint "
+                              "never makes the loader import anything (give a template value for other types)")
     return obj
 
 
@@ -134,7 +138,7 @@ def _unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], like: Any = None,
         return g
     if "__namedtuple__" in tree or "__dataclass__" in tree:
         is_nt = "__namedtuple__" in tree
-        cls = type(like) if like is not None else _import(tree.get("__namedtuple__") or tree["__dataclass__"], where)
+        cls = type(like) if like is not None else _stored_type(tree.get("__namedtuple__") or tree["__dataclass__"], where)
         if (is_nt and not (issubclass(cls, tuple) and hasattr(cls, "_fields"))) or \
                 (not is_nt and not dataclasses.is_dataclass(cls)):
             raise CheckpointError(f"{where}: stored type does not match {cls.__name__}")
@@ -280,18 +284,56 @@ def _write_manifest(root: Path) -> None:
     (root / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
 
 
-def _verify(path: Path) -> None:
+def verify_checkpoint(path: str | Path) -> None:
+    """Check a checkpoint against its ``manifest.json`` before anything is read from it.
+
+    Every listed file must be a regular file inside the checkpoint (no ``..``, no absolute path,
+    no symbolic link on the way, no device or pipe) with the recorded size and SHA-256, and every
+    file present must be listed (a planted file is never loaded). Every load path runs this:
+    ``load_checkpoint`` (resume), ``init_from`` and ``rlcore eval``.
+
+    Raises:
+        CheckpointError: naming the file and what is wrong with it.
+    """
+    path = Path(path)
+    if path.is_symlink() or not (path / "manifest.json").is_file():
+        raise CheckpointError(f"{path}: not a complete checkpoint (no manifest.json, or a symbolic link)")
     manifest = _read_json(path / "manifest.json")
-    for name, entry in manifest["files"].items():
-        size, sha = (entry, None) if isinstance(entry, int) else (entry["size"], entry.get("sha256"))
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path / 'manifest.json'}: expected {{'files': {{name: {{size, sha256}}}}}}")
+    present = set()
+    for f in path.rglob("*"):
+        if f.is_symlink() or not (f.is_dir() or f.is_file()):
+            raise CheckpointError(f"{f}: a symbolic link or special file inside the checkpoint; refused")
+        if f.is_file() and f.name != "manifest.json":
+            present.add(f.relative_to(path).as_posix())
+    unlisted = sorted(present - set(files))
+    if unlisted:
+        raise CheckpointError(f"{path}: files not in manifest.json: {unlisted[:5]}")
+    for name, entry in files.items():
+        parts = PurePosixPath(name).parts
+        if not isinstance(name, str) or not parts or PurePosixPath(name).is_absolute() or ".." in parts \
+                or "\\" in name or name == "manifest.json":
+            raise CheckpointError(f"{path / 'manifest.json'}: the entry {name!r} is not a path inside the checkpoint")
+        size, sha = (entry, None) if isinstance(entry, int) else (entry.get("size"), entry.get("sha256")) \
+            if isinstance(entry, dict) else (None, None)
+        if not isinstance(size, int) or (sha is not None and not isinstance(sha, str)):
+            raise CheckpointError(f"{path / 'manifest.json'}: the entry for {name!r} needs an int size and a "
+                                  f"sha256 string, got {entry!r}")
         f = path / name
-        if not f.is_file():
+        if name not in present:
             raise CheckpointError(f"{f}: missing from the checkpoint (listed in manifest.json)")
         found = f.stat().st_size
         if found != size:
             raise CheckpointError(f"{f}: truncated or altered: {found} bytes, manifest.json says {size}")
         if sha is not None and _sha256(f) != sha:
             raise CheckpointError(f"{f}: corrupted: its SHA-256 differs from the one in manifest.json")
+
+
+def _check_keep_last(keep_last: Any) -> None:
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last: expected None (keep all) or an int >= 1, got {keep_last!r}")
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -318,7 +360,7 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     found: dict[int, Path] = {}
     for pattern in (_NAME, _OLD):  # checkpoint-N first: an .old- copy only stands in for a missing one
         for p in run_dir.iterdir():
-            if (m := pattern.match(p.name)) and (p / "manifest.json").is_file():
+            if (m := pattern.match(p.name)) and not p.is_symlink() and (p / "manifest.json").is_file():
                 found.setdefault(int(m.group("step")), p)
     return [found[step] for step in sorted(found)]
 
@@ -425,6 +467,7 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None 
     Distributed: call it on every rank (FSDP2 shards are gathered, rank 0 writes with its RNGs,
     every rank returns once the checkpoint is in place or raises if rank 0 failed).
     """
+    _check_keep_last(keep_last)
     run_dir = Path(run_dir)
     step = state.step if step is None else int(step)
     models = _trainable(state.models) if models is None else dict(models)
@@ -477,9 +520,7 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
         fit the template.
     """
     path = Path(path)
-    if not (path / "manifest.json").is_file():
-        raise CheckpointError(f"{path}: not a complete checkpoint (no manifest.json)")
-    _verify(path)
+    verify_checkpoint(path)
     meta = _read_json(path / "trainer_state.json")
     absent = sorted(set(meta["models"]) - set(state_template.models))
     if absent:
@@ -528,6 +569,7 @@ class Checkpointer:
                  models: Mapping[str, nn.Module] | None = None, extra_json: Any = None, at_end: bool = True):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every: expected a positive int, got {every!r}")
+        _check_keep_last(keep_last)
         self.run_dir, self.every, self.at_end = Path(run_dir), every, at_end
         self.kwargs = dict(keep_last=keep_last, config=config, models=models, extra_json=extra_json)
         self.saved: list[Path] = []

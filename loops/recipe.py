@@ -43,7 +43,7 @@ import yaml
 from datasets import Dataset
 from torch import nn
 
-from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume
+from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, verify_checkpoint
 from rlcore.loops.data import load_local
 from rlcore.loops.distributed import is_main, shard_source
 from rlcore.loops.fold import every, fold, to_floats
@@ -88,7 +88,8 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
 # --- models ------------------------------------------------------------------------------------
 def checkpoint_model_dir(path: str | Path, name: str = "policy") -> Path:
     """The weights directory of model ``name`` in a checkpoint (``checkpoint-N``) or in the latest
-    checkpoint of a run directory. Raises ``FileNotFoundError`` saying what was looked for."""
+    checkpoint of a run directory, after ``verify_checkpoint``. Raises ``FileNotFoundError`` saying
+    what was looked for, ``CheckpointError`` for a checkpoint that fails verification."""
     path = Path(path)
     if not (path / "manifest.json").is_file():
         latest = latest_checkpoint(path)
@@ -99,6 +100,7 @@ def checkpoint_model_dir(path: str | Path, name: str = "policy") -> Path:
     model_dir = path / "models" / name
     if not model_dir.is_dir():
         raise FileNotFoundError(f"init_from: {path} stores no model {name!r} (looked for {model_dir})")
+    verify_checkpoint(path)  # sizes and SHA-256 of every file, nothing outside the folder
     return model_dir
 
 
