@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import inspect
 import math
 import string
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -37,7 +39,7 @@ __all__ = [
     "build_model", "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS",
     "disable_dropout", "position_ids_from_mask", "last_token_index", "trunk_hidden", "cache_keyword", "cache_length",
     "ValueHead", "policy_and_values", "token_values", "reward_model_scores",
-    "call_reward_fn", "combine_rewards", "missing_eos_penalty",
+    "call_reward_fn", "import_reward_fn", "combine_rewards", "missing_eos_penalty",
     "make_reference", "reference_via_disabled_adapter",
 ]
 
@@ -446,16 +448,42 @@ def reward_model_scores(model: nn.Module, input_ids: torch.Tensor, attention_mas
 RewardFn = Callable[..., "Sequence[float | None] | torch.Tensor"]
 
 
+def _by_keyword(fn: RewardFn) -> bool:
+    """Whether ``fn`` names ``completions`` as a keyword it accepts (TRL's calling convention)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins and C callables: positional
+        return False
+    param = parameters.get("completions")
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+
+
 def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], **columns) -> torch.Tensor:
-    """Call a reward function ``fn(prompts, completions, **columns)`` and return ``[B]`` float32.
+    """Call a reward function and return its ``[B]`` scores as float32.
+
+    A function that names a ``completions`` parameter is called by keyword as TRL calls one,
+    ``fn(prompts=..., completions=..., **columns)`` (``prompts`` and columns it does not accept are
+    left out when it takes no ``**kwargs``), so ``def correct(completions, answer, **kw)`` works;
+    any other is called positionally, ``fn(prompts, completions, **columns)``.
 
     ``fn`` may return a list (``None`` entries become NaN: "no opinion") or a tensor (detached).
     Raises ``ValueError`` when it returns the wrong number of scores.
 
     >>> call_reward_fn(lambda p, c: [len(x) for x in c], ["q", "q"], ["ab", ""])
     tensor([2., 0.])
+    >>> def correct(completions, answer, **kwargs):
+    ...     return [float(c == a) for c, a in zip(completions, answer)]
+    >>> call_reward_fn(correct, ["1+1=", "2+2="], ["2", "5"], answer=["2", "4"])
+    tensor([1., 0.])
     """
-    out = fn(list(prompts), list(completions), **columns)
+    if _by_keyword(fn):
+        kwargs = {"prompts": list(prompts), "completions": list(completions), **columns}
+        parameters = inspect.signature(fn).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in parameters}
+        out = fn(**kwargs)
+    else:
+        out = fn(list(prompts), list(completions), **columns)
     if isinstance(out, torch.Tensor):
         scores = out.detach().to(torch.float32).reshape(-1)
     else:
@@ -465,6 +493,27 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[s
         raise ValueError(f"reward function {name}: expected {len(completions)} scores [B], got shape "
                          f"{list(scores.shape)}")
     return scores
+
+
+def import_reward_fn(spec: str) -> RewardFn:
+    """The reward function ``"package.module:function"`` names (a config's ``reward_funcs``).
+
+    Naming a function in a config runs that code, as a script would: pass only configs you trust.
+    Raises ``ValueError`` naming the spec when it is malformed, the module cannot be imported or
+    the attribute is missing or not callable.
+    """
+    module_name, sep, attr = str(spec).partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward_funcs: expected 'package.module:function', got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward_funcs: cannot load {spec!r} ({type(e).__name__}: {e})") from None
+    if not callable(obj):
+        raise ValueError(f"reward_funcs: {spec!r} is not callable (a {type(obj).__name__})")
+    return obj
 
 
 def combine_rewards(funcs: Sequence[RewardFn], weights: Sequence[float] | None = None) -> RewardFn:

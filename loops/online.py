@@ -48,7 +48,7 @@ from rlcore import keys as K
 from rlcore.kl import kl_estimate
 from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.fold import to_floats
-from rlcore.loops.models import disable_dropout, load_model, make_reference
+from rlcore.loops.models import combine_rewards, disable_dropout, import_reward_fn, load_model, make_reference
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
 from rlcore.loops.score import score_rollout, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
@@ -77,6 +77,8 @@ class OnlineConfig:
     max_position_embeddings: int = 256  # tiny models: context length
     init_from: str | None = None     # start from the policy weights of a checkpoint / run dir (e.g. an SFT run)
     reward_model: str | None = None  # local path of a sequence-classification reward model (same tokenizer)
+    reward_funcs: tuple[str, ...] = ()  # "package.module:function" reward functions to import (TRL reward_funcs)
+    reward_weights: tuple[float, ...] | None = None  # one weight per reward function (TRL reward_weights; None: all 1)
     device: str = "cpu"              # where models and rollouts live
     # --- data ---
     task: str = "add"                # built-in task (loops.tasks): prompts, and the reward when no reward_model
@@ -116,12 +118,20 @@ class OnlineConfig:
 
 
 # --- building -----------------------------------------------------------------------------------
-def make_reward_fn(config: Any, reward_fn: RewardFn | None = None) -> RewardFn | None:
-    """The reward function of a run: ``reward_fn`` if given, else ``task_reward(config.task)``
-    unless a ``reward_model`` scores instead (then ``None``)."""
-    if reward_fn is not None:
-        return reward_fn
-    return None if config.reward_model else task_reward(config.task)
+def make_reward_fn(config: Any, reward_fn: RewardFn | Sequence[RewardFn] | None = None) -> RewardFn | None:
+    """The reward function of a run: ``reward_fn`` (one function or a list) and the functions the
+    config names in ``reward_funcs`` (``import_reward_fn``), summed with ``reward_weights``
+    (``combine_rewards``); with none, ``task_reward(config.task)`` unless a ``reward_model`` scores
+    instead (then ``None``)."""
+    given = [] if reward_fn is None else list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
+    funcs = given + [import_reward_fn(spec) for spec in getattr(config, "reward_funcs", ())]
+    weights = getattr(config, "reward_weights", None)
+    if weights is not None and len(weights) != len(funcs):
+        raise ValueError(f"reward_weights: expected one weight per reward function ({len(funcs)}), got "
+                         f"{len(weights)}: {list(weights)}")
+    if not funcs:
+        return None if config.reward_model else task_reward(config.task)
+    return funcs[0] if len(funcs) == 1 and weights is None else combine_rewards(funcs, weights)
 
 
 def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mapping[str, nn.Module]] | None = None,

@@ -1,0 +1,93 @@
+"""Reward functions as TRL users write them: called by keyword, combined with weights, named in a config."""
+
+import json
+import math
+import textwrap
+
+import pytest
+
+from rlcore.loops import cli, grpo
+from rlcore.loops.models import call_reward_fn, import_reward_fn
+from rlcore.loops.online import make_reward_fn
+from tests.loops.online_helpers import TINY
+
+PROMPTS, COMPLETIONS, ANSWERS = ["1+1=", "2+2=", "3+3="], ["2", "5", " 6"], ["2", "4", "6"]
+
+
+def test_trl_style_functions_are_called_by_keyword():
+    def correct(completions, answer, **kwargs):  # TRL's GRPO docs: the dataset columns arrive by name
+        assert kwargs["prompts"] == PROMPTS
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+    def no_kwargs(completions, answer):  # no **kwargs: only what it names is passed
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    def prompts_second(completions, prompts):
+        return [len(p) + len(c) for c, p in zip(completions, prompts)]
+
+    assert call_reward_fn(correct, PROMPTS, COMPLETIONS, answer=ANSWERS).tolist() == [1.0, 0.0, 1.0]
+    assert call_reward_fn(no_kwargs, PROMPTS, COMPLETIONS, answer=ANSWERS).tolist() == [1.0, 0.0, 0.0]
+    assert call_reward_fn(prompts_second, PROMPTS, COMPLETIONS).tolist() == [5.0, 5.0, 6.0]
+
+
+def test_positional_functions_still_work():
+    assert call_reward_fn(lambda p, c, **kw: [len(x) for x in c], PROMPTS, COMPLETIONS).tolist() == [1.0, 1.0, 2.0]
+    assert call_reward_fn(lambda *args, **kw: [0.5] * len(args[1]), PROMPTS, COMPLETIONS).tolist() == [0.5] * 3
+
+
+def write_module(tmp_path, monkeypatch):
+    (tmp_path / "user_rewards.py").write_text(textwrap.dedent("""
+        def correct(completions, answer, **kwargs):
+            return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+        def length(completions, **kwargs):
+            return [float(len(c)) for c in completions]
+
+        NOT_CALLABLE = 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_config_names_reward_functions_and_their_weights(tmp_path, monkeypatch):
+    write_module(tmp_path, monkeypatch)
+    config = grpo.Config(**TINY, reward_funcs=("user_rewards:correct", "user_rewards:length"), reward_weights=(1.0, 0.5))
+    fn = make_reward_fn(config)
+    assert call_reward_fn(fn, PROMPTS, COMPLETIONS, answer=ANSWERS).tolist() == [1.5, 0.5, 2.0]
+    # functions given in Python come first, then the config's; one weight each, in that order
+    both = make_reward_fn(grpo.Config(**TINY, reward_funcs=("user_rewards:correct",), reward_weights=(2.0, 1.0)),
+                          lambda prompts, completions, **kw: [1.0] * len(completions))
+    assert call_reward_fn(both, PROMPTS, COMPLETIONS, answer=ANSWERS).tolist() == [3.0, 2.0, 3.0]  # 2·1 + correct
+    assert make_reward_fn(grpo.Config(**TINY), [len]) is len  # one function, no weights: itself
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("user_rewards", r"expected 'package.module:function', got 'user_rewards'"),
+    ("no_such_module_xyz:f", r"cannot load 'no_such_module_xyz:f' \(ModuleNotFoundError"),
+    ("user_rewards:missing", r"cannot load 'user_rewards:missing' \(AttributeError"),
+    ("user_rewards:NOT_CALLABLE", r"'user_rewards:NOT_CALLABLE' is not callable \(a int\)"),
+])
+def test_bad_reward_specs_name_the_spec(tmp_path, monkeypatch, spec, message):
+    write_module(tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match=rf"reward_funcs: {message}"):
+        import_reward_fn(spec)
+
+
+def test_weights_must_match_the_functions(tmp_path, monkeypatch):
+    write_module(tmp_path, monkeypatch)
+    config = grpo.Config(**TINY, reward_funcs=("user_rewards:correct",), reward_weights=(1.0, 2.0))
+    with pytest.raises(ValueError, match=r"reward_weights: expected one weight per reward function \(1\), got 2"):
+        make_reward_fn(config)
+
+
+def test_grpo_runs_from_the_cli_with_a_named_reward(tmp_path, monkeypatch, capsys):
+    write_module(tmp_path, monkeypatch)
+    run = tmp_path / "run"
+    assert cli.main(["train", "grpo", "--steps", "2", "--batch_size", "2", "--num_samples", "2", "--hidden_size", "32",
+                     "--num_layers", "1", "--num_train", "8", "--num_eval", "4", "--max_new_tokens", "4",
+                     "--reward_funcs", "user_rewards:correct,user_rewards:length", "--reward_weights", "1,0.25",
+                     "--run_dir", str(run), "--save_every", "1"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    scores = [r["rollout/score"] for r in rows if "rollout/score" in r]
+    assert len(scores) == 2 and all(math.isfinite(s) and s > 0 for s in scores)  # length > 0 on every sample
+    saved = json.loads((run / "checkpoint-2" / "config.json").read_text())
+    assert saved["reward_funcs"] == ["user_rewards:correct", "user_rewards:length"]
