@@ -128,6 +128,9 @@ def _no_truncation(prompt: list, completion: list, limit: int, where: str) -> tu
     return prompt, completion
 
 
+# When the prompt is cut to ``max_prompt_length``: ``always``, or ``if_too_long`` (TRL's DPO rule).
+PROMPT_CUTS = ("always", "if_too_long")
+
 TRUNCATIONS: dict[str, Callable[[list, list, int, str], tuple[list, list]]] = {
     "keep_start": _keep_start,
     "keep_end": _keep_end,
@@ -174,7 +177,7 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
                      formatting_func: Callable[[Mapping], str | Mapping] | None = None,
                      max_prompt_length: int | None = None, max_length: int | None = None,
                      truncation: str = "keep_start", prompt_truncation: str = "keep_end",
-                     add_eos: bool = True, where: str = "row") -> dict[str, list[int]]:
+                     prompt_cut: str = "always", add_eos: bool = True, where: str = "row") -> dict[str, list[int]]:
     """Token ids of one example: ``prompt_ids`` and ``completion_ids`` (or ``chosen_ids`` /
     ``rejected_ids``; prompt-only rows give ``prompt_ids`` alone).
 
@@ -184,6 +187,12 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
     ``prompt_truncation``, then prompt + completion to ``max_length`` with ``truncation``
     (``TRUNCATIONS``: ``keep_start`` drops the completion's end, ``keep_end`` the prompt's start,
     ``error`` raises).
+
+    ``prompt_cut="if_too_long"`` is TRL's rule for preference pairs (``DPOTrainer``): the prompt is
+    cut to ``max_prompt_length`` (keeping the end ``prompt_truncation`` names) only when prompt +
+    the longest completion exceed ``max_length``; if that is still too long, every completion is
+    cut to ``max_length − max_prompt_length`` tokens (``max_length −`` the prompt's length without
+    a ``max_prompt_length``), keeping its start.
 
     Raises:
         ValueError: unknown columns (the message lists the formats), an empty completion, or a
@@ -201,29 +210,41 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
                          f"(have {sorted(row)}); formats: [{_formats_help()}]")
     cut_prompt = _lookup_truncation(prompt_truncation, "prompt_truncation")
     cut = _lookup_truncation(truncation, "truncation")
+    if prompt_cut not in PROMPT_CUTS:
+        raise ValueError(f"prompt_cut: unknown {prompt_cut!r}; valid: {list(PROMPT_CUTS)}")
     fields = _columns(fmt, row, where)
     names = [c for c in ("completion", "chosen", "rejected") if c in fields]
     prompts, out = [], {}
+    tokens = {}
     for name in names or [None]:
         prompt_text, text, templated = _render(tokenizer, fields["prompt"], fields.get(name), where)
         prompt = tokenizer(prompt_text, add_special_tokens=not templated)["input_ids"]
-        if max_prompt_length is not None and len(prompt) > max_prompt_length:
-            prompt, _ = cut_prompt(prompt, [], max_prompt_length, f"{where}: prompt")
         if name is None:
-            return {"prompt_ids": prompt}
+            tokens[name] = (prompt, [])
+            break
         if not text:
             raise ValueError(f"{where}: empty {name}; every example needs at least one completion token")
         completion = tokenizer(text, add_special_tokens=False)["input_ids"]
         eos = tokenizer.eos_token_id
         if add_eos and eos is not None and (not completion or completion[-1] != eos):
             completion = completion + [eos]
+        tokens[name] = (prompt, completion)
+    longest = max(len(c) for _, c in tokens.values())
+    for name, (prompt, completion) in tokens.items():
+        too_long = max_length is not None and len(prompt) + longest > max_length
+        if max_prompt_length is not None and len(prompt) > max_prompt_length and (prompt_cut == "always" or too_long):
+            prompt, _ = cut_prompt(prompt, [], max_prompt_length, f"{where}: prompt")
+        if name is None:
+            return {"prompt_ids": prompt}
+        if prompt_cut == "if_too_long" and max_length is not None and len(prompt) + longest > max_length:
+            room = max_length - (len(prompt) if max_prompt_length is None else max_prompt_length)
+            completion = completion[:max(room, 0)]
         if max_length is not None and len(prompt) + len(completion) > max_length:
-            cut_p, completion = cut(prompt, completion, max_length, f"{where}: prompt + {name}")
-            if not completion:
-                raise ValueError(f"{where}: prompt of {len(prompt)} tokens leaves no room for the {name} under "
-                                 f"max_length={max_length}; raise max_length, lower max_prompt_length, or use "
-                                 "truncation='keep_end'")
-            prompt = cut_p
+            prompt, completion = cut(prompt, completion, max_length, f"{where}: prompt + {name}")
+        if not completion:
+            raise ValueError(f"{where}: prompt of {len(prompt)} tokens leaves no room for the {name} under "
+                             f"max_length={max_length}; raise max_length, lower max_prompt_length, or use "
+                             "truncation='keep_end'")
         prompts.append(prompt)
         out[f"{name}_ids"] = completion
     # chosen and rejected share one prompt: the most cut one (every cut is a prefix or a suffix
@@ -242,7 +263,7 @@ def tokenize_dataset(dataset: Dataset, tokenizer, *, format: str | None = None,
                      formatting_func: Callable[[Mapping], str | Mapping] | None = None,
                      max_prompt_length: int | None = None, max_length: int | None = None,
                      truncation: str = "keep_start", prompt_truncation: str = "keep_end",
-                     add_eos: bool = True) -> Dataset:
+                     prompt_cut: str = "always", add_eos: bool = True) -> Dataset:
     """``tokenize_example`` over a dataset: adds the id columns, keeps every other column.
 
     The format is detected once from ``dataset.column_names`` (or from the first formatted row
@@ -254,7 +275,8 @@ def tokenize_dataset(dataset: Dataset, tokenizer, *, format: str | None = None,
     def fn(row, index):
         return tokenize_example(row, tokenizer, format=format, formatting_func=formatting_func,
                                 max_prompt_length=max_prompt_length, max_length=max_length, truncation=truncation,
-                                prompt_truncation=prompt_truncation, add_eos=add_eos, where=f"row {index}")
+                                prompt_truncation=prompt_truncation, prompt_cut=prompt_cut, add_eos=add_eos,
+                                where=f"row {index}")
 
     return dataset.map(fn, with_indices=True, keep_in_memory=True, load_from_cache_file=False)
 

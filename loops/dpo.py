@@ -93,7 +93,8 @@ class Config:
     num_train: int = 256                   # task pairs for training
     num_eval: int = 64                     # held-out pairs
     max_length: int | None = 64            # prompt + completion tokens kept per side
-    max_prompt_length: int | None = None   # prompt tokens kept (its start is cut)
+    max_prompt_length: int | None = None   # prompt tokens kept when prompt + the longer answer exceed max_length (TRL)
+    truncation_mode: str = "keep_end"      # which end of a cut prompt is kept: keep_end | keep_start (TRL truncation_mode)
     # loss (LOSSES) and reference
     loss_type: str = "dpo"                 # a key of LOSSES
     precompute_ref: bool = False           # reference log-probs computed once before training, no ref model kept
@@ -237,8 +238,12 @@ def _with_ref_columns(data: Dataset, model, tokenizer, config: Config) -> Datase
 
 
 def _prepare(data: Dataset, tokenizer, config: Config) -> Dataset:
+    if config.truncation_mode not in ("keep_end", "keep_start"):
+        raise ValueError(f"truncation_mode: expected 'keep_end' or 'keep_start', got {config.truncation_mode!r}")
+    # TRL's rule: the prompt is cut only when prompt + the longer answer exceed max_length, then the answers
     return tokenize_dataset(data, tokenizer, format="preference", max_length=config.max_length,
-                            max_prompt_length=config.max_prompt_length)
+                            max_prompt_length=config.max_prompt_length, prompt_truncation=config.truncation_mode,
+                            prompt_cut="if_too_long")
 
 
 # --- evaluation ----------------------------------------------------------------------------------

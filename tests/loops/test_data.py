@@ -326,3 +326,38 @@ def test_packed_rows_score_like_separate_examples(arch, tokenizer):
             one = torch.ones(1, len(cols), dtype=torch.bool)
             alone = token_logprobs_from_model(model, packed[K.INPUT_IDS][:, cols], one)[0]
             torch.testing.assert_close(lp[cols[1:] - 1], alone, rtol=1e-5, atol=1e-5)
+
+
+def trl_dpo_truncation(prompt, chosen, rejected, max_length, max_prompt_length, mode):
+    """TRL DPOTrainer's rule, written out: cut the prompt only when prompt + the longer answer is too long,
+    then, if still too long, both answers to max_length − max_prompt_length."""
+    longer = max(len(chosen), len(rejected))
+    if len(prompt) + longer > max_length:
+        prompt = prompt[:max_prompt_length] if mode == "keep_start" else prompt[-max_prompt_length:]
+    if len(prompt) + longer > max_length:
+        chosen, rejected = chosen[:max_length - max_prompt_length], rejected[:max_length - max_prompt_length]
+    return prompt, chosen, rejected
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 12), c=st.integers(1, 10), r=st.integers(1, 10), limit=st.integers(6, 24),
+       max_prompt=st.integers(1, 5), mode=st.sampled_from(["keep_end", "keep_start"]))
+def test_if_too_long_is_trls_dpo_truncation(p, c, r, limit, max_prompt, mode):
+    from rlcore.loops.models import build_tokenizer
+    tokenizer = build_tokenizer()
+    row = {"prompt": "abcdefghijkl"[:p], "chosen": "xyzxyzxyzx"[:c], "rejected": "uvwuvwuvwu"[:r]}
+    full = tokenize_example(row, tokenizer)
+    expected = trl_dpo_truncation(full["prompt_ids"], full["chosen_ids"], full["rejected_ids"], limit, max_prompt, mode)
+    out = tokenize_example(row, tokenizer, max_length=limit, max_prompt_length=max_prompt, prompt_truncation=mode,
+                           prompt_cut="if_too_long")
+    assert (out["prompt_ids"], out["chosen_ids"], out["rejected_ids"]) == expected
+
+
+def test_if_too_long_leaves_a_prompt_that_fits(tokenizer):
+    row = {"prompt": "abcdef", "chosen": "x", "rejected": "y"}  # prompt + answer + EOS fit in 9 tokens
+    kept = tokenize_example(row, tokenizer, max_length=9, max_prompt_length=2, prompt_cut="if_too_long")
+    assert kept["prompt_ids"] == tokenize_example(row, tokenizer)["prompt_ids"]  # fits: not cut
+    always = tokenize_example(row, tokenizer, max_length=9, max_prompt_length=2)
+    assert len(always["prompt_ids"]) == 2  # the other rule cuts whenever the prompt is longer
+    with pytest.raises(ValueError, match=r"prompt_cut: unknown 'never'; valid: \['always', 'if_too_long'\]"):
+        tokenize_example(row, tokenizer, prompt_cut="never")

@@ -179,3 +179,19 @@ def test_resume_with_a_frozen_reference_is_exact(tmp_path):
 def test_gpt2_policy():
     state, hist = train(Config(model="tiny-gpt2", loss_type="cpo", steps=2, **TINY))
     assert state.model().config.model_type == "gpt2" and len(hist) == 2
+
+
+def test_truncation_follows_trl_and_the_configured_mode():
+    from rlcore.loops import dpo
+    from rlcore.loops.data import load_local
+    from rlcore.loops.models import build_tokenizer
+    tokenizer = build_tokenizer()
+    data = load_local([{"prompt": "abcdefgh", "chosen": "xy", "rejected": "uvwxyz"}])
+    fits = dpo._prepare(data, tokenizer, dpo.Config(max_length=32, max_prompt_length=3))[0]
+    assert len(fits["prompt_ids"]) > 3  # prompt + longer answer fit: the prompt is kept whole (TRL)
+    for mode, kept in (("keep_end", "fgh"), ("keep_start", "abc")):
+        row = dpo._prepare(data, tokenizer, dpo.Config(max_length=10, max_prompt_length=3, truncation_mode=mode))[0]
+        assert tokenizer.decode(row["prompt_ids"], skip_special_tokens=True) == kept
+        assert len(row["rejected_ids"]) == 10 - 3  # still too long: the answers cut to max_length − max_prompt_length
+    with pytest.raises(ValueError, match=r"truncation_mode: expected 'keep_end' or 'keep_start', got 'middle'"):
+        dpo._prepare(data, tokenizer, dpo.Config(truncation_mode="middle"))
