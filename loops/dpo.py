@@ -85,6 +85,7 @@ class Config:
     num_heads: int = 4                     # tiny models only
     max_position_embeddings: int = 256     # tiny models only
     init_from: str | None = None           # start from this checkpoint (or run) directory, e.g. an SFT run
+    disable_dropout: bool = True       # dropout set to 0 in policy and reference (TRL DPOConfig.disable_dropout)
     device: str = "cpu"
     # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
     task: str | None = "add"               # a built-in task (preference pairs with near-miss rejections)

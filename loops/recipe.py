@@ -48,7 +48,7 @@ from rlcore.loops.data import load_local
 from rlcore.loops.distributed import is_main, shard_source
 from rlcore.loops.fold import every, fold, to_floats
 from rlcore.loops.logging import make_loggers
-from rlcore.loops.models import build_model, build_tokenizer, load_model, load_tokenizer
+from rlcore.loops.models import build_model, build_tokenizer, disable_dropout, load_model, load_tokenizer
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.update import make_optimizer, make_scheduler
 
@@ -119,7 +119,9 @@ def build_policy(config: Any, *, task: str | None = None) -> tuple[nn.Module, An
     Otherwise ``load_model(config.model, task=task)`` and its tokenizer. With ``config.init_from``
     (a checkpoint directory, or a run directory: its latest checkpoint) the weights of the
     checkpoint's ``policy`` are loaded instead (same tokenizer, architecture from the stored
-    config). The model is moved to ``config.device``.
+    config). Dropout is set to 0 (``disable_dropout``) unless ``config.disable_dropout`` is False
+    (the SFT and reward recipes' default, as TRL's trainers: ``update`` then trains with the
+    model's dropout). The model is moved to ``config.device``.
 
     Args:
         config: any object with the fields above (a recipe's ``Config``).
@@ -147,6 +149,8 @@ def build_policy(config: Any, *, task: str | None = None) -> tuple[nn.Module, An
         model = load_model(str(checkpoint_model_dir(init_from)) if init_from else name, task=task, **extra)
         if task != "causal_lm" and model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
+    if _get(config, "disable_dropout", True):
+        disable_dropout(model)
     return model.to(_get(config, "device", "cpu")), tokenizer
 
 

@@ -42,11 +42,12 @@ A recipe's loss closure, for instance::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -360,6 +361,27 @@ def _mean(steps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([s[k].to(torch.float64) for s in steps if k in s]).mean() for k in names}
 
 
+@contextlib.contextmanager
+def training_mode(models: Iterable[nn.Module], trained: Iterable[torch.Tensor]) -> Iterator[None]:
+    """The models holding a trained parameter in ``train()`` mode inside the block, every mode restored after.
+
+    A model's dropout is then active while it learns, as in TRL's trainers, and off for the
+    forwards outside ``update`` (collection, scoring, evaluation). Recipes that must score the same
+    tokens identically in and out of ``update`` (the RL recipes) set dropout to 0 instead
+    (``loops.models.disable_dropout``).
+    """
+    ids = {id(p) for p in trained}
+    learning = [m for m in models if any(id(p) in ids for p in m.parameters())]
+    modes = [(module, module.training) for model in learning for module in model.modules()]
+    for model in learning:
+        model.train()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
 def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibatch_size: int | None = None,
            micro_batch_size: int | None = None, epochs: int = 1, mask_key: Any = None,
            max_grad_norm: float | None = 1.0, params: Iterable[torch.Tensor] | None = None,
@@ -444,28 +466,29 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
     rows = _plan(n, mb, micro, sync)
     steps, counts, lr = [], dict.fromkeys(("taken", "skipped", "stopped"), 0), None
     _zero_grads(params, state.optimizer)
-    for epoch in range(epochs):
-        order = torch.randperm(n, generator=rng) if shuffled else torch.arange(n)
-        for k, start in enumerate(range(0, n, mb)):
-            sums, finite, stop = _accumulate(
-                state, batch[order[start:start + mb]], loss_fn, micro_batch_size=micro, rows=rows[k],
-                mask_key=mask_key, autocast_dtype=autocast_dtype, device_type=device_type,
-                early_stop_key=early_stop_key, sync=sync)
-            sums, finite, stop = _synchronise(sums, finite, stop, sync)
-            step_lr = state.optimizer.param_groups[0]["lr"]
-            outcome, norm = _optimizer_step(state, params, finite, torch.zeros_like(stop) if per_epoch else stop,
-                                            max_grad_norm=max_grad_norm, nonfinite=nonfinite,
-                                            where=f"epoch {epoch}, rows {start}:{start + mb}")
-            counts[outcome] += 1
-            lr = step_lr if outcome == "taken" else lr
-            steps.append({**sums, "grad_norm": norm.detach()})
-            if outcome == "stopped":
+    with training_mode(state.models.values(), trained):  # dropout as the model defines it
+        for epoch in range(epochs):
+            order = torch.randperm(n, generator=rng) if shuffled else torch.arange(n)
+            for k, start in enumerate(range(0, n, mb)):
+                sums, finite, stop = _accumulate(
+                    state, batch[order[start:start + mb]], loss_fn, micro_batch_size=micro, rows=rows[k],
+                    mask_key=mask_key, autocast_dtype=autocast_dtype, device_type=device_type,
+                    early_stop_key=early_stop_key, sync=sync)
+                sums, finite, stop = _synchronise(sums, finite, stop, sync)
+                step_lr = state.optimizer.param_groups[0]["lr"]
+                outcome, norm = _optimizer_step(state, params, finite, torch.zeros_like(stop) if per_epoch else stop,
+                                                max_grad_norm=max_grad_norm, nonfinite=nonfinite,
+                                                where=f"epoch {epoch}, rows {start}:{start + mb}")
+                counts[outcome] += 1
+                lr = step_lr if outcome == "taken" else lr
+                steps.append({**sums, "grad_norm": norm.detach()})
+                if outcome == "stopped":
+                    break
+            if counts["stopped"] or (per_epoch and bool(stop)):  # the epoch's last minibatch decides
+                halted = True
                 break
-        if counts["stopped"] or (per_epoch and bool(stop)):  # the epoch's last minibatch decides
-            halted = True
-            break
-    else:
-        halted = False
+        else:
+            halted = False
     new_state = dataclasses.replace(
         state, rng=rng, optimizer_steps=state.optimizer_steps + counts["taken"],
         skipped_steps=state.skipped_steps + counts["skipped"],

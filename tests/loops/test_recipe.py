@@ -246,3 +246,24 @@ def test_run_resume_continues_exactly(tmp_path):
     assert resumed.step == 6 and resumed.optimizer_steps == 6 and len(hist2) == 3
     assert torch.equal(resumed.model().weight, straight.model().weight)
     assert [h["loss"] for h in hist2] == [h["loss"] for h in hist[3:]]
+
+
+@pytest.mark.parametrize("recipe,kept", [("sft", True), ("reward", True), ("dpo", False)])
+def test_dropout_defaults_follow_trl(tmp_path, recipe, kept):
+    """SFT and reward train with the loaded model's dropout (TRL); DPO sets it to 0 (TRL's disable_dropout)."""
+    import importlib
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlcore.loops.models import build_tokenizer
+    tokenizer = build_tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.3,
+                               embd_pdrop=0.3, attn_pdrop=0.3)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    module = importlib.import_module(f"rlcore.loops.{recipe}")
+    config = module.Config(model=str(tmp_path / "model"), run_dir=None)
+    assert config.disable_dropout is not kept
+    model, _ = build_policy(config)
+    rates = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+    assert rates == ({0.3} if kept else {0.0}), rates
+    off, _ = build_policy(dataclasses.replace(config, disable_dropout=True))
+    assert {m.p for m in off.modules() if isinstance(m, torch.nn.Dropout)} == {0.0}

@@ -1,6 +1,7 @@
 """update: accumulation equals the full-batch gradient, clipping, minibatch coverage, the
 non-finite guard, early stop, autocast; optimiser and schedule factories."""
 
+import dataclasses
 import math
 
 import pytest
@@ -386,3 +387,20 @@ def test_enable_gradient_checkpointing():
     m = HasIt()
     assert enable_gradient_checkpointing(m) and m.enabled
     assert not enable_gradient_checkpointing(MockLM())
+
+
+def test_trained_models_are_in_train_mode_inside_update_only():
+    """Dropout as the model defines it while it learns (TRL); eval mode restored for everything else."""
+    state = linear_state()
+    frozen = torch.nn.Dropout(0.5).eval()
+    state = dataclasses.replace(state, models={**state.models, "frozen": frozen})
+    state.model().eval()
+    seen = []
+
+    def loss_fn(state, mb):
+        seen.append((state.model().training, state.model("frozen").training))
+        return (state.model().w * 1.0).sum(), {}
+
+    update(state, TensorDict({"x": torch.zeros(4)}, [4]), loss_fn, minibatch_size=2)
+    assert seen == [(True, False)] * 2
+    assert not state.model().training and not frozen.training
