@@ -466,8 +466,10 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[s
     left out when it takes no ``**kwargs``), so ``def correct(completions, answer, **kw)`` works;
     any other is called positionally, ``fn(prompts, completions, **columns)``.
 
-    ``fn`` may return a list (``None`` entries become NaN: "no opinion") or a tensor (detached).
-    Raises ``ValueError`` when it returns the wrong number of scores.
+    ``fn`` returns ``B`` scores: a list whose ``None`` entries mean "no opinion" (returned as NaN:
+    the online recipes leave such samples out of training and of the group statistics, and count
+    them), or a ``[B]`` tensor (detached). Raises ``ValueError`` naming the function for another
+    number or shape of scores, and for a NaN or infinite score (return ``None`` for no opinion).
 
     >>> call_reward_fn(lambda p, c: [len(x) for x in c], ["q", "q"], ["ab", ""])
     tensor([2., 0.])
@@ -484,15 +486,28 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[s
         out = fn(**kwargs)
     else:
         out = fn(list(prompts), list(completions), **columns)
+    name = f"reward function {getattr(fn, '__name__', repr(fn))}"
     if isinstance(out, torch.Tensor):
-        scores = out.detach().to(torch.float32).reshape(-1)
+        scores = out.detach().to(torch.float32)
+        opinion = torch.ones_like(scores, dtype=torch.bool)
     else:
-        scores = torch.tensor([math.nan if v is None else float(v) for v in out], dtype=torch.float32)
-    if scores.shape[0] != len(completions):
-        name = getattr(fn, "__name__", repr(fn))
-        raise ValueError(f"reward function {name}: expected {len(completions)} scores [B], got shape "
-                         f"{list(scores.shape)}")
-    return scores
+        try:
+            values = list(out)
+        except TypeError:
+            raise ValueError(f"{name}: expected a list of {len(completions)} scores or a [B] tensor, got "
+                             f"{type(out).__name__}") from None
+        opinion = torch.tensor([v is not None for v in values], dtype=torch.bool)
+        try:
+            scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name}: every score must be a number or None, got {values[:4]!r}... ({e})") from None
+    if scores.shape != (len(completions),):
+        raise ValueError(f"{name}: expected {len(completions)} scores [B], got shape {list(scores.shape)}")
+    bad = (~torch.isfinite(scores) & opinion).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"{name}: non-finite scores {scores[bad[:4]].tolist()} at rows {bad[:8]}; return None "
+                         "for a sample it has no opinion on")
+    return torch.where(opinion, scores, math.nan)
 
 
 def import_reward_fn(spec: str) -> RewardFn:
@@ -517,13 +532,13 @@ def import_reward_fn(spec: str) -> RewardFn:
 
 
 def combine_rewards(funcs: Sequence[RewardFn], weights: Sequence[float] | None = None) -> RewardFn:
-    """A reward function returning ``Σ_k w_k r_k`` over ``funcs`` (NaN-ignoring; NaN if all are NaN).
+    """A reward function returning ``Σ_k w_k r_k`` over ``funcs`` (``None`` terms left out; ``None`` if all are).
 
     A function that returns ``None`` for a row abstains there (weight renormalisation is not
     applied: the other terms are summed as they are). ``weights`` default to 1.
 
     Returns:
-        A reward function with the same signature, returning ``[B]`` float32.
+        A reward function with the same signature, returning ``B`` floats (``None``: no opinion).
 
     References:
         Lambert et al., "Tülu 3" (verifiable rewards as Python checks),
@@ -533,12 +548,12 @@ def combine_rewards(funcs: Sequence[RewardFn], weights: Sequence[float] | None =
     if len(weights) != len(funcs):
         raise ValueError(f"weights: expected {len(funcs)} weights (one per function), got {len(weights)}")
 
-    def combined(prompts, completions, **columns) -> torch.Tensor:
+    def combined(prompts, completions, **columns) -> list[float | None]:
         r = torch.stack([call_reward_fn(f, prompts, completions, **columns) for f in funcs])  # [K, B]
         w = torch.tensor(weights, dtype=r.dtype)[:, None]
         missing = torch.isnan(r)
         total = torch.where(missing, 0.0, w * r).sum(0)
-        return torch.where(missing.all(0), math.nan, total)
+        return [None if gone else value for gone, value in zip(missing.all(0).tolist(), total.tolist())]
 
     return combined
 

@@ -57,7 +57,7 @@ from rlcore.loops.update import update
 from rlcore.masked import masked_sum
 from rlcore.transforms import observed_kl
 
-__all__ = ["OnlineConfig", "make_reward_fn", "build_online_state", "prompt_source", "update_sizes",
+__all__ = ["OnlineConfig", "make_reward_fn", "exclude_unscored", "build_online_state", "prompt_source", "update_sizes",
            "repeat_columns", "generate_kwargs", "collect_rollout", "score_collected", "online_step",
            "with_policy_logprobs", "policy_loss_fn", "policy_update", "rollout_metrics",
            "evaluate_policy", "train_online"]
@@ -245,12 +245,33 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
     rollout = score_rollout(rollout, ref=state.model("ref") if reference else None, value_fn=value_fn,
                             reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                             reward_columns=repeat_columns(rows, G), temperature=config.temperature)
+    rollout = exclude_unscored(rollout)
     rng = copy_generator(state.rng)
     draw_seed(rng)  # the seed the rollout was sampled with
     B = rollout.batch_size[0]
     state = advance(dataclasses.replace(state, rng=rng), samples_seen=B, episodes=B,
                     tokens_seen=rollout[K.RESPONSE_MASK].sum())
     return state, rollout
+
+
+def exclude_unscored(rollout: TensorDictBase) -> TensorDictBase:
+    """A rollout whose samples without a score (a reward function's ``None``: "no opinion") take no
+    part in training: their ``response_mask`` is cleared (no token enters a loss), their ``score``
+    is 0 and each gets a ``group_id`` of its own (out of its prompt's group statistics, and an
+    advantage of 0 as a group of one). A shallow copy; the rollout itself when every sample is scored.
+
+    ``rollout_metrics`` counts them (``rollout/unscored``: a sample always has at least one token, so
+    an empty response mask marks one).
+    """
+    unscored = torch.isnan(rollout[K.SCORE])
+    if not bool(unscored.any()):
+        return rollout
+    group = rollout[K.GROUP_ID]
+    fresh = group.max() + 1 + torch.arange(group.shape[0], device=group.device)
+    return rollout.copy().update({
+        K.SCORE: torch.where(unscored, 0.0, rollout[K.SCORE]),
+        K.RESPONSE_MASK: rollout[K.RESPONSE_MASK] & ~unscored[:, None],
+        K.GROUP_ID: torch.where(unscored, fresh, group)})
 
 
 def online_step(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
@@ -332,12 +353,17 @@ def policy_update(state: TrainState, rollout: TensorDictBase, loss: Callable[...
 
 def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
     """Detached scalars describing a scored rollout: ``rollout/score`` (mean), ``rollout/score_std``,
-    ``rollout/length`` (mean response tokens) and, with reference log-probs, ``rollout/kl_ref``
+    ``rollout/length`` (mean response tokens) over the scored samples, ``rollout/unscored`` (samples
+    a reward function had no opinion on, when any) and, with reference log-probs, ``rollout/kl_ref``
     (``mean_b Σ_t (old − ref)``: k1 of whole responses, ``rlcore.transforms.observed_kl``)."""
     mask = rollout[K.RESPONSE_MASK]
-    score = rollout[K.SCORE].detach()
-    out = {"rollout/score": score.mean(), "rollout/score_std": score.std() if score.numel() > 1 else torch.zeros(()),
-           "rollout/length": mask.sum(-1).to(score.dtype).mean()}
+    scored = mask.any(-1)  # exclude_unscored empties the mask of a sample with no score
+    score = rollout[K.SCORE].detach()[scored]
+    out = {"rollout/score": score.mean() if score.numel() else torch.zeros(()),
+           "rollout/score_std": score.std() if score.numel() > 1 else torch.zeros(()),
+           "rollout/length": mask[scored].sum(-1).to(score.dtype).mean() if score.numel() else torch.zeros(())}
+    if not bool(scored.all()):
+        out["rollout/unscored"] = (~scored).sum().to(score.dtype)
     if K.REF_LOGPROBS in rollout.keys():
         out["rollout/kl_ref"] = observed_kl(kl_estimate(rollout[K.OLD_LOGPROBS], rollout[K.REF_LOGPROBS], "k1"), mask)
     return out
@@ -361,8 +387,9 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     reference = generate_rollout(state.model("ref"), tokenizer, prompts, do_sample=False, behaviour=None, **gen)
     reward, ref_reward = score_rollout(greedy, **scoring)[K.SCORE], score_rollout(reference, **scoring)[K.SCORE]
     out = {"reward": reward, "response_length": greedy[K.RESPONSE_MASK].sum(-1).float(),
-           # win-rate against the reference policy, greedy both: 1 per win, ½ per tie
-           "win_rate": (reward > ref_reward).float() + 0.5 * (reward == ref_reward).float()}
+           # win-rate against the reference policy, greedy both: 1 per win, ½ per tie; NaN (left out) unscored
+           "win_rate": torch.where(reward.isnan() | ref_reward.isnan(), math.nan,
+                                   (reward > ref_reward).float() + 0.5 * (reward == ref_reward).float())}
     if "answer" in columns:
         out["exact_match"] = score_rollout(greedy, reward_fn=_exact_match_reward, tokenizer=tokenizer,
                                            reward_columns={"answer": columns["answer"]})[K.SCORE]
@@ -377,7 +404,8 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
 
 def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: Dataset | None = None,
                     reward_fn: RewardFn | None = None) -> dict[str, float]:
-    """Held-out metrics, means over the prompts: ``reward``, ``exact_match`` and ``response_length``
+    """Held-out metrics, means over the prompts (those the reward function scored, for the rewards):
+    ``reward``, ``exact_match`` and ``response_length``
     of greedy responses; ``win_rate`` of those against the reference policy's greedy responses
     (judged by the same reward; a tie counts ½); ``sampled_reward`` and ``kl_ref`` of one sampled
     response per prompt.
@@ -400,7 +428,8 @@ def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: 
     n, size = len(dataset), config.eval_batch_size
     chunks = [_evaluate_rows(state, dataset[i:i + size], config, tokenizer=tokenizer, reward_fn=reward_fn,
                              seed=config.seed + i // size) for i in range(0, n, size)]
-    return to_floats({k: torch.cat([c[k] for c in chunks]).float().mean() for k in chunks[0]})
+    # nanmean: a prompt the reward function had no opinion on (None) is left out of the reward means
+    return to_floats({k: torch.cat([c[k] for c in chunks]).float().nanmean() for k in chunks[0]})
 
 
 # --- the run -------------------------------------------------------------------------------------

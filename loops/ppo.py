@@ -212,7 +212,9 @@ def prepare(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple
     """
     info = rollout_metrics(rollout)
     before = state.transforms["score_moments"]
-    batch_moments = running_moments_update(running_moments_init(before.mean.dtype, before.mean.device), rollout[K.SCORE])
+    scored = rollout[K.RESPONSE_MASK].any(-1)  # online.exclude_unscored: no opinion, no statistics
+    batch_moments = running_moments_update(running_moments_init(before.mean.dtype, before.mean.device), rollout[K.SCORE],
+                                           scored)
     moments = running_moments_merge(before, all_gather_moments(batch_moments))  # every rank's scores
     score = process_scores(rollout[K.SCORE], moments, scale=config.scale, normalize=config.normalize, clip=config.clip)
     kl_state = state.transforms["kl"]

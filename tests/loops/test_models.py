@@ -124,8 +124,12 @@ def test_model_save_load_round_trip(tmp_path, arch, tokenizer):
     model.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path))
     assert type(loaded) is type(model)
+    saved, restored = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == restored.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)  # bitwise
     ids = torch.tensor([[5, 6, 7, 8]])
-    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    # the same weights, but the loaded ones are not 64-byte aligned (buffers from safetensors, not torch) and BLAS
+    # kernels can sum in another order for another alignment: float32 rounding, bound 1e-6
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-6, atol=1e-6)
     half = load_model(str(tmp_path), dtype="bfloat16")
     assert next(half.parameters()).dtype == torch.bfloat16
 
@@ -261,9 +265,9 @@ def test_combine_rewards_golden():
     fn = combine_rewards([exact_match, length_reward, abstains_on_empty], [2.0, 0.5, 1.0])
     out = fn(["q"] * 3, ["4", "abc", ""], answer=["4", "4", "4"])
     # row 0: 2·1 + 0.5·1 + 0.5; row 1: 0 + 1.5 + 0.5; row 2: 0 + 0 + (abstains)
-    torch.testing.assert_close(out, torch.tensor([3.0, 2.0, 0.0]))
+    torch.testing.assert_close(torch.tensor(out), torch.tensor([3.0, 2.0, 0.0]))
     all_missing = combine_rewards([abstains_on_empty])(["q"], [""])
-    assert math.isnan(all_missing[0])
+    assert all_missing == [None]  # no opinion from any term: no opinion
     with pytest.raises(ValueError, match="weights: expected 2 weights"):
         combine_rewards([exact_match, length_reward], [1.0])
 

@@ -5,6 +5,7 @@ import math
 import textwrap
 
 import pytest
+import torch
 
 from rlcore.loops import cli, grpo
 from rlcore.loops.models import call_reward_fn, import_reward_fn
@@ -91,3 +92,52 @@ def test_grpo_runs_from_the_cli_with_a_named_reward(tmp_path, monkeypatch, capsy
     assert len(scores) == 2 and all(math.isfinite(s) and s > 0 for s in scores)  # length > 0 on every sample
     saved = json.loads((run / "checkpoint-2" / "config.json").read_text())
     assert saved["reward_funcs"] == ["user_rewards:correct", "user_rewards:length"]
+
+
+# --- untrusted scores --------------------------------------------------------------------------------
+@pytest.mark.parametrize("out,message", [
+    ([1.0, float("nan")], r"non-finite scores \[nan\] at rows \[1\]; return None"),
+    ([float("inf"), 0.0], r"non-finite scores \[inf\] at rows \[0\]"),
+    (torch.tensor([[1.0], [2.0]]), r"expected 2 scores \[B\], got shape \[2, 1\]"),
+    (torch.ones(4), r"expected 2 scores \[B\], got shape \[4\]"),
+    (["high", 1.0], r"every score must be a number or None"),
+    (3.0, r"expected a list of 2 scores or a \[B\] tensor, got float"),
+])
+def test_bad_scores_are_clear_errors(out, message):
+    def judge(prompts, completions, **kw):
+        return out
+    with pytest.raises(ValueError, match=rf"reward function judge: {message}"):
+        call_reward_fn(judge, ["a", "b"], ["x", "y"])
+
+
+def test_none_is_no_opinion_and_leaves_the_group_statistics():
+    from rlcore import keys as K
+    from rlcore.baselines import grpo_advantage
+    from rlcore.loops import online
+    from rlcore.loops.online import build_online_state, prompt_source
+    from rlcore.loops.recipe import load_splits
+    from rlcore.loops.tasks import task_dataset
+
+    def judge(prompts, completions, **kw):  # no opinion on the first sample of each prompt
+        return [None if i % 4 == 0 else float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
+
+    config = grpo.Config(**TINY, steps=1, batch_size=2, num_samples=4, lr=1e-3)
+    state, tokenizer = build_online_state(config)
+    rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
+    seen = []
+    real = online.policy_loss_fn
+
+    def spy(state, batch, **kw):
+        seen.append(batch)
+        return real(state, batch, **kw)
+    import unittest.mock
+    with unittest.mock.patch.object(online, "policy_loss_fn", spy):
+        new_state, metrics = grpo.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=judge)
+    assert new_state.optimizer_steps == 1 and math.isfinite(float(metrics["loss"]))
+    assert float(metrics["rollout/unscored"]) == 2.0
+    batch = seen[0]
+    mask = batch[K.RESPONSE_MASK]
+    assert not mask[0].any() and not mask[4].any() and mask[1:4].any(-1).all()
+    per_sample = torch.where(mask, batch[K.ADVANTAGES], 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+    expected = grpo_advantage(batch[K.SCORE][1:4][None])[0]  # the three scored samples of prompt 0 alone
+    torch.testing.assert_close(per_sample[1:4], expected, rtol=1e-5, atol=1e-6)
