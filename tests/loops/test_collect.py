@@ -57,6 +57,21 @@ def test_uniform_length_sampler():
     assert draws == [b() for _ in range(50)] and set(draws) == {3, 4, 5, 6}
 
 
+def _response_logits(lm, rollout):
+    """The logits that predicted each response token, from one full forward of prompt + response."""
+    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
+    attn = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
+    with torch.no_grad():
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        return lm(ids, attention_mask=attn.long(), position_ids=pos).logits[:, rollout[K.PROMPT_IDS].shape[1] - 1:-1]
+
+
+def _top2_gap(logits):
+    """How far the largest logit leads the second: a greedy choice flips under rounding only near 0."""
+    top = logits.topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
 # --- generate_rollout ------------------------------------------------------------------------
 def test_rollout_layout_and_groups(lm, tokenizer):
     G = 3
@@ -192,6 +207,9 @@ def test_greedy_decoding(lm, tokenizer):
         pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
         logits = lm(ids, attention_mask=attn.long(), position_ids=pos).logits[:, P - 1:-1]
     mask = a[K.RESPONSE_MASK]
+    # KV-cache decode vs one full forward: logits agree to float32 rounding (~1e-6), not bitwise; the ids
+    # are compared exactly because no step is a near-tie (top-2 logit gap > 1e-3, seen >= 5.5e-3)
+    assert (_top2_gap(logits)[mask] > 1e-3).all()
     assert torch.equal(logits.argmax(-1)[mask], a[K.RESPONSE_IDS][mask])
     rescored = score_rollout(a, policy=lm)  # greedy: behaviour log-probs at temperature 1
     torch.testing.assert_close(rescored[K.OLD_LOGPROBS], a[K.OLD_LOGPROBS], rtol=1e-5, atol=1e-5)
@@ -311,6 +329,9 @@ def test_sampling_loop_truncation_logprobs(lm, tokenizer):
 def test_sampling_loop_greedy_equals_generate(lm, tokenizer):
     loop = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=5, do_sample=False, sampler="gumbel")
     hf = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=5, do_sample=False)
+    # two decoders (the loop's cache vs generate's): logits agree to float32 rounding, not bitwise; the
+    # ids are compared exactly because no greedy step is a near-tie (top-2 logit gap > 1e-3, seen >= 5.5e-3)
+    assert (_top2_gap(_response_logits(lm, hf))[hf[K.RESPONSE_MASK]] > 1e-3).all()
     assert torch.equal(loop[K.RESPONSE_IDS], hf[K.RESPONSE_IDS])
     torch.testing.assert_close(loop[K.OLD_LOGPROBS], hf[K.OLD_LOGPROBS], rtol=1e-5, atol=1e-5)
 

@@ -125,9 +125,14 @@ def test_ratio_is_one_and_nothing_clipped_with_lr_zero(tmp_path, guidance):
     with torch.no_grad():  # recomputed in the update's micro-batches of train_batch_size rows
         logp = torch.cat([step_logprobs(state.model(), rows[i:i + 2], schedule, guidance_scale=guidance,
                                         null_class=len(PROMPTS)) for i in range(0, len(rows), 2)])
-    assert torch.equal(torch.exp(logp - rows[K.OLD_LOGPROBS]), torch.ones_like(logp))
+    # 2-row micro-batches vs the collection's 4-row batches: the convolutions' float32 summation order
+    # may differ (by batch size and CPU kernel), so the ratio is 1 to rounding (seen: |ρ − 1| <= 6e-6),
+    # bound 2e-5, five times inside clip_range (1e-4)
+    ratio = torch.exp(logp - rows[K.OLD_LOGPROBS])
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), rtol=0, atol=2e-5)
     new_state, metrics = train_epoch(state, rollout, cfg)
-    assert metrics["clipfrac"].item() == 0.0 and metrics["approx_kl"].item() == 0.0
+    assert metrics["clipfrac"].item() == 0.0  # every ratio inside [1 − clip_range, 1 + clip_range]
+    assert 0.0 <= metrics["approx_kl"].item() < 1e-9  # ½·mean(log ρ²) for |log ρ| of float32 rounding, not 0
     assert metrics["optimizer_steps"].item() == 1.0 and new_state.optimizer_steps == 1
     assert torch.equal(params(new_state), before)  # lr = 0 moves nothing
 
