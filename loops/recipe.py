@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 import types
 import typing
@@ -52,7 +53,7 @@ from rlcore.loops.models import build_model, build_tokenizer, disable_dropout, l
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.update import make_optimizer, make_scheduler
 
-__all__ = ["TINY_MODELS", "FIELD_DOCS", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state", "load_splits",
+__all__ = ["TINY_MODELS", "FIELD_DOCS", "FIELD_RULES", "check_config", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state", "load_splits",
            "batch_source", "mean_metrics", "run", "load_config", "config_dict"]
 
 # What the fields shared by the recipes' configs mean (a field's own comment, where written, wins).
@@ -132,6 +133,8 @@ def build_policy(config: Any, *, task: str | None = None) -> tuple[nn.Module, An
     Returns:
         ``(model, tokenizer)``; the tokenizer has a pad token.
     """
+    if dataclasses.is_dataclass(config):
+        check_config(config)  # before any model is built
     task = task or getattr(type(config), "MODEL_TASK", "causal_lm")
     name = _get(config, "model", "tiny-llama")
     init_from = _get(config, "init_from")
@@ -275,6 +278,8 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     Returns:
         ``(state, history)`` of ``fold``.
     """
+    if dataclasses.is_dataclass(config):
+        check_config(config)
     name = name or type(config).__module__.rsplit(".", 1)[-1]
     run_dir = _get(config, "run_dir")
     if run_dir and _get(config, "resume", False):
@@ -351,6 +356,54 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+# The ranges of the fields recipes share, by name: ``(allowed?, what is allowed)``. ``None`` of an
+# optional field is always allowed; ``check_config`` applies every rule whose field a config has.
+_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
+_AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
+_POSITIVE = (lambda v: v > 0, "> 0")
+_UNIT = (lambda v: 0 <= v <= 1, "in [0, 1]")
+FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **dict.fromkeys(["batch_size", "num_samples", "max_new_tokens", "epochs", "num_epochs", "eval_batch_size",
+                     "hidden_size", "num_layers", "num_heads", "max_position_embeddings", "num_train",
+                     "minibatch_size", "micro_batch_size", "max_length", "max_prompt_length", "top_k", "keep_last",
+                     "rank", "sample_batch_size", "sample_num_batches_per_epoch", "sample_num_steps",
+                     "train_batch_size", "train_num_inner_epochs", "num_train_timesteps", "max_workers",
+                     "sample_size"], _AT_LEAST_1),
+    **dict.fromkeys(["steps", "num_eval", "save_every", "eval_every", "log_every", "warmup_steps", "pretrain_steps",
+                     "lr", "weight_decay", "kl_coef", "vf_coef", "clip_eps_low", "clip_eps_high", "cliprange_value",
+                     "ratio_threshold", "train_learning_rate", "pretrain_learning_rate", "train_clip_range",
+                     "train_adv_clip_max", "train_adam_weight_decay", "sample_eta", "eps", "rpo_alpha", "cpo_alpha",
+                     "center_rewards_coefficient", "per_prompt_stat_tracking_buffer_size",
+                     "per_prompt_stat_tracking_min_count"], _AT_LEAST_0),
+    **dict.fromkeys(["temperature", "beta", "max_grad_norm", "train_max_grad_norm", "horizon", "target",
+                     "train_adam_epsilon", "discopop_tau", "desirable_weight", "undesirable_weight"], _POSITIVE),
+    **dict.fromkeys(["lam", "label_smoothing", "train_adam_beta1", "train_adam_beta2"], _UNIT),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "train_timestep_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+}
+
+
+def check_config(config: Any) -> Any:
+    """``config`` itself when every field it shares with ``FIELD_RULES`` is in range; else a
+    ``ValueError`` naming each field at fault, its value and what is allowed (all of them at once).
+
+    ``load_config`` runs it on every config it builds and ``run`` on the config of every recipe it
+    starts, so a bad value fails before any model is built (CLI, YAML) or any step is taken (Python).
+    """
+    faults = []
+    for f in dataclasses.fields(config):
+        rule, value = FIELD_RULES.get(f.name), getattr(config, f.name)
+        if rule is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        allowed, what = rule
+        if not (math.isfinite(value) and allowed(value)):
+            faults.append(f"{f.name}: expected {what}, got {value!r}")
+    if faults:
+        raise ValueError(f"{type(config).__name__}: " + "; ".join(faults))
+    return config
+
+
 def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Any:
     """A ``cls`` (frozen dataclass) from a YAML file (``yaml.safe_load``) and overrides.
 
@@ -375,7 +428,7 @@ def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[st
         raise ValueError(f"{path or cls.__name__}: unknown keys {unknown}; valid fields of {cls.__name__}: "
                          f"{sorted(fields)}")
     hints = typing.get_type_hints(cls)
-    return cls(**{k: _coerce(v, hints[k], f"{cls.__name__}.{k}") for k, v in raw.items()})
+    return check_config(cls(**{k: _coerce(v, hints[k], f"{cls.__name__}.{k}") for k, v in raw.items()}))
 
 
 def config_dict(config: Any) -> dict[str, Any]:

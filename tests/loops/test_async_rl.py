@@ -372,7 +372,7 @@ def test_interrupt_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkey
 
 
 def test_generator_failure_is_raised_in_the_learner(monkeypatch):
-    config = grpo.Config(**TINY, num_samples=2, steps=3, temperature=0.0)  # generate_rollout raises in the child
+    config = grpo.Config(**TINY, num_samples=2, steps=3, sampler="no-such-sampler")  # generate_rollout raises in the child
     with recorded_generator(monkeypatch) as handles, pytest.raises(RuntimeError, match="generator process failed"):
         train_async(config, algorithm="grpo", max_lag=1, reward_fn=digits, start_method=METHOD)
     assert_stopped(handles[0])
