@@ -30,6 +30,7 @@ and checked to be a NamedTuple).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -41,11 +42,12 @@ import shutil
 import sys
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
+from filelock import FileLock, Timeout
 from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 
@@ -64,12 +66,16 @@ __all__ = [
     "Checkpointer",
     "CheckpointError",
     "verify_checkpoint",
+    "run_dir_lock",
+    "check_resume",
+    "RESUMABLE_CHANGES",
 ]
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^checkpoint-(?P<step>\d+)$")
 _OLD = re.compile(r"^\.old-(?P<name>checkpoint-(?P<step>\d+))-[0-9a-f]+$")  # set aside by a re-save
 _SCRATCH = (".tmp-", ".old-", ".del-")
+LOCK_NAME = ".rlcore.lock"  # held by the run writing the folder (run_dir_lock)
 _SPECIAL = ("models", "optimizer", "scheduler")
 
 
@@ -556,6 +562,59 @@ def resume(run_dir: str | Path, state: TrainState, **kwargs: Any) -> TrainState:
     """``state`` restored from the latest checkpoint of ``run_dir``, or ``state`` itself if none."""
     latest = latest_checkpoint(run_dir)
     return state if latest is None else load_checkpoint(latest, state, **kwargs)
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
+    """Hold ``run_dir/.rlcore.lock`` while a run writes there: a second writer gets a clear error.
+
+    An operating-system lock (``filelock``): released on any exit, a killed run included, so a
+    crashed run never leaves a stale lock behind. Yields the lock file's path.
+
+    Raises:
+        RuntimeError: another process (or another run in this one) holds the folder.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(run_dir / LOCK_NAME))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise RuntimeError(f"run_dir: {run_dir} is in use by another run (its lock {lock.lock_file} is held); "
+                           "wait for that run to end, or pick another run_dir") from None
+    try:
+        yield Path(lock.lock_file)
+    finally:
+        lock.release()
+
+
+# Fields a resumed run may change: how long it runs, where and how often it logs, saves and evaluates.
+RESUMABLE_CHANGES = frozenset({"steps", "num_epochs", "resume", "run_dir", "save_every", "keep_last", "eval_every", "log_every",
+                               "eval_batch_size", "num_eval_images", "eval_seed", "device", "init_from"})
+
+
+def check_resume(checkpoint: str | Path, config: Mapping[str, Any], recipe: str) -> None:
+    """Refuse to resume ``checkpoint`` under another recipe, or with settings that change the run.
+
+    ``config`` (a plain dict) must match the one stored with the checkpoint in every field but
+    ``RESUMABLE_CHANGES`` (fields the stored config lacks are not compared).
+
+    Raises:
+        ValueError: naming the stored recipe, or every differing field with both values, and how
+            to proceed.
+    """
+    stored = checkpoint_info(checkpoint)["config"]
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{checkpoint}/config.json: expected a mapping, got {type(stored).__name__}")
+    if stored.get("recipe", recipe) != recipe:
+        raise ValueError(f"resume: {checkpoint} belongs to a {stored['recipe']!r} run, not {recipe!r}; pick another "
+                         f"run_dir (init_from={str(checkpoint)!r} starts a new run from its weights)")
+    changed = {k: (stored[k], v) for k, v in config.items()
+               if k in stored and k not in RESUMABLE_CHANGES and k != "recipe" and stored[k] != v}
+    if changed:
+        listed = ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in sorted(changed.items()))
+        raise ValueError(f"resume: {checkpoint} was written with {listed}; resume with the run's values, or pick "
+                         f"another run_dir (init_from={str(checkpoint)!r} starts a new run from its weights)")
 
 
 class Checkpointer:

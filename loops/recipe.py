@@ -29,6 +29,7 @@ Fields read from a config, with the defaults used when a recipe's ``Config`` lac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -44,7 +45,8 @@ import yaml
 from datasets import Dataset
 from torch import nn
 
-from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, verify_checkpoint
+from rlcore.loops.checkpoint import (Checkpointer, check_resume, latest_checkpoint, resume, run_dir_lock,
+                                     verify_checkpoint)
 from rlcore.loops.data import load_local
 from rlcore.loops.distributed import is_main, shard_source
 from rlcore.loops.fold import every, fold, to_floats
@@ -265,7 +267,9 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     ``run_dir`` is set, a ``Checkpointer`` every ``save_every`` steps and after the last one,
     keeping ``keep_last``, and ``make_loggers`` (``run_dir/metrics.jsonl`` and a progress line
     every ``log_every`` steps). With ``resume`` the state is first restored from the latest
-    checkpoint of ``run_dir`` (if any) and the fold continues from its ``step`` to ``num_steps``.
+    checkpoint of ``run_dir`` (if any; ``check_resume`` refuses another recipe's run or changed
+    settings) and the fold continues from its ``step`` to ``num_steps``. The main rank holds
+    ``run_dir``'s lock (``run_dir_lock``) for the whole run: a second writer gets an error.
     ``eval_every`` of 0 (or None) never evaluates, ``save_every`` of 0 saves at the end only;
     ``run_dir`` None or ``""`` writes nothing (no checkpoint, no log file).
 
@@ -282,19 +286,26 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
         check_config(config)
     name = name or type(config).__module__.rsplit(".", 1)[-1]
     run_dir = _get(config, "run_dir")
-    if run_dir and _get(config, "resume", False):
-        state = resume(run_dir, state)
-    cbs = list(callbacks)
-    eval_every = _get(config, "eval_every", 0)
-    if eval_fn is not None and eval_every:
-        cbs.append(every(eval_every, lambda s, m: {f"eval/{k}": v for k, v in eval_fn(s).items()}))
-    if run_dir:
-        cbs.append(Checkpointer(run_dir, every=_get(config, "save_every", 0) or max(num_steps, 1),
-                                keep_last=_get(config, "keep_last"), config={**config_dict(config), "recipe": name}))
-        if is_main():  # under torchrun, rank 0 logs (checkpoints handle ranks themselves)
-            cbs += make_loggers(run_dir, total=num_steps, stage=name, progress_every=_get(config, "log_every", 10) or 10)
-    # Under torchrun each item of the source is the global batch and every rank takes its share.
-    return fold(step, state, shard_source(source), num_steps=num_steps, callbacks=cbs)
+    settings = {**config_dict(config), "recipe": name} if dataclasses.is_dataclass(config) else {"recipe": name}
+    with run_dir_lock(run_dir) if run_dir and is_main() else contextlib.nullcontext():
+        latest = latest_checkpoint(run_dir) if run_dir and _get(config, "resume", False) else None
+        if latest is not None:
+            check_resume(latest, settings, name)
+            state = resume(run_dir, state)
+        cbs = list(callbacks)
+        eval_every = _get(config, "eval_every", 0)
+        if eval_fn is not None and eval_every:
+            cbs.append(every(eval_every, lambda s, m: {f"eval/{k}": v for k, v in eval_fn(s).items()}))
+        if run_dir:
+            if is_main():  # under torchrun, rank 0 logs (checkpoints handle ranks themselves)
+                cbs += make_loggers(run_dir, total=num_steps, stage=name,
+                                    progress_every=_get(config, "log_every", 10) or 10)
+            # after the loggers: a step's line is written before its checkpoint, so a run killed between
+            # the two resumes from the previous checkpoint and logs that step once
+            cbs.append(Checkpointer(run_dir, every=_get(config, "save_every", 0) or max(num_steps, 1),
+                                    keep_last=_get(config, "keep_last"), config=settings))
+        # Under torchrun each item of the source is the global batch and every rank takes its share.
+        return fold(step, state, shard_source(source), num_steps=num_steps, callbacks=cbs)
 
 
 # --- configs -----------------------------------------------------------------------------------
