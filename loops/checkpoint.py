@@ -569,7 +569,8 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
     """Hold ``run_dir/.rlcore.lock`` while a run writes there: a second writer gets a clear error.
 
     An operating-system lock (``filelock``): released on any exit, a killed run included, so a
-    crashed run never leaves a stale lock behind. Yields the lock file's path.
+    crashed run never leaves a stale lock behind (a killed run may leave the unlocked file; a normal
+    exit removes it). Yields the lock file's path.
 
     Raises:
         RuntimeError: another process (or another run in this one) holds the folder.
@@ -585,6 +586,8 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
     try:
         yield Path(lock.lock_file)
     finally:
+        with contextlib.suppress(OSError):  # removed while still held: the folder holds only the run's files
+            os.unlink(lock.lock_file)
         lock.release()
 
 
