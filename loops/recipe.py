@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import itertools
 import math
 import random
@@ -55,7 +56,7 @@ from rlcore.loops.models import build_model, build_tokenizer, disable_dropout, l
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.update import make_optimizer, make_scheduler
 
-__all__ = ["TINY_MODELS", "FIELD_DOCS", "FIELD_RULES", "check_config", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state", "load_splits",
+__all__ = ["TINY_MODELS", "FIELD_DOCS", "FIELD_RULES", "TRL_NAMES", "check_config", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state", "load_splits",
            "batch_source", "mean_metrics", "run", "load_config", "config_dict"]
 
 # What the fields shared by the recipes' configs mean (a field's own comment, where written, wins).
@@ -415,6 +416,31 @@ def check_config(config: Any) -> Any:
     return config
 
 
+# TRL's names for the fields of rlcore's recipes (a config written for TRL gets "did you mean" for them).
+# Batch sizes are absent on purpose: TRL's count completions per device, rlcore's ``batch_size`` prompts.
+TRL_NAMES: dict[str, tuple[str, ...]] = {
+    "learning_rate": ("lr",), "max_steps": ("steps",), "num_train_epochs": ("steps", "num_epochs"),
+    "save_steps": ("save_every",), "eval_steps": ("eval_every",), "logging_steps": ("log_every",),
+    "output_dir": ("run_dir",), "save_total_limit": ("keep_last",), "num_generations": ("num_samples",),
+    "max_completion_length": ("max_new_tokens", "max_length"), "response_length": ("max_new_tokens",),
+    "beta": ("kl_coef", "beta"), "model_name_or_path": ("model",), "resume_from_checkpoint": ("resume",),
+    "lr_scheduler_type": ("schedule",), "num_iterations": ("epochs",), "ppo_epochs": ("epochs",),
+    "cliprange": ("clip_eps_low", "clip_eps_high"), "epsilon": ("clip_eps_low", "clip_eps_high"),
+    "kl_penalty": ("kl",), "init_kl_coef": ("kl_coef",), "adap_kl_ctrl": ("kl_controller",),
+    "dataset_name": ("dataset",), "loss_type": ("loss_type", "loss"), "reward_model_path": ("reward_model",),
+    "sft_model_path": ("init_from",),
+}
+
+
+def _did_you_mean(key: str, fields: Mapping[str, Any]) -> str:
+    """A hint for an unknown config key: the field TRL's name maps to, else the closest field names."""
+    mapped = [f for f in TRL_NAMES.get(key, ()) if f in fields and f != key]
+    if mapped:
+        return f"did you mean {' or '.join(repr(f) for f in mapped)} (TRL's {key})?"
+    close = difflib.get_close_matches(key, list(fields), n=2, cutoff=0.75)
+    return f"did you mean {' or '.join(repr(f) for f in close)}?" if close else ""
+
+
 def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Any:
     """A ``cls`` (frozen dataclass) from a YAML file (``yaml.safe_load``) and overrides.
 
@@ -436,7 +462,8 @@ def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[st
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise ValueError(f"{path or cls.__name__}: unknown keys {unknown}; valid fields of {cls.__name__}: "
+        hints = "".join(f"; {k}: {hint}" for k in unknown if (hint := _did_you_mean(k, fields)))
+        raise ValueError(f"{path or cls.__name__}: unknown keys {unknown}{hints}; valid fields of {cls.__name__}: "
                          f"{sorted(fields)}")
     hints = typing.get_type_hints(cls)
     return check_config(cls(**{k: _coerce(v, hints[k], f"{cls.__name__}.{k}") for k, v in raw.items()}))

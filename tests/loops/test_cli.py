@@ -78,3 +78,19 @@ def test_a_recipe_runs_under_torchrun_with_two_ranks(tmp_path):
     assert len(list(run.glob("checkpoint-*"))) == 1
     lines = (run / "metrics.jsonl").read_text().strip().splitlines()
     assert len(lines) == 2  # rank 0 logs each step once
+
+
+@pytest.mark.parametrize("recipe,key,hint", [
+    ("grpo", "learning_rate", r"learning_rate: did you mean 'lr' \(TRL's learning_rate\)\?"),
+    ("grpo", "beta", r"beta: did you mean 'kl_coef' \(TRL's beta\)\?"),
+    ("grpo", "num_generations", r"num_generations: did you mean 'num_samples' \(TRL's num_generations\)\?"),
+    ("grpo", "max_completion_length", r"max_completion_length: did you mean 'max_new_tokens' \(TRL's max_completion_length\)\?"),
+    ("dpo", "max_completion_length", r"max_completion_length: did you mean 'max_length' \(TRL's max_completion_length\)\?"),
+    ("sft", "max_steps", r"max_steps: did you mean 'steps' \(TRL's max_steps\)\?"),
+    ("sft", "stpes", r"stpes: did you mean 'steps'\?"),
+])
+def test_unknown_keys_answer_did_you_mean(tmp_path, recipe, key, hint):
+    path = tmp_path / "trl.yaml"
+    path.write_text(f"{key}: 1\n")
+    with pytest.raises(ValueError, match=rf"unknown keys \['{key}'\]; {hint}; valid fields of Config"):
+        cli.main(["train", recipe, "--config", str(path)])
