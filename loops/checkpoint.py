@@ -432,9 +432,11 @@ def _trainable(models: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
 # --- public API ---------------------------------------------------------------------------------------
 def _write_contents(tmp: Path, state: TrainState, step: int, config: dict, models: Mapping[str, nn.Module],
                     extra_json: Any, metrics: Mapping[str, float], weights: Mapping[str, Any],
-                    optimizer_state: dict | None) -> None:
+                    optimizer_state: dict | None, tokenizer: Any = None) -> None:
     for name, model in models.items():
         _save_model(model, tmp / "models" / name, weights.get(name))
+    if tokenizer is not None and "policy" in models:  # the policy folder loads with from_pretrained, both halves
+        tokenizer.save_pretrained(tmp / "models" / "policy")
     if optimizer_state is not None:
         _write_pair(tmp, "optimizer", optimizer_state)
     if state.scheduler is not None:
@@ -452,7 +454,8 @@ def _write_contents(tmp: Path, state: TrainState, step: int, config: dict, model
 
 def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None = None, config: Any = None,
                     models: Mapping[str, nn.Module] | None = None, extra_json: Any = None,
-                    metrics: Mapping[str, float] | None = None, keep_last: int | None = None) -> Path:
+                    metrics: Mapping[str, float] | None = None, keep_last: int | None = None,
+                    tokenizer: Any = None) -> Path:
     """Write ``state`` to ``run_dir/checkpoint-{step}`` atomically; return that path.
 
     Args:
@@ -467,6 +470,8 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None 
         metrics: the latest metrics (floats), kept in ``trainer_state.json`` and the model card.
         keep_last: keep only the newest ``keep_last`` checkpoints (older ones are deleted after
             the new one is in place); ``None`` keeps all.
+        tokenizer: saved beside the policy's weights (``models/policy``), so that folder loads with
+            ``from_pretrained`` for both the model and its tokenizer.
     Returns:
         ``Path`` of the new checkpoint. Reads the global RNG states without changing them.
 
@@ -483,7 +488,7 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None 
     if dist_info().is_main:
         try:
             _write_checkpoint(run_dir, final, state, step, _as_dict(config), models, extra_json,
-                              dict(metrics or {}), weights, optimizer_state, keep_last)
+                              dict(metrics or {}), weights, optimizer_state, keep_last, tokenizer)
         except BaseException as e:  # noqa: BLE001 -- re-raised below, after the other ranks hear of it
             error = e
     ok = all_ranks_ok(error is None)  # the barrier: every rank waits for rank 0's write
@@ -496,12 +501,12 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None 
 
 def _write_checkpoint(run_dir: Path, final: Path, state: TrainState, step: int, config: dict,
                       models: Mapping[str, nn.Module], extra_json: Any, metrics: dict, weights: Mapping[str, Any],
-                      optimizer_state: dict | None, keep_last: int | None) -> None:
+                      optimizer_state: dict | None, keep_last: int | None, tokenizer: Any = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".tmp-step-{step}-{secrets.token_hex(4)}"  # secrets: leaves `random` untouched
     tmp.mkdir()
     try:
-        _write_contents(tmp, state, step, config, models, extra_json, metrics, weights, optimizer_state)
+        _write_contents(tmp, state, step, config, models, extra_json, metrics, weights, optimizer_state, tokenizer)
         _write_manifest(tmp)
         _fsync_tree(tmp)
         _publish(tmp, final)
@@ -628,12 +633,13 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str | Path, *, every: int, keep_last: int | None = None, config: Any = None,
-                 models: Mapping[str, nn.Module] | None = None, extra_json: Any = None, at_end: bool = True):
+                 models: Mapping[str, nn.Module] | None = None, extra_json: Any = None, at_end: bool = True,
+                 tokenizer: Any = None):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every: expected a positive int, got {every!r}")
         _check_keep_last(keep_last)
         self.run_dir, self.every, self.at_end = Path(run_dir), every, at_end
-        self.kwargs = dict(keep_last=keep_last, config=config, models=models, extra_json=extra_json)
+        self.kwargs = dict(keep_last=keep_last, config=config, models=models, extra_json=extra_json, tokenizer=tokenizer)
         self.saved: list[Path] = []
         self._metrics: dict = {}
 

@@ -309,4 +309,4 @@ def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainS
                              max_grad_norm=config.max_grad_norm)
     eval_fn = functools.partial(_evaluate, data=held_out, tokenizer=tokenizer, config=config, loss=loss)
     return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="dpo",
-               callbacks=callbacks)
+               callbacks=callbacks, tokenizer=tokenizer)

@@ -454,4 +454,4 @@ def train_online(config: Any, step: Callable[..., tuple[TrainState, Any]], *, re
     eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
                                 reward_fn=reward)
     return run(bound, state, prompt_source(train_ds, config), config=config, num_steps=config.steps,
-               eval_fn=eval_fn, name=name, callbacks=callbacks)
+               eval_fn=eval_fn, name=name, callbacks=callbacks, tokenizer=tokenizer)

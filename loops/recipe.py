@@ -260,7 +260,8 @@ def mean_metrics(results: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, 
 # --- the run -----------------------------------------------------------------------------------
 def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], Iterable], *, config: Any,
         num_steps: int, eval_fn: Callable[[TrainState], Mapping[str, float]] | None = None,
-        name: str | None = None, callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
+        name: str | None = None, callbacks: Sequence[Callable] = (),
+        tokenizer: Any = None) -> tuple[TrainState, list[dict[str, float]]]:
     """``fold(step, state, source)`` with the standard callbacks of a recipe, from ``config``.
 
     In order after each step: ``callbacks`` (extra ones, first); ``eval_fn(state)`` every
@@ -280,6 +281,7 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
         source: an iterable or a resumable ``start -> iterable`` (``batch_source``).
         num_steps: the step the run ends at.
         name: the recipe's name (progress line, model card); default: the config class's module.
+        tokenizer: saved in every checkpoint beside the policy (``save_checkpoint``).
     Returns:
         ``(state, history)`` of ``fold``.
     """
@@ -304,7 +306,7 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
             # after the loggers: a step's line is written before its checkpoint, so a run killed between
             # the two resumes from the previous checkpoint and logs that step once
             cbs.append(Checkpointer(run_dir, every=_get(config, "save_every", 0) or max(num_steps, 1),
-                                    keep_last=_get(config, "keep_last"), config=settings))
+                                    keep_last=_get(config, "keep_last"), config=settings, tokenizer=tokenizer))
         # Under torchrun each item of the source is the global batch and every rank takes its share.
         return fold(step, state, shard_source(source), num_steps=num_steps, callbacks=cbs)
 

@@ -290,7 +290,7 @@ def train_reft_sft(config: ReftConfig, *, model: nn.Module | None = None, tokeni
                              max_grad_norm=config.max_grad_norm)
     source = batch_source(train, config.batch_size, _collate_fn(tokenizer, spec), seed=config.seed)
     return run(step, state, source, config=config, num_steps=config.steps, name="reft_sft",
-               eval_fn=lambda s: reft_eval_loss(s, eval_batches), callbacks=callbacks)
+               eval_fn=lambda s: reft_eval_loss(s, eval_batches), callbacks=callbacks, tokenizer=tokenizer)
 
 
 def checkpoint_state(config: ReftConfig, path: str | Path) -> TrainState:

@@ -186,4 +186,4 @@ def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainS
                              micro_batch_size=config.micro_batch_size, max_grad_norm=config.max_grad_norm)
     eval_fn = functools.partial(_evaluate, data=held_out, tokenizer=tokenizer, config=config)
     return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="reward",
-               callbacks=callbacks)
+               callbacks=callbacks, tokenizer=tokenizer)

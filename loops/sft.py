@@ -207,4 +207,4 @@ def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainS
                              max_grad_norm=config.max_grad_norm, examples=config.batch_size)
     eval_fn = functools.partial(_evaluate, data=held_out, tokenizer=tokenizer, config=config)
     return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="sft",
-               callbacks=callbacks)
+               callbacks=callbacks, tokenizer=tokenizer)

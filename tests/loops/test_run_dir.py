@@ -71,3 +71,20 @@ def test_a_kill_right_after_a_checkpoint_loses_no_logged_step(tmp_path, monkeypa
     state, _ = sft.train(sft.Config(**TINY, steps=5, save_every=1, run_dir=run, resume=True))
     assert state.step == 5
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+
+
+def test_a_checkpoints_policy_folder_loads_with_from_pretrained_model_and_tokenizer(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlcore.loops.recipe import policy_tokenizer
+    state, _ = sft.train(sft.Config(**TINY, steps=1, run_dir=str(tmp_path)))
+    folder = tmp_path / "checkpoint-1" / "models" / "policy"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    ours = policy_tokenizer(sft.Config(**TINY))
+    text = "spell: abc\n"
+    assert tokenizer(text)["input_ids"] == ours(text)["input_ids"] and tokenizer.pad_token_id == ours.pad_token_id
+    assert tokenizer.chat_template == ours.chat_template
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    with torch.no_grad():  # loaded weights sit at other alignments: BLAS rounds differently (seen ~1e-5)
+        torch.testing.assert_close(model(ids).logits, state.model()(ids).logits, rtol=1e-4, atol=1e-4)
