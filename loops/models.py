@@ -39,7 +39,7 @@ __all__ = [
     "build_model", "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS",
     "disable_dropout", "position_ids_from_mask", "last_token_index", "trunk_hidden", "cache_keyword", "cache_length",
     "ValueHead", "policy_and_values", "token_values", "reward_model_scores",
-    "call_reward_fn", "import_reward_fn", "combine_rewards", "missing_eos_penalty",
+    "call_reward_fn", "import_reward_fn", "reward_columns", "combine_rewards", "missing_eos_penalty",
     "make_reference", "reference_via_disabled_adapter",
 ]
 
@@ -510,6 +510,26 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[s
     return torch.where(opinion, scores, math.nan)
 
 
+def reward_columns(fn: RewardFn) -> tuple[str, ...]:
+    """The dataset columns ``fn`` cannot run without: its ``required_columns`` attribute when set
+    (``combine_rewards`` sets the union of its functions'), else the parameters its signature
+    requires besides ``prompts`` and ``completions`` (no default, not ``*args`` / ``**kwargs``).
+
+    >>> def correct(completions, answer, **kwargs): ...
+    >>> reward_columns(correct)
+    ('answer',)
+    """
+    if hasattr(fn, "required_columns"):
+        return tuple(fn.required_columns)
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    named = parameters if _by_keyword(fn) else parameters[2:]
+    return tuple(p.name for p in named if p.default is p.empty and p.name not in ("prompts", "completions")
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
 def import_reward_fn(spec: str) -> RewardFn:
     """The reward function ``"package.module:function"`` names (a config's ``reward_funcs``).
 
@@ -555,6 +575,7 @@ def combine_rewards(funcs: Sequence[RewardFn], weights: Sequence[float] | None =
         total = torch.where(missing, 0.0, w * r).sum(0)
         return [None if gone else value for gone, value in zip(missing.all(0).tolist(), total.tolist())]
 
+    combined.required_columns = tuple(dict.fromkeys(c for f in funcs for c in reward_columns(f)))
     return combined
 
 

@@ -48,7 +48,8 @@ from rlcore import keys as K
 from rlcore.kl import kl_estimate
 from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.fold import to_floats
-from rlcore.loops.models import combine_rewards, disable_dropout, import_reward_fn, load_model, make_reference
+from rlcore.loops.models import (combine_rewards, disable_dropout, import_reward_fn, load_model, make_reference,
+                                 reward_columns)
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
 from rlcore.loops.score import score_rollout, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
@@ -57,7 +58,7 @@ from rlcore.loops.update import update
 from rlcore.masked import masked_sum
 from rlcore.transforms import observed_kl
 
-__all__ = ["OnlineConfig", "make_reward_fn", "exclude_unscored", "build_online_state", "prompt_source", "update_sizes",
+__all__ = ["OnlineConfig", "make_reward_fn", "exclude_unscored", "check_prompt_data", "build_online_state", "prompt_source", "update_sizes",
            "repeat_columns", "generate_kwargs", "collect_rollout", "score_collected", "online_step",
            "with_policy_logprobs", "policy_loss_fn", "policy_update", "rollout_metrics",
            "evaluate_policy", "train_online"]
@@ -132,6 +133,20 @@ def make_reward_fn(config: Any, reward_fn: RewardFn | Sequence[RewardFn] | None 
     if not funcs:
         return None if config.reward_model else task_reward(config.task)
     return funcs[0] if len(funcs) == 1 and weights is None else combine_rewards(funcs, weights)
+
+
+def check_prompt_data(reward: RewardFn | None, **splits: Dataset) -> None:
+    """Fail before training when a prompt dataset cannot feed the run: every split needs a ``prompt``
+    column, and the columns the reward function reads (``reward_columns``: ``answer`` for the
+    built-in task reward). The error names the split, its columns and what is missing."""
+    wanted = ("prompt", *(reward_columns(reward) if reward is not None else ()))
+    for where, data in splits.items():
+        missing = [c for c in wanted if c not in data.column_names]
+        if missing:
+            reader = getattr(reward, "__name__", "the reward function")
+            raise ValueError(f"dataset: the {where} split has columns {data.column_names} but the run needs {missing} "
+                             f"('prompt' to generate from; the others are read by {reader}); add them, or pass a "
+                             "reward function (reward_funcs) or a reward_model that needs no answer")
 
 
 def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mapping[str, nn.Module]] | None = None,
@@ -447,9 +462,10 @@ def train_online(config: Any, step: Callable[..., tuple[TrainState, Any]], *, re
         ``(state, history)`` of ``rlcore.loops.recipe.run`` (checkpoints, logs and resume from
         the config's run fields).
     """
-    state, tokenizer = build_online_state(config, **state_kwargs)
     train_ds, eval_ds = load_splits(config, task_dataset)
     reward = make_reward_fn(config, reward_fn)
+    check_prompt_data(reward, train=train_ds, held_out=eval_ds)  # before any model is built
+    state, tokenizer = build_online_state(config, **state_kwargs)
     bound = functools.partial(step, config=config, tokenizer=tokenizer, reward_fn=reward)
     eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
                                 reward_fn=reward)

@@ -141,3 +141,27 @@ def test_none_is_no_opinion_and_leaves_the_group_statistics():
     per_sample = torch.where(mask, batch[K.ADVANTAGES], 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
     expected = grpo_advantage(batch[K.SCORE][1:4][None])[0]  # the three scored samples of prompt 0 alone
     torch.testing.assert_close(per_sample[1:4], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_datasets_are_checked_for_the_columns_the_run_reads_before_any_model(tmp_path, monkeypatch):
+    from rlcore.loops import online
+    from rlcore.loops.models import reward_columns
+    built = []
+    monkeypatch.setattr(online, "build_online_state", lambda *a, **k: built.append(1))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    config = grpo.Config(**TINY, dataset=str(rows))
+    with pytest.raises(ValueError, match=r"dataset: the train split has columns \['question', 'answer'\] but the run "
+                                         r"needs \['prompt'\]"):
+        grpo.train(config)
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(40)))
+    with pytest.raises(ValueError, match=r"needs \['answer'\] \('prompt' to generate from; the others are read by "
+                                         r"add_reward\)"):
+        grpo.train(config)  # the built-in task reward reads `answer`
+
+    def correct(completions, solution, **kwargs):  # TRL style: the column it reads is a parameter
+        return [0.0] * len(completions)
+    assert reward_columns(correct) == ("solution",)
+    with pytest.raises(ValueError, match=r"needs \['solution'\] .* read by correct"):
+        grpo.train(config, reward_fn=correct)
+    assert built == []
