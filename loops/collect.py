@@ -317,6 +317,18 @@ def _generate_hf(model: nn.Module, batch: TensorDict, *, record: Callable | None
     return response, None if record is None else record(out, response, temperature if do_sample else 1.0)
 
 
+def _check_context(model: nn.Module, prompt_mask: torch.Tensor, max_new_tokens: int) -> None:
+    """Refuse prompts that, with the response budget, run past the model's context (positions beyond
+    ``max_position_embeddings`` index past GPT-2's position table, or leave Llama's trained range)."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    longest = int(prompt_mask.sum(-1).max()) if prompt_mask.numel() else 0
+    if isinstance(context, int) and longest + max_new_tokens > context:
+        raise ValueError(f"prompts: the longest has {longest} tokens, which with max_new_tokens={max_new_tokens} "
+                         f"exceeds the model's context of {context} (max_position_embeddings); set "
+                         f"max_prompt_length <= {max(context - max_new_tokens, 0)} to keep each prompt's last tokens, "
+                         "or lower max_new_tokens")
+
+
 def draw_seed(generator: torch.Generator) -> int:
     """One sampling seed from ``generator`` (advancing it): ``randint(0, 2**62)`` on its device, the
     draw ``generate_rollout(generator=...)`` makes. Item ``i``'s seed in every online loop."""
@@ -407,6 +419,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
     batch = _prompts(prompts, tokenizer, pad, max_prompt_length).to(device)
     if length_sampler is not None:
         max_new_tokens = int(length_sampler())
+    _check_context(model, batch[K.PROMPT_MASK], max_new_tokens)
     if generator is not None:
         seed = draw_seed(generator)
     devices = [device] if device.type == "cuda" else []

@@ -5,6 +5,7 @@ import math
 import textwrap
 
 import pytest
+from rlcore import keys as K
 import torch
 
 from rlcore.loops import cli, grpo
@@ -165,3 +166,17 @@ def test_datasets_are_checked_for_the_columns_the_run_reads_before_any_model(tmp
     with pytest.raises(ValueError, match=r"needs \['solution'\] .* read by correct"):
         grpo.train(config, reward_fn=correct)
     assert built == []
+
+
+def test_prompts_past_the_models_context_are_refused_with_the_fix():
+    from rlcore.loops.collect import generate_rollout
+    from rlcore.loops.models import build_model, build_tokenizer
+    tokenizer = build_tokenizer()
+    for arch in ("llama", "gpt2"):
+        model = build_model(arch, tokenizer=tokenizer, hidden_size=16, num_layers=1, num_heads=2,
+                            max_position_embeddings=32).eval()
+        with pytest.raises(ValueError, match=r"prompts: the longest has 40 tokens, which with max_new_tokens=4 exceeds "
+                                             r"the model's context of 32 .* set max_prompt_length <= 28"):
+            generate_rollout(model, tokenizer, ["x" * 40], max_new_tokens=4, sampler="gumbel")
+        kept = generate_rollout(model, tokenizer, ["x" * 40], max_new_tokens=4, max_prompt_length=28, sampler="gumbel")
+        assert kept[K.PROMPT_IDS].shape[1] == 28

@@ -200,9 +200,16 @@ def test_greedy_decoding_matches_the_model(policy, tokenizer):
 
 @needs_vllm
 def test_too_long_for_the_engine_is_a_clear_error(policy, tokenizer):
-    with pytest.raises(ValueError, match=r"prompt_ids: the longest prompt \(\d+ tokens\) plus max_new_tokens "
-                                         r"\(300\) exceeds the engine's max_model_len \(256\)"):
+    # the engine's max_model_len defaults to the model's context, which generate_rollout checks first for
+    # every engine; a smaller max_model_len in engine_options is checked by the engine (vllm_generate)
+    with pytest.raises(ValueError, match=r"prompts: the longest has \d+ tokens, which with max_new_tokens=300 "
+                                         r"exceeds the model's context of 256"):
         _vllm(policy, tokenizer, max_new_tokens=300)
+    from rlcore.loops.vllm_engine import engine_for, vllm_generate
+    ids, mask = torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"prompt_ids: the longest prompt \(4 tokens\) plus max_new_tokens "
+                                         r"\(300\) exceeds the engine's max_model_len \(256\)"):
+        vllm_generate(engine_for(policy), ids, mask, max_new_tokens=300, stop_token_ids=[0], pad_token_id=0)
 
 
 @needs_vllm
