@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,6 +116,7 @@ class OnlineConfig:
     keep_last: int | None = 2        # checkpoints kept (None: all)
     eval_every: int = 0              # evaluate on the held-out split every N steps (0: never)
     eval_batch_size: int = 32        # held-out prompts per generation batch in evaluation
+    log_completions: int = 0         # held-out prompts whose greedy completions and rewards each evaluation writes to run_dir/completions.jsonl (TRL num_sample_generations / log_completions)
     log_every: int = 10              # progress line every N steps
     resume: bool = False             # continue from the latest checkpoint of run_dir
 
@@ -401,7 +404,9 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)
     reference = generate_rollout(state.model("ref"), tokenizer, prompts, do_sample=False, behaviour=None, **gen)
     reward, ref_reward = score_rollout(greedy, **scoring)[K.SCORE], score_rollout(reference, **scoring)[K.SCORE]
-    out = {"reward": reward, "response_length": greedy[K.RESPONSE_MASK].sum(-1).float(),
+    texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(greedy[K.RESPONSE_IDS], greedy[K.RESPONSE_MASK])],
+                                   skip_special_tokens=True)
+    out = {"reward": reward, "response_length": greedy[K.RESPONSE_MASK].sum(-1).float(), "_completions": texts,
            # win-rate against the reference policy, greedy both: 1 per win, ½ per tie; NaN (left out) unscored
            "win_rate": torch.where(reward.isnan() | ref_reward.isnan(), math.nan,
                                    (reward > ref_reward).float() + 0.5 * (reward == ref_reward).float())}
@@ -429,7 +434,9 @@ def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: 
     ``config.temperature``, both log-probs at that temperature). ``exact_match`` needs an ``answer``
     column (omitted otherwise). Prompts go ``config.eval_batch_size`` at a time; chunk ``i`` samples
     with the fixed seed ``config.seed + i`` (not ``state.rng``, not the global RNG), so evaluating
-    never changes training and the same state always gets the same numbers.
+    never changes training and the same state always gets the same numbers. With ``run_dir`` and
+    ``log_completions = n``, the first ``n`` prompts, their greedy completions and rewards are
+    appended to ``run_dir/completions.jsonl``.
 
     Args:
         dataset: the held-out split (default: ``load_splits(config, task_dataset)[1]``).
@@ -443,8 +450,24 @@ def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: 
     n, size = len(dataset), config.eval_batch_size
     chunks = [_evaluate_rows(state, dataset[i:i + size], config, tokenizer=tokenizer, reward_fn=reward_fn,
                              seed=config.seed + i // size) for i in range(0, n, size)]
+    texts = [t for c in chunks for t in c.pop("_completions")]
+    if config.run_dir and getattr(config, "log_completions", 0) > 0:
+        _write_completions(Path(config.run_dir), state.step, dataset, texts, torch.cat([c["reward"] for c in chunks]),
+                           config.log_completions)
     # nanmean: a prompt the reward function had no opinion on (None) is left out of the reward means
     return to_floats({k: torch.cat([c[k] for c in chunks]).float().nanmean() for k in chunks[0]})
+
+
+def _write_completions(run_dir: Path, step: int, dataset: Dataset, completions: Sequence[str], rewards: torch.Tensor,
+                       n: int) -> None:
+    """Append the first ``n`` held-out prompts, their greedy completions and rewards (``null``: no opinion)
+    to ``run_dir/completions.jsonl``, one line each, stamped with the step."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "completions.jsonl", "a", encoding="utf-8") as f:
+        for i in range(min(n, len(completions))):
+            reward = float(rewards[i])
+            f.write(json.dumps({"step": step, "prompt": dataset[i]["prompt"], "completion": completions[i],
+                                "reward": reward if math.isfinite(reward) else None}) + "\n")
 
 
 # --- the run -------------------------------------------------------------------------------------

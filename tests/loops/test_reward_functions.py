@@ -180,3 +180,15 @@ def test_prompts_past_the_models_context_are_refused_with_the_fix():
             generate_rollout(model, tokenizer, ["x" * 40], max_new_tokens=4, sampler="gumbel")
         kept = generate_rollout(model, tokenizer, ["x" * 40], max_new_tokens=4, max_prompt_length=28, sampler="gumbel")
         assert kept[K.PROMPT_IDS].shape[1] == 28
+
+
+def test_evaluations_write_the_completions_table(tmp_path):
+    run = tmp_path / "run"
+    config = grpo.Config(**{**TINY, "max_new_tokens": 4, "run_dir": str(run)}, steps=2, batch_size=2, num_samples=2,
+                         eval_every=1,
+                         log_completions=3)
+    grpo.train(config)
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]
+    assert all(set(r) == {"step", "prompt", "completion", "reward"} and isinstance(r["completion"], str) for r in rows)
+    assert rows[0]["prompt"] == rows[3]["prompt"]  # the same held-out prompts at every evaluation
