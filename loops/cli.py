@@ -3,7 +3,10 @@
 ``rlcore train RECIPE [--config FILE.yaml] [--FIELD VALUE ...]`` runs a recipe of ``RECIPES``;
 its options are the fields of the recipe's ``Config`` (``rlcore train RECIPE --help`` lists them
 with their defaults and documentation). Values given on the command line override the YAML,
-which overrides the defaults; unknown fields are an error that lists the valid ones.
+which overrides the defaults; unknown fields are an error that lists the valid ones. ``--async``
+(GRPO, RLOO, PPO, online DPO) runs the recipe with ``loops.async_rl.train_async``: generation in
+its own process at most ``--max_lag`` policy versions behind, ``--is_clip`` capping the importance
+weights.
 
 ``rlcore eval RECIPE --checkpoint DIR`` evaluates a saved policy on the recipe's held-out split,
 against the policy its run started from (the reference for KL); a recipe whose state is not a
@@ -105,7 +108,12 @@ def _train(args: argparse.Namespace) -> int:
     init_distributed()  # joins torchrun's process group; a no-op in one process
     module = recipe_module(args.recipe)
     config = _config(module, args)
-    _, history = module.train(config)
+    if args.run_async:
+        from rlcore.loops.async_rl import train_async
+
+        _, history = train_async(config, algorithm=args.recipe, max_lag=args.max_lag, is_clip=args.is_clip)
+    else:
+        _, history = module.train(config)
     if history:
         print(json.dumps({"final": history[-1]}, indent=None))
     return 0
@@ -165,6 +173,14 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         p.add_argument("recipe", choices=sorted(RECIPES), help="which recipe")
         if command == "eval":
             p.add_argument("--checkpoint", required=True, help="a checkpoint directory or a run directory")
+        else:
+            scale = p.add_argument_group("asynchronous off-policy training (grpo, rloo, ppo, online_dpo; "
+                                         "rlcore.loops.async_rl)")
+            scale.add_argument("--async", dest="run_async", action="store_true",
+                               help="generate in a separate process, at most --max_lag policy versions behind")
+            scale.add_argument("--max_lag", type=int, default=1, help="policy versions the generator may lag [default: 1]")
+            scale.add_argument("--is_clip", type=float, default=None,
+                               help="truncated importance weight cap (None: the loss's clipped ratio only) [default: None]")
         if recipe in RECIPES and argv[0] == command:
             _recipe_parser(p, recipe_module(recipe).Config)
         else:

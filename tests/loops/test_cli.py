@@ -94,3 +94,14 @@ def test_unknown_keys_answer_did_you_mean(tmp_path, recipe, key, hint):
     path.write_text(f"{key}: 1\n")
     with pytest.raises(ValueError, match=rf"unknown keys \['{key}'\]; {hint}; valid fields of Config"):
         cli.main(["train", recipe, "--config", str(path)])
+
+
+def test_train_async_from_the_cli(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli.main(["train", "rloo", "--async", "--max_lag", "1", "--steps", "2", "--batch_size", "2",
+                     "--num_samples", "2", "--hidden_size", "16", "--num_layers", "1", "--num_heads", "2",
+                     "--num_train", "8", "--num_eval", "4", "--max_new_tokens", "4", "--run_dir", str(run)]) == 0
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final"]
+    assert "async/staleness" in final and final["optimizer_steps"] >= 1
+    with pytest.raises(ValueError, match=r"algorithm: unknown 'sft'"):
+        cli.main(["train", "sft", "--async", "--steps", "1", "--run_dir", "null"])
