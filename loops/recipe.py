@@ -419,7 +419,8 @@ def check_config(config: Any) -> Any:
 
 
 # TRL's names for the fields of rlcore's recipes (a config written for TRL gets "did you mean" for them).
-# Batch sizes are absent on purpose: TRL's count completions per device, rlcore's ``batch_size`` prompts.
+# Batch sizes are absent on purpose: TRL's count completions per device, rlcore's ``batch_size`` prompts
+# (docs/from_trl.md); gradient accumulation maps to ``micro_batch_size``, which sets rows per forward.
 TRL_NAMES: dict[str, tuple[str, ...]] = {
     "learning_rate": ("lr",), "max_steps": ("steps",), "num_train_epochs": ("steps", "num_epochs"),
     "save_steps": ("save_every",), "eval_steps": ("eval_every",), "logging_steps": ("log_every",),
@@ -430,7 +431,8 @@ TRL_NAMES: dict[str, tuple[str, ...]] = {
     "cliprange": ("clip_eps_low", "clip_eps_high"), "epsilon": ("clip_eps_low", "clip_eps_high"),
     "kl_penalty": ("kl",), "init_kl_coef": ("kl_coef",), "adap_kl_ctrl": ("kl_controller",),
     "dataset_name": ("dataset",), "loss_type": ("loss_type", "loss"), "reward_model_path": ("reward_model",),
-    "sft_model_path": ("init_from",),
+    "sft_model_path": ("init_from",), "gradient_accumulation_steps": ("micro_batch_size",),
+    "epsilon_high": ("clip_eps_high",), "train_dataset": ("dataset",), "num_completions_to_print": ("log_completions",),
 }
 
 
