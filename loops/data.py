@@ -50,7 +50,7 @@ from rlcore import keys as K
 from rlcore.loops.models import pad_token_id
 
 __all__ = [
-    "FORMATS", "detect_format", "load_local", "TRUNCATIONS", "tokenize_example", "tokenize_dataset",
+    "FORMATS", "detect_format", "split_implicit_prompt", "preference_format", "load_local", "TRUNCATIONS", "tokenize_example", "tokenize_dataset",
     "pad_sequences", "COLLATORS", "collate", "collate_prompts", "collate_sequences", "collate_preference",
     "collate_unpaired", "collate_mismatched", "iterate_batches", "pack_sequences",
 ]
@@ -59,6 +59,7 @@ __all__ = [
 # all present.
 FORMATS: dict[str, tuple[str, ...]] = {
     "preference": ("prompt", "chosen", "rejected"),
+    "implicit_preference": ("chosen", "rejected"),  # the prompt is the answers' shared start (TRL)
     "unpaired": ("prompt", "completion", "label"),
     "prompt_completion": ("prompt", "completion"),
     "conversational": ("messages",),
@@ -170,7 +171,38 @@ def _columns(format: str, row: Mapping, where: str) -> dict[str, Any]:
         return {"prompt": messages[:-1], "completion": messages[-1:]}
     if format == "language_modeling":
         return {"prompt": "", "completion": row["text"]}
+    if format == "implicit_preference":
+        return split_implicit_prompt(row["chosen"], row["rejected"], where)
     return {c: row[c] for c in FORMATS[format]}
+
+
+def split_implicit_prompt(chosen: Any, rejected: Any, where: str = "row") -> dict[str, Any]:
+    """``{"prompt", "chosen", "rejected"}`` from two answers that repeat their prompt (TRL's implicit prompt).
+
+    Conversations: the prompt is the messages both share from the start, the answers the rest.
+    Text: the longest common start, less a space it ends with (the space stays with the answers).
+    Raises ``ValueError`` when the two share nothing, or when one is all prompt.
+
+    >>> split_implicit_prompt("Q: 1+1? A: 2", "Q: 1+1? A: 3")
+    {'prompt': 'Q: 1+1? A:', 'chosen': ' 2', 'rejected': ' 3'}
+    """
+    conversation = _is_conversation(chosen)
+    if conversation != _is_conversation(rejected):
+        raise ValueError(f"{where}: chosen and rejected must both be conversations or both be text")
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if not conversation and n > 0 and chosen[n - 1] == " ":
+        n -= 1
+    if n == 0 or n == len(chosen) or n == len(rejected):
+        raise ValueError(f"{where}: chosen and rejected share {'no' if n == 0 else 'all of their'} start, so no "
+                         "prompt can be split off; add a 'prompt' column")
+    return {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
+def preference_format(columns: Sequence[str]) -> str:
+    """``"preference"`` with a ``prompt`` column, else ``"implicit_preference"`` (chosen / rejected only)."""
+    return "preference" if "prompt" in columns else "implicit_preference"
 
 
 def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
@@ -379,6 +411,7 @@ def collate_mismatched(rows, *, pad_id: int) -> TensorDict:
 
 COLLATORS: dict[str, Callable[..., TensorDict]] = {
     "preference": collate_preference,
+    "implicit_preference": collate_preference,
     "unpaired": collate_unpaired,
     "prompt_completion": collate_sequences,
     "conversational": collate_sequences,

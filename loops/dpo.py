@@ -46,7 +46,7 @@ from rlcore import keys as K
 from rlcore.algorithms.dpo import DPO_LOSSES, dpo
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.data import (collate_mismatched, collate_preference, collate_unpaired, iterate_batches,
-                               tokenize_dataset)
+                               preference_format, tokenize_dataset)
 from rlcore.loops.models import make_reference, pad_token_id
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
                                  policy_tokenizer, run)
@@ -242,7 +242,7 @@ def _prepare(data: Dataset, tokenizer, config: Config) -> Dataset:
     if config.truncation_mode not in ("keep_end", "keep_start"):
         raise ValueError(f"truncation_mode: expected 'keep_end' or 'keep_start', got {config.truncation_mode!r}")
     # TRL's rule: the prompt is cut only when prompt + the longer answer exceed max_length, then the answers
-    return tokenize_dataset(data, tokenizer, format="preference", max_length=config.max_length,
+    return tokenize_dataset(data, tokenizer, format=preference_format(data.column_names), max_length=config.max_length,
                             max_prompt_length=config.max_prompt_length, prompt_truncation=config.truncation_mode,
                             prompt_cut="if_too_long")
 

@@ -35,7 +35,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.reward import reward_loss
-from rlcore.loops.data import collate_preference, tokenize_dataset
+from rlcore.loops.data import collate_preference, preference_format, tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
                                  policy_tokenizer, run)
@@ -146,7 +146,7 @@ def reward_step(state: TrainState, batch: TensorDictBase, *, margin_key: str | N
 
 # --- evaluation ----------------------------------------------------------------------------------
 def _prepare(data: Dataset, tokenizer, config: Config) -> Dataset:
-    return tokenize_dataset(data, tokenizer, format="preference", max_length=config.max_length,
+    return tokenize_dataset(data, tokenizer, format=preference_format(data.column_names), max_length=config.max_length,
                             max_prompt_length=config.max_prompt_length)
 
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from rlcore import keys as K
 from rlcore.loops.data import (COLLATORS, FORMATS, TRUNCATIONS, collate, collate_mismatched, collate_preference,
                                collate_prompts, collate_sequences, detect_format, iterate_batches, load_local,
-                               pack_sequences, pad_sequences, tokenize_dataset, tokenize_example)
+                               pack_sequences, pad_sequences, split_implicit_prompt, tokenize_dataset,
+                               tokenize_example)
 from rlcore.loops.models import build_model, build_tokenizer
 from rlcore.loops.score import token_logprobs_from_model
 
@@ -19,6 +20,7 @@ datasets.disable_progress_bars()
 
 ROWS = {
     "preference": {"prompt": "1+1=", "chosen": "2", "rejected": "11"},
+    "implicit_preference": {"chosen": "1+1=2", "rejected": "1+1=11"},
     "unpaired": {"prompt": "1+1=", "completion": "2", "label": True},
     "prompt_completion": {"prompt": "1+1=", "completion": "2"},
     "conversational": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
@@ -361,3 +363,20 @@ def test_if_too_long_leaves_a_prompt_that_fits(tokenizer):
     assert len(always["prompt_ids"]) == 2  # the other rule cuts whenever the prompt is longer
     with pytest.raises(ValueError, match=r"prompt_cut: unknown 'never'; valid: \['always', 'if_too_long'\]"):
         tokenize_example(row, tokenizer, prompt_cut="never")
+
+
+def test_implicit_prompt_is_the_shared_start(tokenizer):
+    text = split_implicit_prompt("Q: 1+1? A: 2", "Q: 1+1? A: 11")
+    assert text == {"prompt": "Q: 1+1? A:", "chosen": " 2", "rejected": " 11"}
+    user = [{"role": "user", "content": "1+1?"}]
+    chat = split_implicit_prompt(user + [{"role": "assistant", "content": "2"}],
+                                 user + [{"role": "assistant", "content": "3"}])
+    assert chat["prompt"] == user and chat["chosen"] == [{"role": "assistant", "content": "2"}]
+    with pytest.raises(ValueError, match=r"row: chosen and rejected share no start"):
+        split_implicit_prompt("yes", "no")
+    with pytest.raises(ValueError, match=r"share all of their start"):
+        split_implicit_prompt("ab", "abc")
+    assert detect_format(["chosen", "rejected"]) == "implicit_preference"
+    assert detect_format(["prompt", "chosen", "rejected"]) == "preference"
+    explicit = tokenize_example({"prompt": "Q: 1+1? A:", "chosen": " 2", "rejected": " 11"}, tokenizer)
+    assert tokenize_example({"chosen": "Q: 1+1? A: 2", "rejected": "Q: 1+1? A: 11"}, tokenizer) == explicit

@@ -195,3 +195,14 @@ def test_truncation_follows_trl_and_the_configured_mode():
         assert len(row["rejected_ids"]) == 10 - 3  # still too long: the answers cut to max_length − max_prompt_length
     with pytest.raises(ValueError, match=r"truncation_mode: expected 'keep_end' or 'keep_start', got 'middle'"):
         dpo._prepare(data, tokenizer, dpo.Config(truncation_mode="middle"))
+
+
+def test_dpo_trains_on_pairs_with_an_implicit_prompt(tmp_path):
+    import json
+    from rlcore.loops import dpo
+    rows = [{"chosen": f"{i}+1={i + 1}", "rejected": f"{i}+1={i + 2}"} for i in range(40)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = dpo.Config(dataset=str(tmp_path / "pairs.jsonl"), hidden_size=16, num_layers=1, num_heads=2, steps=2,
+                        batch_size=4, num_eval=4, run_dir=None)
+    state, history = dpo.train(config)
+    assert state.optimizer_steps == 2 and history[-1]["loss"] > 0
