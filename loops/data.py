@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import datasets
 from datasets import Dataset
 from tensordict import TensorDict
 
@@ -88,8 +89,9 @@ def detect_format(columns: Sequence[str]) -> str:
 
 
 def load_local(source: str | Path | Sequence[Mapping] | Mapping[str, Sequence] | Dataset) -> Dataset:
-    """A ``datasets.Dataset`` from a local file (``.jsonl``, ``.json``, ``.parquet``, ``.csv``),
-    a list of row dicts, or a dict of columns. Nothing is downloaded.
+    """A ``datasets.Dataset`` from a local file (``.jsonl``, ``.json``, ``.parquet``, ``.csv``), a
+    directory (``save_to_disk``'s, or one of data files such as a downloaded hub dataset), a list
+    of row dicts, or a dict of columns. Nothing is downloaded.
 
     >>> load_local([{"prompt": "1+1=", "completion": "2"}]).column_names
     ['prompt', 'completion']
@@ -101,13 +103,38 @@ def load_local(source: str | Path | Sequence[Mapping] | Mapping[str, Sequence] |
     if isinstance(source, Sequence) and not isinstance(source, str):
         return Dataset.from_list(list(source))
     path = Path(source)
-    loaders = {".jsonl": Dataset.from_json, ".json": Dataset.from_json, ".parquet": Dataset.from_parquet,
-               ".csv": Dataset.from_csv}
-    if path.suffix not in loaders:
-        raise ValueError(f"source: unsupported file type {path.suffix!r} for {path}; valid: {sorted(loaders)}")
+    if path.is_dir():
+        return _load_directory(path)
+    if path.suffix not in _LOADERS:
+        raise ValueError(f"source: unsupported file type {path.suffix!r} for {path}; valid: {sorted(_LOADERS)} "
+                         "or a directory")
     if not path.exists():
         raise FileNotFoundError(f"source: no such file {path}")
-    return loaders[path.suffix](str(path), keep_in_memory=True)
+    return _LOADERS[path.suffix](str(path), keep_in_memory=True)
+
+
+_LOADERS = {".jsonl": Dataset.from_json, ".json": Dataset.from_json, ".parquet": Dataset.from_parquet,
+            ".csv": Dataset.from_csv}
+
+
+def _load_directory(path: Path) -> Dataset:
+    """A directory written by ``save_to_disk`` (a ``DatasetDict`` gives its ``train`` split), or a
+    directory of data files of one type (a hub dataset's folder), concatenated in name order."""
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        loaded = datasets.load_from_disk(str(path), keep_in_memory=True)
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise ValueError(f"source: {path} holds splits {sorted(loaded)} and no 'train'; pass the split's "
+                                 f"directory ({path}/<split>)")
+            return loaded["train"]
+        return loaded
+    files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in _LOADERS)
+    kinds = {_LOADERS[f.suffix] for f in files}
+    if len(kinds) != 1:
+        raise ValueError(f"source: {path} holds {'no' if not files else 'mixed'} data files "
+                         f"({sorted({f.suffix for f in files})}); expected files of one type of {sorted(_LOADERS)}, "
+                         "or a save_to_disk directory")
+    return datasets.concatenate_datasets([_LOADERS[f.suffix](str(f), keep_in_memory=True) for f in files])
 
 
 # --- truncation ------------------------------------------------------------------------------

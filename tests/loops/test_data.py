@@ -380,3 +380,22 @@ def test_implicit_prompt_is_the_shared_start(tokenizer):
     assert detect_format(["prompt", "chosen", "rejected"]) == "preference"
     explicit = tokenize_example({"prompt": "Q: 1+1? A:", "chosen": " 2", "rejected": " 11"}, tokenizer)
     assert tokenize_example({"chosen": "Q: 1+1? A: 2", "rejected": "Q: 1+1? A: 11"}, tokenizer) == explicit
+
+
+def test_load_local_reads_directories(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    saved = load_local(rows)
+    saved.save_to_disk(str(tmp_path / "saved"))
+    assert load_local(tmp_path / "saved")[:] == saved[:]
+    datasets.DatasetDict({"train": saved, "test": saved.select([0])}).save_to_disk(str(tmp_path / "dict"))
+    assert len(load_local(tmp_path / "dict")) == 6
+    datasets.DatasetDict({"test": saved}).save_to_disk(str(tmp_path / "nodict"))
+    with pytest.raises(ValueError, match=r"holds splits \['test'\] and no 'train'"):
+        load_local(tmp_path / "nodict")
+    (tmp_path / "files" / "data").mkdir(parents=True)  # a hub dataset's folder: shards of one type
+    for k in range(2):
+        saved.select(range(3 * k, 3 * k + 3)).to_json(str(tmp_path / "files" / "data" / f"part-{k}.jsonl"))
+    assert load_local(tmp_path / "files")["prompt"] == saved["prompt"]
+    (tmp_path / "files" / "data" / "extra.csv").write_text("prompt\nx\n")
+    with pytest.raises(ValueError, match=r"holds mixed data files \(\['.csv', '.jsonl'\]\)"):
+        load_local(tmp_path / "files")
