@@ -68,6 +68,8 @@ class Config:
     max_length: int | None = 64            # prompt + completion tokens kept (the packed row length with packing)
     max_prompt_length: int | None = None   # prompt tokens kept (its start is cut)
     packing: bool = False                  # pack examples into rows of max_length (pack_sequences)
+    dataset_text_field: str = "text"       # the column of plain text to model (TRL dataset_text_field)
+    completion_only_loss: bool = True      # loss on completion tokens only; False: on the prompt too (TRL completion_only_loss)
     # loss and forward (algorithms.sft.sft_loss, loops.score)
     agg: str = "token_mean"                # rlcore.masked.AGGREGATIONS (with packing, a "sequence" is a packed row)
     chunked: bool = True                   # log-probs from hidden states in vocabulary chunks
@@ -149,7 +151,18 @@ def sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean
 
 # --- data --------------------------------------------------------------------------------------
 def _prepare(data, tokenizer, config: Config):
+    field = config.dataset_text_field
+    if field != "text":
+        if field not in data.column_names:
+            raise ValueError(f"dataset_text_field: no column {field!r} in the dataset (columns {data.column_names})")
+        data = data.rename_column(field, "text") if "text" not in data.column_names else \
+            data.remove_columns("text").rename_column(field, "text")
     return tokenize_dataset(data, tokenizer, max_length=config.max_length, max_prompt_length=config.max_prompt_length)
+
+
+def _whole_sequence_loss(batch: TensorDict) -> TensorDict:
+    """``completion_only_loss=False``: every real token is a target (the first has no predictor, ``sft_step`` drops it)."""
+    return batch.update({K.LOSS_MASK: batch[K.ATTENTION_MASK].clone()})
 
 
 def _collate_fn(data, tokenizer, config: Config) -> Callable[[dict], TensorDict]:
@@ -157,8 +170,10 @@ def _collate_fn(data, tokenizer, config: Config) -> Callable[[dict], TensorDict]
     if config.packing:
         if config.max_length is None:
             raise ValueError("max_length: packing needs the row length (set max_length)")
-        return functools.partial(pack_sequences, seq_length=config.max_length, pad_id=pad)
-    return functools.partial(collate, fmt, pad_id=pad)
+        make = functools.partial(pack_sequences, seq_length=config.max_length, pad_id=pad)
+    else:
+        make = functools.partial(collate, fmt, pad_id=pad)
+    return make if config.completion_only_loss else lambda rows: _whole_sequence_loss(make(rows))
 
 
 # --- evaluation --------------------------------------------------------------------------------

@@ -167,3 +167,23 @@ def test_yaml_config_loads_and_runs(tmp_path):
     state, hist = train(config)
     assert state.step == 2 and "eval/exact_match" in hist[-1]
     assert (tmp_path / "checkpoint-2").is_dir() and len(read_jsonl(tmp_path / "metrics.jsonl")) == 2
+
+
+def test_completion_only_loss_and_dataset_text_field_as_trl():
+    from rlcore.loops import sft
+    from rlcore.loops.data import load_local
+    from rlcore.loops.models import build_tokenizer
+    tok = build_tokenizer()
+    data = load_local([{"prompt": "1+1=", "completion": "2"}, {"prompt": "10+1=", "completion": "11"}])
+    rows = sft._prepare(data, tok, sft.Config())
+    only = sft._collate_fn(rows, tok, sft.Config())(rows[:])
+    whole = sft._collate_fn(rows, tok, sft.Config(completion_only_loss=False))(rows[:])
+    assert only[K.LOSS_MASK].sum() < whole[K.LOSS_MASK].sum()
+    assert torch.equal(whole[K.LOSS_MASK], whole[K.ATTENTION_MASK]) and torch.equal(only[K.INPUT_IDS], whole[K.INPUT_IDS])
+    packed = sft._collate_fn(rows, tok, sft.Config(completion_only_loss=False, packing=True, max_length=32))(rows[:])
+    assert torch.equal(packed[K.LOSS_MASK], packed[K.ATTENTION_MASK])
+    texts = load_local([{"content": "hello world", "id": 1}])
+    prepared = sft._prepare(texts, tok, sft.Config(dataset_text_field="content"))
+    assert prepared[0]["completion_ids"][:5] == tok("hello", add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match=r"dataset_text_field: no column 'body' in the dataset \(columns \['content', 'id'\]\)"):
+        sft._prepare(texts, tok, sft.Config(dataset_text_field="body"))
