@@ -12,9 +12,9 @@ One fold step, read top to bottom:
 1. collect: a batch of preference pairs (``collate_preference``: nested ``chosen`` /
    ``rejected``), or for KTO the pairs unpaired into desirable / undesirable rows
    (``collate_unpaired``) with their mismatched pairs (``collate_mismatched``);
-2. score: reference log-probs, from the frozen copy of the initial policy (``"ref"`` in the
-   state; ``make_reference``), or precomputed once over the dataset before training
-   (``precompute_ref``: the reference is then not kept at all), or none for the reference-free
+2. score: reference log-probs, from the frozen reference (``"ref"`` in the state,
+   ``build_reference``: a copy of the initial policy, or ``ref_model``), or precomputed once over
+   the dataset before training (``precompute_ref``: the reference is then not kept at all), or none for the reference-free
    losses (ORPO, SimPO, CPO, ``reference_free=True``); for KTO also the mismatched pairs'
    log-probs (``kl_logps``, no gradient) that estimate the reference point;
 3. update: the loss on the policy's log-probs, chosen and rejected in one forward
@@ -47,9 +47,9 @@ from rlcore.algorithms.dpo import DPO_LOSSES, dpo
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.data import (collate_mismatched, collate_preference, collate_unpaired, iterate_batches,
                                preference_format, tokenize_dataset)
-from rlcore.loops.models import make_reference, pad_token_id
-from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
-                                 policy_tokenizer, run)
+from rlcore.loops.models import pad_token_id
+from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
+                                 mean_metrics, policy_tokenizer, run)
 from rlcore.loops.score import concatenated_forward, precompute_reference_logps, score_sequences
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import preference_dataset
@@ -99,6 +99,7 @@ class Config:
     # loss (LOSSES) and reference
     loss_type: str = "dpo"                 # a key of LOSSES
     precompute_ref: bool = False           # reference log-probs computed once before training, no ref model kept
+    ref_model: str | None = None           # the reference: a model folder or checkpoint (default: a copy of the initial policy; TRL ref_model)
     beta: float | None = None              # β (all losses)
     label_smoothing: float | None = None   # ε (dpo family, simpo, cpo)
     reference_free: bool | None = None     # dpo family: π_ref ≡ 1
@@ -274,10 +275,11 @@ def _setup(config: Config):
     model, tokenizer = build_policy(config)
     train_data, held_out = (_prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
     models = {"policy": model}
-    if needs_reference(config) and config.precompute_ref:  # the untrained policy is the reference
-        train_data, held_out = (_with_ref_columns(d, model, tokenizer, config) for d in (train_data, held_out))
+    if needs_reference(config) and config.precompute_ref:  # the untrained policy (or ref_model) is the reference
+        ref = build_reference(config, model) if config.ref_model else model
+        train_data, held_out = (_with_ref_columns(d, ref, tokenizer, config) for d in (train_data, held_out))
     elif needs_reference(config):
-        models["ref"] = make_reference(model)
+        models["ref"] = build_reference(config, model)
     return init_train_state(models, config), train_data, held_out, tokenizer, loss
 
 
@@ -291,7 +293,9 @@ def evaluate(state: TrainState, config: Config) -> dict[str, float]:
     _, held_out = load_splits(config, preference_dataset)
     held_out = _prepare(held_out, tokenizer, config)
     if needs_reference(config) and "ref" not in state.models:
-        held_out = _with_ref_columns(held_out, build_policy(config)[0], tokenizer, config)
+        fresh = build_policy(config)[0]
+        held_out = _with_ref_columns(held_out, build_reference(config, fresh) if config.ref_model else fresh,
+                                     tokenizer, config)
     return _evaluate(state, held_out, tokenizer, config, loss)
 
 

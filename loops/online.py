@@ -50,9 +50,9 @@ from rlcore import keys as K
 from rlcore.kl import kl_estimate
 from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.fold import to_floats
-from rlcore.loops.models import (combine_rewards, disable_dropout, import_reward_fn, load_model, make_reference,
-                                 reward_columns)
-from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
+from rlcore.loops.models import combine_rewards, disable_dropout, import_reward_fn, load_model, reward_columns
+from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
+                                 policy_tokenizer, run)
 from rlcore.loops.score import score_rollout, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
 from rlcore.loops.tasks import exact_match, task_dataset, task_reward
@@ -80,6 +80,7 @@ class OnlineConfig:
     max_position_embeddings: int = 256  # tiny models: context length
     init_from: str | None = None     # start from the policy weights of a checkpoint / run dir (e.g. an SFT run)
     reward_model: str | None = None  # local path of a sequence-classification reward model (same tokenizer)
+    ref_model: str | None = None     # the KL reference: a model folder or checkpoint (default: a copy of the initial policy; TRL ref_model)
     reward_funcs: tuple[str, ...] = ()  # "package.module:function" reward functions to import (TRL reward_funcs)
     reward_weights: tuple[float, ...] | None = None  # one weight per reward function (TRL reward_weights; None: all 1)
     device: str = "cpu"              # where models and rollouts live
@@ -157,7 +158,7 @@ def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mappi
                        rows_per_step: int | None = None) -> tuple[TrainState, Any]:
     """``(state, tokenizer)``: policy, frozen reference copy, optional frozen reward model, extra models.
 
-    ``state.models``: ``policy`` (``build_policy(config)``), ``ref`` (``make_reference(policy)``,
+    ``state.models``: ``policy`` (``build_policy(config)``), ``ref`` (``build_reference``: a copy of the policy, or ``ref_model``,
     frozen, rebuilt rather than checkpointed), ``reward`` when ``config.reward_model`` (loaded
     with ``load_model(task="reward")``, frozen) and ``extra_models(policy)`` (e.g. a critic);
     dropout off in all of them (``disable_dropout``: a loaded model may have it on).
@@ -165,7 +166,7 @@ def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mappi
     optimiser steps with ``rows = rows_per_step`` (default ``batch_size × num_samples``).
     """
     policy, tokenizer = build_policy(config)
-    models = {"policy": policy, "ref": make_reference(policy)}
+    models = {"policy": policy, "ref": build_reference(config, policy)}
     if config.reward_model:
         models["reward"] = load_model(config.reward_model, task="reward").to(config.device).eval().requires_grad_(False)
     models.update(extra_models(policy) if extra_models is not None else {})

@@ -52,11 +52,12 @@ from rlcore.loops.data import load_local
 from rlcore.loops.distributed import is_main, shard_source
 from rlcore.loops.fold import every, fold, to_floats
 from rlcore.loops.logging import make_loggers
-from rlcore.loops.models import build_model, build_tokenizer, disable_dropout, load_model, load_tokenizer
+from rlcore.loops.models import (build_model, build_tokenizer, disable_dropout, load_model, load_tokenizer,
+                                 make_reference)
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.update import make_optimizer, make_scheduler
 
-__all__ = ["TINY_MODELS", "FIELD_DOCS", "FIELD_RULES", "TRL_NAMES", "check_config", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state", "load_splits",
+__all__ = ["TINY_MODELS", "FIELD_DOCS", "build_reference", "FIELD_RULES", "TRL_NAMES", "check_config", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state", "load_splits",
            "batch_source", "mean_metrics", "run", "load_config", "config_dict"]
 
 # What the fields shared by the recipes' configs mean (a field's own comment, where written, wins).
@@ -106,6 +107,30 @@ def checkpoint_model_dir(path: str | Path, name: str = "policy") -> Path:
         raise FileNotFoundError(f"init_from: {path} stores no model {name!r} (looked for {model_dir})")
     verify_checkpoint(path)  # sizes and SHA-256 of every file, nothing outside the folder
     return model_dir
+
+
+def build_reference(config: Any, policy: nn.Module) -> nn.Module:
+    """The frozen reference of a run: a copy of ``policy`` (``make_reference``), or the model
+    ``config.ref_model`` names (TRL's ``ref_model``: a local model folder, a checkpoint or a run
+    directory, its policy verified), frozen, dropout off, on the policy's device.
+
+    Raises:
+        ValueError: a reference whose vocabulary differs from the policy's (their log-probs
+            would not be of the same tokens).
+    """
+    path = _get(config, "ref_model")
+    if not path:
+        return make_reference(policy)
+    source = Path(path)
+    if (source / "manifest.json").is_file() or latest_checkpoint(source) is not None:
+        source = checkpoint_model_dir(source)
+    ref = load_model(str(source), task="causal_lm")
+    sizes = [m.get_output_embeddings().weight.shape[0] for m in (policy, ref)]
+    if sizes[0] != sizes[1]:
+        raise ValueError(f"ref_model: {path} has a vocabulary of {sizes[1]} tokens, the policy {sizes[0]}; the "
+                         "reference must share the policy's tokenizer")
+    disable_dropout(ref)
+    return ref.to(next(policy.parameters()).device).eval().requires_grad_(False)
 
 
 def policy_tokenizer(config: Any) -> Any:

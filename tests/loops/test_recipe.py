@@ -11,8 +11,9 @@ from torch import nn
 
 from rlcore.loops.checkpoint import list_checkpoints, save_checkpoint
 from rlcore.loops.logging import read_jsonl
-from rlcore.loops.recipe import (TINY_MODELS, batch_source, build_policy, checkpoint_model_dir, config_dict,
-                                 init_train_state, load_config, load_splits, mean_metrics, policy_tokenizer, run)
+from rlcore.loops.recipe import (TINY_MODELS, batch_source, build_policy, build_reference, checkpoint_model_dir,
+                                 config_dict, init_train_state, load_config, load_splits, mean_metrics, policy_tokenizer,
+                                 run)
 from rlcore.loops.state import init_state
 from rlcore.loops.tasks import preference_dataset, task_dataset
 from rlcore.loops.update import make_optimizer, update
@@ -267,3 +268,33 @@ def test_dropout_defaults_follow_trl(tmp_path, recipe, kept):
     assert rates == ({0.3} if kept else {0.0}), rates
     off, _ = build_policy(dataclasses.replace(config, disable_dropout=True))
     assert {m.p for m in off.modules() if isinstance(m, torch.nn.Dropout)} == {0.0}
+
+
+def test_a_reference_model_from_a_folder_or_a_checkpoint(tmp_path):
+    """TRL's ref_model: the KL / DPO reference loaded from a path instead of copied from the policy."""
+    from rlcore.loops import dpo, grpo
+    from rlcore.loops.models import build_model, build_tokenizer
+    from rlcore.loops.online import build_online_state
+    tokenizer = build_tokenizer()
+    other = build_model("llama", tokenizer=tokenizer, hidden_size=16, num_layers=1, num_heads=2, seed=7)
+    other.save_pretrained(tmp_path / "ref")
+    tiny = dict(hidden_size=16, num_layers=1, num_heads=2, run_dir=None)
+    state, _ = build_online_state(grpo.Config(**tiny, ref_model=str(tmp_path / "ref")))
+    ref, policy = state.model("ref"), state.model("policy")
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), other.state_dict().values()))
+    assert not torch.equal(ref.lm_head.weight, policy.lm_head.weight)
+    assert not any(p.requires_grad for p in ref.parameters()) and not ref.training
+    # a run directory: its latest checkpoint's policy
+    policy_run = tmp_path / "run"
+    save_checkpoint(policy_run, init_state({"policy": other}, optimizer=torch.optim.SGD(other.parameters(), lr=0.1)))
+    ref2 = build_reference(grpo.Config(**tiny, ref_model=str(policy_run)), policy)
+    assert torch.equal(ref2.lm_head.weight, other.lm_head.weight)
+    small = build_model("llama", vocab_size=40, hidden_size=16, num_layers=1, num_heads=2)
+    small.save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match=r"ref_model: .* has a vocabulary of 40 tokens, the policy 103"):
+        build_reference(dpo.Config(**tiny, ref_model=str(tmp_path / "small")), policy)
+    config = dpo.Config(**tiny, steps=1, batch_size=4, num_train=8, num_eval=4, ref_model=str(tmp_path / "ref"))
+    trained, _ = dpo.train(config)
+    assert torch.equal(trained.model("ref").lm_head.weight, other.lm_head.weight)
+    precomputed, _ = dpo.train(dataclasses.replace(config, precompute_ref=True))
+    assert "ref" not in precomputed.models
