@@ -15,8 +15,8 @@ One fold step, read top to bottom:
 2. score: reference log-probs, from the frozen reference (``"ref"`` in the state,
    ``build_reference``: a copy of the initial policy, or ``ref_model``), or precomputed once over
    the dataset before training (``precompute_ref``: the reference is then not kept at all), or
-   none for the reference-free losses (ORPO, SimPO, CPO, ``reference_free=True``); for KTO also the mismatched pairs'
-   log-probs (``kl_logps``, no gradient) that estimate the reference point;
+   none for the reference-free losses (ORPO, SimPO, CPO, ``reference_free=True``); for KTO also
+   the mismatched pairs' log-probs (``kl_logps``, no gradient) that estimate the reference point;
 3. update: the loss on the policy's log-probs, chosen and rejected in one forward
    (``concatenated_forward``) inside the gradient tape.
 
