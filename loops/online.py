@@ -50,7 +50,8 @@ from rlcore import keys as K
 from rlcore.kl import kl_estimate
 from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.fold import to_floats
-from rlcore.loops.models import combine_rewards, disable_dropout, import_reward_fn, load_model, reward_columns
+from rlcore.loops.models import (combine_rewards, disable_dropout, import_reward_fn, load_model, missing_eos_penalty,
+                                 reward_columns)
 from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
                                  policy_tokenizer, run)
 from rlcore.loops.score import score_rollout, token_logprobs_from_model
@@ -97,6 +98,8 @@ class OnlineConfig:
     top_k: int | None = None         # truncation (None: off)
     top_p: float | None = None       # nucleus truncation (None: off)
     max_prompt_length: int | None = None  # keep the last tokens of longer prompts
+    stop_token_ids: tuple[int, ...] = ()  # token ids that also end a response (EOS always does; TRL stop_token_id)
+    missing_eos_penalty: float | None = None  # subtracted from the score of a response cut at max_new_tokens (TRL missing_eos_penalty)
     sampler: str | None = "gumbel"   # decode loop's sampler (loops.collect.SAMPLERS); None: Hugging Face generate; "vllm": a vLLM engine
     engine_options: dict = dataclasses.field(default_factory=dict)  # vllm.LLM keywords when sampler="vllm"
     # --- optimisation (update) ---
@@ -202,11 +205,12 @@ def repeat_columns(rows: Mapping[str, Sequence], num_samples: int, *,
 def generate_kwargs(config: Any) -> dict[str, Any]:
     """The sampling keywords of ``generate_rollout`` for ``config`` (everything but prompts, seed and
     version): ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``num_samples``,
-    ``max_prompt_length``, ``sampler``, ``engine_options``. The synchronous recipes, the generator process of
+    ``max_prompt_length``, ``sampler``, ``engine_options``, ``stop_token_ids``. The synchronous recipes, the generator process of
     ``loops.async_rl`` and the generator actor of ``loops.placement`` all sample with these."""
     return dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
                 top_p=config.top_p, num_samples=config.num_samples, max_prompt_length=config.max_prompt_length,
-                sampler=config.sampler, engine_options=config.engine_options)
+                sampler=config.sampler, engine_options=config.engine_options,
+                stop_token_ids=tuple(getattr(config, "stop_token_ids", ())))
 
 
 def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
@@ -264,6 +268,11 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
     rollout = score_rollout(rollout, ref=state.model("ref") if reference else None, value_fn=value_fn,
                             reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                             reward_columns=repeat_columns(rows, G), temperature=config.temperature)
+    penalty = getattr(config, "missing_eos_penalty", None)
+    if penalty:  # a response cut at max_new_tokens, with no stop token, loses `penalty`
+        stops = [tokenizer.eos_token_id, *getattr(config, "stop_token_ids", ())]
+        rollout[K.SCORE] = missing_eos_penalty(rollout[K.SCORE], rollout[K.RESPONSE_IDS], rollout[K.RESPONSE_MASK],
+                                               eos_token_id=stops, penalty=penalty)
     rollout = exclude_unscored(rollout)
     rng = copy_generator(state.rng)
     draw_seed(rng)  # the seed the rollout was sampled with

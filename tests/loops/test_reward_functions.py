@@ -1,5 +1,6 @@
 """Reward functions as TRL users write them: called by keyword, combined with weights, named in a config."""
 
+import dataclasses
 import json
 import math
 import textwrap
@@ -192,3 +193,26 @@ def test_evaluations_write_the_completions_table(tmp_path):
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]
     assert all(set(r) == {"step", "prompt", "completion", "reward"} and isinstance(r["completion"], str) for r in rows)
     assert rows[0]["prompt"] == rows[3]["prompt"]  # the same held-out prompts at every evaluation
+
+
+def test_missing_eos_penalty_and_stop_tokens():
+    from rlcore.loops.online import build_online_state, collect_rollout, prompt_source
+    from rlcore.loops.recipe import load_splits
+    from rlcore.loops.tasks import task_dataset
+
+    def one(prompts, completions, **kw):
+        return [1.0] * len(completions)
+    base = grpo.Config(**{**TINY, "max_new_tokens": 3}, batch_size=4, num_samples=2)
+    state, tokenizer = build_online_state(base)
+    rows = next(iter(prompt_source(load_splits(base, task_dataset)[0], base)(0)))
+    _, plain = collect_rollout(state, rows, config=base, tokenizer=tokenizer, reward_fn=one)
+    config = dataclasses.replace(base, missing_eos_penalty=0.5)
+    _, penalised = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=one)
+    assert torch.equal(plain[K.RESPONSE_IDS], penalised[K.RESPONSE_IDS])  # same draws
+    ended = (plain[K.RESPONSE_IDS] == tokenizer.eos_token_id).any(-1)
+    torch.testing.assert_close(penalised[K.SCORE], torch.where(ended, 1.0, 0.5))
+    assert (~ended).any()  # 3 tokens: most responses are cut
+    stop = int(plain[K.RESPONSE_IDS][0, 0])  # the first token drawn becomes a stop token: that row ends there
+    _, stopped = collect_rollout(state, rows, config=dataclasses.replace(config, stop_token_ids=(stop,)),
+                                 tokenizer=tokenizer, reward_fn=one)
+    assert int(stopped[K.RESPONSE_MASK][0].sum()) == 1 and float(stopped[K.SCORE][0]) == 1.0  # ended: no penalty
