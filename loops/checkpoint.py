@@ -144,7 +144,8 @@ def _unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], like: Any = None,
         return g
     if "__namedtuple__" in tree or "__dataclass__" in tree:
         is_nt = "__namedtuple__" in tree
-        cls = type(like) if like is not None else _stored_type(tree.get("__namedtuple__") or tree["__dataclass__"], where)
+        name = tree.get("__namedtuple__") or tree["__dataclass__"]
+        cls = type(like) if like is not None else _stored_type(name, where)
         if (is_nt and not (issubclass(cls, tuple) and hasattr(cls, "_fields"))) or \
                 (not is_nt and not dataclasses.is_dataclass(cls)):
             raise CheckpointError(f"{where}: stored type does not match {cls.__name__}")
@@ -597,8 +598,8 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
 
 
 # Fields a resumed run may change: how long it runs, where and how often it logs, saves and evaluates.
-RESUMABLE_CHANGES = frozenset({"steps", "num_epochs", "resume", "run_dir", "save_every", "keep_last", "eval_every", "log_every",
-                               "eval_batch_size", "num_eval_images", "eval_seed", "device", "init_from"})
+RESUMABLE_CHANGES = frozenset({"steps", "num_epochs", "resume", "run_dir", "save_every", "keep_last", "eval_every",
+                               "log_every", "eval_batch_size", "num_eval_images", "eval_seed", "device", "init_from"})
 
 
 def check_resume(checkpoint: str | Path, config: Mapping[str, Any], recipe: str) -> None:
@@ -639,7 +640,8 @@ class Checkpointer:
             raise ValueError(f"every: expected a positive int, got {every!r}")
         _check_keep_last(keep_last)
         self.run_dir, self.every, self.at_end = Path(run_dir), every, at_end
-        self.kwargs = dict(keep_last=keep_last, config=config, models=models, extra_json=extra_json, tokenizer=tokenizer)
+        self.kwargs = dict(keep_last=keep_last, config=config, models=models, extra_json=extra_json,
+                           tokenizer=tokenizer)
         self.saved: list[Path] = []
         self._metrics: dict = {}
 

@@ -61,7 +61,8 @@ from rlcore.loops.update import update
 from rlcore.masked import masked_sum
 from rlcore.transforms import observed_kl
 
-__all__ = ["OnlineConfig", "make_reward_fn", "exclude_unscored", "check_prompt_data", "build_online_state", "prompt_source", "update_sizes",
+__all__ = ["OnlineConfig", "make_reward_fn", "exclude_unscored", "check_prompt_data", "build_online_state",
+           "prompt_source", "update_sizes",
            "repeat_columns", "generate_kwargs", "collect_rollout", "score_collected", "online_step",
            "with_policy_logprobs", "policy_loss_fn", "policy_update", "rollout_metrics",
            "evaluate_policy", "train_online"]

@@ -84,8 +84,10 @@ def test_a_recipe_runs_under_torchrun_with_two_ranks(tmp_path):
     ("grpo", "learning_rate", r"learning_rate: did you mean 'lr' \(TRL's learning_rate\)\?"),
     ("grpo", "beta", r"beta: did you mean 'kl_coef' \(TRL's beta\)\?"),
     ("grpo", "num_generations", r"num_generations: did you mean 'num_samples' \(TRL's num_generations\)\?"),
-    ("grpo", "max_completion_length", r"max_completion_length: did you mean 'max_new_tokens' \(TRL's max_completion_length\)\?"),
-    ("dpo", "max_completion_length", r"max_completion_length: did you mean 'max_length' \(TRL's max_completion_length\)\?"),
+    ("grpo", "max_completion_length",
+     r"max_completion_length: did you mean 'max_new_tokens' \(TRL's max_completion_length\)\?"),
+    ("dpo", "max_completion_length",
+     r"max_completion_length: did you mean 'max_length' \(TRL's max_completion_length\)\?"),
     ("sft", "max_steps", r"max_steps: did you mean 'steps' \(TRL's max_steps\)\?"),
     ("sft", "stpes", r"stpes: did you mean 'steps'\?"),
 ])

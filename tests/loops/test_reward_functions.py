@@ -53,7 +53,8 @@ def write_module(tmp_path, monkeypatch):
 
 def test_a_config_names_reward_functions_and_their_weights(tmp_path, monkeypatch):
     write_module(tmp_path, monkeypatch)
-    config = grpo.Config(**TINY, reward_funcs=("user_rewards:correct", "user_rewards:length"), reward_weights=(1.0, 0.5))
+    config = grpo.Config(**TINY, reward_funcs=("user_rewards:correct", "user_rewards:length"),
+                         reward_weights=(1.0, 0.5))
     fn = make_reward_fn(config)
     assert call_reward_fn(fn, PROMPTS, COMPLETIONS, answer=ANSWERS).tolist() == [1.5, 0.5, 2.0]
     # functions given in Python come first, then the config's; one weight each, in that order

@@ -36,7 +36,8 @@ def test_a_stored_type_never_imports_a_module(tmp_path, module):
     forged = {"__namedtuple__": f"{module}:x", "fields": {}}
     rewrite(path, "rng.json", json.dumps({"torch": forged}))
     sys.modules.pop("this", None)
-    with pytest.raises(CheckpointError, match=rf"rng\['torch'\]: the stored type '{module}:x' is not one of rlcore's loaded types"):
+    with pytest.raises(CheckpointError,
+                       match=rf"rng\['torch'\]: the stored type '{module}:x' is not one of rlcore's loaded types"):
         load_checkpoint(path, make_state())
     assert "this" not in sys.modules  # never imported (it prints on import)
 
