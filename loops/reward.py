@@ -146,8 +146,35 @@ def reward_step(state: TrainState, batch: TensorDictBase, *, margin_key: str | N
 
 # --- evaluation ----------------------------------------------------------------------------------
 def _prepare(data: Dataset, tokenizer, config: Config) -> Dataset:
-    return tokenize_dataset(data, tokenizer, format=preference_format(data.column_names), max_length=config.max_length,
-                            max_prompt_length=config.max_prompt_length)
+    if "input_ids_chosen" in data.column_names:
+        return _pretokenised(data, config.max_length)
+    return tokenize_dataset(data, tokenizer, format=preference_format(data.column_names),
+                            max_length=config.max_length, max_prompt_length=config.max_prompt_length)
+
+
+def _pretokenised(data: Dataset, max_length: int | None) -> Dataset:
+    """TRL's pre-tokenised reward pairs (``input_ids_chosen`` / ``input_ids_rejected``, with optional
+    ``attention_mask_*``): the real ids of each side as given (their start kept under ``max_length``),
+    with an empty prompt."""
+    missing = [c for c in ("input_ids_chosen", "input_ids_rejected") if c not in data.column_names]
+    if missing:
+        raise ValueError(f"dataset: pre-tokenised pairs need input_ids_chosen and input_ids_rejected, missing {missing}")
+
+    def side(row: dict, name: str, index: int) -> list[int]:
+        ids, mask = list(row[f"input_ids_{name}"]), row.get(f"attention_mask_{name}")
+        if mask is not None:
+            if len(mask) != len(ids):
+                raise ValueError(f"row {index}: attention_mask_{name} has {len(mask)} entries, input_ids_{name} "
+                                 f"{len(ids)}")
+            ids = [t for t, m in zip(ids, mask) if m]
+        if not ids:
+            raise ValueError(f"row {index}: input_ids_{name} holds no token")
+        return ids[:max_length] if max_length else ids
+
+    def fn(row: dict, index: int) -> dict:
+        return {"prompt_ids": [], "chosen_ids": side(row, "chosen", index), "rejected_ids": side(row, "rejected", index)}
+
+    return data.map(fn, with_indices=True, keep_in_memory=True, load_from_cache_file=False)
 
 
 @torch.no_grad()

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,25 @@ def test_yaml_config_loads_and_runs(tmp_path):
     assert type(loaded).__name__ == "LlamaForSequenceClassification"
     for a, b in zip(loaded.parameters(), state.model().parameters()):
         assert torch.equal(a, b)
+
+
+def test_pre_tokenised_pairs_as_trl_gives_them(tmp_path):
+    """TRL's RewardTrainer input: input_ids_chosen / input_ids_rejected (+ attention masks), no text."""
+    import json
+    from rlcore.loops import reward
+    from rlcore.loops.data import load_local
+    from rlcore.loops.models import build_tokenizer
+    tok = build_tokenizer()
+    rows = []
+    for i in range(40):
+        good, bad = tok(f"{i}+1={i + 1}")["input_ids"], tok(f"{i}+1={i + 7}")["input_ids"]
+        rows.append({"input_ids_chosen": good + [0, 0], "attention_mask_chosen": [1] * len(good) + [0, 0],
+                     "input_ids_rejected": bad})
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepared = reward._prepare(load_local(tmp_path / "pairs.jsonl"), tok, Config(**TINY))
+    assert prepared[0]["chosen_ids"] == tok("0+1=1")["input_ids"] and prepared[0]["prompt_ids"] == []
+    state, history = reward.train(Config(**{**TINY, "steps": 2, "num_eval": 4}, dataset=str(tmp_path / "pairs.jsonl")))
+    assert state.optimizer_steps == 2 and math.isfinite(history[-1]["loss"])
+    bad = load_local([{"input_ids_chosen": [1, 2], "attention_mask_chosen": [1], "input_ids_rejected": [3]}])
+    with pytest.raises(ValueError, match=r"row 0: attention_mask_chosen has 1 entries, input_ids_chosen 2"):
+        reward._prepare(bad, tok, Config(**TINY))
