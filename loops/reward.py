@@ -59,7 +59,7 @@ class Config:
     num_heads: int = 4                     # tiny models only
     max_position_embeddings: int = 256     # tiny models only
     init_from: str | None = None           # start from this checkpoint (or run) directory (e.g. an SFT policy)
-    disable_dropout: bool = False      # keep the model's dropout active while training (TRL's RewardTrainer); True sets it to 0
+    disable_dropout: bool = False      # True sets dropout to 0; False trains with it (TRL's RewardTrainer)
     device: str = "cpu"
     # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
     task: str | None = "add"               # a built-in task (preference pairs with near-miss rejections)
@@ -158,7 +158,8 @@ def _pretokenised(data: Dataset, max_length: int | None) -> Dataset:
     with an empty prompt."""
     missing = [c for c in ("input_ids_chosen", "input_ids_rejected") if c not in data.column_names]
     if missing:
-        raise ValueError(f"dataset: pre-tokenised pairs need input_ids_chosen and input_ids_rejected, missing {missing}")
+        raise ValueError(f"dataset: pre-tokenised pairs need input_ids_chosen and input_ids_rejected, "
+                         f"missing {missing}")
 
     def side(row: dict, name: str, index: int) -> list[int]:
         ids, mask = list(row[f"input_ids_{name}"]), row.get(f"attention_mask_{name}")
@@ -172,7 +173,8 @@ def _pretokenised(data: Dataset, max_length: int | None) -> Dataset:
         return ids[:max_length] if max_length else ids
 
     def fn(row: dict, index: int) -> dict:
-        return {"prompt_ids": [], "chosen_ids": side(row, "chosen", index), "rejected_ids": side(row, "rejected", index)}
+        return {"prompt_ids": [], "chosen_ids": side(row, "chosen", index),
+                "rejected_ids": side(row, "rejected", index)}
 
     return data.map(fn, with_indices=True, keep_in_memory=True, load_from_cache_file=False)
 

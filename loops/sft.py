@@ -57,7 +57,7 @@ class Config:
     num_heads: int = 4                     # tiny models only
     max_position_embeddings: int = 256     # tiny models only
     init_from: str | None = None           # a checkpoint (or run) directory to start from
-    disable_dropout: bool = False      # keep the model's dropout active while training (TRL's SFTTrainer); True sets it to 0
+    disable_dropout: bool = False      # True sets dropout to 0; False trains with it (TRL's SFTTrainer)
     device: str = "cpu"
     # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
     task: str | None = "add"               # a built-in task (loops.tasks) when `dataset` is None
