@@ -129,6 +129,7 @@ class Config:
     keep_last: int | None = 2
     eval_every: int = 0
     log_every: int = 10
+    report_to: tuple[str, ...] = ()
     resume: bool = False
 
 

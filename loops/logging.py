@@ -16,6 +16,7 @@ Every logger is a callback ``cb(state, metrics)`` (``metrics`` already plain flo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -32,6 +33,8 @@ __all__ = [
     "WandbLogger",
     "SampleTable",
     "make_loggers",
+    "TRACKERS",
+    "check_trackers",
     "read_jsonl",
 ]
 
@@ -228,17 +231,38 @@ class SampleTable:
             f.write("\n".join(table) + "\n\n")
 
 
+# The trackers ``report_to`` names, with the module each needs.
+TRACKERS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_trackers(report_to: Sequence[str]) -> None:
+    """A ``ValueError`` for a name in ``report_to`` that is not a tracker, an ``ImportError`` naming
+    the package of one that is not installed (before any model is built). ``"none"`` stands for no
+    tracker, as in TRL."""
+    for name in report_to:
+        if name == "none":
+            continue
+        if name not in TRACKERS:
+            raise ValueError(f"report_to: expected names from {sorted(TRACKERS)} (or 'none'), got {name!r}")
+        if importlib.util.find_spec(TRACKERS[name]) is None:
+            raise ImportError(f"report_to: {name!r} needs the '{TRACKERS[name]}' package "
+                              f"(pip install 'rlcore[trackers]' or pip install {TRACKERS[name]})")
+
+
 def make_loggers(run_dir: str | Path, *, total: int | None = None, stage: str = "train", progress: bool = True,
-                 progress_every: int = 10, tensorboard: bool = False, wandb: Mapping[str, Any] | None = None,
-                 stream: IO[str] | None = None) -> list:
-    """The usual logging callbacks: JSONL in ``run_dir``, a progress line, and on request
-    TensorBoard (``run_dir/tensorboard``) and wandb (``wandb`` = keyword arguments of
-    ``wandb.init``, e.g. ``{"project": "rlhf"}``)."""
+                 progress_every: int = 10, report_to: Sequence[str] = (), config: Mapping[str, Any] | None = None,
+                 wandb_kwargs: Mapping[str, Any] | None = None, stream: IO[str] | None = None) -> list:
+    """The usual logging callbacks: JSONL in ``run_dir``, a progress line, and the trackers named in
+    ``report_to``: ``"tensorboard"`` writes ``run_dir/tensorboard``; ``"wandb"`` starts a run named
+    after ``run_dir`` with ``config`` as its config (the project, mode and entity come from
+    ``wandb_kwargs``, else wandb's environment: ``WANDB_PROJECT``, ``WANDB_MODE``, ...)."""
+    check_trackers(report_to)
     callbacks: list = [JsonlLogger(run_dir)]
     if progress:
         callbacks.append(ProgressDisplay(total, stage=stage, every=progress_every, stream=stream))
-    if tensorboard:
+    if "tensorboard" in report_to:
         callbacks.append(TensorBoardLogger(Path(run_dir) / "tensorboard"))
-    if wandb is not None:
-        callbacks.append(WandbLogger(**wandb))
+    if "wandb" in report_to:
+        callbacks.append(WandbLogger(config=dict(config or {}), **{"name": Path(run_dir).name, "dir": str(run_dir),
+                                                                    **(wandb_kwargs or {})}))
     return callbacks

@@ -123,6 +123,7 @@ class OnlineConfig:
     eval_batch_size: int = 32        # held-out prompts per generation batch in evaluation
     log_completions: int = 0         # held-out prompts whose greedy completions and rewards each evaluation writes to run_dir/completions.jsonl (TRL num_sample_generations / log_completions)
     log_every: int = 10              # progress line every N steps
+    report_to: tuple[str, ...] = ()  # trackers besides metrics.jsonl: "tensorboard" (run_dir/tensorboard), "wandb" (TRL report_to)
     resume: bool = False             # continue from the latest checkpoint of run_dir
 
 

@@ -51,7 +51,7 @@ from rlcore.loops.checkpoint import (Checkpointer, check_resume, latest_checkpoi
 from rlcore.loops.data import load_local
 from rlcore.loops.distributed import is_main, shard_source
 from rlcore.loops.fold import every, fold, to_floats
-from rlcore.loops.logging import make_loggers
+from rlcore.loops.logging import check_trackers, make_loggers
 from rlcore.loops.models import (build_model, build_tokenizer, disable_dropout, load_model, load_tokenizer,
                                  make_reference)
 from rlcore.loops.state import TrainState, init_state
@@ -79,7 +79,9 @@ FIELD_DOCS: dict[str, str] = {
     "eval_batch_size": "held-out examples per evaluation batch",
     "run_dir": "checkpoints and metrics.jsonl; None writes nothing", "save_every": "checkpoint period in steps (0: at the end)",
     "keep_last": "checkpoints kept (None: all)", "eval_every": "evaluation period in steps (0: never during training)",
-    "log_every": "progress line period in steps", "resume": "continue from the latest checkpoint of run_dir",
+    "log_every": "progress line period in steps",
+    "resume": "continue from the latest checkpoint of run_dir",
+    "report_to": 'trackers besides metrics.jsonl: "tensorboard" (run_dir/tensorboard), "wandb" (TRL report_to)',
 }
 
 # Offline model names -> architecture of ``build_model`` (with the character tokenizer).
@@ -291,12 +293,13 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
 
     In order after each step: ``callbacks`` (extra ones, first); ``eval_fn(state)`` every
     ``eval_every`` steps, its results merged into the step's metrics as ``eval/<key>``; then, when
-    ``run_dir`` is set, a ``Checkpointer`` every ``save_every`` steps and after the last one,
-    keeping ``keep_last``, and ``make_loggers`` (``run_dir/metrics.jsonl`` and a progress line
-    every ``log_every`` steps). With ``resume`` the state is first restored from the latest
-    checkpoint of ``run_dir`` (if any; ``check_resume`` refuses another recipe's run or changed
-    settings) and the fold continues from its ``step`` to ``num_steps``. The main rank holds
-    ``run_dir``'s lock (``run_dir_lock``) for the whole run: a second writer gets an error.
+    ``run_dir`` is set, ``make_loggers`` (``run_dir/metrics.jsonl``, a progress line every
+    ``log_every`` steps, the trackers of ``report_to``) and a ``Checkpointer`` every
+    ``save_every`` steps and after the last one, keeping ``keep_last``. With ``resume`` the state
+    is first restored from the latest checkpoint of ``run_dir`` (if any; ``check_resume`` refuses
+    another recipe's run or changed settings) and the fold continues from its ``step`` to
+    ``num_steps``. The main rank holds ``run_dir``'s lock (``run_dir_lock``) for the whole run: a
+    second writer gets an error.
     ``eval_every`` of 0 (or None) never evaluates, ``save_every`` of 0 saves at the end only;
     ``run_dir`` None or ``""`` writes nothing (no checkpoint, no log file).
 
@@ -327,7 +330,8 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
         if run_dir:
             if is_main():  # under torchrun, rank 0 logs (checkpoints handle ranks themselves)
                 cbs += make_loggers(run_dir, total=num_steps, stage=name,
-                                    progress_every=_get(config, "log_every", 10) or 10)
+                                    progress_every=_get(config, "log_every", 10) or 10,
+                                    report_to=_get(config, "report_to", ()), config=settings)
             # after the loggers: a step's line is written before its checkpoint, so a run killed between
             # the two resumes from the previous checkpoint and logs that step once
             cbs.append(Checkpointer(run_dir, every=_get(config, "save_every", 0) or max(num_steps, 1),
@@ -441,6 +445,7 @@ def check_config(config: Any) -> Any:
             faults.append(f"{f.name}: expected {what}, got {value!r}")
     if faults:
         raise ValueError(f"{type(config).__name__}: " + "; ".join(faults))
+    check_trackers(getattr(config, "report_to", ()))
     return config
 
 

@@ -228,6 +228,7 @@ class ReftConfig:
     keep_last: int | None = None
     eval_every: int = 0
     log_every: int = 10
+    report_to: tuple[str, ...] = ()
     resume: bool = False
 
 

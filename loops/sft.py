@@ -92,6 +92,7 @@ class Config:
     keep_last: int | None = 2              # checkpoints kept
     eval_every: int = 0                    # evaluation period in steps (0: never during training)
     log_every: int = 10                    # progress line period
+    report_to: tuple[str, ...] = ()
     resume: bool = False                   # continue from the latest checkpoint of run_dir
 
 

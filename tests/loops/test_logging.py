@@ -10,7 +10,7 @@ import torch
 
 from rlcore.loops.fold import fold
 from rlcore.loops.logging import (JsonlLogger, ProgressDisplay, SampleTable, TensorBoardLogger, WandbLogger,
-                                  make_loggers, read_jsonl)
+                                  check_trackers, make_loggers, read_jsonl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +136,68 @@ def test_tensorboard_and_wandb_are_guarded(tmp_path):
             cb = cls(**kwargs)
             cb(S(step=1), {"loss": 1.0})
             cb.on_end(S(step=1))
+
+
+def tensorboard_scalars(log_dir):
+    """``{tag: [(step, value), ...]}`` read back from the event files (TensorBoard's own reader)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_report_to_tensorboard_writes_every_metric_at_its_step(tmp_path):
+    pytest.importorskip("tensorboard")
+    callbacks = make_loggers(tmp_path, progress=False, report_to=["tensorboard"])
+    assert [type(c) for c in callbacks] == [JsonlLogger, TensorBoardLogger]
+    fold(step, S(), [1, 2, 3], callbacks=callbacks)
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert set(scalars) == {"loss", "reward", "n"}
+    assert scalars["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert [v for _, v in scalars["reward"]] == pytest.approx([0.1, 0.2, 0.3])
+
+
+class FakeWandb:
+    """Records what the logger asks of the ``wandb`` module (init, log, finish)."""
+    def __init__(self):
+        self.calls = []
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        return self
+
+    def log(self, metrics, step):
+        self.calls.append(("log", step, metrics))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_report_to_wandb_starts_a_run_named_after_the_run_dir_with_the_config(tmp_path, monkeypatch):
+    import sys
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    run_dir = tmp_path / "grpo-run"
+    callbacks = make_loggers(run_dir, progress=False, report_to=("wandb",), config={"lr": 1e-3},
+                             wandb_kwargs={"project": "rlhf"})
+    fold(step, S(), [1, 2], callbacks=callbacks)
+    assert fake.calls[0] == ("init", {"project": "rlhf", "config": {"lr": 1e-3}, "name": "grpo-run",
+                                      "dir": str(run_dir)})
+    assert [c[:2] for c in fake.calls[1:3]] == [("log", 1), ("log", 2)]
+    assert fake.calls[2][2] == pytest.approx({"loss": 2.0, "reward": 0.2, "n": 3.0}) and fake.calls[-1] == ("finish",)
+
+
+def test_report_to_names_are_checked_before_anything_is_built(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"report_to: expected names from \['tensorboard', 'wandb'\] \(or 'none'\), "
+                                         r"got 'mlflow'"):
+        make_loggers(tmp_path, report_to=["mlflow"])
+    assert len(make_loggers(tmp_path, progress=False, report_to=["none"])) == 1
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(ImportError, match=r"report_to: 'wandb' needs the 'wandb' package \(pip install "
+                                          r"'rlcore\[trackers\]' or pip install wandb\)"):
+        check_trackers(["wandb"])
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_make_loggers(tmp_path):

@@ -88,3 +88,15 @@ def test_a_checkpoints_policy_folder_loads_with_from_pretrained_model_and_tokeni
     ids = torch.tensor([tokenizer(text)["input_ids"]])
     with torch.no_grad():  # loaded weights sit at other alignments: BLAS rounds differently (seen ~1e-5)
         torch.testing.assert_close(model(ids).logits, state.model()(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_report_to_from_the_config_reaches_tensorboard_and_is_checked_at_load(tmp_path):
+    pytest.importorskip("tensorboard")
+    from rlcore.loops.recipe import load_config
+    from tests.loops.test_logging import tensorboard_scalars
+    state, history = sft.train(sft.Config(**TINY, steps=2, run_dir=str(tmp_path), report_to=("tensorboard",)))
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert [s for s, _ in scalars["loss"]] == [1, 2]
+    assert [v for _, v in scalars["loss"]] == pytest.approx([h["loss"] for h in history])
+    with pytest.raises(ValueError, match=r"report_to: expected names from .* got 'tensorbord'"):
+        load_config(sft.Config, overrides={"report_to": "tensorboard,tensorbord"})
