@@ -52,6 +52,7 @@ from rlcore.loops.async_learners import Learner, check_learner, learn
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.distributed import process_context
+from rlcore.loops.dpo import reference_models
 from rlcore.loops.online import check_prompt_data, evaluate_policy, generate_kwargs, make_reward_fn, prompt_source
 from rlcore.loops.recipe import load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
@@ -309,4 +310,5 @@ def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float
                                     reward_fn=reward)
         source = rollout_source(handle, prompt_source(train_ds, config), state.rng)
         return run(step, state, source, config=dataclasses.replace(config, resume=False), num_steps=config.steps,
-                   eval_fn=eval_fn, name=f"async-{algorithm}", callbacks=callbacks)
+                   eval_fn=eval_fn, name=f"async-{algorithm}", callbacks=callbacks,
+                   save_models=reference_models(config))

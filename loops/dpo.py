@@ -47,7 +47,7 @@ from rlcore.algorithms.dpo import DPO_LOSSES, dpo
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.data import (collate_mismatched, collate_preference, collate_unpaired, iterate_batches,
                                preference_format, tokenize_dataset)
-from rlcore.loops.models import pad_token_id
+from rlcore.loops.models import mix_into_reference, pad_token_id
 from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
                                  mean_metrics, policy_tokenizer, run)
 from rlcore.loops.score import concatenated_forward, precompute_reference_logps, score_sequences
@@ -57,7 +57,8 @@ from rlcore.loops.update import update
 from rlcore.registry import lookup
 
 __all__ = ["Config", "LOSSES", "REFERENCE_FREE", "UNPAIRED", "HYPERPARAMETERS", "bind_loss", "needs_reference",
-           "unpair", "with_reference", "preference_loss_fn", "dpo_step", "kto_step", "evaluate", "train"]
+           "check_reference_sync", "sync_reference", "reference_models", "unpair", "with_reference",
+           "preference_loss_fn", "dpo_step", "kto_step", "evaluate", "train"]
 
 # Every selectable loss, ``(batch, **hyper) -> (loss, metrics)``: the DPO kernels by their
 # ``loss_type`` and the TensorDict losses of ``PREFERENCE_LOSSES`` by their own names.
@@ -100,6 +101,9 @@ class Config:
     loss_type: str = "dpo"                 # a key of LOSSES
     precompute_ref: bool = False           # reference log-probs computed once before training, no ref model kept
     ref_model: str | None = None           # the reference: a model folder or checkpoint (default: a copy of the initial policy; TRL ref_model)
+    sync_ref_model: bool = False           # TR-DPO: every ref_model_sync_steps steps, ref ← α·policy + (1 − α)·ref (TRL sync_ref_model)
+    ref_model_mixup_alpha: float = 0.6     # α of that update (TRL ref_model_mixup_alpha)
+    ref_model_sync_steps: int = 512        # steps between updates (TRL ref_model_sync_steps)
     beta: float | None = None              # β (all losses)
     label_smoothing: float | None = None   # ε (dpo family, simpo, cpo)
     reference_free: bool | None = None     # dpo family: π_ref ≡ 1
@@ -155,6 +159,34 @@ def needs_reference(config: Config) -> bool:
     return config.loss_type not in REFERENCE_FREE and not config.reference_free
 
 
+def check_reference_sync(config) -> None:
+    """Refuse ``sync_ref_model`` where there is no reference model to move: a reference-free loss,
+    or reference log-probs computed once before training (``precompute_ref``)."""
+    if not getattr(config, "sync_ref_model", False):
+        return
+    if not needs_reference(config):
+        raise ValueError(f"sync_ref_model: loss_type {config.loss_type!r} (reference_free="
+                         f"{config.reference_free}) reads no reference, so there is none to sync")
+    if getattr(config, "precompute_ref", False):
+        raise ValueError("sync_ref_model: the reference log-probs are computed once before training with "
+                         "precompute_ref=True, so a moving reference cannot be used; set one of the two to false")
+
+
+def sync_reference(state: TrainState, config) -> TrainState:
+    """TR-DPO's reference update after a step, in place: when ``sync_ref_model`` is set and the step
+    that has just trained is the ``ref_model_sync_steps``-th (``state.step + 1`` a multiple),
+    ``θ_ref ← α·θ + (1 − α)·θ_ref`` with ``α = ref_model_mixup_alpha`` (``mix_into_reference``).
+    The moving reference is saved in every checkpoint (``reference_models``)."""
+    if getattr(config, "sync_ref_model", False) and (state.step + 1) % config.ref_model_sync_steps == 0:
+        mix_into_reference(state.model("ref"), state.model("policy"), config.ref_model_mixup_alpha)
+    return state
+
+
+def reference_models(config) -> tuple[str, ...] | None:
+    """The models a checkpoint keeps besides the trainable ones: the reference when it moves."""
+    return ("ref",) if getattr(config, "sync_ref_model", False) else None
+
+
 # --- score and update ----------------------------------------------------------------------------
 def with_reference(state: TrainState, batch: TensorDictBase, *, chunked: bool = True) -> TensorDictBase:
     """``batch`` with reference log-probs from ``state``'s ``"ref"`` model (no gradient), unless it
@@ -188,17 +220,21 @@ def _update(state, batch, *, loss, chunked, micro_batch_size, max_grad_norm):
 
 
 def dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, chunked: bool = True,
-             micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0) -> tuple[TrainState, TensorDict]:
+             micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0,
+             config: Config | None = None) -> tuple[TrainState, TensorDict]:
     """One step on a preference batch (impure: it trains): reference log-probs, then one
-    optimiser step of ``loss`` (pairs are micro-batched as rows, the loss being a mean over pairs)."""
+    optimiser step of ``loss`` (pairs are micro-batched as rows, the loss being a mean over pairs),
+    then the reference's TR-DPO update when ``config`` asks for it (``sync_reference``)."""
     batch = batch.to(next(state.model("policy").parameters()).device)
     batch = with_reference(state, batch, chunked=chunked)
-    return _update(state, batch, loss=loss, chunked=chunked, micro_batch_size=micro_batch_size,
-                   max_grad_norm=max_grad_norm)
+    state, metrics = _update(state, batch, loss=loss, chunked=chunked, micro_batch_size=micro_batch_size,
+                             max_grad_norm=max_grad_norm)
+    return sync_reference(state, config), metrics
 
 
 def kto_step(state: TrainState, item: tuple[TensorDictBase, TensorDictBase], *, loss: Callable, chunked: bool = True,
-             micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0) -> tuple[TrainState, TensorDict]:
+             micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0,
+             config: Config | None = None) -> tuple[TrainState, TensorDict]:
     """One KTO step on ``(unpaired batch, mismatched batch)`` (impure: it trains).
 
     The mismatched pairs are scored once for the whole batch, by the policy (``kl_logps``) and the
@@ -211,8 +247,9 @@ def kto_step(state: TrainState, item: tuple[TensorDictBase, TensorDictBase], *, 
         kl = score_sequences(state.model("policy"), mismatched, chunked=chunked).get(K.LOGPS)
         ref_kl = score_sequences(state.model("ref"), mismatched, chunked=chunked, reference=True).get(K.REF_LOGPS)
     batch = with_reference(state, batch, chunked=chunked).copy().update({K.KL_LOGPS: kl, K.REF_KL_LOGPS: ref_kl})
-    return _update(state, batch, loss=loss, chunked=chunked, micro_batch_size=micro_batch_size,
-                   max_grad_norm=max_grad_norm)
+    state, metrics = _update(state, batch, loss=loss, chunked=chunked, micro_batch_size=micro_batch_size,
+                             max_grad_norm=max_grad_norm)
+    return sync_reference(state, config), metrics
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -270,6 +307,7 @@ def _evaluate(state: TrainState, data: Dataset, tokenizer, config: Config, loss:
 def _setup(config: Config):
     """(state, train data, held-out data, tokenizer, loss) for ``train`` and ``evaluate``."""
     loss = bind_loss(config)
+    check_reference_sync(config)
     if config.precompute_ref and config.loss_type in UNPAIRED:
         raise ValueError("precompute_ref: KTO's reference point scores pairs mismatched within each batch, which "
                          "cannot be computed ahead; use the frozen reference (precompute_ref=False)")
@@ -311,7 +349,7 @@ def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainS
         step_fn, collate_fn = dpo_step, functools.partial(collate_preference, pad_id=pad)
     source = batch_source(train_data, config.batch_size, collate_fn, seed=config.seed)
     step = functools.partial(step_fn, loss=loss, chunked=config.chunked, micro_batch_size=config.micro_batch_size,
-                             max_grad_norm=config.max_grad_norm)
+                             max_grad_norm=config.max_grad_norm, config=config)
     eval_fn = functools.partial(_evaluate, data=held_out, tokenizer=tokenizer, config=config, loss=loss)
     return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="dpo",
-               callbacks=callbacks, tokenizer=tokenizer)
+               callbacks=callbacks, tokenizer=tokenizer, save_models=reference_models(config))

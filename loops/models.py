@@ -40,7 +40,7 @@ __all__ = [
     "disable_dropout", "position_ids_from_mask", "last_token_index", "trunk_hidden", "cache_keyword", "cache_length",
     "ValueHead", "policy_and_values", "token_values", "reward_model_scores",
     "call_reward_fn", "import_reward_fn", "reward_columns", "combine_rewards", "missing_eos_penalty",
-    "make_reference", "reference_via_disabled_adapter",
+    "make_reference", "mix_into_reference", "reference_via_disabled_adapter",
 ]
 
 # --- tokenizers ------------------------------------------------------------------------------
@@ -613,6 +613,30 @@ def make_reference(model: nn.Module) -> nn.Module:
     """A frozen deep copy of ``model`` in eval mode (no parameter requires grad)."""
     ref = copy.deepcopy(model).eval()
     ref.requires_grad_(False)
+    return ref
+
+
+@torch.no_grad()
+def mix_into_reference(ref: nn.Module, policy: nn.Module, alpha: float) -> nn.Module:
+    """Move the reference toward the policy, in place (TR-DPO's soft update): ``θ_ref ← α·θ + (1 − α)·θ_ref``
+    for every parameter; ``alpha = 1`` copies the policy. Returns ``ref``.
+
+    Raises ``ValueError`` when the two models' parameters differ in names or shapes (a reference of
+    another architecture cannot be mixed), before any parameter changes.
+
+    Reference: Gorbatovski et al., "Learn Your Reference Model for Real Good Alignment",
+    https://arxiv.org/abs/2404.09656
+    """
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha: expected a float in [0, 1], got {alpha!r}")
+    ref_params, params = dict(ref.named_parameters()), dict(policy.named_parameters())
+    shapes = lambda named: {n: tuple(p.shape) for n, p in named.items()}  # noqa: E731
+    if shapes(ref_params) != shapes(params):
+        differ = sorted(set(shapes(ref_params).items()) ^ set(shapes(params).items()))[:3]
+        raise ValueError(f"ref_model: the reference's parameters differ from the policy's (e.g. {differ}); "
+                         "only a reference of the policy's architecture can be synced")
+    for name, target in ref_params.items():
+        target.lerp_(params[name].to(target.dtype), alpha)
     return ref
 
 

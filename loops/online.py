@@ -484,14 +484,15 @@ def _write_completions(run_dir: Path, step: int, dataset: Dataset, completions: 
 
 # --- the run -------------------------------------------------------------------------------------
 def train_online(config: Any, step: Callable[..., tuple[TrainState, Any]], *, reward_fn: RewardFn | None = None,
-                 name: str | None = None, callbacks: Sequence[Callable] = (),
+                 name: str | None = None, callbacks: Sequence[Callable] = (), save_models: Sequence[str] | None = None,
                  **state_kwargs) -> tuple[TrainState, list[dict[str, float]]]:
     """Run an online recipe: ``run(step, state, prompt_source(train), eval_fn=evaluate_policy)``.
 
     ``step(state, rows, *, config, tokenizer, reward_fn) -> (state, metrics)`` is the recipe's
     step; it is bound here with ``functools.partial``. ``state_kwargs`` go to
     :func:`build_online_state` (``extra_models``, ``trainable``, ``transforms``, ``rows_per_step``);
-    ``callbacks`` run first after each step (``run``'s extra callbacks).
+    ``callbacks`` run first after each step (``run``'s extra callbacks); ``save_models`` names the
+    frozen models a checkpoint keeps too (``run``).
 
     Returns:
         ``(state, history)`` of ``rlcore.loops.recipe.run`` (checkpoints, logs and resume from
@@ -505,4 +506,5 @@ def train_online(config: Any, step: Callable[..., tuple[TrainState, Any]], *, re
     eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
                                 reward_fn=reward)
     return run(bound, state, prompt_source(train_ds, config), config=config, num_steps=config.steps,
-               eval_fn=eval_fn, name=name, callbacks=callbacks, tokenizer=tokenizer)
+               eval_fn=eval_fn, name=name, callbacks=callbacks, tokenizer=tokenizer,
+               save_models=save_models)

@@ -39,7 +39,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.online import online_preference_batch
-from rlcore.loops.dpo import UNPAIRED, bind_loss, needs_reference, preference_loss_fn, with_reference
+from rlcore.loops.dpo import (UNPAIRED, bind_loss, check_reference_sync, needs_reference, preference_loss_fn,
+                              reference_models, sync_reference, with_reference)
 from rlcore.loops.online import OnlineConfig, build_online_state, evaluate_policy, online_step, rollout_metrics, \
     train_online, update_sizes
 from rlcore.loops.state import TrainState
@@ -67,12 +68,16 @@ class Config(OnlineConfig):
     desirable_weight: float | None = None    # kto only (not offered online); kept for bind_loss
     undesirable_weight: float | None = None  # kto only (not offered online); kept for bind_loss
     chunked: bool = True             # pairs' log-probs from hidden states in vocabulary chunks
+    sync_ref_model: bool = False     # TR-DPO: every ref_model_sync_steps steps, ref ← α·policy + (1 − α)·ref (TRL sync_ref_model)
+    ref_model_mixup_alpha: float = 0.6  # α of that update (TRL ref_model_mixup_alpha)
+    ref_model_sync_steps: int = 512  # steps between updates (TRL ref_model_sync_steps)
     run_dir: str | None = "runs/online_dpo"
 
 
 def check(config: Config) -> None:
     """Fail on a bad config before any model is built: an unpaired loss, fewer than 2 samples per
-    prompt, an unknown ``loss_type`` or a hyper-parameter the loss does not take."""
+    prompt, an unknown ``loss_type``, a hyper-parameter the loss does not take, or
+    ``sync_ref_model`` with a reference-free loss."""
     if config.loss_type in UNPAIRED:
         raise ValueError(f"loss_type: {config.loss_type!r} trains on unpaired rows; online DPO forms pairs "
                          "(choose a pairwise loss of loops.dpo.LOSSES)")
@@ -80,6 +85,7 @@ def check(config: Config) -> None:
         raise ValueError(f"num_samples: online DPO pairs samples of one prompt, so it needs at least 2, "
                          f"got {config.num_samples}")
     bind_loss(config)
+    check_reference_sync(config)
 
 
 def build_state(config: Config) -> tuple[TrainState, Any]:
@@ -109,12 +115,14 @@ def prepare(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple
 
 
 def optimise(state: TrainState, pairs: TensorDictBase, config: Config) -> tuple[TrainState, TensorDict]:
-    """The update on the pairs (impure: trains); none (no optimiser step, no metrics) without a pair."""
+    """The update on the pairs (impure: trains), then the reference's TR-DPO update when due
+    (``loops.dpo.sync_reference``); no optimiser step and no metrics without a pair."""
     if pairs.batch_size[0] == 0:  # every prompt tied: nothing to prefer
-        return state, TensorDict({}, batch_size=[])
+        return sync_reference(state, config), TensorDict({}, batch_size=[])
     loss_fn = functools.partial(preference_loss_fn, loss=bind_loss(config), chunked=config.chunked)
-    return update(state, pairs, loss_fn, **update_sizes(config, pairs.batch_size[0]), epochs=config.epochs,
-                  max_grad_norm=config.max_grad_norm)
+    state, metrics = update(state, pairs, loss_fn, **update_sizes(config, pairs.batch_size[0]), epochs=config.epochs,
+                            max_grad_norm=config.max_grad_norm)
+    return sync_reference(state, config), metrics
 
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
@@ -133,4 +141,4 @@ def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, 
     Returns ``(state, history)``."""
     check(config)
     return train_online(config, step, reward_fn=reward_fn, name="online_dpo", callbacks=callbacks,
-                        rows_per_step=config.batch_size)
+                        rows_per_step=config.batch_size, save_models=reference_models(config))

@@ -287,8 +287,8 @@ def mean_metrics(results: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, 
 # --- the run -----------------------------------------------------------------------------------
 def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], Iterable], *, config: Any,
         num_steps: int, eval_fn: Callable[[TrainState], Mapping[str, float]] | None = None,
-        name: str | None = None, callbacks: Sequence[Callable] = (),
-        tokenizer: Any = None) -> tuple[TrainState, list[dict[str, float]]]:
+        name: str | None = None, callbacks: Sequence[Callable] = (), tokenizer: Any = None,
+        save_models: Sequence[str] | None = None) -> tuple[TrainState, list[dict[str, float]]]:
     """``fold(step, state, source)`` with the standard callbacks of a recipe, from ``config``.
 
     In order after each step: ``callbacks`` (extra ones, first); ``eval_fn(state)`` every
@@ -310,6 +310,8 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
         num_steps: the step the run ends at.
         name: the recipe's name (progress line, model card); default: the config class's module.
         tokenizer: saved in every checkpoint beside the policy (``save_checkpoint``).
+        save_models: frozen models that change during the run (a TR-DPO reference), saved in every
+            checkpoint and restored on resume besides the trainable ones.
     Returns:
         ``(state, history)`` of ``fold``.
     """
@@ -334,8 +336,13 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
                                     report_to=_get(config, "report_to", ()), config=settings)
             # after the loggers: a step's line is written before its checkpoint, so a run killed between
             # the two resumes from the previous checkpoint and logs that step once
+            saved = None
+            if save_models:
+                trainable = [n for n, m in state.models.items() if any(p.requires_grad for p in m.parameters())]
+                saved = {n: state.models[n] for n in dict.fromkeys([*trainable, *save_models])}
             cbs.append(Checkpointer(run_dir, every=_get(config, "save_every", 0) or max(num_steps, 1),
-                                    keep_last=_get(config, "keep_last"), config=settings, tokenizer=tokenizer))
+                                    keep_last=_get(config, "keep_last"), config=settings, tokenizer=tokenizer,
+                                    models=saved))
         # Under torchrun each item of the source is the global batch and every rank takes its share.
         return fold(step, state, shard_source(source), num_steps=num_steps, callbacks=cbs)
 
@@ -411,7 +418,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "minibatch_size", "micro_batch_size", "max_length", "max_prompt_length", "top_k", "keep_last",
                      "rank", "sample_batch_size", "sample_num_batches_per_epoch", "sample_num_steps",
                      "train_batch_size", "train_num_inner_epochs", "num_train_timesteps", "max_workers",
-                     "sample_size"], _AT_LEAST_1),
+                     "sample_size", "ref_model_sync_steps"], _AT_LEAST_1),
     **dict.fromkeys(["steps", "num_eval", "save_every", "eval_every", "log_every", "log_completions", "warmup_steps",
                      "pretrain_steps", "lr", "weight_decay", "kl_coef", "vf_coef", "clip_eps_low", "clip_eps_high", "cliprange_value",
                      "ratio_threshold", "train_learning_rate", "pretrain_learning_rate", "train_clip_range",
@@ -421,7 +428,8 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "per_prompt_stat_tracking_min_count"], _AT_LEAST_0),
     **dict.fromkeys(["temperature", "beta", "max_grad_norm", "train_max_grad_norm", "horizon", "target",
                      "train_adam_epsilon", "discopop_tau", "desirable_weight", "undesirable_weight"], _POSITIVE),
-    **dict.fromkeys(["lam", "label_smoothing", "train_adam_beta1", "train_adam_beta2"], _UNIT),
+    **dict.fromkeys(["lam", "label_smoothing", "train_adam_beta1", "train_adam_beta2", "ref_model_mixup_alpha"],
+                    _UNIT),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "train_timestep_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),

@@ -14,7 +14,7 @@ from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.data import collate_mismatched, collate_preference, collate_unpaired, tokenize_dataset
 from rlcore.loops.dpo import (LOSSES, REFERENCE_FREE, UNPAIRED, Config, bind_loss, dpo_step, evaluate, kto_step,
                               needs_reference, preference_loss_fn, train, unpair, with_reference)
-from rlcore.loops.models import make_reference, pad_token_id
+from rlcore.loops.models import make_reference, mix_into_reference, pad_token_id
 from rlcore.loops.recipe import build_policy, init_train_state, load_config
 from rlcore.loops.sft import Config as SFTConfig
 from rlcore.loops.sft import train as train_sft
@@ -206,3 +206,64 @@ def test_dpo_trains_on_pairs_with_an_implicit_prompt(tmp_path):
                         batch_size=4, num_eval=4, run_dir=None)
     state, history = dpo.train(config)
     assert state.optimizer_steps == 2 and history[-1]["loss"] > 0
+
+
+# --- TR-DPO: the moving reference --------------------------------------------------------------
+def test_mix_into_reference_is_the_soft_update_and_refuses_another_architecture():
+    policy = build_policy(Config(**{**TINY, "hidden_size": 16, "num_heads": 2}))[0]
+    ref = make_reference(policy)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p))
+    before = {n: p.clone() for n, p in ref.named_parameters()}
+    mix_into_reference(ref, policy, 0.6)
+    for name, p in policy.named_parameters():  # θ_ref ← α·θ + (1 − α)·θ_ref, as TRL's sync
+        torch.testing.assert_close(dict(ref.named_parameters())[name], 0.6 * p + 0.4 * before[name],
+                                   rtol=1e-6, atol=1e-6)
+    assert not any(p.requires_grad for p in ref.parameters())
+    mix_into_reference(ref, policy, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), policy.parameters()))
+    other = build_policy(Config(**{**TINY, "hidden_size": 32}))[0]
+    snapshot = [p.clone() for p in ref.parameters()]
+    with pytest.raises(ValueError, match=r"ref_model: the reference's parameters differ from the policy's"):
+        mix_into_reference(ref, other, 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, ref.parameters()))  # untouched
+    with pytest.raises(ValueError, match=r"alpha: expected a float in \[0, 1\], got 1.5"):
+        mix_into_reference(ref, policy, 1.5)
+
+
+def test_sync_ref_model_moves_the_reference_every_n_steps():
+    config = Config(steps=3, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5,
+                    **{**TINY, "num_train": 32})
+    initial = build_policy(config)[0]  # the run's initial policy: the same seed builds the same weights
+    one, _ = train(dataclasses.replace(config, steps=1))
+    assert all(torch.equal(a, b) for a, b in zip(one.model("ref").parameters(), initial.parameters()))
+    two, _ = train(dataclasses.replace(config, steps=2))  # synced after step 2: halfway to that policy
+    for r, p, p0 in zip(two.model("ref").parameters(), two.model("policy").parameters(), initial.parameters()):
+        torch.testing.assert_close(r, 0.5 * p + 0.5 * p0, rtol=1e-6, atol=1e-6)
+    _, frozen = train(dataclasses.replace(config, sync_ref_model=False))
+    _, synced = train(config)
+    assert synced[1]["loss"] == frozen[1]["loss"] and synced[2]["loss"] != frozen[2]["loss"]
+
+
+def test_sync_ref_model_resumes_exactly_with_the_moved_reference(tmp_path):
+    config = Config(steps=3, save_every=1, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5,
+                    **{**TINY, "num_train": 32, "run_dir": str(tmp_path / "straight")})
+    straight, hist = train(config)
+    assert (tmp_path / "straight" / "checkpoint-3" / "models" / "ref").is_dir()
+    run_dir = str(tmp_path / "resumed")
+    train(dataclasses.replace(config, steps=2, run_dir=run_dir))
+    resumed, rest = train(dataclasses.replace(config, run_dir=run_dir, resume=True))
+    assert rest[-1]["loss"] == hist[-1]["loss"]  # step 3 reads the reference synced at step 2
+    for name in ("policy", "ref"):
+        assert all(torch.equal(a, b) for a, b in zip(straight.model(name).parameters(),
+                                                     resumed.model(name).parameters()))
+
+
+def test_sync_ref_model_needs_a_moving_reference():
+    with pytest.raises(ValueError, match=r"sync_ref_model: loss_type 'simpo' .* reads no reference"):
+        train(Config(loss_type="simpo", sync_ref_model=True, **TINY))
+    with pytest.raises(ValueError, match=r"sync_ref_model: .*precompute_ref=True"):
+        train(Config(precompute_ref=True, sync_ref_model=True, **TINY))
+    with pytest.raises(ValueError, match=r"ref_model_mixup_alpha: expected in \[0, 1\], got 2.0"):
+        load_config(Config, overrides={"sync_ref_model": "true", "ref_model_mixup_alpha": "2"})

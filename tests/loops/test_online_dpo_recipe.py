@@ -111,3 +111,19 @@ def test_yaml_config_loads_and_runs(tmp_path):
     assert config.loss_type == "sigmoid" and config.beta == 0.1 and config.reward_model is None
     state, history = online_dpo.train(config)
     assert state.step == 2 and "eval/reward" in history[-1]
+
+
+def test_sync_ref_model_moves_the_reference_and_checkpoints_it(tmp_path):
+    config = online_dpo.Config(**{**TINY, "run_dir": str(tmp_path)}, steps=2, batch_size=4, num_samples=4, lr=1e-2,
+                               sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=1.0)
+    initial, _ = build_online_state(config)
+    state, history = online_dpo.train(config)
+    assert sum(h["rollout/pairs"] for h in history) > 0
+    moved = [not torch.equal(a, b) for a, b in zip(state.model("policy").parameters(),
+                                                   initial.model("policy").parameters())]
+    assert any(moved)
+    # α = 1 after step 2: the reference is the trained policy itself
+    assert all(torch.equal(a, b) for a, b in zip(state.model("ref").parameters(), state.model("policy").parameters()))
+    assert (tmp_path / "checkpoint-2" / "models" / "ref").is_dir()
+    with pytest.raises(ValueError, match=r"sync_ref_model: loss_type 'simpo'"):
+        online_dpo.check(online_dpo.Config(loss_type="simpo", sync_ref_model=True))
