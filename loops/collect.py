@@ -54,8 +54,8 @@ from rlcore.loops.data import collate_prompts, tokenize_example
 from rlcore.loops.models import cache_keyword, pad_token_id, position_ids_from_mask
 from rlcore.loops.score import score_rollout
 
-__all__ = ["generate_rollout", "draw_seed", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align", "uniform_length_sampler",
-           "SAMPLERS", "VLLM", "multinomial_sample", "gumbel_max_sample", "truncate_logits", "sample_responses"]
+__all__ = ["generate_rollout", "draw_seed", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align",
+           "check_length_range", "uniform_length_sampler", "SAMPLERS", "VLLM", "multinomial_sample", "gumbel_max_sample", "truncate_logits", "sample_responses"]
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, stop_token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -92,6 +92,15 @@ def left_align(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, tor
     check_mask("prompt_mask", mask, like=ids, like_name="prompt_ids")
     order = torch.sort(mask.to(torch.uint8), dim=-1, stable=True).indices
     return ids.gather(-1, order), mask.gather(-1, order)
+
+
+def check_length_range(length_range: Sequence[int]) -> tuple[int, int]:
+    """``(low, high)`` of a response-length range ``[low, high)``, or a ``ValueError`` naming
+    ``length_sampler`` unless ``1 ≤ low < high`` are ints."""
+    if (len(length_range) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in length_range)
+            or not 1 <= length_range[0] < length_range[1]):
+        raise ValueError(f"length_sampler: expected [low, high) with 1 <= low < high (ints), got {list(length_range)}")
+    return int(length_range[0]), int(length_range[1])
 
 
 def uniform_length_sampler(low: int, high: int, *, seed: int = 0) -> Callable[[], int]:
@@ -337,7 +346,7 @@ def draw_seed(generator: torch.Generator) -> int:
 
 def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: int = 64, temperature: float = 1.0,
                      top_k: int | None = None, top_p: float | None = None, num_samples: int = 1,
-                     length_sampler: Callable[[], int] | None = None, eos_token_id: int | Sequence[int] | None = None,
+                     length_sampler: Callable[[], int] | tuple[int, int] | None = None, eos_token_id: int | Sequence[int] | None = None,
                      stop_token_ids: Sequence[int] = (), do_sample: bool = True, seed: int | None = None,
                      generator: torch.Generator | None = None, behaviour: str | None = "tempered",
                      max_prompt_length: int | None = None, policy_version: int | None = None,
@@ -355,7 +364,10 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
         model: a Hugging Face causal LM (dropout should be off: ``disable_dropout`` or ``eval()``).
         prompts: ``list[str]``, ``list`` of conversations, or a TensorDict ``[P]`` with
             ``prompt_ids`` / ``prompt_mask``.
-        max_new_tokens: response budget; ``length_sampler()`` overrides it per call.
+        max_new_tokens: response budget; ``length_sampler`` overrides it per call: a callable
+            ``() -> int`` (e.g. ``uniform_length_sampler``), or ``(low, high)``: drawn uniformly
+            from ``[low, high)`` by a generator seeded with the call's sampling seed, so the same
+            seed always gives the same budget (TRL's ``LengthSampler``).
         temperature: ``τ > 0``.  top_k, top_p: truncation (None = off, whatever the model's
             generation config says).
         num_samples: ``G`` samples per prompt.
@@ -417,11 +429,16 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
         raise ValueError("eos_token_id: the tokenizer has no eos token; pass eos_token_id or stop_token_ids")
     device = next(model.parameters()).device
     batch = _prompts(prompts, tokenizer, pad, max_prompt_length).to(device)
-    if length_sampler is not None:
-        max_new_tokens = int(length_sampler())
-    _check_context(model, batch[K.PROMPT_MASK], max_new_tokens)
     if generator is not None:
         seed = draw_seed(generator)
+    if isinstance(length_sampler, (tuple, list)):
+        low, high = check_length_range(length_sampler)
+        _check_context(model, batch[K.PROMPT_MASK], high - 1)  # every draw fits, not only this one
+        draw = torch.Generator().manual_seed(seed) if seed is not None else None
+        max_new_tokens = int(torch.randint(low, high, (), generator=draw))
+    elif length_sampler is not None:
+        max_new_tokens = int(length_sampler())
+    _check_context(model, batch[K.PROMPT_MASK], max_new_tokens)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, enabled=seed is not None), torch.no_grad():
         if seed is not None:

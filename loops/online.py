@@ -95,6 +95,7 @@ class OnlineConfig:
     # --- generation (collect) ---
     num_samples: int = 1             # G samples per prompt (TRL num_generations)
     max_new_tokens: int = 16         # response budget (TRL max_completion_length / response_length)
+    length_sampler: tuple[int, int] | None = None  # [low, high): each step's budget drawn from it with the step's sampling seed (TRL LengthSampler); evaluation keeps max_new_tokens
     temperature: float = 1.0         # sampling temperature; log-probs are of softmax(logits / temperature)
     top_k: int | None = None         # truncation (None: off)
     top_p: float | None = None       # nucleus truncation (None: off)
@@ -207,12 +208,14 @@ def repeat_columns(rows: Mapping[str, Sequence], num_samples: int, *,
 def generate_kwargs(config: Any) -> dict[str, Any]:
     """The sampling keywords of ``generate_rollout`` for ``config`` (everything but prompts, seed and
     version): ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``num_samples``,
-    ``max_prompt_length``, ``sampler``, ``engine_options``, ``stop_token_ids``. The synchronous recipes, the generator process of
+    ``max_prompt_length``, ``sampler``, ``engine_options``, ``stop_token_ids``, ``length_sampler``. The
+    synchronous recipes, the generator process of
     ``loops.async_rl`` and the generator actor of ``loops.placement`` all sample with these."""
     return dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
                 top_p=config.top_p, num_samples=config.num_samples, max_prompt_length=config.max_prompt_length,
                 sampler=config.sampler, engine_options=config.engine_options,
-                stop_token_ids=tuple(getattr(config, "stop_token_ids", ())))
+                stop_token_ids=tuple(getattr(config, "stop_token_ids", ())),
+                length_sampler=getattr(config, "length_sampler", None))
 
 
 def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,

@@ -24,8 +24,10 @@ gives logits and values; the value loss trains the trunk too, TRL's legacy layou
 ``"separate"``, a token-classification model of the same architecture (TRL 1.x's layout).
 
 Every PPO option of TRL's ``PPOConfig`` that still matters is a field, named after the keyword it
-feeds; the TRL name is in each field's comment. Not offered: ``kl_penalty="full"`` (needs the full
-logits: ``rlcore.kl.kl_full``), ``compare_steps``, ``forward_batch_size`` (``micro_batch_size``).
+feeds; the TRL name is in each field's comment. ``kl="full"`` penalises the exact KL over the
+vocabulary at each response token (``loops.score.full_kl_from_models``: one more forward of the
+policy and the reference, ``micro_batch_size`` rows at a time, when the rollout is prepared). Not
+offered: ``compare_steps``, ``forward_batch_size`` (``micro_batch_size``).
 
 References:
     Ziegler et al., "Fine-Tuning Language Models from Human Preferences", https://arxiv.org/abs/1909.08593
@@ -47,13 +49,14 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.algorithms.ppo import early_stop, ppo_loss
 from rlcore.checks import lookup
-from rlcore.kl import kl_estimate
+from rlcore.kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
 from rlcore.logprobs import token_logprobs
 from rlcore.loops.distributed import all_gather_moments, all_reduce_sum, dist_info
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
 from rlcore.loops.online import OnlineConfig, build_online_state, evaluate_policy, online_step, rollout_metrics, \
     train_online, update_sizes, with_policy_logprobs
 from rlcore.loops.recipe import build_policy
+from rlcore.loops.score import full_kl_from_models
 from rlcore.loops.state import TrainState, with_transforms
 from rlcore.loops.update import EARLY_STOP_CHECKS, update
 from rlcore.masked import masked_whiten
@@ -75,7 +78,7 @@ class Config(OnlineConfig):
     kl_controller: str = "adaptive"  # "adaptive" | "fixed" (TRL adap_kl_ctrl=True/False)
     target: float = 6.0              # adaptive controller's target KL, nats per response (TRL target)
     horizon: float = 10000.0         # adaptive controller's horizon (TRL horizon)
-    kl: str = "k1"                   # per-token KL estimator in the reward: k1 | abs | k2 (TRL kl_penalty kl|abs|mse)
+    kl: str = "k1"                   # per-token KL in the reward: k1 | abs | k2 estimators, or "full": exact over the vocabulary (TRL kl_penalty kl|abs|mse|full)
     gamma: float = 1.0               # discount (TRL gamma)
     lam: float = 0.95                # GAE λ (TRL lam)
     whiten_rewards: bool = False     # scale per-token rewards by their std before GAE (TRL whiten_rewards)
@@ -166,8 +169,11 @@ def ppo_loss_fn(state: TrainState, batch: TensorDictBase, *, config: Config,
 
 # --- the step ------------------------------------------------------------------------------------
 def check(config: Config) -> None:
-    """Fail on a bad config before any model is built (an unknown ``value_model`` or ``kl_controller``)."""
+    """Fail on a bad config before any model is built (an unknown ``value_model``, ``kl_controller``
+    or ``kl``)."""
     lookup(CRITICS, config.value_model, what="value_model")
+    if config.kl not in ("full", *KL_ESTIMATORS, *KL_ALIASES):
+        raise ValueError(f"kl: expected one of {[*KL_ESTIMATORS, *KL_ALIASES, 'full']}, got {config.kl!r}")
     kl_controller(config.kl_controller)
     lookup(dict.fromkeys(EARLY_STOP_CHECKS), config.early_stopping_check, what="early_stopping_check")
 
@@ -218,7 +224,12 @@ def prepare(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple
     moments = running_moments_merge(before, all_gather_moments(batch_moments))  # every rank's scores
     score = process_scores(rollout[K.SCORE], moments, scale=config.scale, normalize=config.normalize, clip=config.clip)
     kl_state = state.transforms["kl"]
-    rollout = with_rewards(rollout.copy().update({K.SCORE: score}), kl_coef=kl_state.coef, kl=config.kl)
+    rollout = rollout.copy().update({K.SCORE: score})
+    if config.kl == "full":  # the policy at scoring time (the one that sampled, in the synchronous step)
+        rollout[K.FULL_KL] = full_kl_from_models(state.model("policy"), state.model("ref"), rollout,
+                                                 temperature=config.temperature,
+                                                 rows_per_forward=config.micro_batch_size)
+    rollout = with_rewards(rollout, kl_coef=kl_state.coef, kl=config.kl)
     mask = rollout[K.RESPONSE_MASK]
     if config.whiten_rewards:
         rollout = rollout.update({K.REWARDS: masked_whiten(rollout[K.REWARDS], mask, shift_mean=False)})

@@ -46,6 +46,7 @@ import yaml
 from datasets import Dataset
 from torch import nn
 
+from rlcore.loops.collect import check_length_range
 from rlcore.loops.checkpoint import (Checkpointer, check_resume, latest_checkpoint, resume, run_dir_lock,
                                      verify_checkpoint)
 from rlcore.loops.data import load_local
@@ -451,6 +452,11 @@ def check_config(config: Any) -> Any:
         allowed, what = rule
         if not (math.isfinite(value) and allowed(value)):
             faults.append(f"{f.name}: expected {what}, got {value!r}")
+    if getattr(config, "length_sampler", None) is not None:
+        try:
+            check_length_range(config.length_sampler)
+        except ValueError as e:
+            faults.append(str(e))
     if faults:
         raise ValueError(f"{type(config).__name__}: " + "; ".join(faults))
     check_trackers(getattr(config, "report_to", ()))

@@ -24,10 +24,11 @@ from torch import nn
 
 from rlcore import keys as K
 from rlcore.checks import check_mask, check_ndim, require_keys
+from rlcore.kl import kl_full
 from rlcore.logprobs import hidden_logprobs, sequence_logprobs, token_logprobs
 from rlcore.loops.models import call_reward_fn, position_ids_from_mask, reward_model_scores, trunk_hidden
 
-__all__ = ["token_logprobs_from_model", "score_rollout", "score_sequences", "concatenated_forward",
+__all__ = ["token_logprobs_from_model", "full_kl_from_models", "score_rollout", "score_sequences", "concatenated_forward",
            "precompute_reference_logps"]
 
 _ROLLOUT_LAYOUT = {K.PROMPT_IDS: "[B, P] long (left padded)", K.PROMPT_MASK: "[B, P] bool",
@@ -112,6 +113,38 @@ def token_logprobs_from_model(model: nn.Module, input_ids: torch.Tensor, attenti
     logits = _call(model, input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                    use_cache=False, logits_to_keep=n + 1).logits
     return token_logprobs(logits[:, logits.shape[1] - n - 1:-1], labels, temperature=temperature)
+
+
+@torch.no_grad()
+def full_kl_from_models(policy: nn.Module, ref: nn.Module, rollout: TensorDictBase, *, temperature: float = 1.0,
+                        rows_per_forward: int | None = None) -> torch.Tensor:
+    """Exact per-token ``KL(π‖π_ref)`` over the vocabulary at each response position of a rollout:
+    ``KL_j = Σ_v π(v | x_{<P+j}) (log π(v | ·) − log π_ref(v | ·))`` with both distributions
+    ``softmax(z/τ)`` (``rlcore.kl.kl_full``), TRL's ``kl_penalty="full"``.
+
+    Both models read ``[prompt | response]``; only the response positions' logits are kept
+    (``logits_to_keep``), ``rows_per_forward`` rows at a time (``None``: all), so the memory is
+    two ``[rows, R, V]`` logit blocks. Returns ``[B, R]`` float32 (float64 for float64 models),
+    0 where ``response_mask`` is False. Gradient: none.
+    """
+    require_keys(rollout, list(_ROLLOUT_LAYOUT), where="full_kl_from_models", layouts=_ROLLOUT_LAYOUT)
+    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
+    mask = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
+    R, B = rollout[K.RESPONSE_IDS].shape[-1], ids.shape[0]
+    step = rows_per_forward or B
+    if step < 1:
+        raise ValueError(f"rows_per_forward: expected a positive int or None, got {rows_per_forward!r}")
+    position_ids = position_ids_from_mask(mask)
+
+    def response_logits(model: nn.Module, rows: slice) -> torch.Tensor:
+        logits = _call(model, input_ids=ids[rows], attention_mask=mask[rows].long(), position_ids=position_ids[rows],
+                       use_cache=False, logits_to_keep=R + 1).logits
+        return _at_least_fp32(logits[:, logits.shape[1] - R - 1:-1])
+
+    chunks = [kl_full(response_logits(policy, slice(i, i + step)), response_logits(ref, slice(i, i + step)),
+                      temperature=temperature) for i in range(0, B, step)]
+    kl = torch.cat(chunks) if chunks else ids.new_zeros((0, R), dtype=torch.float32)
+    return torch.where(rollout[K.RESPONSE_MASK], kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
 
 
 # --- rollouts --------------------------------------------------------------------------------

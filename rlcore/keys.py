@@ -72,6 +72,7 @@ GROUP_ID = "group_id"
 POLICY_VERSION = "policy_version"
 ENTROPY = "entropy"
 KL = "kl"  # [B, R] float, per-token KL estimate behind the reward penalty (rlcore.rewards)
+FULL_KL = "full_kl"  # [B, R] float, exact KL(π‖π_ref) over the vocabulary at each response token (PPO kl="full")
 
 # --- sequences (SFT, preference pairs, reward modelling) ------------------------------------
 INPUT_IDS = "input_ids"

@@ -48,7 +48,7 @@ def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def compute_rewards(score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                    mask: torch.Tensor, *, kl_coef: float | torch.Tensor = 0.2, kl: str = "k1",
+                    mask: torch.Tensor, *, kl_coef: float | torch.Tensor = 0.2, kl: str | torch.Tensor = "k1",
                     clamp: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards ``r_t = −β·KL_t + 1[t = last valid]·score`` (0 outside the mask).
 
@@ -56,8 +56,9 @@ def compute_rewards(score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: t
     score is added at the **last valid token** of each row (right padded, left padded or gapped
     masks alike). A row whose mask is empty gets all-zero rewards: its score has no token to
     sit on and is dropped. This is TRL's legacy PPO ``compute_rewards`` with ``kl_penalty`` in
-    ``kl | abs | mse`` (the exact ``full`` penalty needs logits: see ``rlcore.kl.kl_full``),
-    except that TRL leaves ``−β·KL`` at padded positions (zeroed later by its GAE); ours is 0.
+    ``kl | abs | mse``; its ``full`` penalty is ``kl`` given as the tensor of exact per-token KLs
+    (``rlcore.kl.kl_full`` of the two models' logits). TRL leaves ``−β·KL`` at padded positions
+    (zeroed later by its GAE); ours is 0.
 
     Args:
         score: ``[...]`` float, one scalar per sequence (reward model or function).
@@ -66,7 +67,8 @@ def compute_rewards(score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: t
         ref_logprobs: ``[..., T]`` float, the same under the reference policy.
         mask: ``[..., T]`` bool, True on response tokens.
         kl_coef: ``β``, a float or a 0-d tensor (e.g. ``KLControllerState.coef``).
-        kl: estimator name, see ``rlcore.kl.KL_ESTIMATORS`` (``k1`` as TRL and verl).
+        kl: estimator name, see ``rlcore.kl.KL_ESTIMATORS`` (``k1`` as TRL and verl), or the
+            per-token KL values themselves, ``[..., T]`` float (then ``clamp`` is not applied).
         clamp: optional bound on the log-ratio before the estimator.
     Returns:
         ``rewards [..., T]`` and ``kl [..., T]`` (the per-token estimate, 0 outside the mask),
@@ -88,7 +90,12 @@ def compute_rewards(score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: t
     if score.shape != logprobs.shape[:-1]:
         raise ValueError(f"score: expected shape {list(logprobs.shape[:-1])} (logprobs [..., T] "
                          f"without T), got {list(score.shape)}")
-    per_token = kl_estimate(logprobs.detach(), ref_logprobs.detach(), kl, clamp=clamp)
+    if isinstance(kl, torch.Tensor):
+        check_float("kl", kl)
+        check_same_shape("logprobs", logprobs, kl=kl)
+        per_token = kl.detach().to(logprobs.dtype)
+    else:
+        per_token = kl_estimate(logprobs.detach(), ref_logprobs.detach(), kl, clamp=clamp)
     coef = kl_coef.detach() if isinstance(kl_coef, torch.Tensor) else kl_coef
     placed = torch.where(last_token_mask(mask), score.detach().to(per_token.dtype)[..., None],
                          _zero(per_token))
@@ -144,12 +151,16 @@ def with_rewards(batch: TensorDictBase, *, kl_coef: float | torch.Tensor = 0.2, 
 
     Reads ``score [B]``, ``old_logprobs [B, R]`` (the behaviour policy that sampled: at scoring
     time it is the policy whose KL to the reference is penalised), ``ref_logprobs [B, R]`` and
-    ``response_mask [B, R]``; see :func:`compute_rewards`.
+    ``response_mask [B, R]``; see :func:`compute_rewards`. ``kl="full"`` penalises the exact
+    KL over the vocabulary recorded in ``full_kl [B, R]`` (``loops.score.full_kl_from_models``).
     """
     require_keys(batch, [K.SCORE, K.OLD_LOGPROBS, K.REF_LOGPROBS, K.RESPONSE_MASK],
                  where="with_rewards", layouts={K.SCORE: "[B]", K.OLD_LOGPROBS: "[B, R]",
                                                 K.REF_LOGPROBS: "[B, R]", K.RESPONSE_MASK: "[B, R]"})
     check_same_shape(K.OLD_LOGPROBS, batch[K.OLD_LOGPROBS], **{K.REF_LOGPROBS: batch[K.REF_LOGPROBS]})
+    if kl == "full":
+        require_keys(batch, [K.FULL_KL], where="with_rewards(kl='full')", layouts={K.FULL_KL: "[B, R]"})
     rewards, per_token = compute_rewards(batch[K.SCORE], batch[K.OLD_LOGPROBS], batch[K.REF_LOGPROBS],
-                                         batch[K.RESPONSE_MASK], kl_coef=kl_coef, kl=kl, clamp=clamp)
+                                         batch[K.RESPONSE_MASK], kl_coef=kl_coef,
+                                         kl=batch[K.FULL_KL] if kl == "full" else kl, clamp=clamp)
     return batch.copy().update({K.REWARDS: rewards, K.KL: per_token})

@@ -378,3 +378,21 @@ def test_sampling_loop_errors(llama, tokenizer):
     ids = torch.ones(2, 3, dtype=torch.long)
     with pytest.raises(TypeError, match="prompt_mask: expected a torch.bool mask"):
         sample_responses(llama, ids, torch.ones(2, 3), max_new_tokens=2, stop_token_ids=[2], pad_token_id=0)
+
+
+def test_a_length_range_draws_the_budget_from_the_sampling_seed(llama, tokenizer):
+    """(low, high): max_new_tokens ~ U[low, high) from a generator seeded with the call's seed (TRL LengthSampler)."""
+    never = dict(eos_token_id=-1)  # no token stops: every response runs to the drawn budget
+    widths = {}
+    for seed in range(12):
+        want = int(torch.randint(2, 7, (), generator=torch.Generator().manual_seed(seed)))
+        rollout = generate_rollout(llama, tokenizer, PROMPTS, max_new_tokens=50, length_sampler=(2, 7), seed=seed,
+                                   **never)
+        widths[seed] = rollout[K.RESPONSE_IDS].shape[1]
+        assert widths[seed] == want and bool(rollout[K.RESPONSE_MASK].all())
+    assert set(widths.values()) <= set(range(2, 7)) and len(set(widths.values())) > 2
+    again = generate_rollout(llama, tokenizer, PROMPTS, length_sampler=(2, 7), seed=5, **never)
+    assert again[K.RESPONSE_IDS].shape[1] == widths[5]
+    for bad in [(3, 3), (0, 4), (2.0, 4), (1, 2, 3)]:
+        with pytest.raises(ValueError, match=r"length_sampler: expected \[low, high\) with 1 <= low < high"):
+            generate_rollout(llama, tokenizer, PROMPTS, length_sampler=bad, seed=0)

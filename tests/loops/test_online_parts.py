@@ -95,9 +95,10 @@ def test_collect_rollout_without_reference(setup):
 
 def test_generate_kwargs_and_draw_seed():
     config = OnlineConfig(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4, max_prompt_length=9,
-                          sampler=None, stop_token_ids=(7,))
+                          sampler=None, stop_token_ids=(7,), length_sampler=(2, 4))
     assert generate_kwargs(config) == dict(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4,
-                                           max_prompt_length=9, sampler=None, engine_options={}, stop_token_ids=(7,))
+                                           max_prompt_length=9, sampler=None, engine_options={}, stop_token_ids=(7,),
+                                           length_sampler=(2, 4))
     g, expected = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     seeds = [draw_seed(g) for _ in range(3)]
     assert seeds == [int(torch.randint(0, 2**62, (), generator=expected)) for _ in range(3)]
@@ -224,3 +225,22 @@ def test_win_rate_against_the_reference_is_one_half_before_training(setup):
     held_out = load_splits(config, task_dataset)[1]
     out = evaluate_policy(state, config, tokenizer=tokenizer, dataset=held_out, reward_fn=digit_fraction)
     assert out["win_rate"] == 0.5 and abs(out["kl_ref"]) < 1e-5  # the policy is its own reference: all ties
+
+
+def test_length_sampler_from_the_config_sets_each_steps_budget(setup):
+    """Each step's budget comes from its sampling seed, so the async generator and resume draw the same."""
+    import dataclasses
+    from rlcore.loops.collect import draw_seed
+    from rlcore.loops.recipe import check_config
+    from rlcore.loops.state import copy_generator
+    config, state, tokenizer, rows = setup
+    config = dataclasses.replace(config, length_sampler=(1, 4), max_new_tokens=30)
+    for _ in range(4):
+        seed = draw_seed(copy_generator(state.rng))
+        budget = int(torch.randint(1, 4, (), generator=torch.Generator().manual_seed(seed)))
+        state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+        assert rollout[K.RESPONSE_IDS].shape[1] <= budget
+        assert int(rollout[K.RESPONSE_MASK].sum(-1).max()) <= budget
+    with pytest.raises(ValueError, match=r"length_sampler: expected \[low, high\) with 1 <= low < high \(ints\), "
+                                         r"got \[5, 3\]"):
+        check_config(dataclasses.replace(config, length_sampler=(5, 3)))

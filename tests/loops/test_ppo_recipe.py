@@ -152,3 +152,59 @@ def test_the_kl_controller_sees_the_k1_kl_whatever_the_reward_estimator(kl, monk
     _, history = ppo.train(config, reward_fn=digit_fraction)
     assert seen == pytest.approx([h["rollout/kl_ref"] for h in history], abs=1e-6)
     assert any(abs(value) > 1e-3 for value in seen[1:])  # the policy moved: an estimator mix-up would show
+
+
+# --- kl: full, the exact KL over the vocabulary (TRL kl_penalty="full") ---------------------------
+def _moved_state_and_rollout(config):
+    from rlcore.loops.online import collect_rollout, policy_tokenizer
+    from rlcore.loops.recipe import load_splits
+    from rlcore.loops.tasks import task_dataset
+    state, tokenizer = ppo.build_state(config)
+    with torch.no_grad():  # the policy away from its reference
+        for p in state.model("policy").parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    rows = load_splits(config, task_dataset)[0][:3]
+    return collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction,
+                           **ppo.score_options(state, config))
+
+
+def test_full_kl_is_the_vocabulary_sum_at_each_response_token():
+    from rlcore import keys as K
+    from rlcore.loops.score import full_kl_from_models
+    config = ppo.Config(**TINY, batch_size=3, temperature=0.7)
+    state, rollout = _moved_state_and_rollout(config)
+    kl = full_kl_from_models(state.model("policy"), state.model("ref"), rollout, temperature=0.7)
+    # written out: both models' full logits, softmax at τ, Σ_v π (log π − log π_ref) before each response token
+    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
+    mask = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
+    P, R = rollout[K.PROMPT_IDS].shape[1], rollout[K.RESPONSE_IDS].shape[1]
+    with torch.no_grad():
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        logp, logq = (torch.log_softmax(m(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits[
+            :, P - 1:P - 1 + R].double() / 0.7, -1) for m in (state.model("policy"), state.model("ref")))
+    want = (logp.exp() * (logp - logq)).sum(-1).where(rollout[K.RESPONSE_MASK], 0.0)
+    torch.testing.assert_close(kl.double(), want, rtol=1e-4, atol=1e-6)
+    assert (kl[rollout[K.RESPONSE_MASK]] > 0).all()
+    chunked = full_kl_from_models(state.model("policy"), state.model("ref"), rollout, temperature=0.7,
+                                  rows_per_forward=2)
+    torch.testing.assert_close(chunked, kl, rtol=1e-5, atol=1e-6)
+    same = full_kl_from_models(state.model("ref"), state.model("ref"), rollout, temperature=0.7)
+    assert torch.count_nonzero(same) == 0
+
+
+def test_kl_full_puts_the_exact_kl_in_the_reward():
+    from rlcore import keys as K
+    from rlcore.loops.score import full_kl_from_models
+    config = ppo.Config(**TINY, batch_size=3, kl="full", kl_coef=0.3, micro_batch_size=2)
+    state, rollout = _moved_state_and_rollout(config)
+    _, prepared, info = ppo.prepare(state, rollout, config)
+    mask = rollout[K.RESPONSE_MASK]
+    full = full_kl_from_models(state.model("policy"), state.model("ref"), rollout)
+    torch.testing.assert_close(prepared[K.KL], full)
+    last = mask & ~torch.nn.functional.pad(mask[:, 1:], (0, 1), value=False)
+    want = torch.where(mask, -0.3 * full + torch.where(last, prepared[K.SCORE][:, None], 0.0), 0.0)
+    torch.testing.assert_close(prepared[K.REWARDS], want)
+    history = ppo.train(dataclasses.replace(config, steps=2, lr=1e-2), reward_fn=digit_fraction)[1]
+    assert all(math.isfinite(h["loss"]) for h in history)
+    with pytest.raises(ValueError, match=r"kl: expected one of \[.*'full'\], got 'fulll'"):
+        ppo.check(dataclasses.replace(config, kl="fulll"))

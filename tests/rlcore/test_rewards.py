@@ -295,3 +295,22 @@ def test_zero_length_responses():
     mask = torch.zeros(3, 0, dtype=torch.bool)
     rewards, kl = compute_rewards(torch.ones(3), torch.zeros(3, 0), torch.zeros(3, 0), mask)
     assert rewards.shape == kl.shape == (3, 0)
+
+
+def test_a_kl_tensor_is_the_penalty_itself():
+    """kl given as values (TRL's kl_penalty="full": the exact KL over the vocabulary) replaces the estimator."""
+    batch = make_rollout(5, 6, empty_rows=1)
+    mask = batch[K.RESPONSE_MASK]
+    values = torch.rand(mask.shape, dtype=batch[K.OLD_LOGPROBS].dtype, generator=torch.Generator().manual_seed(0))
+    rewards, per_token = assert_pure(compute_rewards, batch[K.SCORE], batch[K.OLD_LOGPROBS], batch[K.REF_LOGPROBS],
+                                     mask, kl_coef=0.4, kl=values)
+    last = last_token_mask(mask)
+    want = torch.where(mask, -0.4 * values + torch.where(last, batch[K.SCORE][:, None], 0.0), 0.0)
+    torch.testing.assert_close(rewards, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(per_token, torch.where(mask, values, 0.0), rtol=0, atol=0)
+    out = with_rewards(batch.copy().update({K.FULL_KL: values}), kl_coef=0.4, kl="full")
+    torch.testing.assert_close(out[K.REWARDS], rewards, rtol=0, atol=0)
+    with pytest.raises(KeyError, match=r"with_rewards\(kl='full'\): batch is missing 'full_kl' \[B, R\]"):
+        with_rewards(batch, kl="full")
+    with pytest.raises(ValueError, match=r"kl"):
+        compute_rewards(batch[K.SCORE], batch[K.OLD_LOGPROBS], batch[K.REF_LOGPROBS], mask, kl=values[:, :-1])
