@@ -189,6 +189,39 @@ def _render(tokenizer, prompt: Any, completion: Any | None, where: str) -> tuple
     return prompt_text, full[len(prompt_text):], True
 
 
+def _assistant_turns(tokenizer, messages: Sequence[Mapping], add_eos: bool, where: str
+                     ) -> tuple[list[int], list[int], list[bool]]:
+    """(prompt ids, completion ids, completion mask) of a whole conversation, the mask True on the
+    tokens of every assistant turn (its content and its end-of-turn text, as the chat template
+    renders them): the prompt runs up to the first assistant turn, the completion is the rest.
+
+    Each piece is the template's rendering of the conversation so far minus the rendering before
+    it, so the template must render every turn as a continuation of the ones before."""
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(list(messages[:i]), tokenize=False, add_generation_prompt=True)
+        after = tokenizer.apply_chat_template(list(messages[:i + 1]), tokenize=False)
+        if not (before.startswith(done) and after.startswith(before)):
+            raise ValueError(f"{where}: the chat template does not render each turn as a continuation of the turns "
+                             "before it, so the assistant turns cannot be located; use assistant_only_loss=False")
+        pieces += [(before[len(done):], False), (after[len(before):], True)]
+        done = after
+    prompt = tokenizer(pieces[0][0], add_special_tokens=False)["input_ids"]
+    completion: list[int] = []
+    mask: list[bool] = []
+    for text, assistant in pieces[1:]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        completion += ids
+        mask += [assistant] * len(ids)
+    eos = tokenizer.eos_token_id
+    if add_eos and eos is not None and (not completion or completion[-1] != eos):
+        completion, mask = completion + [eos], mask + [True]
+    return prompt, completion, mask
+
+
 def _columns(format: str, row: Mapping, where: str) -> dict[str, Any]:
     """The (prompt, completion...) fields of ``row`` for ``format``, conversations unrolled."""
     if format == "conversational":
@@ -236,9 +269,15 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
                      formatting_func: Callable[[Mapping], str | Mapping] | None = None,
                      max_prompt_length: int | None = None, max_length: int | None = None,
                      truncation: str = "keep_start", prompt_truncation: str = "keep_end",
-                     prompt_cut: str = "always", add_eos: bool = True, where: str = "row") -> dict[str, list[int]]:
+                     prompt_cut: str = "always", add_eos: bool = True, assistant_only_loss: bool = False,
+                     where: str = "row") -> dict[str, list]:
     """Token ids of one example: ``prompt_ids`` and ``completion_ids`` (or ``chosen_ids`` /
     ``rejected_ids``; prompt-only rows give ``prompt_ids`` alone).
+
+    ``assistant_only_loss`` (conversational rows): the whole conversation, the prompt up to the
+    first assistant turn and the completion the rest, with ``completion_mask`` (a bool per
+    completion token) True on every assistant turn (TRL's ``assistant_only_loss``); the collators
+    turn it into the ``loss_mask``.
 
     Prompt and completion are tokenised separately (the prompt with the tokenizer's special
     tokens unless chat-templated, the completion without) and EOS is appended to a completion
@@ -271,11 +310,16 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
     cut = _lookup_truncation(truncation, "truncation")
     if prompt_cut not in PROMPT_CUTS:
         raise ValueError(f"prompt_cut: unknown {prompt_cut!r}; valid: {list(PROMPT_CUTS)}")
+    if assistant_only_loss and fmt != "conversational":
+        raise ValueError(f"assistant_only_loss: needs conversations (a 'messages' column), got format {fmt!r}")
     fields = _columns(fmt, row, where)
     names = [c for c in ("completion", "chosen", "rejected") if c in fields]
     prompts, out = [], {}
-    tokens = {}
-    for name in names or [None]:
+    tokens, masks = {}, {}
+    if assistant_only_loss:
+        prompt, completion, masks["completion"] = _assistant_turns(tokenizer, list(row["messages"]), add_eos, where)
+        tokens["completion"] = (prompt, completion)
+    for name in [] if tokens else names or [None]:
         prompt_text, text, templated = _render(tokenizer, fields["prompt"], fields.get(name), where)
         prompt = tokenizer(prompt_text, add_special_tokens=not templated)["input_ids"]
         if name is None:
@@ -299,13 +343,19 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
             room = max_length - (len(prompt) if max_prompt_length is None else max_prompt_length)
             completion = completion[:max(room, 0)]
         if max_length is not None and len(prompt) + len(completion) > max_length:
+            kept = len(completion)
             prompt, completion = cut(prompt, completion, max_length, f"{where}: prompt + {name}")
+            if name in masks:  # the mask follows its tokens: keep_start keeps the completion's start
+                start = 0 if truncation == "keep_start" else kept - len(completion)
+                masks[name] = masks[name][start:start + len(completion)]
         if not completion:
             raise ValueError(f"{where}: prompt of {len(prompt)} tokens leaves no room for the {name} under "
                              f"max_length={max_length}; raise max_length, lower max_prompt_length, or use "
                              "truncation='keep_end'")
         prompts.append(prompt)
         out[f"{name}_ids"] = completion
+        if name in masks:
+            out[f"{name}_mask"] = masks[name]
     # chosen and rejected share one prompt: the most cut one (every cut is a prefix or a suffix
     # of the same prompt, so the shortest keeps each side within max_length)
     return {"prompt_ids": min(prompts, key=len), **out}
@@ -322,7 +372,7 @@ def tokenize_dataset(dataset: Dataset, tokenizer, *, format: str | None = None,
                      formatting_func: Callable[[Mapping], str | Mapping] | None = None,
                      max_prompt_length: int | None = None, max_length: int | None = None,
                      truncation: str = "keep_start", prompt_truncation: str = "keep_end",
-                     prompt_cut: str = "always", add_eos: bool = True) -> Dataset:
+                     prompt_cut: str = "always", add_eos: bool = True, assistant_only_loss: bool = False) -> Dataset:
     """``tokenize_example`` over a dataset: adds the id columns, keeps every other column.
 
     The format is detected once from ``dataset.column_names`` (or from the first formatted row
@@ -335,7 +385,7 @@ def tokenize_dataset(dataset: Dataset, tokenizer, *, format: str | None = None,
         return tokenize_example(row, tokenizer, format=format, formatting_func=formatting_func,
                                 max_prompt_length=max_prompt_length, max_length=max_length, truncation=truncation,
                                 prompt_truncation=prompt_truncation, prompt_cut=prompt_cut, add_eos=add_eos,
-                                where=f"row {index}")
+                                assistant_only_loss=assistant_only_loss, where=f"row {index}")
 
     return dataset.map(fn, with_indices=True, keep_in_memory=True, load_from_cache_file=False)
 
@@ -375,10 +425,15 @@ def _need(columns: Mapping, names: Sequence[str], where: str) -> None:
                        "run tokenize_dataset / tokenize_example first")
 
 
-def _sequence_batch(prompts: Sequence[list], completions: Sequence[list], pad_id: int) -> TensorDict:
+def _sequence_batch(prompts: Sequence[list], completions: Sequence[list], pad_id: int,
+                    completion_masks: Sequence[list] | None = None) -> TensorDict:
     ids, mask = pad_sequences([p + c for p, c in zip(prompts, completions)], pad_value=pad_id)
-    starts = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    loss_mask = mask & (torch.arange(ids.shape[-1]) >= starts[:, None])
+    if completion_masks is None:
+        starts = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        loss_mask = mask & (torch.arange(ids.shape[-1]) >= starts[:, None])
+    else:  # the completion's own mask (assistant turns)
+        loss_mask = pad_sequences([[0] * len(p) + [int(b) for b in m] for p, m in zip(prompts, completion_masks)],
+                                  pad_value=0)[0].bool()
     return TensorDict({K.INPUT_IDS: ids, K.ATTENTION_MASK: mask, K.LOSS_MASK: loss_mask}, batch_size=[len(ids)])
 
 
@@ -392,10 +447,11 @@ def collate_prompts(rows, *, pad_id: int) -> TensorDict:
 
 def collate_sequences(rows, *, pad_id: int) -> TensorDict:
     """SFT batch: ``input_ids`` (prompt + completion, right padded), ``attention_mask``,
-    ``loss_mask`` (completion tokens), all ``[B, T]`` with ``T`` the batch's longest row."""
+    ``loss_mask`` (completion tokens, or where rows carry ``completion_mask``, the tokens it marks),
+    all ``[B, T]`` with ``T`` the batch's longest row."""
     cols = _as_columns(rows)
     _need(cols, ["prompt_ids", "completion_ids"], "collate_sequences")
-    return _sequence_batch(cols["prompt_ids"], cols["completion_ids"], pad_id)
+    return _sequence_batch(cols["prompt_ids"], cols["completion_ids"], pad_id, cols.get("completion_mask"))
 
 
 def collate_preference(rows, *, pad_id: int) -> TensorDict:
@@ -487,7 +543,8 @@ def pack_sequences(rows, seq_length: int, *, pad_id: int) -> TensorDict:
     position_ids=position_ids)``.
 
     Args:
-        rows: tokenised rows with ``prompt_ids`` and ``completion_ids`` (list of dicts or columns).
+        rows: tokenised rows with ``prompt_ids`` and ``completion_ids`` (list of dicts or columns),
+            and optionally ``completion_mask`` (the completion tokens that are targets).
     Returns:
         TensorDict ``[N]``: ``input_ids``, ``attention_mask``, ``loss_mask``, ``segment_ids``,
         ``position_ids``, all ``[N, seq_length]``.
@@ -498,8 +555,9 @@ def pack_sequences(rows, seq_length: int, *, pad_id: int) -> TensorDict:
     """
     cols = _as_columns(rows)
     _need(cols, ["prompt_ids", "completion_ids"], "pack_sequences")
-    examples = [((list(p) + list(c))[:seq_length], ([False] * len(p) + [True] * len(c))[:seq_length])
-                for p, c in zip(cols["prompt_ids"], cols["completion_ids"])]
+    masks = cols.get("completion_mask") or [[True] * len(c) for c in cols["completion_ids"]]
+    examples = [((list(p) + list(c))[:seq_length], ([False] * len(p) + [bool(b) for b in m])[:seq_length])
+                for p, c, m in zip(cols["prompt_ids"], cols["completion_ids"], masks)]
     bins: list[list[int]] = []  # example indices per row
     room: list[int] = []
     for i in sorted(range(len(examples)), key=lambda i: -len(examples[i][0])):

@@ -70,6 +70,7 @@ class Config:
     packing: bool = False                  # pack examples into rows of max_length (pack_sequences)
     dataset_text_field: str = "text"       # the column of plain text to model (TRL dataset_text_field)
     completion_only_loss: bool = True      # loss on completion tokens only; False: on the prompt too (TRL completion_only_loss)
+    assistant_only_loss: bool = False      # conversations: loss on every assistant turn, not only the last (TRL assistant_only_loss)
     # loss and forward (algorithms.sft.sft_loss, loops.score)
     agg: str = "token_mean"                # rlcore.masked.AGGREGATIONS (with packing, a "sequence" is a packed row)
     chunked: bool = True                   # log-probs from hidden states in vocabulary chunks
@@ -158,7 +159,11 @@ def _prepare(data, tokenizer, config: Config):
             raise ValueError(f"dataset_text_field: no column {field!r} in the dataset (columns {data.column_names})")
         data = data.rename_column(field, "text") if "text" not in data.column_names else \
             data.remove_columns("text").rename_column(field, "text")
-    return tokenize_dataset(data, tokenizer, max_length=config.max_length, max_prompt_length=config.max_prompt_length)
+    if config.assistant_only_loss and not config.completion_only_loss:
+        raise ValueError("assistant_only_loss: scores the assistant turns only, while completion_only_loss=False "
+                         "scores every token; set one of the two")
+    return tokenize_dataset(data, tokenizer, max_length=config.max_length, max_prompt_length=config.max_prompt_length,
+                            assistant_only_loss=config.assistant_only_loss)
 
 
 def _whole_sequence_loss(batch: TensorDict) -> TensorDict:

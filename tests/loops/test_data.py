@@ -399,3 +399,47 @@ def test_load_local_reads_directories(tmp_path):
     (tmp_path / "files" / "data" / "extra.csv").write_text("prompt\nx\n")
     with pytest.raises(ValueError, match=r"holds mixed data files \(\['.csv', '.jsonl'\]\)"):
         load_local(tmp_path / "files")
+
+
+# --- assistant_only_loss: every assistant turn of a conversation ---------------------------------
+CHAT = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1="},
+                     {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2="},
+                     {"role": "assistant", "content": "4"}]}
+
+
+def test_assistant_only_loss_marks_every_assistant_turn(tokenizer):
+    out = tokenize_example(CHAT, tokenizer, assistant_only_loss=True)
+    assert tokenizer.decode(out["prompt_ids"]) == "<s><|system|>be brief</s><|user|>1+1=</s><|assistant|>"
+    completion = out["completion_ids"]
+    assert tokenizer.decode(completion) == "2</s><|user|>2+2=</s><|assistant|>4</s>"
+    targets = [t for t, m in zip(completion, out["completion_mask"]) if m]
+    assert tokenizer.decode(targets) == "2</s>4</s>"  # each reply and its end of turn, no user text, no role tags
+    # the whole conversation is the template's rendering, token for token
+    rendered = tokenizer.apply_chat_template(CHAT["messages"], tokenize=False)
+    assert tokenizer.decode(out["prompt_ids"] + completion) == rendered
+    # without the flag: the last reply is the completion (loss on it alone)
+    assert tokenizer.decode(tokenize_example(CHAT, tokenizer)["completion_ids"]) == "4</s>"
+    with pytest.raises(ValueError, match=r"assistant_only_loss: needs conversations \(a 'messages' column\), got "
+                                         r"format 'prompt_completion'"):
+        tokenize_example(ROWS["prompt_completion"], tokenizer, assistant_only_loss=True)
+
+
+def test_assistant_masks_survive_truncation_collation_and_packing(tokenizer):
+    rows = [tokenize_example(CHAT, tokenizer, assistant_only_loss=True),
+            tokenize_example(ROWS["conversational"], tokenizer, assistant_only_loss=True)]
+    batch = collate_sequences(rows, pad_id=0)
+    for b, row in enumerate(rows):
+        P = len(row["prompt_ids"])
+        want = [False] * P + row["completion_mask"]
+        assert batch[K.LOSS_MASK][b, :len(want)].tolist() == want and not batch[K.LOSS_MASK][b, len(want):].any()
+    packed = pack_sequences(rows, seq_length=64, pad_id=0)
+    assert sorted(packed[K.INPUT_IDS][packed[K.LOSS_MASK]].tolist()) == \
+        sorted(batch[K.INPUT_IDS][batch[K.LOSS_MASK]].tolist())
+    full = rows[0]
+    cut = tokenize_example(CHAT, tokenizer, assistant_only_loss=True, max_length=len(full["prompt_ids"]) + 3)
+    assert cut["completion_ids"] == full["completion_ids"][:3]
+    assert cut["completion_mask"] == full["completion_mask"][:3]
+    end = tokenize_example(CHAT, tokenizer, assistant_only_loss=True, truncation="keep_end",
+                           max_length=len(full["completion_ids"]) + 2)
+    assert end["completion_ids"] == full["completion_ids"] and end["completion_mask"] == full["completion_mask"]
+    assert len(end["prompt_ids"]) == 2

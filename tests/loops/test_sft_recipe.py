@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDict
 
 from rlcore import keys as K
-from rlcore.loops.data import collate_sequences, pack_sequences, tokenize_dataset
+from rlcore.loops.data import collate_sequences, load_local, pack_sequences, tokenize_dataset
 from rlcore.loops.fold import stop_when
 from rlcore.loops.logging import read_jsonl
 from rlcore.loops.models import build_tokenizer, pad_token_id
@@ -187,3 +187,28 @@ def test_completion_only_loss_and_dataset_text_field_as_trl():
     assert prepared[0]["completion_ids"][:5] == tok("hello", add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match=r"dataset_text_field: no column 'body' in the dataset \(columns \['content', 'id'\]\)"):
         sft._prepare(texts, tok, sft.Config(dataset_text_field="body"))
+
+
+def test_assistant_only_loss_trains_on_every_assistant_turn(tmp_path):
+    """TRL's assistant_only_loss: a multi-turn conversation is one example whose targets are every reply."""
+    from rlcore.loops import sft
+    chats = [{"messages": [{"role": "user", "content": f"{a}+1="}, {"role": "assistant", "content": str(a + 1)},
+                           {"role": "user", "content": "again"}, {"role": "assistant", "content": str(a + 1)}]}
+             for a in range(12)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in chats))
+    config = Config(steps=6, task=None, dataset=str(path), assistant_only_loss=True,
+                    **{**TINY, "num_eval": 4, "batch_size": 4, "max_length": 64})
+    tok = build_tokenizer()
+    rows = sft._prepare(load_local(str(path)), tok, config)
+    batch = scoring_mask(sft._collate_fn(rows, tok, config)(rows[:2]))
+    targets = [tok.decode(ids[m]) for ids, m in zip(batch[K.INPUT_IDS], batch[K.LOSS_MASK])]
+    assert targets == ["1</s>1</s>", "2</s>2</s>"]  # both replies of each conversation, nothing else
+    last_only = scoring_mask(sft._collate_fn(rows, tok, config)(
+        sft._prepare(load_local(str(path)), tok, dataclasses.replace(config, assistant_only_loss=False))[:2]))
+    assert [tok.decode(ids[m]) for ids, m in zip(last_only[K.INPUT_IDS], last_only[K.LOSS_MASK])] == ["1</s>", "2</s>"]
+    state, history = train(config)
+    assert history[-1]["loss"] < history[0]["loss"]
+    with pytest.raises(ValueError, match=r"assistant_only_loss: scores the assistant turns only, while "
+                                         r"completion_only_loss=False"):
+        train(dataclasses.replace(config, completion_only_loss=False))
