@@ -2,8 +2,9 @@
 
 Three steps, each a function:
 
-1. ``load_local(source)``: a ``datasets.Dataset`` from a jsonl/json/parquet/csv file or an
-   in-memory list of rows / dict of columns.
+1. ``load_local(source)``: a ``datasets.Dataset`` from a jsonl/json/parquet/csv file, a
+   directory, or an in-memory list of rows / dict of columns; ``load_source`` also resolves a hub
+   dataset name through ``datasets`` (its cache when offline).
 2. ``tokenize_dataset(dataset, tokenizer, ...)``: detects the format from the columns
    (``FORMATS``), renders conversations with the chat template, tokenises prompt and completion
    separately, appends EOS to completions, truncates, and adds id columns (``prompt_ids``,
@@ -38,6 +39,7 @@ batches are left padded (ready for generation).
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,7 +53,7 @@ from rlcore import keys as K
 from rlcore.loops.models import pad_token_id
 
 __all__ = [
-    "FORMATS", "detect_format", "split_implicit_prompt", "preference_format", "load_local", "TRUNCATIONS", "tokenize_example", "tokenize_dataset",
+    "FORMATS", "detect_format", "split_implicit_prompt", "preference_format", "load_local", "load_source", "TRUNCATIONS", "tokenize_example", "tokenize_dataset",
     "pad_sequences", "COLLATORS", "collate", "collate_prompts", "collate_sequences", "collate_preference",
     "collate_unpaired", "collate_mismatched", "iterate_batches", "pack_sequences",
 ]
@@ -111,6 +113,34 @@ def load_local(source: str | Path | Sequence[Mapping] | Mapping[str, Sequence] |
     if not path.exists():
         raise FileNotFoundError(f"source: no such file {path}")
     return _LOADERS[path.suffix](str(path), keep_in_memory=True)
+
+
+# A hub dataset name, ``name`` or ``namespace/name``, with an optional ``:split``.
+_HUB_NAME = re.compile(r"(?P<name>[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?)(?::(?P<split>[\w.-]+))?")
+
+
+def load_source(source: str | Path | Sequence[Mapping] | Mapping[str, Sequence] | Dataset) -> Dataset:
+    """``load_local(source)`` for anything local; a name that is no local path, ``namespace/name``
+    with an optional ``:split`` (default ``train``), is a hub dataset loaded by
+    ``datasets.load_dataset`` (from its cache when ``HF_HUB_OFFLINE=1``; datasets runs no dataset
+    scripts). Errors name the source and what was tried.
+
+    >>> load_source([{"prompt": "1+1="}]).num_rows
+    1
+    """
+    if not isinstance(source, (str, Path)) or Path(source).exists() or Path(source).suffix in _LOADERS:
+        return load_local(source)
+    match = _HUB_NAME.fullmatch(str(source))
+    if match is None:
+        raise FileNotFoundError(f"source: {str(source)!r} is no local file or directory, nor a hub dataset name "
+                                "(namespace/name, optionally :split)")
+    name, split = match["name"], match["split"] or "train"
+    try:
+        loaded = datasets.load_dataset(name, split=split)
+    except Exception as e:  # noqa: BLE001 -- every failure becomes one message naming the source
+        raise ValueError(f"source: {str(source)!r} is no local file or directory, and datasets could not load "
+                         f"split {split!r} of the hub dataset {name!r}: {type(e).__name__}: {e}") from e
+    return loaded
 
 
 _LOADERS = {".jsonl": Dataset.from_json, ".json": Dataset.from_json, ".parquet": Dataset.from_parquet,

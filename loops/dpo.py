@@ -90,7 +90,7 @@ class Config:
     device: str = "cpu"
     # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
     task: str | None = "add"               # a built-in task (preference pairs with near-miss rejections)
-    dataset: str | None = None             # local file with prompt / chosen / rejected
+    dataset: str | None = None             # local file or folder, or hub name[:split], with prompt / chosen / rejected
     eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`
     num_train: int = 256                   # task pairs for training
     num_eval: int = 64                     # held-out pairs

@@ -88,7 +88,7 @@ class OnlineConfig:
     device: str = "cpu"              # where models and rollouts live
     # --- data ---
     task: str = "add"                # built-in task (loops.tasks): prompts, and the reward when no reward_model
-    dataset: str | None = None       # local jsonl/parquet with a `prompt` column (and `answer` for the task reward)
+    dataset: str | None = None       # local file or folder, or hub name[:split], with a `prompt` column (and `answer` for the task reward)
     eval_dataset: str | None = None  # held-out file (default: num_eval rows split off `dataset`)
     num_train: int = 256             # built-in task: training prompts
     num_eval: int = 64               # held-out prompts

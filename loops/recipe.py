@@ -49,7 +49,7 @@ from torch import nn
 from rlcore.loops.collect import check_length_range
 from rlcore.loops.checkpoint import (Checkpointer, check_resume, latest_checkpoint, resume, run_dir_lock,
                                      verify_checkpoint)
-from rlcore.loops.data import load_local
+from rlcore.loops.data import load_source
 from rlcore.loops.distributed import is_main, shard_source
 from rlcore.loops.fold import every, fold, to_floats
 from rlcore.loops.logging import check_trackers, make_loggers
@@ -69,7 +69,8 @@ FIELD_DOCS: dict[str, str] = {
     "init_from": "start from the policy weights of a checkpoint or run directory",
     "device": "where models and batches live (cpu, cuda)",
     "task": "a built-in task (loops.tasks) when no dataset is given",
-    "dataset": "a local jsonl / json / parquet / csv file", "eval_dataset": "held-out file (default: split off dataset)",
+    "dataset": "a local jsonl / json / parquet / csv file or folder, or a hub name[:split]",
+    "eval_dataset": "held-out file or hub name[:split] (default: split off dataset)",
     "num_train": "built-in task: training examples", "num_eval": "held-out examples",
     "max_length": "tokens kept per sequence", "max_prompt_length": "prompt tokens kept",
     "seed": "model init, data order, sampling", "steps": "fold steps", "batch_size": "examples per step",
@@ -205,19 +206,20 @@ def init_train_state(models: Mapping[str, nn.Module], config: Any, *, trainable:
 
 # --- data --------------------------------------------------------------------------------------
 def load_splits(config: Any, make_task: Callable[..., Dataset]) -> tuple[Dataset, Dataset]:
-    """``(train, eval)`` datasets: a built-in task or local files.
+    """``(train, eval)`` datasets: a built-in task, local files or hub datasets.
 
-    - ``config.dataset`` set: ``load_local(dataset)``; the held-out split is
-      ``load_local(config.eval_dataset)`` when given, else ``num_eval`` rows split off the file
-      with a seeded shuffle (``train_test_split(seed=config.seed)``).
+    - ``config.dataset`` set: ``load_source(dataset)`` (a local file or directory, or a hub name
+      ``namespace/name[:split]``); the held-out split is ``load_source(config.eval_dataset)`` when
+      given, else ``num_eval`` rows split off the data with a seeded shuffle
+      (``train_test_split(seed=config.seed)``).
     - otherwise ``make_task(config.task, n, seed=config.seed, split=...)`` (``task_dataset`` or
       ``preference_dataset``) with ``n = num_train`` / ``num_eval``: disjoint prompts.
     """
     seed, n_eval = _get(config, "seed", 0), _get(config, "num_eval", 64)
     if _get(config, "dataset"):
-        data = load_local(config.dataset)
+        data = load_source(config.dataset)
         if _get(config, "eval_dataset"):
-            return data, load_local(config.eval_dataset)
+            return data, load_source(config.eval_dataset)
         if not 0 < n_eval < len(data):
             raise ValueError(f"num_eval: expected 0 < num_eval < {len(data)} (rows of {config.dataset}) to hold "
                              f"rows out, got {n_eval}; or pass eval_dataset")

@@ -61,7 +61,7 @@ class Config:
     device: str = "cpu"
     # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
     task: str | None = "add"               # a built-in task (loops.tasks) when `dataset` is None
-    dataset: str | None = None             # local jsonl/json/parquet/csv (prompt/completion, messages or text)
+    dataset: str | None = None             # local file or folder, or hub name[:split] (prompt/completion, messages or text)
     eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`
     num_train: int = 256                   # task examples for training
     num_eval: int = 64                     # held-out examples

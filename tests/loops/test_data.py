@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from rlcore import keys as K
 from rlcore.loops.data import (COLLATORS, FORMATS, TRUNCATIONS, collate, collate_mismatched, collate_preference,
                                collate_prompts, collate_sequences, detect_format, iterate_batches, load_local,
-                               pack_sequences, pad_sequences, split_implicit_prompt, tokenize_dataset,
+                               load_source, pack_sequences, pad_sequences, split_implicit_prompt, tokenize_dataset,
                                tokenize_example)
 from rlcore.loops.models import build_model, build_tokenizer
 from rlcore.loops.score import token_logprobs_from_model
@@ -443,3 +443,59 @@ def test_assistant_masks_survive_truncation_collation_and_packing(tokenizer):
                            max_length=len(full["completion_ids"]) + 2)
     assert end["completion_ids"] == full["completion_ids"] and end["completion_mask"] == full["completion_mask"]
     assert len(end["prompt_ids"]) == 2
+
+
+# --- hub dataset names ---------------------------------------------------------------------------
+def _hub_cache(root, rows):
+    """The datasets cache a download of the hub dataset ``acme/adds`` leaves (train and test
+    splits prepared by datasets' json builder), built from local files: nothing is downloaded."""
+    import shutil
+    from pathlib import Path
+    from datasets.packaged_modules.json.json import Json
+    files = {}
+    for split, part in (("train", rows[:-2]), ("test", rows[-2:])):
+        files[split] = [str(root / f"{split}.jsonl")]
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    builder = Json(cache_dir=str(root / "build"), dataset_name="adds", data_files=files, hash="0123abcd")
+    builder.download_and_prepare()
+    cache = root / "cache"
+    shutil.move(str(Path(builder.cache_dir).parents[1]), str(cache / "acme___adds" / "default"))
+    return cache
+
+
+def test_a_hub_dataset_name_loads_from_the_cache_offline(tmp_path):
+    import os
+    import subprocess
+    import sys
+    rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(10)]
+    cache = _hub_cache(tmp_path, rows)
+    script = """
+import sys
+from rlcore.loops.data import load_source
+from rlcore.loops.recipe import load_splits
+from rlcore.loops.sft import Config
+train, held_out = load_splits(Config(task=None, dataset="acme/adds", eval_dataset="acme/adds:test"), None)
+print(len(train), len(held_out), train[0]["prompt"], held_out[0]["prompt"])
+try:
+    load_source("acme/nothing")
+except ValueError as e:
+    print("ERR", e)
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache),
+           "HF_HOME": str(tmp_path / "home")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "8 2 0+1= 8+1="
+    assert lines[1].startswith("ERR source: 'acme/nothing' is no local file or directory, and datasets could not "
+                               "load split 'train' of the hub dataset 'acme/nothing'")
+
+
+def test_load_source_keeps_local_paths_local(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"source: no such file .*missing.jsonl"):
+        load_source(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(FileNotFoundError, match=r"is no local file or directory, nor a hub dataset name"):
+        load_source(str(tmp_path / "no" / "such" / "dir"))
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1="}\n')
+    assert load_source(str(path))[0] == {"prompt": "1+1="}
