@@ -209,7 +209,7 @@ class ReftConfig:
     rank: int = 4                               # r, the rank of the subspace
     share_weights: bool = False                 # one intervention for all positions of a layer
     dropout: float = 0.0                        # dropout on the edited state
-    variant: str = "loreft"                     # loreft | direft | noreft (REFT_INTERVENTIONS)
+    variant: str = "loreft"                     # loreft | noreft | direft | nodireft | consreft | lobireft (REFT_INTERVENTIONS)
     act: str = "identity"                       # activation of W h + b (REFT_ACTIVATIONS)
     blocks: str | None = None                   # dotted path of the block list; None: found automatically
     zero_init: bool = False                     # interventions start as the identity

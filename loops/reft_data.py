@@ -88,7 +88,8 @@ class ReftSpec:
         rank: ``r``, the dimension of the edited subspace.
         share_weights: one intervention per layer for both blocks, instead of one per block.
         dropout: dropout probability on the intervention's output.
-        variant: ``"loreft"`` | ``"noreft"`` | ``"direft"`` (``rlcore.algorithms.REFT_INTERVENTIONS``).
+        variant: ``"loreft"`` | ``"noreft"`` | ``"direft"`` | ``"nodireft"`` | ``"consreft"`` |
+            ``"lobireft"`` (``rlcore.algorithms.reft.REFT_INTERVENTIONS``).
         act: activation on ``W h + b`` by name (``REFT_ACTIVATIONS``; ``"identity"``: the paper's).
         blocks: dotted path of the block list (``"model.layers"``); ``None`` finds it.
     """

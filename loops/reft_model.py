@@ -59,7 +59,8 @@ __all__ = [
     "REFT_FORMAT",
 ]
 
-REFT_FORMAT = 1
+# 2: "direft" keeps R orthonormal (pyreft's DiReFT); format 1's "direft" had R free, which is "nodireft".
+REFT_FORMAT = 2
 _SPEC_FILE, _WEIGHTS_FILE = "reft_config.json", "interventions.safetensors"
 
 
@@ -418,8 +419,8 @@ def save_interventions(directory: str | Path, spec: ReftSpec, interventions: Ref
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in interventions.state_dict().items()}
     first = interventions[spec.names()[0]]
-    meta = {"format": REFT_FORMAT, "spec": spec.to_dict(), "hidden_size": first.weight.shape[1],
-            "dtype": str(first.weight.dtype).removeprefix("torch.")}
+    meta = {"format": REFT_FORMAT, "spec": spec.to_dict(), "hidden_size": first.rotation.shape[1],
+            "dtype": str(first.bias.dtype).removeprefix("torch.")}
     save_file(state, str(directory / _WEIGHTS_FILE), metadata={"format": "pt"})
     (directory / _SPEC_FILE).write_text(json.dumps(meta, indent=1))
     return directory
@@ -427,13 +428,21 @@ def save_interventions(directory: str | Path, spec: ReftSpec, interventions: Ref
 
 def load_interventions(directory: str | Path, *, device: torch.device | str | None = None,
                        dtype: torch.dtype | None = None) -> tuple[ReftSpec, ReftInterventions]:
-    """``(spec, interventions)`` saved by ``save_interventions`` (strict: every tensor must fit)."""
+    """``(spec, interventions)`` saved by ``save_interventions`` (strict: every tensor must fit).
+    A format-1 folder's ``direft`` (``R`` unconstrained) loads as ``nodireft``, the same map."""
     directory = Path(directory)
     meta = json.loads((directory / _SPEC_FILE).read_text())
-    if meta.get("format") != REFT_FORMAT:
-        raise ValueError(f"{directory / _SPEC_FILE}: format {meta.get('format')!r}, expected {REFT_FORMAT}")
-    spec = ReftSpec.from_dict(meta["spec"])
-    dtype = dtype or getattr(torch, meta["dtype"])
+    if meta.get("format") not in (1, REFT_FORMAT):
+        raise ValueError(f"{directory / _SPEC_FILE}: format {meta.get('format')!r}, expected {REFT_FORMAT} (or 1)")
+    spec_dict = dict(meta["spec"])
+    if meta["format"] == 1 and spec_dict.get("variant") == "direft":
+        spec_dict["variant"] = "nodireft"
+    spec = ReftSpec.from_dict(spec_dict)
+    stored = getattr(torch, str(meta.get("dtype")), None)
+    if dtype is None and not (isinstance(stored, torch.dtype) and stored.is_floating_point):
+        raise ValueError(f"{directory / _SPEC_FILE}: dtype: expected a floating-point torch dtype name "
+                         f"(e.g. 'float32'), got {meta.get('dtype')!r}")
+    dtype = dtype or stored
     interventions = make_interventions(spec, meta["hidden_size"], dtype=dtype, device=device)
     state = load_file(str(directory / _WEIGHTS_FILE), device=str(device or "cpu"))
     interventions.load_state_dict(state, strict=True)

@@ -1,4 +1,4 @@
-"""Tests of rlcore.algorithms.reft: LoReFT / NoReFT / DiReFT maps and the parameter holder."""
+"""Tests of rlcore.algorithms.reft: the LoReFT family's maps (pyreft's six variants) and the parameter holder."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from rlcore.algorithms.reft import (REFT_INTERVENTIONS, ReftIntervention, direft, loreft, noreft,
-                                    trainable_parameters)
+from rlcore.algorithms.reft import (CONSTANT_SOURCE, REFT_INTERVENTIONS, ReftIntervention, consreft, direft,
+                                    lobireft, loreft, nodireft, noreft, trainable_parameters)
+
+LINEAR_SOURCE = sorted(set(REFT_INTERVENTIONS) - set(CONSTANT_SOURCE))
 from rlcore.testing import MockLM, assert_pure
 
 H, R_ = 6, 2
@@ -51,8 +53,25 @@ def test_loreft_against_the_formula_written_plainly():
 def test_direft_and_noreft_against_the_formula():
     h, rot, w, b = _params(orthonormal=False)
     torch.testing.assert_close(direft(h, rot, w, b), _plain(h, rot, w, b, subtract=False))
+    torch.testing.assert_close(nodireft(h, rot, w, b), direft(h, rot, w, b))  # same map, other constraints
     torch.testing.assert_close(noreft(h, rot, w, b), _plain(h, rot, w, b))
     torch.testing.assert_close(noreft(h, rot, w, b), loreft(h, rot, w, b))   # same map, other constraints
+
+
+def test_constant_source_variants_against_the_formula():
+    """ConsReFT Φ = h + Rᵀ(b − Rh), LobiReFT Φ = h + Rᵀb: the linear formula with W = 0."""
+    h, rot, w, b = _params()
+    zero = torch.zeros_like(w)
+    torch.testing.assert_close(consreft(h, rot, b), _plain(h, rot, zero, b))
+    torch.testing.assert_close(lobireft(h, rot, b), _plain(h, rot, zero, b, subtract=False))
+    torch.testing.assert_close(consreft(h, rot, b) @ rot.T, b.expand(3, 4, R_))  # R Φ(h) = b for any h
+    for fn in (consreft, lobireft):
+        args = tuple(x[:1, :2] if i == 0 else x for i, x in enumerate((h, rot, b)))
+        args = tuple(x.clone().requires_grad_(True) for x in args)
+        assert torch.autograd.gradcheck(fn, args)
+        assert_pure(fn, *(x.detach() for x in args))
+    with pytest.raises(ValueError, match=r"bias: expected shape \[2\].*got \[3\]"):
+        lobireft(h, rot, torch.zeros(3, dtype=h.dtype))
 
 
 def test_golden_values():
@@ -63,6 +82,7 @@ def test_golden_values():
     # W h + b = 9 replaces the coordinate R h = 3 along e1
     assert loreft(h, R, W, b).tolist() == [9.0, 4.0]
     assert direft(h, R, W, b).tolist() == [12.0, 4.0]
+    assert consreft(h, R, b).tolist() == [1.0, 4.0] and lobireft(h, R, b).tolist() == [4.0, 4.0]
 
 
 def test_loreft_sets_subspace_coordinates_and_keeps_the_complement():
@@ -73,7 +93,7 @@ def test_loreft_sets_subspace_coordinates_and_keeps_the_complement():
     torch.testing.assert_close(out @ proj, h @ proj)                     # (I − RᵀR) Φ(h) = (I − RᵀR) h
 
 
-@pytest.mark.parametrize("name", sorted(REFT_INTERVENTIONS))
+@pytest.mark.parametrize("name", LINEAR_SOURCE)
 def test_registry_entries_share_one_signature_gradcheck_and_purity(name):
     fn = REFT_INTERVENTIONS[name]
     h, rot, w, b = (x[:1, :2] if i == 0 else x for i, x in enumerate(_params()))
@@ -115,7 +135,7 @@ def _orthonormality_error(rot):
 def test_loreft_rotation_stays_orthonormal_under_training():
     g = torch.Generator().manual_seed(0)
     mods = {v: ReftIntervention(H, R_, variant=v, generator=torch.Generator().manual_seed(1),
-                                dtype=torch.float64) for v in ("loreft", "noreft")}
+                                dtype=torch.float64) for v in REFT_INTERVENTIONS}
     h = torch.randn(32, H, generator=g, dtype=torch.float64)
     target = torch.randn(32, H, generator=g, dtype=torch.float64)
     for mod in mods.values():
@@ -129,11 +149,13 @@ def test_loreft_rotation_stays_orthonormal_under_training():
             loss.backward()
             opt.step()
         assert loss.item() < first                         # it trains
-    assert _orthonormality_error(mods["loreft"].rotation) < 1e-10
-    assert _orthonormality_error(mods["noreft"].rotation) > 1e-3   # unconstrained: drifts
+    for variant in ("loreft", "direft", "consreft", "lobireft"):  # orthonormal rows, as pyreft
+        assert _orthonormality_error(mods[variant].rotation) < 1e-10
+    for variant in ("noreft", "nodireft"):
+        assert _orthonormality_error(mods[variant].rotation) > 1e-3   # unconstrained: drifts
 
 
-@pytest.mark.parametrize("variant", sorted(REFT_INTERVENTIONS))
+@pytest.mark.parametrize("variant", sorted(set(REFT_INTERVENTIONS) - {"consreft"}))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_zero_init_is_the_identity(variant, dtype):
     mod = ReftIntervention(H, R_, variant=variant, zero_init=True, dtype=dtype,
@@ -165,8 +187,14 @@ def test_forward_calls_the_pure_function_with_its_parameters():
     for variant, fn in REFT_INTERVENTIONS.items():
         mod = ReftIntervention(H, R_, variant=variant, act=torch.tanh, generator=torch.Generator().manual_seed(2))
         h = torch.randn(4, H, generator=torch.Generator().manual_seed(3))
-        torch.testing.assert_close(mod(h), fn(h, mod.rotation, mod.weight, mod.bias, act=torch.tanh))
+        if variant in CONSTANT_SOURCE:
+            assert mod.weight is None and len(trainable_parameters(mod)) == 2
+            torch.testing.assert_close(mod(h), fn(h, mod.rotation, mod.bias))
+        else:
+            torch.testing.assert_close(mod(h), fn(h, mod.rotation, mod.weight, mod.bias, act=torch.tanh))
         assert mod(h.bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"zero_init: 'consreft' sets the subspace to a constant"):
+        ReftIntervention(H, R_, variant="consreft", zero_init=True)
 
 
 def test_seeded_init_is_reproducible_and_dropout_only_in_training():
@@ -196,11 +224,14 @@ def test_trainable_parameters_are_the_interventions_only():
 
 
 def test_module_bad_arguments():
-    with pytest.raises(ValueError, match=r"variant: unknown 'lora'; valid: \['direft', 'loreft', 'noreft'\]"):
+    with pytest.raises(ValueError, match=r"variant: unknown 'lora'; valid: \['consreft', 'direft', 'lobireft', "
+                                         r"'loreft', 'nodireft', 'noreft'\]"):
         ReftIntervention(H, R_, variant="lora")
     with pytest.raises(ValueError, match="rank: expected at most hidden_size=6"):
         ReftIntervention(H, 7)
-    ReftIntervention(H, 7, variant="direft")  # unconstrained R may be tall
+    ReftIntervention(H, 7, variant="nodireft")  # unconstrained R may be tall
+    with pytest.raises(ValueError, match="rank: expected at most hidden_size=6"):
+        ReftIntervention(H, 7, variant="direft")  # orthonormal rows, as pyreft
 
 
 def test_a_generator_fixes_the_whole_state_and_leaves_the_global_rng_alone():

@@ -90,7 +90,8 @@ def test_spec_json_round_trip_groups_and_errors():
     assert spec.names() == ["layer2_first", "layer2_last", "layer0_first", "layer0_last"]
     assert dataclasses.replace(spec, share_weights=True).groups == (("all", slice(0, 5)),)
     assert ReftSpec(positions="l4").groups == (("all", slice(0, 4)),)
-    with pytest.raises(ValueError, match=r"variant: unknown 'lora'; valid: \['direft', 'loreft', 'noreft'\]"):
+    with pytest.raises(ValueError, match=r"variant: unknown 'lora'; valid: \['consreft', 'direft', 'lobireft', "
+                                         r"'loreft', 'nodireft', 'noreft'\]"):
         ReftSpec(variant="lora")
     with pytest.raises(ValueError, match="component"):
         ReftSpec(component="mlp")
@@ -373,7 +374,7 @@ def test_wrapper_forward_generate_and_frozen_base(tokenizer):
         ReftModel(model, dataclasses.replace(spec, rank=3), wrapped.interventions)
 
 
-@pytest.mark.parametrize("variant", ["loreft", "direft"])
+@pytest.mark.parametrize("variant", ["loreft", "direft", "nodireft", "consreft", "lobireft"])
 def test_save_load_identical_outputs(tokenizer, tmp_path, variant):
     model, spec = tiny(tokenizer), ReftSpec(layers=(0, 1), positions="f2+l2", rank=3, variant=variant)
     batch = sft_batch(tokenizer, spec)
@@ -578,3 +579,19 @@ def test_config():
     assert load_config(CONFIG, layers="0,3", rank="2").layers == (0, 3)
     with pytest.raises(ValueError, match=r"unknown keys \['nope'\]"):
         load_config(CONFIG, nope=1)
+
+
+def test_a_format_1_direft_loads_as_nodireft_and_a_bad_dtype_is_refused(tokenizer, tmp_path):
+    """Format 1's DiReFT trained R freely: it is NodiReFT now that DiReFT keeps R orthonormal (pyreft)."""
+    model, spec = tiny(tokenizer), ReftSpec(layers=(0,), positions="f2+l2", rank=3, variant="nodireft")
+    iv = make_interventions(spec, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    save_interventions(tmp_path / "old", spec, iv)
+    meta = json.loads((tmp_path / "old" / "reft_config.json").read_text())
+    (tmp_path / "old" / "reft_config.json").write_text(json.dumps(
+        {**meta, "format": 1, "spec": {**meta["spec"], "variant": "direft"}}))
+    spec2, iv2 = load_interventions(tmp_path / "old")
+    assert spec2.variant == "nodireft"
+    assert all(torch.equal(a, b) for a, b in zip(iv.state_dict().values(), iv2.state_dict().values()))
+    (tmp_path / "old" / "reft_config.json").write_text(json.dumps({**meta, "dtype": "load"}))
+    with pytest.raises(ValueError, match=r"dtype: expected a floating-point torch dtype name .* got 'load'"):
+        load_interventions(tmp_path / "old")

@@ -553,6 +553,7 @@ def reft_kernel(fn):
         call = fn
         if fn == "registry":
             call = reft.REFT_INTERVENTIONS[d.choice(sorted(reft.REFT_INTERVENTIONS), "variant")]
+        constant = call in (reft.REFT_INTERVENTIONS[n] for n in reft.CONSTANT_SOURCE)  # (h, rotation, bias)
         H = d.int(1, 5, "H")
         r = d.int(1, H, "r")
         rotation = torch.linalg.qr(torch.randn(H, r, generator=d.g, dtype=F64))[0].T.to(dtype) if d.flag("orth") \
@@ -560,9 +561,11 @@ def reft_kernel(fn):
         dims = lead(d)
         kw = dict(h=d.reals((*dims, H), dtype), rotation=rotation, weight=d.reals((r, H), dtype),
                   bias=d.reals((r,), dtype), act=d.choice([None, torch.tanh, torch.relu], "act"))
+        if constant:
+            del kw["weight"], kw["act"]
         # h [..., H] takes any leading dims: a mutation that still ends in H is a valid input
         ambiguous = tuple(m for m, still_h in (("add", H == 1), ("drop", bool(dims) and dims[-1] == H)) if still_h)
-        return Case(call, kw, grad=("h", "rotation", "weight", "bias"), ok={"h": ambiguous})
+        return Case(call, kw, grad=tuple(k for k in ("h", "rotation", "weight", "bias") if k in kw), ok={"h": ambiguous})
     return Entry(make)
 
 
@@ -629,6 +632,9 @@ FUZZ = {
     "rlcore.algorithms.reft.loreft": reft_kernel(reft.loreft),
     "rlcore.algorithms.reft.noreft": reft_kernel(reft.noreft),
     "rlcore.algorithms.reft.direft": reft_kernel(reft.direft),
+    "rlcore.algorithms.reft.nodireft": reft_kernel(reft.nodireft),
+    "rlcore.algorithms.reft.consreft": reft_kernel(reft.consreft),
+    "rlcore.algorithms.reft.lobireft": reft_kernel(reft.lobireft),
     "rlcore.algorithms.reft.REFT_INTERVENTIONS": reft_kernel("registry"),
 }
 
@@ -636,7 +642,8 @@ EXEMPT_MODULES: dict[str, str] = {}
 EXEMPT = {
     "rlcore.algorithms.ddpo.PromptStats": "a NamedTuple type; built and read by the fuzzed prompt_stats_*",
     "rlcore.algorithms.reft.ReftIntervention": "an nn.Module holding parameters (not a pure function); its forward "
-                                               "calls the fuzzed loreft / noreft / direft",
+                                               "calls the fuzzed variants (REFT_INTERVENTIONS)",
+    "rlcore.algorithms.reft.CONSTANT_SOURCE": "a tuple of variant names, no computation",
     "rlcore.algorithms.reft.trainable_parameters": "collects nn.Parameters of modules: no tensor computation",
     "rlcore.algorithms.ppo.Surrogate": "a NamedTuple type returned by the fuzzed surrogates",
 }
