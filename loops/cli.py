@@ -10,7 +10,7 @@ weights.
 
 ``rlcore eval RECIPE --checkpoint DIR`` evaluates a saved policy on the recipe's held-out split,
 against the policy its run started from (the reference for KL); a recipe whose state is not a
-language-model policy (``ddpo``, ``reft``) rebuilds it with its own ``checkpoint_state``.
+language-model policy (``ddpo``, the ``reft`` recipes) rebuilds it with its own ``checkpoint_state``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 __all__ = ["RECIPES", "recipe_module", "field_docs", "main"]
 
 # recipe name -> module of rlcore.loops with ``Config``, ``train(config)`` and ``evaluate(state, config)``
+# (``module:NAME``: an object of that module with those attributes, e.g. ``loops.reft.GRPO``)
 RECIPES: dict[str, str] = {
     "sft": "rlcore.loops.sft",
     "reward": "rlcore.loops.reward",
@@ -40,14 +41,20 @@ RECIPES: dict[str, str] = {
     "online_dpo": "rlcore.loops.online_dpo",
     "ddpo": "rlcore.loops.ddpo",
     "reft": "rlcore.loops.reft",
+    "reft_grpo": "rlcore.loops.reft:GRPO",
+    "reft_rloo": "rlcore.loops.reft:RLOO",
+    "reft_dpo": "rlcore.loops.reft:DPO",
 }
 
 
-def recipe_module(name: str) -> ModuleType:
-    """The module of recipe ``name``; unknown names raise ``ValueError`` listing the recipes."""
+def recipe_module(name: str) -> ModuleType | Any:
+    """The module (or ``module:NAME`` object) of recipe ``name``; unknown names raise ``ValueError``
+    listing the recipes."""
     from rlcore.checks import lookup
 
-    return importlib.import_module(lookup(RECIPES, name, what="recipe"))
+    module, _, attr = lookup(RECIPES, name, what="recipe").partition(":")
+    loaded = importlib.import_module(module)
+    return getattr(loaded, attr) if attr else loaded
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -152,8 +159,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _recipes(args: argparse.Namespace) -> int:
-    for name, path in RECIPES.items():
-        doc = (importlib.import_module(path).__doc__ or "").strip().splitlines()[0]
+    for name in RECIPES:
+        recipe = recipe_module(name)
+        doc = (getattr(recipe, "doc", None) or recipe.__doc__ or "").strip().splitlines()[0]
         print(f"{name:12s} {doc}")
     return 0
 

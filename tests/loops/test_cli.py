@@ -107,3 +107,24 @@ def test_train_async_from_the_cli(tmp_path, capsys):
     assert "async/staleness" in final and final["optimizer_steps"] >= 1
     with pytest.raises(ValueError, match=r"algorithm: unknown 'sft'"):
         cli.main(["train", "sft", "--async", "--steps", "1", "--run_dir", "null"])
+
+
+@pytest.mark.parametrize("recipe", ["reft_grpo", "reft_rloo", "reft_dpo"])
+def test_the_reft_recipes_train_and_evaluate_from_the_cli(recipe, tmp_path, capsys):
+    """GRPO, RLOO and DPO of ReFT interventions from their YAML: only the interventions train, the
+    checkpoint holds them, and eval rebuilds the policy from it."""
+    run = tmp_path / "run"
+    args = ["train", recipe, "--config", str(ROOT / "configs" / f"{recipe}.yaml"), "--steps", "2",
+            "--run_dir", str(run), "--num_train", "16", "--num_eval", "4", "--batch_size", "4", "--eval_every", "2",
+            "--variant", "lobireft"]
+    assert cli.main(args) == 0
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final"]
+    assert "loss" in final and any(k.startswith("eval/") for k in final)
+    stored = sorted(p.name for p in (run / "checkpoint-2" / "models").iterdir())
+    assert stored == (["interventions"] if recipe == "reft_dpo" else ["policy"])
+    config = json.loads((run / "checkpoint-2" / "config.json").read_text())
+    assert config["variant"] == "lobireft" and config["recipe"] == recipe
+    assert cli.main(["eval", recipe, "--checkpoint", str(run)]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    key = "rewards/accuracies" if recipe == "reft_dpo" else "reward"
+    assert key in metrics

@@ -595,3 +595,20 @@ def test_a_format_1_direft_loads_as_nodireft_and_a_bad_dtype_is_refused(tokenize
     (tmp_path / "old" / "reft_config.json").write_text(json.dumps({**meta, "dtype": "load"}))
     with pytest.raises(ValueError, match=r"dtype: expected a floating-point torch dtype name .* got 'load'"):
         load_interventions(tmp_path / "old")
+
+
+def test_reft_dpo_from_a_config_trains_the_interventions_on_a_frozen_base():
+    from rlcore.loops.recipe import build_policy
+    from rlcore.loops.reft import ReftDpoConfig, train_reft_dpo
+    config = ReftDpoConfig(hidden_size=32, num_layers=2, num_train=32, num_eval=8, batch_size=8, max_length=32,
+                           steps=4, lr=2e-2, beta=0.5, run_dir=None, eval_every=4)
+    base = build_policy(config)[0]
+    state, history = train_reft_dpo(config)
+    assert abs(history[0]["loss"] - math.log(2)) < 1e-5  # zero_init: the policy starts as its reference
+    assert history[-1]["loss"] < history[0]["loss"] and "eval/rewards/accuracies" in history[-1]
+    assert all(torch.equal(a, b) for a, b in zip(state.model("policy").parameters(), base.parameters()))
+    assert state.model("ref") is state.model("policy")
+    with pytest.raises(ValueError, match=r"loss_type: 'kto' trains on unpaired rows"):
+        train_reft_dpo(dataclasses.replace(config, loss_type="kto"))
+    with pytest.raises(ValueError, match=r"sync_ref_model: the ReFT reference is the frozen base model"):
+        train_reft_dpo(dataclasses.replace(config, sync_ref_model=True))
