@@ -30,7 +30,7 @@ from typing import Any
 __all__ = ["RECIPES", "recipe_module", "field_docs", "main"]
 
 # recipe name -> module of rlcore.loops with ``Config``, ``train(config)`` and ``evaluate(state, config)``
-# (``module:NAME``: an object of that module with those attributes, e.g. ``loops.reft.GRPO``)
+# (``module:NAME``: an object of that module with those attributes, e.g. ``loops.reft_recipes.GRPO``)
 RECIPES: dict[str, str] = {
     "sft": "rlcore.loops.sft",
     "reward": "rlcore.loops.reward",
@@ -41,9 +41,10 @@ RECIPES: dict[str, str] = {
     "online_dpo": "rlcore.loops.online_dpo",
     "ddpo": "rlcore.loops.ddpo",
     "reft": "rlcore.loops.reft",
-    "reft_grpo": "rlcore.loops.reft:GRPO",
-    "reft_rloo": "rlcore.loops.reft:RLOO",
-    "reft_dpo": "rlcore.loops.reft:DPO",
+    "reft_grpo": "rlcore.loops.reft_recipes:GRPO",
+    "reft_rloo": "rlcore.loops.reft_recipes:RLOO",
+    "reft_dpo": "rlcore.loops.reft_recipes:DPO",
+    "reft_reward": "rlcore.loops.reft_recipes:REWARD",
 }
 
 

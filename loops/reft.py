@@ -33,7 +33,7 @@ import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -43,32 +43,30 @@ from rlcore import keys as K
 from rlcore.algorithms.reft import trainable_parameters
 from rlcore.loops.dpo import preference_loss_fn, with_reference
 from rlcore.loops.data import tokenize_dataset
-from rlcore.loops import dpo, grpo, rloo
+from rlcore.loops import grpo, rloo
 from rlcore.loops.models import pad_token_id
-from rlcore.loops.online import build_online_state, online_step, policy_update, train_online
+from rlcore.loops.online import online_step, policy_update, train_online
 from rlcore.loops.checkpoint import load_checkpoint
-from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
-                                 policy_tokenizer, run)
+from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
 from rlcore.loops.recipe import load_config as load_recipe_config
 from rlcore.loops.reft_data import ReftSpec, collate_reft, with_intervention_locations
 from rlcore.loops.reft_model import (ReftInterventions, ReftModel, intervention_dtype, make_interventions,
                                      with_interventions)
 from rlcore.loops.sft import scoring_mask, sft_loss_fn
 from rlcore.loops.state import TrainState, advance, init_state
-from rlcore.loops.tasks import preference_dataset, task_dataset
+from rlcore.loops.tasks import task_dataset
 from rlcore.loops.update import make_optimizer, update
 
 __all__ = [
     "init_reft_state", "trainable_fraction", "reft_sft_step", "reft_dpo_step", "reft_grpo_step", "reft_rloo_step",
     "reft_online_models", "train_reft_online", "ReftConfig", "reft_spec", "load_config", "reft_eval_loss",
     "evaluate", "train_reft_sft", "checkpoint_state", "Config", "train",
-    "ReftFields", "ReftGrpoConfig", "ReftRlooConfig", "ReftDpoConfig", "train_reft_policy_gradient",
-    "online_checkpoint_state", "train_reft_dpo", "evaluate_reft_dpo", "dpo_checkpoint_state", "ReftRecipe",
-    "GRPO", "RLOO", "DPO",
+    "ReftFields", "new_interventions",
 ]
 
 
-def _new_interventions(model: nn.Module, spec: ReftSpec, zero_init: bool, seed: int) -> ReftInterventions:
+def new_interventions(model: nn.Module, spec: ReftSpec, zero_init: bool, seed: int) -> ReftInterventions:
+    """``make_interventions`` for ``model`` (its hidden size, dtype and device), seeded with ``seed``."""
     return make_interventions(spec, model.config.hidden_size, zero_init=zero_init,
                               generator=torch.Generator().manual_seed(seed), dtype=intervention_dtype(model),
                               device=next(model.parameters()).device)
@@ -82,7 +80,7 @@ def init_reft_state(model: nn.Module, spec: ReftSpec, *, lr: float, weight_decay
     ``torch.Generator().manual_seed(seed)`` in ``intervention_dtype(model)``.
     """
     model.requires_grad_(False)
-    interventions = _new_interventions(model, spec, zero_init, seed)
+    interventions = new_interventions(model, spec, zero_init, seed)
     optimizer = make_optimizer(trainable_parameters(interventions.values()), lr=lr, weight_decay=weight_decay)
     return init_state({"policy": model, "ref": model, "interventions": interventions}, optimizer=optimizer, seed=seed)
 
@@ -165,7 +163,7 @@ def reft_rloo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
 def reft_online_models(spec: ReftSpec, *, zero_init: bool = False, seed: int = 0) -> Callable[[nn.Module], dict]:
     """``extra_models`` of ``loops.online.build_online_state``: ``{"policy": ReftModel(base), "ref": base}``."""
     def models(policy: nn.Module) -> dict[str, nn.Module]:
-        return {"policy": ReftModel(policy, interventions=_new_interventions(policy, spec, zero_init, seed)),
+        return {"policy": ReftModel(policy, interventions=new_interventions(policy, spec, zero_init, seed)),
                 "ref": policy}
     return models
 
@@ -245,28 +243,6 @@ class ReftConfig(ReftFields):
     resume: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class ReftGrpoConfig(ReftFields, grpo.Config):
-    """GRPO with ReFT (``rlcore train reft_grpo``): ``loops.grpo.Config`` and ``ReftFields``."""
-
-    run_dir: str | None = "runs/reft_grpo"
-
-
-@dataclasses.dataclass(frozen=True)
-class ReftRlooConfig(ReftFields, rloo.Config):
-    """RLOO with ReFT (``rlcore train reft_rloo``): ``loops.rloo.Config`` and ``ReftFields``."""
-
-    run_dir: str | None = "runs/reft_rloo"
-
-
-@dataclasses.dataclass(frozen=True)
-class ReftDpoConfig(ReftFields, dpo.Config):
-    """DPO with ReFT (``rlcore train reft_dpo``): ``loops.dpo.Config`` and ``ReftFields``; pairwise
-    losses (KTO's unpaired rows are not offered), the base model as the reference."""
-
-    run_dir: str | None = "runs/reft_dpo"
-
-
 def reft_spec(config: Any) -> ReftSpec:
     """The ``ReftSpec`` made of a config's spec fields."""
     return ReftSpec(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ReftSpec)})
@@ -316,7 +292,7 @@ def train_reft_sft(config: ReftConfig, *, model: nn.Module | None = None, tokeni
         model, tokenizer = build_policy(config)
     model.requires_grad_(False)
     spec = reft_spec(config)
-    interventions = _new_interventions(model, spec, config.zero_init, config.seed)
+    interventions = new_interventions(model, spec, config.zero_init, config.seed)
     state = init_train_state({"policy": model, "ref": model, "interventions": interventions}, config,
                              trainable=("interventions",))
     train, held_out = (tokenize_dataset(d, tokenizer, max_length=config.max_length)
@@ -333,116 +309,13 @@ def checkpoint_state(config: ReftConfig, path: str | Path) -> TrainState:
     """The ReFT ``TrainState`` of checkpoint ``path``: the base policy with the saved interventions."""
     model, _ = build_policy(config)
     model.requires_grad_(False)
-    interventions = _new_interventions(model, reft_spec(config), config.zero_init, config.seed)
+    interventions = new_interventions(model, reft_spec(config), config.zero_init, config.seed)
     state = init_train_state({"policy": model, "ref": model, "interventions": interventions}, config,
                              trainable=("interventions",))
     return load_checkpoint(path, state, restore_global_rng=False)
 
 
-# --- the online and preference recipes, from a config --------------------------------------------
-_ONLINE = {ReftGrpoConfig: (grpo, reft_grpo_step), ReftRlooConfig: (rloo, reft_rloo_step)}
-
-
-def train_reft_policy_gradient(config: ReftGrpoConfig | ReftRlooConfig, *, reward_fn=None,
-                               callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
-    """GRPO (``ReftGrpoConfig``) or RLOO (``ReftRlooConfig``) with ReFT: the recipe's own checks, then
-    ``train_reft_online`` with the config's spec and ``zero_init``. Returns ``(state, history)``."""
-    recipe, step = _ONLINE[type(config)]
-    recipe.check(config)
-    return train_reft_online(config, step, reft_spec(config), zero_init=config.zero_init, reward_fn=reward_fn,
-                             callbacks=callbacks)
-
-
-def online_checkpoint_state(config: ReftGrpoConfig | ReftRlooConfig, path: str | Path) -> TrainState:
-    """The state of a ReFT GRPO / RLOO checkpoint: ``ReftModel(base)`` with the saved interventions,
-    the base model as the reference."""
-    state, _ = build_online_state(config, extra_models=reft_online_models(reft_spec(config), seed=config.seed))
-    return load_checkpoint(path, state, restore_global_rng=False)
-
-
-def _reft_dpo_setup(config: ReftDpoConfig):
-    """(state, train pairs, held-out pairs, tokenizer, loss) of ReFT DPO."""
-    loss = dpo.bind_loss(config)
-    if config.loss_type in dpo.UNPAIRED:
-        raise ValueError(f"loss_type: {config.loss_type!r} trains on unpaired rows; ReFT DPO takes pairwise losses")
-    if config.sync_ref_model:
-        raise ValueError("sync_ref_model: the ReFT reference is the frozen base model itself; it cannot move")
-    model, tokenizer = build_policy(config)
-    model.requires_grad_(False)
-    train, held_out = (dpo._prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
-    models = {"policy": model, "interventions": _new_interventions(model, reft_spec(config), config.zero_init,
-                                                                   config.seed)}
-    if dpo.needs_reference(config) and config.precompute_ref:  # the base model scores once, before training
-        train, held_out = (dpo._with_ref_columns(d, model, tokenizer, config) for d in (train, held_out))
-    elif dpo.needs_reference(config):
-        models["ref"] = model  # the base model, interventions off: no copy
-    state = init_train_state(models, config, trainable=("interventions",))
-    return state, train, held_out, tokenizer, loss
-
-
-def _dpo_collate(tokenizer, config: ReftDpoConfig) -> Callable[[dict], TensorDict]:
-    return functools.partial(collate_reft, "preference", pad_id=pad_token_id(tokenizer), spec=reft_spec(config))
-
-
-@torch.no_grad()
-def _reft_dpo_eval(state: TrainState, data, tokenizer, config: ReftDpoConfig, loss: Callable) -> dict[str, float]:
-    collate_fn, device = _dpo_collate(tokenizer, config), _device(state)
-    loss_fn = with_interventions(functools.partial(preference_loss_fn, loss=loss, chunked=config.chunked))
-
-    def results():
-        for i in range(0, len(data), config.eval_batch_size):
-            batch = with_reference(state, collate_fn(data[i:i + config.eval_batch_size]).to(device),
-                                   chunked=config.chunked)
-            yield batch.batch_size[0], loss_fn(state, batch)[1]
-
-    return mean_metrics(results())
-
-
-def train_reft_dpo(config: ReftDpoConfig, *, callbacks: Sequence[Callable] = ()
-                   ) -> tuple[TrainState, list[dict[str, float]]]:
-    """DPO-family preference optimisation of ReFT interventions on a frozen model, from a config:
-    ``run(reft_dpo_step, ...)`` with evaluation (``rewards/accuracies``, margins, the loss) of the
-    held-out pairs with the interventions on. The reference is the base model. ``(state, history)``."""
-    state, train, held_out, tokenizer, loss = _reft_dpo_setup(config)
-    source = batch_source(train, config.batch_size, _dpo_collate(tokenizer, config), seed=config.seed)
-    step = functools.partial(reft_dpo_step, loss=loss, chunked=config.chunked, micro_batch_size=config.micro_batch_size,
-                             max_grad_norm=config.max_grad_norm)
-    eval_fn = functools.partial(_reft_dpo_eval, data=held_out, tokenizer=tokenizer, config=config, loss=loss)
-    return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="reft_dpo",
-               callbacks=callbacks, tokenizer=tokenizer)
-
-
-def evaluate_reft_dpo(state: TrainState, config: ReftDpoConfig) -> dict[str, float]:
-    """Held-out preference metrics of ``state``'s interventions (as during ``train_reft_dpo``)."""
-    _, _, held_out, tokenizer, loss = _reft_dpo_setup(config)
-    return _reft_dpo_eval(state, held_out, tokenizer, config, loss)
-
-
-def dpo_checkpoint_state(config: ReftDpoConfig, path: str | Path) -> TrainState:
-    """The state of a ReFT DPO checkpoint: the base model with the saved interventions."""
-    state = _reft_dpo_setup(config)[0]
-    return load_checkpoint(path, state, restore_global_rng=False)
-
-
-class ReftRecipe(NamedTuple):
-    """A ReFT recipe as ``rlcore.loops.cli`` runs one: ``Config``, ``train(config)``,
-    ``evaluate(state, config)``, ``checkpoint_state(config, path)`` and a one-line ``doc``."""
-
-    Config: type
-    train: Callable[..., tuple[TrainState, list[dict[str, float]]]]
-    evaluate: Callable[[TrainState, Any], dict[str, float]]
-    checkpoint_state: Callable[[Any, str | Path], TrainState]
-    doc: str
-
-
-GRPO = ReftRecipe(ReftGrpoConfig, train_reft_policy_gradient, grpo.evaluate, online_checkpoint_state,
-                  "GRPO of ReFT interventions on a frozen model (the base model is the reference).")
-RLOO = ReftRecipe(ReftRlooConfig, train_reft_policy_gradient, rloo.evaluate, online_checkpoint_state,
-                  "RLOO of ReFT interventions on a frozen model (the base model is the reference).")
-DPO = ReftRecipe(ReftDpoConfig, train_reft_dpo, evaluate_reft_dpo, dpo_checkpoint_state,
-                 "DPO-family preference optimisation of ReFT interventions on a frozen model.")
-
 # The recipe protocol of ``rlcore.loops.cli`` (``Config``, ``train(config)``, ``evaluate(state, config)``):
-# this module is the SFT recipe ("reft"); GRPO, RLOO and DPO are the ReftRecipe values above.
+# this module is the SFT recipe ("reft"); loops.reft_recipes holds GRPO, RLOO, DPO and reward modelling.
 Config = ReftConfig
 train = train_reft_sft

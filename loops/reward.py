@@ -134,12 +134,15 @@ def reward_loss_fn(state: TrainState, batch: TensorDictBase, *, margin_key: str 
 
 def reward_step(state: TrainState, batch: TensorDictBase, *, margin_key: str | None = None,
                 center_rewards_coefficient: float | None = None, micro_batch_size: int | None = None,
-                max_grad_norm: float | None = 1.0) -> tuple[TrainState, TensorDict]:
-    """One reward-modelling step (impure: it trains): one optimiser step on the batch's pairs."""
+                max_grad_norm: float | None = 1.0,
+                wrap_loss: Callable[[Callable], Callable] | None = None) -> tuple[TrainState, TensorDict]:
+    """One reward-modelling step (impure: it trains): one optimiser step on the batch's pairs.
+    ``wrap_loss`` wraps the loss closure (``loops.reft_model.with_interventions``: the ReFT version)."""
     batch = batch.to(next(state.model("policy").parameters()).device)
     rows = batch.batch_size[0]
     loss_fn = functools.partial(reward_loss_fn, margin_key=margin_key,
                                 center_rewards_coefficient=center_rewards_coefficient)
+    loss_fn = wrap_loss(loss_fn) if wrap_loss is not None else loss_fn
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
                             max_grad_norm=max_grad_norm)
     return advance(state, samples_seen=rows), metrics
@@ -181,16 +184,20 @@ def _pretokenised(data: Dataset, max_length: int | None) -> Dataset:
 
 
 @torch.no_grad()
-def _evaluate(state: TrainState, data: Dataset, tokenizer, config: Config) -> dict[str, float]:
-    """Row-weighted means of ``reward_loss``'s metrics (``accuracy``, ``margin``, ``loss_bt``...)."""
+def _evaluate(state: TrainState, data: Dataset, tokenizer, config: Config, *,
+              collate: Callable[[dict], TensorDict] | None = None,
+              wrap_loss: Callable[[Callable], Callable] | None = None) -> dict[str, float]:
+    """Row-weighted means of ``reward_loss``'s metrics (``accuracy``, ``margin``, ``loss_bt``...);
+    ``collate`` and ``wrap_loss`` as in training (the ReFT recipe's)."""
     device = next(state.model("policy").parameters()).device
-    collate = functools.partial(collate_pairs, pad_id=pad_token_id(tokenizer), margin_key=config.margin_key)
+    collate = collate or functools.partial(collate_pairs, pad_id=pad_token_id(tokenizer), margin_key=config.margin_key)
+    loss_fn = wrap_loss(reward_loss_fn) if wrap_loss is not None else reward_loss_fn
 
     def results():
         for i in range(0, len(data), config.eval_batch_size):
             batch = collate(data[i:i + config.eval_batch_size]).to(device)
-            loss, metrics = reward_loss_fn(state, batch, margin_key=config.margin_key,
-                                           center_rewards_coefficient=config.center_rewards_coefficient)
+            loss, metrics = loss_fn(state, batch, margin_key=config.margin_key,
+                                    center_rewards_coefficient=config.center_rewards_coefficient)
             yield batch.batch_size[0], {"loss": loss, **metrics.to_dict()}
 
     return mean_metrics(results())

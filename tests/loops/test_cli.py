@@ -109,7 +109,7 @@ def test_train_async_from_the_cli(tmp_path, capsys):
         cli.main(["train", "sft", "--async", "--steps", "1", "--run_dir", "null"])
 
 
-@pytest.mark.parametrize("recipe", ["reft_grpo", "reft_rloo", "reft_dpo"])
+@pytest.mark.parametrize("recipe", ["reft_grpo", "reft_rloo", "reft_dpo", "reft_reward"])
 def test_the_reft_recipes_train_and_evaluate_from_the_cli(recipe, tmp_path, capsys):
     """GRPO, RLOO and DPO of ReFT interventions from their YAML: only the interventions train, the
     checkpoint holds them, and eval rebuilds the policy from it."""
@@ -121,10 +121,10 @@ def test_the_reft_recipes_train_and_evaluate_from_the_cli(recipe, tmp_path, caps
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final"]
     assert "loss" in final and any(k.startswith("eval/") for k in final)
     stored = sorted(p.name for p in (run / "checkpoint-2" / "models").iterdir())
-    assert stored == (["interventions"] if recipe == "reft_dpo" else ["policy"])
+    assert stored == {"reft_dpo": ["interventions"], "reft_reward": ["interventions", "policy"]}.get(recipe, ["policy"])
     config = json.loads((run / "checkpoint-2" / "config.json").read_text())
     assert config["variant"] == "lobireft" and config["recipe"] == recipe
     assert cli.main(["eval", recipe, "--checkpoint", str(run)]) == 0
     metrics = json.loads(capsys.readouterr().out)
-    key = "rewards/accuracies" if recipe == "reft_dpo" else "reward"
+    key = {"reft_dpo": "rewards/accuracies", "reft_reward": "accuracy"}.get(recipe, "reward")
     assert key in metrics

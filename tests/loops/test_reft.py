@@ -599,7 +599,7 @@ def test_a_format_1_direft_loads_as_nodireft_and_a_bad_dtype_is_refused(tokenize
 
 def test_reft_dpo_from_a_config_trains_the_interventions_on_a_frozen_base():
     from rlcore.loops.recipe import build_policy
-    from rlcore.loops.reft import ReftDpoConfig, train_reft_dpo
+    from rlcore.loops.reft_recipes import ReftDpoConfig, train_reft_dpo
     config = ReftDpoConfig(hidden_size=32, num_layers=2, num_train=32, num_eval=8, batch_size=8, max_length=32,
                            steps=4, lr=2e-2, beta=0.5, run_dir=None, eval_every=4)
     base = build_policy(config)[0]
@@ -612,3 +612,23 @@ def test_reft_dpo_from_a_config_trains_the_interventions_on_a_frozen_base():
         train_reft_dpo(dataclasses.replace(config, loss_type="kto"))
     with pytest.raises(ValueError, match=r"sync_ref_model: the ReFT reference is the frozen base model"):
         train_reft_dpo(dataclasses.replace(config, sync_ref_model=True))
+
+
+def test_reft_reward_trains_interventions_and_the_score_head_only(tmp_path):
+    """pyreft's reward example: a frozen classifier, interventions at prompt positions, the head trained."""
+    from rlcore.loops.recipe import build_policy
+    from rlcore.loops.reft_recipes import ReftRewardConfig, train_reft_reward
+    config = ReftRewardConfig(hidden_size=32, num_layers=2, num_train=64, num_eval=16, batch_size=16, max_length=32,
+                              steps=12, lr=3e-2, run_dir=None, eval_every=12, positions="f1+l1", zero_init=False)
+    base = build_policy(config)[0]
+    state, history = train_reft_reward(config)
+    assert history[-1]["loss"] < history[0]["loss"] and "eval/accuracy" in history[-1]
+    changed = {n for (n, a), b in zip(state.model("policy").named_parameters(), base.parameters())
+               if not torch.equal(a, b)}
+    assert changed and all(n.startswith("score.") for n in changed), changed
+    rows = [{"input_ids_chosen": [5, 6, 7], "input_ids_rejected": [5, 6, 8]}] * 20
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"dataset: the interventions edit prompt positions, and these pairs have "
+                                         r"no prompt"):
+        train_reft_reward(dataclasses.replace(config, task=None, dataset=str(path), num_eval=4))
