@@ -2,12 +2,11 @@
 step taken (Python): every error names the field, the value seen and what is allowed."""
 
 import dataclasses
-import importlib
 
 import pytest
 
 from rlcore.loops import cli, dpo, grpo, sft
-from rlcore.loops.cli import RECIPES
+from rlcore.loops.cli import RECIPES, recipe_module
 from rlcore.loops.recipe import FIELD_RULES, check_config, load_config
 
 
@@ -49,9 +48,8 @@ def test_python_api_fails_before_a_model_is_built(monkeypatch):
 
 def test_every_recipe_default_passes_and_every_rule_names_a_real_field():
     fields = set()
-    for path in RECIPES.values():
-        module = importlib.import_module(path)
-        config_cls = getattr(module, "Config", None) or module.ReftConfig
+    for name in RECIPES:
+        config_cls = recipe_module(name).Config
         check_config(config_cls())
         fields |= {f.name for f in dataclasses.fields(config_cls)}
     assert set(FIELD_RULES) <= fields, sorted(set(FIELD_RULES) - fields)
