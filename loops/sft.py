@@ -34,7 +34,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.sft import sft_loss
 from rlcore.loops.collect import generate_rollout
-from rlcore.loops.data import collate, detect_format, pack_sequences, tokenize_dataset
+from rlcore.loops.data import collate_sequences, pack_sequences, tokenize_dataset
 from rlcore.loops.fold import to_floats
 from rlcore.loops.models import pad_token_id, position_ids_from_mask
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
@@ -152,7 +152,7 @@ def sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean
 
 
 # --- data --------------------------------------------------------------------------------------
-def _prepare(data, tokenizer, config: Config):
+def _prepare(data, tokenizer, config: Config, formatting_func: Callable[[dict], str | dict] | None = None):
     field = config.dataset_text_field
     if field != "text":
         if field not in data.column_names:
@@ -163,7 +163,7 @@ def _prepare(data, tokenizer, config: Config):
         raise ValueError("assistant_only_loss: scores the assistant turns only, while completion_only_loss=False "
                          "scores every token; set one of the two")
     return tokenize_dataset(data, tokenizer, max_length=config.max_length, max_prompt_length=config.max_prompt_length,
-                            assistant_only_loss=config.assistant_only_loss)
+                            assistant_only_loss=config.assistant_only_loss, formatting_func=formatting_func)
 
 
 def _whole_sequence_loss(batch: TensorDict) -> TensorDict:
@@ -172,13 +172,13 @@ def _whole_sequence_loss(batch: TensorDict) -> TensorDict:
 
 
 def _collate_fn(data, tokenizer, config: Config) -> Callable[[dict], TensorDict]:
-    pad, fmt = pad_token_id(tokenizer), detect_format(data.column_names)
+    pad = pad_token_id(tokenizer)
     if config.packing:
         if config.max_length is None:
             raise ValueError("max_length: packing needs the row length (set max_length)")
         make = functools.partial(pack_sequences, seq_length=config.max_length, pad_id=pad)
     else:
-        make = functools.partial(collate, fmt, pad_id=pad)
+        make = functools.partial(collate_sequences, pad_id=pad)
     return make if config.completion_only_loss else lambda rows: _whole_sequence_loss(make(rows))
 
 
@@ -187,8 +187,8 @@ def _collate_fn(data, tokenizer, config: Config) -> Callable[[dict], TensorDict]
 def _evaluate(state: TrainState, data, tokenizer, config: Config) -> dict[str, float]:
     model, pad = state.model("policy"), pad_token_id(tokenizer)
     device = next(model.parameters()).device
-    fmt, n = detect_format(data.column_names), len(data)
-    batches = [scoring_mask(collate(fmt, data[i:i + config.eval_batch_size], pad_id=pad).to(device))
+    n = len(data)
+    batches = [scoring_mask(collate_sequences(data[i:i + config.eval_batch_size], pad_id=pad).to(device))
                for i in range(0, n, config.eval_batch_size)]
     total = sum(b.get(K.LOSS_MASK).sum() for b in batches)
     # token mean over the whole split: each batch's share with the split's token count as denominator
@@ -209,19 +209,27 @@ def _evaluate(state: TrainState, data, tokenizer, config: Config) -> dict[str, f
     return to_floats(out)
 
 
-def evaluate(state: TrainState, config: Config) -> dict[str, float]:
+def evaluate(state: TrainState, config: Config, *,
+             formatting_func: Callable[[dict], str | dict] | None = None) -> dict[str, float]:
     """Held-out ``loss`` (token-mean NLL of the completions), ``perplexity`` and ``exact_match``
     (greedy generations of ``max_new_tokens`` against the answers) of ``state``'s policy."""
     tokenizer = policy_tokenizer(config)
     _, held_out = load_splits(config, task_dataset)
-    return _evaluate(state, _prepare(held_out, tokenizer, config), tokenizer, config)
+    return _evaluate(state, _prepare(held_out, tokenizer, config, formatting_func), tokenizer, config)
 
 
 # --- the recipe --------------------------------------------------------------------------------
-def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
-    """Run (or, with ``resume``, continue) SFT: ``(state, history)``; ``callbacks`` run first each step."""
+def train(config: Config, *, formatting_func: Callable[[dict], str | dict] | None = None,
+          callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Run (or, with ``resume``, continue) SFT: ``(state, history)``; ``callbacks`` run first each step.
+
+    ``formatting_func(row) -> text | row`` (TRL's ``formatting_func``) turns each dataset row into
+    the text to model (a string: loss on all of it) or into a row of a known format (e.g.
+    ``{"prompt": ..., "completion": ...}``), before tokenisation, for both splits.
+    """
     model, tokenizer = build_policy(config)
-    train_data, held_out = (_prepare(d, tokenizer, config) for d in load_splits(config, task_dataset))
+    train_data, held_out = (_prepare(d, tokenizer, config, formatting_func)
+                            for d in load_splits(config, task_dataset))
     state = init_train_state({"policy": model}, config)
     source = batch_source(train_data, config.batch_size, _collate_fn(train_data, tokenizer, config), seed=config.seed)
     step = functools.partial(sft_step, agg=config.agg, chunked=config.chunked, micro_batch_size=config.micro_batch_size,

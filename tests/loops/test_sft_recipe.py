@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,28 @@ def test_assistant_only_loss_trains_on_every_assistant_turn(tmp_path):
     with pytest.raises(ValueError, match=r"assistant_only_loss: scores the assistant turns only, while "
                                          r"completion_only_loss=False"):
         train(dataclasses.replace(config, completion_only_loss=False))
+
+
+def test_formatting_func_from_python_as_trl(tmp_path):
+    """TRL's SFTTrainer(formatting_func=...): each row becomes the text (or the row) to train on."""
+    rows = [{"question": f"{a}+1=", "reply": str(a + 1)} for a in range(12)]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = Config(steps=2, task=None, dataset=str(path), **{**TINY, "num_eval": 4, "batch_size": 4})
+    seen = []
+
+    def as_pair(row):
+        seen.append(dict(row))
+        return {"prompt": row["question"], "completion": row["reply"]}
+
+    state, history = train(config, formatting_func=as_pair)
+    assert len(seen) == 12 and all(math.isfinite(h["loss"]) for h in history)
+    tok = build_tokenizer()
+    from rlcore.loops import sft
+    prepared = sft._prepare(load_local(str(path)), tok, config, as_pair)
+    batch = scoring_mask(sft._collate_fn(prepared, tok, config)(prepared[:1]))
+    assert tok.decode(batch[K.INPUT_IDS][0][batch[K.LOSS_MASK][0]]) == rows[0]["reply"] + "</s>"
+    whole = sft._prepare(load_local(str(path)), tok, config, lambda row: row["question"] + row["reply"])
+    assert tok.decode(whole[0]["completion_ids"]) == "0+1=1</s>"  # a string: language modelling on all of it
+    with pytest.raises(ValueError, match=r"format"):
+        train(config)  # no formatting_func: the columns fit no format
