@@ -33,6 +33,8 @@ __all__ = [
     "WandbLogger",
     "SampleTable",
     "make_loggers",
+    "markdown_table",
+    "CompletionsToTrackers",
     "TRACKERS",
     "check_trackers",
     "read_jsonl",
@@ -173,6 +175,10 @@ class TensorBoardLogger:
             for k, v in metrics.items():
                 self.writer.add_scalar(k, v, state.step)
 
+    def log_table(self, name: str, rows: Sequence[Mapping[str, Any]], step: int) -> None:
+        """``rows`` as a markdown table in TensorBoard's text tab."""
+        self.writer.add_text(name, markdown_table(rows), step)
+
     def on_end(self, state: Any) -> None:
         self.writer.close()
 
@@ -191,8 +197,49 @@ class WandbLogger:
         if state.step % self.every == 0:
             self.run.log(dict(metrics), step=state.step)
 
+    def log_table(self, name: str, rows: Sequence[Mapping[str, Any]], step: int) -> None:
+        """``rows`` as a ``wandb.Table`` (the union of their keys as columns)."""
+        import wandb
+
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        self.run.log({name: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])}, step=step)
+
     def on_end(self, state: Any) -> None:
         self.run.finish()
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], *, max_chars: int = 200) -> str:
+    """``rows`` as a markdown table: the union of their keys as columns, cells cut at ``max_chars``
+    (pipes and newlines escaped)."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r.get(c, ""), max_chars) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+class CompletionsToTrackers:
+    """After each step, the rows appended to ``path`` (``run_dir/completions.jsonl``: the prompts,
+    greedy completions and rewards an evaluation writes with ``log_completions``) since the last
+    step, as a table in each tracker (``log_table``: TensorBoard text, a wandb Table). Rows
+    written before the run started (a resumed run's) are not sent again."""
+
+    def __init__(self, path: str | Path, trackers: Sequence[Any], *, name: str = "completions"):
+        self.path, self.trackers, self.name, self._offset = Path(path), list(trackers), name, 0
+
+    def on_start(self, state: Any) -> None:
+        self._offset = self.path.stat().st_size if self.path.exists() else 0
+
+    def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, encoding="utf-8") as f:
+            f.seek(self._offset)
+            lines = f.readlines()
+            self._offset = f.tell()
+        rows = [json.loads(line) for line in lines if line.strip()]
+        if rows:
+            for tracker in self.trackers:
+                tracker.log_table(self.name, rows, state.step)
 
 
 def _cell(value: Any, max_chars: int) -> str:
@@ -222,13 +269,9 @@ class SampleTable:
         rows = [dict(r) for r in self.sample_fn(state)]
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _append(self.run_dir / "samples.jsonl", {"step": state.step, "samples": rows})
-        columns = list(dict.fromkeys(k for r in rows for k in r))
-        table = [f"## step {state.step}", "", "| " + " | ".join(columns) + " |",
-                 "|" + " --- |" * len(columns)]
-        table += ["| " + " | ".join(_cell(r.get(c, ""), self.max_chars) for c in columns) + " |"
-                  for r in rows[:self.max_rows]]
+        table = markdown_table(rows[:self.max_rows], max_chars=self.max_chars)
         with open(self.run_dir / "samples.md", "a", encoding="utf-8") as f:
-            f.write("\n".join(table) + "\n\n")
+            f.write(f"## step {state.step}\n\n{table}\n\n")
 
 
 # The trackers ``report_to`` names, with the module each needs.
@@ -255,14 +298,19 @@ def make_loggers(run_dir: str | Path, *, total: int | None = None, stage: str = 
     """The usual logging callbacks: JSONL in ``run_dir``, a progress line, and the trackers named in
     ``report_to``: ``"tensorboard"`` writes ``run_dir/tensorboard``; ``"wandb"`` starts a run named
     after ``run_dir`` with ``config`` as its config (the project, mode and entity come from
-    ``wandb_kwargs``, else wandb's environment: ``WANDB_PROJECT``, ``WANDB_MODE``, ...)."""
+    ``wandb_kwargs``, else wandb's environment: ``WANDB_PROJECT``, ``WANDB_MODE``, ...). With a
+    tracker, the completions evaluations write to ``run_dir/completions.jsonl`` go to it as tables
+    (``CompletionsToTrackers``)."""
     check_trackers(report_to)
     callbacks: list = [JsonlLogger(run_dir)]
     if progress:
         callbacks.append(ProgressDisplay(total, stage=stage, every=progress_every, stream=stream))
+    trackers: list = []
     if "tensorboard" in report_to:
-        callbacks.append(TensorBoardLogger(Path(run_dir) / "tensorboard"))
+        trackers.append(TensorBoardLogger(Path(run_dir) / "tensorboard"))
     if "wandb" in report_to:
-        callbacks.append(WandbLogger(config=dict(config or {}), **{"name": Path(run_dir).name, "dir": str(run_dir),
-                                                                    **(wandb_kwargs or {})}))
-    return callbacks
+        trackers.append(WandbLogger(config=dict(config or {}), **{"name": Path(run_dir).name, "dir": str(run_dir),
+                                                                   **(wandb_kwargs or {})}))
+    if trackers:  # the completions an evaluation logs (log_completions) go to the trackers too
+        trackers.append(CompletionsToTrackers(Path(run_dir) / "completions.jsonl", list(trackers)))
+    return callbacks + trackers

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlcore.loops.fold import fold
-from rlcore.loops.logging import (JsonlLogger, ProgressDisplay, SampleTable, TensorBoardLogger, WandbLogger,
-                                  check_trackers, make_loggers, read_jsonl)
+from rlcore.loops.logging import (CompletionsToTrackers, JsonlLogger, ProgressDisplay, SampleTable, TensorBoardLogger,
+                                  WandbLogger, check_trackers, make_loggers, read_jsonl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,7 @@ def tensorboard_scalars(log_dir):
 def test_report_to_tensorboard_writes_every_metric_at_its_step(tmp_path):
     pytest.importorskip("tensorboard")
     callbacks = make_loggers(tmp_path, progress=False, report_to=["tensorboard"])
-    assert [type(c) for c in callbacks] == [JsonlLogger, TensorBoardLogger]
+    assert [type(c) for c in callbacks] == [JsonlLogger, TensorBoardLogger, CompletionsToTrackers]
     fold(step, S(), [1, 2, 3], callbacks=callbacks)
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
     assert set(scalars) == {"loss", "reward", "n"}
@@ -186,6 +186,47 @@ def test_report_to_wandb_starts_a_run_named_after_the_run_dir_with_the_config(tm
                                       "dir": str(run_dir)})
     assert [c[:2] for c in fake.calls[1:3]] == [("log", 1), ("log", 2)]
     assert fake.calls[2][2] == pytest.approx({"loss": 2.0, "reward": 0.2, "n": 3.0}) and fake.calls[-1] == ("finish",)
+
+
+def test_completions_reach_the_trackers_as_tables_once(tmp_path):
+    """Rows an evaluation appends to completions.jsonl go to every tracker at that step; rows of an
+    earlier run in the same folder (a resume) are not sent again."""
+    path = tmp_path / "completions.jsonl"
+    path.write_text(json.dumps({"step": 0, "prompt": "old", "completion": "x", "reward": 0.0}) + "\n")
+    tables = []
+
+    class Tracker:
+        def log_table(self, name, rows, step):
+            tables.append((name, step, [r["prompt"] for r in rows]))
+
+    def evaluate_then_step(state, x):  # what an eval callback does: append this step's rows
+        with open(path, "a") as f:
+            for i in range(x):
+                f.write(json.dumps({"step": state.step + 1, "prompt": f"p{i}", "completion": "c|d", "reward": 1.0})
+                        + "\n")
+        return step(state, x)
+
+    fold(evaluate_then_step, S(), [2, 0, 1], callbacks=[CompletionsToTrackers(path, [Tracker()])])
+    assert tables == [("completions", 1, ["p0", "p1"]), ("completions", 3, ["p0"])]
+
+
+def test_report_to_tensorboard_gets_the_completion_table(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    callbacks = make_loggers(tmp_path, progress=False, report_to=["tensorboard"])
+    path = tmp_path / "completions.jsonl"
+
+    def evaluate_then_step(state, x):
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": state.step + 1, "prompt": "2+2=", "completion": "4", "reward": 1.0}) + "\n")
+        return step(state, x)
+
+    fold(evaluate_then_step, S(), [1], callbacks=callbacks)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    [event] = events.Tensors("completions/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 1 and "| step | prompt | completion | reward |" in text and "| 1 | 2+2= | 4 | 1 |" in text
 
 
 def test_report_to_names_are_checked_before_anything_is_built(tmp_path, monkeypatch):
