@@ -53,7 +53,8 @@ from rlcore.loops.checkpoint import resume
 from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.distributed import process_context
 from rlcore.loops.dpo import reference_models
-from rlcore.loops.online import check_prompt_data, evaluate_policy, generate_kwargs, make_reward_fn, prompt_source
+from rlcore.loops.online import (check_prompt_data, check_prompt_lengths, evaluate_policy, generate_kwargs,
+                                 make_reward_fn, prompt_source)
 from rlcore.loops.recipe import load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset
@@ -300,6 +301,7 @@ def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float
     train_ds, eval_ds = load_splits(config, task_dataset)
     reward = make_reward_fn(config, reward_fn)
     check_prompt_data(reward, train=train_ds, held_out=eval_ds)
+    check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)
     with generator_process(state.model("policy"), tokenizer, max_lag=max_lag, steps_done=state.step,
                            version=state.policy_version, generate_kwargs=generate_kwargs(config),
                            start_method=start_method, device=generator_device or config.device,

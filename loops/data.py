@@ -38,6 +38,8 @@ batches are left padded (ready for generation).
 
 from __future__ import annotations
 
+import codecs
+import functools
 import random
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -53,7 +55,8 @@ from rlcore import keys as K
 from rlcore.loops.models import pad_token_id
 
 __all__ = [
-    "FORMATS", "detect_format", "split_implicit_prompt", "preference_format", "load_local", "load_source", "TRUNCATIONS", "tokenize_example", "tokenize_dataset",
+    "FORMATS", "detect_format", "check_text", "max_token_chars", "text_window", "split_implicit_prompt",
+    "preference_format", "load_local", "load_source", "TRUNCATIONS", "tokenize_example", "tokenize_dataset",
     "pad_sequences", "COLLATORS", "collate", "collate_prompts", "collate_sequences", "collate_preference",
     "collate_unpaired", "collate_mismatched", "iterate_batches", "pack_sequences",
 ]
@@ -112,7 +115,44 @@ def load_local(source: str | Path | Sequence[Mapping] | Mapping[str, Sequence] |
                          "or a directory")
     if not path.exists():
         raise FileNotFoundError(f"source: no such file {path}")
-    return _LOADERS[path.suffix](str(path), keep_in_memory=True)
+    return _read_file(path)
+
+
+def _check_utf8(path: Path) -> None:
+    """A ``ValueError`` naming the line and byte offset of the first byte of ``path`` that is not
+    UTF-8, read in 1 MiB blocks (bounded memory whatever the file's size)."""
+    decoder, line, offset = codecs.getincrementaldecoder("utf-8")(), 1, 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as e:
+                at_line = line + block[:e.start].count(b"\n")
+                raise ValueError(f"source: {path} is not UTF-8 text: byte {offset + e.start} (line {at_line}) is "
+                                 f"{block[e.start:e.start + 1]!r}; re-save the file as UTF-8") from None
+            line, offset = line + block.count(b"\n"), offset + len(block)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise ValueError(f"source: {path} is not UTF-8 text: it ends inside a multi-byte character") from None
+
+
+def _read_file(path: Path) -> Dataset:
+    """One data file as a ``Dataset``: text formats checked to be UTF-8 first, and a file without
+    rows refused (both with the file named), before any model is built."""
+    if path.suffix != ".parquet":
+        _check_utf8(path)
+    try:
+        data = _LOADERS[path.suffix](str(path), keep_in_memory=True)
+    except StopIteration:  # what datasets raises for a file without a row (json) ...
+        data = None
+    except ValueError as e:  # ... and for a csv of a header alone
+        if "corresponds to no data" not in str(e):
+            raise
+        data = None
+    if data is None or data.num_rows == 0:
+        raise ValueError(f"source: {path} holds no rows")
+    return data
 
 
 # A hub dataset name, ``name`` or ``namespace/name``, with an optional ``:split``.
@@ -164,7 +204,7 @@ def _load_directory(path: Path) -> Dataset:
         raise ValueError(f"source: {path} holds {'no' if not files else 'mixed'} data files "
                          f"({sorted({f.suffix for f in files})}); expected files of one type of {sorted(_LOADERS)}, "
                          "or a save_to_disk directory")
-    return datasets.concatenate_datasets([_LOADERS[f.suffix](str(f), keep_in_memory=True) for f in files])
+    return datasets.concatenate_datasets([_read_file(f) for f in files])
 
 
 # --- truncation ------------------------------------------------------------------------------
@@ -252,8 +292,47 @@ def _assistant_turns(tokenizer, messages: Sequence[Mapping], add_eos: bool, wher
     return prompt, completion, mask
 
 
+def check_text(name: str, value: Any, where: str) -> None:
+    """A ``ValueError`` unless ``value`` is a string or a conversation (a list of ``{"role": str,
+    "content": str}``), naming the row, the column and what it holds."""
+    if isinstance(value, str):
+        return
+    if isinstance(value, list) and value and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        return
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise ValueError(f"{where}: column {name!r} must hold text (a string) or a conversation (a non-empty list "
+                     f"of {{'role': str, 'content': str}}), got {type(value).__name__} {shown}")
+
+
+@functools.lru_cache(maxsize=16)
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` covers: the longest entry of its vocabulary
+    (byte-level and SentencePiece spellings are at least as long as the text they stand for)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def text_window(text: Any, tokenizer, budget: int | None, keep: str) -> Any:
+    """The part of ``text`` that can hold its first (``keep="keep_start"``) or last (``"keep_end"``)
+    ``budget`` tokens: ``2·(budget + 8)·max_token_chars`` characters from that end, so tokenising a
+    row costs memory bounded by the budget, not by the row's size. Shorter texts, conversations
+    and ``budget=None`` are returned as they are. The window holds more than ``budget + 8`` tokens,
+    so a text it cuts is still seen to be longer than ``budget``."""
+    if budget is None or not isinstance(text, str):
+        return text
+    width = 2 * (budget + 8) * max_token_chars(tokenizer)
+    if len(text) <= width:
+        return text
+    return text[:width] if keep == "keep_start" else text[-width:]
+
+
 def _columns(format: str, row: Mapping, where: str) -> dict[str, Any]:
-    """The (prompt, completion...) fields of ``row`` for ``format``, conversations unrolled."""
+    """The (prompt, completion...) fields of ``row`` for ``format``, conversations unrolled, each
+    checked to be text or a conversation (``check_text``)."""
+    for column in FORMATS[format]:
+        if column != "label":
+            check_text(column, row[column], where)
     if format == "conversational":
         messages = list(row["messages"])
         if len(messages) < 1 or messages[-1].get("role") != "assistant":
@@ -344,6 +423,12 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
         raise ValueError(f"assistant_only_loss: needs conversations (a 'messages' column), got format {fmt!r}")
     fields = _columns(fmt, row, where)
     names = [c for c in ("completion", "chosen", "rejected") if c in fields]
+    if prompt_cut == "if_too_long":  # the prompt is cut only past max_length: its window is max_length's
+        prompt_window = (max_length, prompt_truncation if max_prompt_length is not None else truncation)
+    elif max_prompt_length is not None:
+        prompt_window = (max_prompt_length, prompt_truncation)
+    else:
+        prompt_window = (max_length, truncation)
     prompts, out = [], {}
     tokens, masks = {}, {}
     if assistant_only_loss:
@@ -351,6 +436,9 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
         tokens["completion"] = (prompt, completion)
     for name in [] if tokens else names or [None]:
         prompt_text, text, templated = _render(tokenizer, fields["prompt"], fields.get(name), where)
+        # bounded memory: only the end of an over-long text that truncation keeps is tokenised
+        prompt_text = text_window(prompt_text, tokenizer, *prompt_window)
+        text = text_window(text, tokenizer, max_length, truncation)
         prompt = tokenizer(prompt_text, add_special_tokens=not templated)["input_ids"]
         if name is None:
             tokens[name] = (prompt, [])

@@ -311,8 +311,9 @@ def _setup(config: Config):
     if config.precompute_ref and config.loss_type in UNPAIRED:
         raise ValueError("precompute_ref: KTO's reference point scores pairs mismatched within each batch, which "
                          "cannot be computed ahead; use the frozen reference (precompute_ref=False)")
-    model, tokenizer = build_policy(config)
+    tokenizer = policy_tokenizer(config)  # the data is read and checked before any model is built
     train_data, held_out = (_prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
+    model, tokenizer = build_policy(config)
     models = {"policy": model}
     if needs_reference(config) and config.precompute_ref:  # the untrained policy (or ref_model) is the reference
         ref = build_reference(config, model) if config.ref_model else model

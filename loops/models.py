@@ -40,6 +40,7 @@ __all__ = [
     "disable_dropout", "position_ids_from_mask", "last_token_index", "trunk_hidden", "cache_keyword", "cache_length",
     "ValueHead", "policy_and_values", "token_values", "reward_model_scores",
     "call_reward_fn", "import_reward_fn", "reward_columns", "combine_rewards", "missing_eos_penalty",
+    "MAX_ABS_REWARD", "check_reward_range",
     "make_reference", "mix_into_reference", "reference_via_disabled_adapter",
 ]
 
@@ -507,7 +508,22 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[s
     if bad:
         raise ValueError(f"{name}: non-finite scores {scores[bad[:4]].tolist()} at rows {bad[:8]}; return None "
                          "for a sample it has no opinion on")
+    check_reward_range(scores[opinion], name)
     return torch.where(opinion, scores, math.nan)
+
+
+# The largest reward magnitude the recipes take: squares (value losses, variances) and sums over a
+# rollout of such rewards stay far inside float32's range (3.4e38).
+MAX_ABS_REWARD = 1e10
+
+
+def check_reward_range(scores: torch.Tensor, name: str) -> None:
+    """A ``ValueError`` naming ``name`` for a finite score beyond ``±MAX_ABS_REWARD``: a loss built
+    on it (a squared value error, a variance over the group) would overflow to inf or NaN."""
+    big = (scores.abs() > MAX_ABS_REWARD).nonzero().flatten().tolist()
+    if big:
+        raise ValueError(f"{name}: scores {scores[big[:4]].tolist()} at rows {big[:8]} exceed ±{MAX_ABS_REWARD:g}, "
+                         "where the losses' squares and sums overflow float32; rescale the rewards")
 
 
 def reward_columns(fn: RewardFn) -> tuple[str, ...]:

@@ -49,6 +49,7 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.kl import kl_estimate
 from rlcore.loops.collect import draw_seed, generate_rollout
+from rlcore.loops.data import check_text, text_window, tokenize_example
 from rlcore.loops.fold import to_floats
 from rlcore.loops.models import (combine_rewards, disable_dropout, import_reward_fn, load_model, missing_eos_penalty,
                                  reward_columns)
@@ -61,7 +62,8 @@ from rlcore.loops.update import update
 from rlcore.masked import masked_sum
 from rlcore.transforms import observed_kl
 
-__all__ = ["OnlineConfig", "make_reward_fn", "exclude_unscored", "check_prompt_data", "build_online_state",
+__all__ = ["OnlineConfig", "make_reward_fn", "exclude_unscored", "check_prompt_data", "check_prompt_lengths",
+           "build_online_state",
            "prompt_source", "update_sizes",
            "repeat_columns", "generate_kwargs", "collect_rollout", "score_collected", "online_step",
            "with_policy_logprobs", "policy_loss_fn", "policy_update", "rollout_metrics",
@@ -148,7 +150,9 @@ def make_reward_fn(config: Any, reward_fn: RewardFn | Sequence[RewardFn] | None 
 def check_prompt_data(reward: RewardFn | None, **splits: Dataset) -> None:
     """Fail before training when a prompt dataset cannot feed the run: every split needs a ``prompt``
     column, and the columns the reward function reads (``reward_columns``: ``answer`` for the
-    built-in task reward). The error names the split, its columns and what is missing."""
+    built-in task reward), and every prompt must be non-empty text or a conversation
+    (``loops.data.check_text``). The error names the split, its columns and what is missing, or
+    the row and what it holds."""
     wanted = ("prompt", *(reward_columns(reward) if reward is not None else ()))
     for where, data in splits.items():
         missing = [c for c in wanted if c not in data.column_names]
@@ -157,6 +161,37 @@ def check_prompt_data(reward: RewardFn | None, **splits: Dataset) -> None:
             raise ValueError(f"dataset: the {where} split has columns {data.column_names} but the run needs {missing} "
                              f"('prompt' to generate from; the others are read by {reader}); add them, or pass a "
                              "reward function (reward_funcs) or a reward_model that needs no answer")
+        for i, prompt in enumerate(data["prompt"]):
+            check_text("prompt", prompt, f"dataset: the {where} split, row {i}")
+            if not prompt:
+                raise ValueError(f"dataset: the {where} split, row {i}: empty prompt (generation needs at least one "
+                                 "prompt token)")
+
+
+def check_prompt_lengths(config: Any, tokenizer, model: nn.Module, **splits: Dataset) -> None:
+    """Refuse, before the first step, a prompt that with the response budget (``max_new_tokens``, or
+    the longest ``length_sampler`` draw) runs past ``model``'s context (``max_position_embeddings``),
+    once cut to ``max_prompt_length``: the error names the split, the row and the lengths. Each
+    prompt is tokenised through ``text_window`` (memory bounded by the context, whatever its size)."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(context, int):
+        return
+    sampler = getattr(config, "length_sampler", None)
+    budget = max(config.max_new_tokens, sampler[1] - 1 if sampler else 0)
+    room = context - budget
+    if room < 1:
+        raise ValueError(f"max_new_tokens: a response budget of {budget} tokens leaves no room for a prompt in the "
+                         f"model's context of {context} (max_position_embeddings)")
+    for where, data in splits.items():
+        for i, prompt in enumerate(data["prompt"]):
+            ids = tokenize_example({"prompt": text_window(prompt, tokenizer, context, "keep_end")}, tokenizer,
+                                   format="prompt_only", max_prompt_length=config.max_prompt_length,
+                                   where=f"dataset: the {where} split, row {i}")["prompt_ids"]
+            if len(ids) > room:
+                raise ValueError(f"dataset: the {where} split, row {i}: its prompt has {len(ids)} tokens, which with "
+                                 f"a response budget of {budget} exceeds the model's context of {context} "
+                                 f"(max_position_embeddings); set max_prompt_length <= {room} to keep each prompt's "
+                                 "last tokens, or drop the row")
 
 
 def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mapping[str, nn.Module]] | None = None,
@@ -505,6 +540,7 @@ def train_online(config: Any, step: Callable[..., tuple[TrainState, Any]], *, re
     reward = make_reward_fn(config, reward_fn)
     check_prompt_data(reward, train=train_ds, held_out=eval_ds)  # before any model is built
     state, tokenizer = build_online_state(config, **state_kwargs)
+    check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)
     bound = functools.partial(step, config=config, tokenizer=tokenizer, reward_fn=reward)
     eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
                                 reward_fn=reward)

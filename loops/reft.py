@@ -288,6 +288,7 @@ def train_reft_sft(config: ReftConfig, *, model: nn.Module | None = None, tokeni
     a checkpoint) holds the interventions only. Evaluation every ``eval_every`` steps is
     ``reft_eval_loss`` on the held-out split. Returns ``(state, history)``.
     """
+    splits = load_splits(config, task_dataset)  # read and checked before any model is built
     if model is None or tokenizer is None:
         model, tokenizer = build_policy(config)
     model.requires_grad_(False)
@@ -295,8 +296,7 @@ def train_reft_sft(config: ReftConfig, *, model: nn.Module | None = None, tokeni
     interventions = new_interventions(model, spec, config.zero_init, config.seed)
     state = init_train_state({"policy": model, "ref": model, "interventions": interventions}, config,
                              trainable=("interventions",))
-    train, held_out = (tokenize_dataset(d, tokenizer, max_length=config.max_length)
-                       for d in load_splits(config, task_dataset))
+    train, held_out = (tokenize_dataset(d, tokenizer, max_length=config.max_length) for d in splits)
     eval_batches = _eval_batches(held_out, tokenizer, config)
     step = functools.partial(reft_sft_step, agg=config.agg, micro_batch_size=config.micro_batch_size,
                              max_grad_norm=config.max_grad_norm)

@@ -36,7 +36,8 @@ from rlcore.loops.checkpoint import load_checkpoint
 from rlcore.loops.dpo import preference_loss_fn, with_reference
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import build_online_state
-from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, mean_metrics, run
+from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
+                                 policy_tokenizer, run)
 from rlcore.loops.reft import (ReftFields, new_interventions, reft_dpo_step, reft_grpo_step,
                                reft_online_models, reft_rloo_step, reft_spec, train_reft_online)
 from rlcore.loops.reft_data import collate_reft, with_intervention_locations
@@ -110,9 +111,10 @@ def _reft_dpo_setup(config: ReftDpoConfig):
         raise ValueError(f"loss_type: {config.loss_type!r} trains on unpaired rows; ReFT DPO takes pairwise losses")
     if config.sync_ref_model:
         raise ValueError("sync_ref_model: the ReFT reference is the frozen base model itself; it cannot move")
+    tokenizer = policy_tokenizer(config)  # the data is read and checked before any model is built
+    train, held_out = (dpo._prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
     model, tokenizer = build_policy(config)
     model.requires_grad_(False)
-    train, held_out = (dpo._prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
     models = {"policy": model, "interventions": new_interventions(model, reft_spec(config), config.zero_init,
                                                                    config.seed)}
     if dpo.needs_reference(config) and config.precompute_ref:  # the base model scores once, before training
@@ -177,13 +179,14 @@ def _score_head(model: nn.Module) -> nn.Module:
 
 def _reft_reward_setup(config: ReftRewardConfig):
     """(state, train pairs, held-out pairs, tokenizer, collate) of ReFT reward modelling."""
-    model, tokenizer = build_policy(config)  # a sequence classifier (reward.Config.MODEL_TASK)
-    model.requires_grad_(False)
-    _score_head(model).requires_grad_(True)
+    tokenizer = policy_tokenizer(config)  # the data is read and checked before any model is built
     train, held_out = (reward._prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
     if not any(train["prompt_ids"]):
         raise ValueError("dataset: the interventions edit prompt positions, and these pairs have no prompt "
                          "(pre-tokenised input_ids_chosen / input_ids_rejected); give prompt / chosen / rejected text")
+    model, tokenizer = build_policy(config)  # a sequence classifier (reward.Config.MODEL_TASK)
+    model.requires_grad_(False)
+    _score_head(model).requires_grad_(True)
     spec = reft_spec(config)
     state = init_train_state({"policy": model, "interventions": new_interventions(model, spec, config.zero_init,
                                                                                    config.seed)},

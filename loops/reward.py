@@ -213,8 +213,9 @@ def evaluate(state: TrainState, config: Config) -> dict[str, float]:
 # --- the recipe ----------------------------------------------------------------------------------
 def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
     """Run (or, with ``resume``, continue) reward modelling: ``(state, history)``."""
-    model, tokenizer = build_policy(config)  # a reward model: Config.MODEL_TASK
+    tokenizer = policy_tokenizer(config)  # the data is read and checked before any model is built
     train_data, held_out = (_prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
+    model, tokenizer = build_policy(config)  # a reward model: Config.MODEL_TASK
     state = init_train_state({"policy": model}, config)
     collate = functools.partial(collate_pairs, pad_id=pad_token_id(tokenizer), margin_key=config.margin_key)
     source = batch_source(train_data, config.batch_size, collate, seed=config.seed)

@@ -26,7 +26,8 @@ from rlcore import keys as K
 from rlcore.checks import check_mask, check_ndim, require_keys
 from rlcore.kl import kl_full
 from rlcore.logprobs import hidden_logprobs, sequence_logprobs, token_logprobs
-from rlcore.loops.models import call_reward_fn, position_ids_from_mask, reward_model_scores, trunk_hidden
+from rlcore.loops.models import (call_reward_fn, check_reward_range, position_ids_from_mask, reward_model_scores,
+                                 trunk_hidden)
 
 __all__ = ["token_logprobs_from_model", "full_kl_from_models", "score_rollout", "score_sequences", "concatenated_forward",
            "precompute_reference_logps"]
@@ -217,7 +218,9 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
             new[K.VALUES] = response_only(_at_least_fp32(value_fn(ids, mask)[:, P - 1:P - 1 + R]))
         scores = []
         if reward_model is not None:
-            scores.append(_at_least_fp32(reward_model_scores(reward_model, ids, mask)))
+            from_model = _at_least_fp32(reward_model_scores(reward_model, ids, mask))
+            check_reward_range(from_model[torch.isfinite(from_model)], "reward_model")
+            scores.append(from_model)
         if reward_fn is not None:
             prompts = _decode(tokenizer, rollout[K.PROMPT_IDS], prompt_mask)
             completions = _decode(tokenizer, rollout[K.RESPONSE_IDS], response_mask)

@@ -227,9 +227,10 @@ def train(config: Config, *, formatting_func: Callable[[dict], str | dict] | Non
     the text to model (a string: loss on all of it) or into a row of a known format (e.g.
     ``{"prompt": ..., "completion": ...}``), before tokenisation, for both splits.
     """
-    model, tokenizer = build_policy(config)
+    tokenizer = policy_tokenizer(config)  # the data is read and checked before any model is built
     train_data, held_out = (_prepare(d, tokenizer, config, formatting_func)
                             for d in load_splits(config, task_dataset))
+    model, tokenizer = build_policy(config)
     state = init_train_state({"policy": model}, config)
     source = batch_source(train_data, config.batch_size, _collate_fn(train_data, tokenizer, config), seed=config.seed)
     step = functools.partial(sft_step, agg=config.agg, chunked=config.chunked, micro_batch_size=config.micro_batch_size,

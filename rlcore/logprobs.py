@@ -75,13 +75,20 @@ def _check_positive(name: str, value: float | None) -> None:
         raise ValueError(f"{name}: expected a positive number, got {value}")
 
 
-def _check_labels(labels: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
-    """``labels`` must be an integer tensor shaped like ``like`` without its last dim."""
+def _check_labels(labels: torch.Tensor, like: torch.Tensor, like_name: str, vocab: int) -> None:
+    """``labels`` must be an integer tensor shaped like ``like`` without its last dim, its ids in
+    ``[0, vocab)`` (one min/max read: an id outside would index past the vocabulary, a device
+    assert on CUDA)."""
     lead = torch.empty((), device=like.device).expand(like.shape[:-1])  # a view: no copy, any width
     check_same_shape(f"{like_name}[..., 0]", lead, labels=labels)
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels: expected an integer (long) tensor, got dtype {labels.dtype} "
                         f"with shape {list(labels.shape)}")
+    if labels.numel():
+        low, high = (int(v) for v in torch.aminmax(labels))
+        if low < 0 or high >= vocab:
+            raise ValueError(f"labels: expected ids in [0, {vocab}) (the vocabulary V), got ids from {low} to {high}; "
+                             "padding positions need a valid id (e.g. 0), masked downstream")
 
 
 def _work(logits: torch.Tensor, rows: int, acc: torch.dtype, needed: bool) -> torch.Tensor | None:
@@ -184,7 +191,8 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     Args:
         logits: ``[..., V]`` float32 / float64 / bfloat16 / float16.
         labels: ``[...]`` long, ids in ``[0, V)`` (``logits.shape[:-1]``). Padding positions must
-            hold a valid id (e.g. 0) and be masked downstream; ``-100`` raises an index error.
+            hold a valid id (e.g. 0) and be masked downstream; an id outside ``[0, V)`` (``-100``)
+            raises a ``ValueError`` naming ``labels``.
         temperature: ``τ > 0``; pass the sampling temperature to score the sampled distribution.
         chunk_size: rows per chunk; default keeps a chunk's float32 temporaries near 16 MB.
     Returns:
@@ -204,7 +212,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     check_ndim("logits", logits, min_ndim=1, layout="[..., V]")
     if logits.shape[-1] == 0:
         raise ValueError(f"logits: expected a non-empty vocabulary dim [..., V], got shape {list(logits.shape)}")
-    _check_labels(labels, logits, "logits")
+    _check_labels(labels, logits, "logits", logits.shape[-1])
     _check_positive("temperature", temperature)
     rows = _rows_per_chunk(logits.shape[-1], chunk_size)
     return _TokenLogprobs.apply(logits, labels.long(), float(temperature), rows)
@@ -494,7 +502,7 @@ def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     for name, x in (("weight", weight), ("bias", bias)):
         if x is not None and x.dtype != hidden.dtype:
             raise TypeError(f"{name}: expected dtype {hidden.dtype} (the dtype of hidden), got {x.dtype}")
-    _check_labels(labels, hidden, "hidden")
+    _check_labels(labels, hidden, "hidden", weight.shape[0])
     _check_positive("temperature", temperature)
     _check_positive("softcap", softcap)
     _check_positive("chunk_size", chunk_size)

@@ -1,0 +1,139 @@
+"""Datasets and rewards as untrusted input: bad bytes, empty files, rows of the wrong type, rows far
+longer than any budget, prompts past the model's context and rewards too large for float32 losses
+are refused before training with the file, row and column named (or, for long rows, read with
+bounded memory)."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from rlcore.logprobs import hidden_logprobs, token_logprobs
+from rlcore.loops import grpo, sft
+from rlcore.loops.data import load_local, max_token_chars, text_window, tokenize_example
+from rlcore.loops.models import MAX_ABS_REWARD, build_tokenizer, call_reward_fn
+from tests.loops.online_helpers import TINY
+
+SFT_TINY = dict(hidden_size=16, num_layers=1, num_heads=2, num_eval=4, batch_size=4, max_length=24, log_every=100,
+                run_dir=None)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# --- files ---------------------------------------------------------------------------------------
+def test_bytes_that_are_not_utf8_are_named_by_line_before_any_model(tmp_path, monkeypatch):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "completion": "2"}\n{"prompt": "\xff\xfe", "completion": "3"}\n')
+    with pytest.raises(ValueError, match=r"source: .*bad.jsonl is not UTF-8 text: byte 50 \(line 2\) is b'\\xff'"):
+        load_local(path)
+    built = []
+    monkeypatch.setattr(sft, "build_policy", lambda *a, **k: built.append(1))
+    with pytest.raises(ValueError, match=r"is not UTF-8 text"):
+        sft.train(sft.Config(task=None, dataset=str(path), **SFT_TINY))
+    assert built == []
+
+
+def test_an_empty_file_or_folder_is_refused_by_name(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"source: .*empty.jsonl holds no rows"):
+        load_local(tmp_path / "empty.jsonl")
+    (tmp_path / "blank.csv").write_text("prompt,completion\n")
+    with pytest.raises(ValueError, match=r"source: .*blank.csv holds no rows"):
+        load_local(tmp_path / "blank.csv")
+
+
+# --- rows ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value,shown", [(123, "int 123"), (None, "NoneType None"), ({"a": 1}, "dict"),
+                                         ([{"role": "user"}], "list")])
+def test_a_field_that_is_not_text_names_the_row_and_column(value, shown):
+    tokenizer = build_tokenizer()
+    with pytest.raises(ValueError, match=rf"row 3: column 'completion' must hold text \(a string\) or a conversation "
+                                         rf".*got {shown}"):
+        tokenize_example({"prompt": "1+1=", "completion": value}, tokenizer, where="row 3")
+
+
+def test_online_prompts_must_be_non_empty_text_before_any_model(tmp_path, monkeypatch):
+    from rlcore.loops import online
+    built = []
+    monkeypatch.setattr(online, "build_online_state", lambda *a, **k: built.append(1))
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    for bad, message in ((None, r"row 7: column 'prompt' must hold text"), ("", r"row 7: empty prompt")):
+        path = write_jsonl(tmp_path / "p.jsonl", rows[:7] + [{"prompt": bad, "answer": "1"}] + rows[8:])
+        with pytest.raises(ValueError, match=rf"dataset: the (train|held_out) split, {message}"):
+            grpo.train(grpo.Config(**TINY, dataset=str(path), eval_dataset=str(path)))
+    assert built == []
+
+
+def test_a_huge_row_is_tokenised_within_its_budget():
+    """A 5,000,000-character completion under max_length=64: only a window of the text reaches the
+    tokenizer, and the kept tokens are those of the whole text."""
+    tokenizer = build_tokenizer()
+    seen = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def __call__(self, text, **kwargs):
+            seen.append(len(text))
+            return tokenizer(text, **kwargs)
+
+    huge = "0123456789" * 500_000
+    out = tokenize_example({"prompt": "count:", "completion": huge}, Recording(), max_length=64)
+    assert max(seen) <= 2 * (64 + 8) * max_token_chars(tokenizer) < 10_000
+    assert len(out["prompt_ids"]) + len(out["completion_ids"]) == 64
+    small = tokenize_example({"prompt": "count:", "completion": huge[:20_000]}, tokenizer, max_length=64)
+    assert out == small  # the window changes nothing that is kept
+    end = tokenize_example({"prompt": huge, "completion": "x"}, Recording(), max_length=64, truncation="keep_end")
+    assert tokenizer.decode(end["prompt_ids"]).endswith("6789") and len(end["prompt_ids"]) == 62
+    assert text_window("short", tokenizer, 4, "keep_end") == "short"
+
+
+def test_a_prompt_past_the_context_is_refused_before_the_first_step(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    rows[11]["prompt"] = "1+" * 500_000 + "1="  # a million characters: read with bounded memory, then refused
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    run = tmp_path / "run"
+    config = grpo.Config(**{**TINY, "run_dir": str(run), "num_eval": 4}, dataset=str(path), max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"dataset: the (train|held_out) split, row \d+: its prompt has \d+ tokens, "
+                                         r"which with a response budget of 8 exceeds the model's context of 64 "
+                                         r"\(max_position_embeddings\); set max_prompt_length <= 56"):
+        grpo.train(config)
+    assert not list(run.glob("checkpoint-*"))  # nothing ran
+    state, _ = grpo.train(grpo.Config(**{**TINY, "run_dir": None, "num_eval": 4}, dataset=str(path), steps=1,
+                                      max_position_embeddings=64, max_prompt_length=56, batch_size=2, num_samples=2))
+    assert state.step == 1
+
+
+# --- rewards and labels --------------------------------------------------------------------------
+def test_rewards_too_large_for_float32_losses_are_refused():
+    def huge(prompts, completions):
+        return [1e38, 0.0, None]
+    with pytest.raises(ValueError, match=r"reward function huge: scores \[[0-9.]+e\+37\] at rows \[0\] exceed "
+                                         + re.escape(f"±{MAX_ABS_REWARD:g}") + ", where the losses' squares and sums "
+                                         "overflow float32"):
+        call_reward_fn(huge, ["a"] * 3, ["b"] * 3)
+    ok = call_reward_fn(lambda p, c: [MAX_ABS_REWARD, -MAX_ABS_REWARD], ["a"] * 2, ["b"] * 2)
+    assert ok.tolist() == [MAX_ABS_REWARD, -MAX_ABS_REWARD]
+
+
+def test_ppo_with_the_largest_accepted_rewards_keeps_its_losses_finite():
+    from rlcore.loops import ppo
+
+    def largest(prompts, completions):
+        return [MAX_ABS_REWARD * (1 if len(c) % 2 else -1) for c in completions]
+    _, history = ppo.train(ppo.Config(**TINY, steps=2, batch_size=4, num_samples=2), reward_fn=largest)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+
+
+def test_labels_outside_the_vocabulary_are_named():
+    logits = torch.randn(2, 3, 5)
+    for labels in (torch.tensor([[0, 1, 5], [0, 0, 0]]), torch.tensor([[0, 1, -100], [0, 0, 0]])):
+        with pytest.raises(ValueError, match=r"labels: expected ids in \[0, 5\) \(the vocabulary V\)"):
+            token_logprobs(logits, labels)
+    with pytest.raises(ValueError, match=r"labels: expected ids in \[0, 5\)"):
+        hidden_logprobs(torch.randn(2, 3, 4), torch.randn(5, 4), labels=torch.tensor([[0, 1, 9], [0, 0, 0]]))
