@@ -14,6 +14,7 @@ Shapes: ``...`` any leading dims (``[B, T]`` typically), ``V`` vocabulary, ``H``
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import torch
@@ -40,7 +41,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 def _mergeable(x: torch.Tensor) -> bool:
     """Whether the leading dims of ``x [..., V]`` view as one ``[N, V]`` without a copy."""
     lead = [(n, s) for n, s in zip(x.shape[:-1], x.stride()[:-1]) if n != 1]
-    return x.numel() == 0 or all(s0 == n1 * s1 for (_, s0), (n1, s1) in zip(lead, lead[1:]))
+    return x.numel() == 0 or all(s0 == n1 * s1 for (_, s0), (n1, s1) in itertools.pairwise(lead))
 
 
 def _row_blocks(x: torch.Tensor) -> list[torch.Tensor]:
@@ -77,14 +78,14 @@ def _check_positive(name: str, value: float | None) -> None:
 
 def _check_labels(labels: torch.Tensor, like: torch.Tensor, like_name: str, vocab: int) -> None:
     """``labels`` must be an integer tensor shaped like ``like`` without its last dim, its ids in
-    ``[0, vocab)`` (one min/max read: an id outside would index past the vocabulary, a device
-    assert on CUDA)."""
+    ``[0, vocab)`` (one min/max read, in eager mode: an id outside would index past the vocabulary,
+    a device assert on CUDA; a compiled graph skips the read)."""
     lead = torch.empty((), device=like.device).expand(like.shape[:-1])  # a view: no copy, any width
     check_same_shape(f"{like_name}[..., 0]", lead, labels=labels)
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels: expected an integer (long) tensor, got dtype {labels.dtype} "
                         f"with shape {list(labels.shape)}")
-    if labels.numel():
+    if labels.numel() and not torch.compiler.is_compiling():  # a data-dependent read: eager only
         low, high = (int(v) for v in torch.aminmax(labels))
         if low < 0 or high >= vocab:
             raise ValueError(f"labels: expected ids in [0, {vocab}) (the vocabulary V), got ids from {low} to {high}; "
@@ -388,15 +389,15 @@ def _hidden_backward(ctx, grad_lp, grad_ent):
             q, row = _softmax_grad_block(l, lse[rs], ent[rs], g_lp[rs], None if g_ent is None else g_ent[rs],
                                          softcap=kw["softcap"], temperature=kw["temperature"])
             qd, w = q.to(hidden.dtype), weight[v0:v0 + ctx.chunk]
-            if need_h:
+            if grad_h is not None:
                 grad_h[rs].addcmul_((qd @ w).to(acc), row[:, None])
-            if need_w:
+            if grad_w is not None:
                 hr, blk = (h.to(acc) * row[:, None]).to(hidden.dtype), grad_w[v0:v0 + ctx.chunk]
                 if acc == hidden.dtype and ctx.amp is None:
                     blk.addmm_(qd.T, hr)                         # in place, no temporary
                 else:
                     blk.add_((qd.T @ hr).to(acc))
-            if need_b:
+            if grad_b is not None:
                 grad_b[v0:v0 + ctx.chunk] += q.T @ row
             del l, q, qd  # free the block before the next one is computed
         _label_grad(grad_h, grad_w, grad_b, rs, h, weight, labels[rs], g_lp[rs], label_logit[rs], **kw)

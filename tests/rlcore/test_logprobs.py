@@ -10,7 +10,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from rlcore import keys as K
@@ -335,14 +334,18 @@ def test_hidden_logprobs_equals_token_logprobs_of_the_logits():
     torch.testing.assert_close(ent, entropy_from_logits(logits, temperature=0.8), rtol=1e-12, atol=1e-12)
 
 
-def test_hidden_logprobs_label_out_of_range_is_nan_not_garbage():
+def test_hidden_logprobs_label_out_of_range_is_named_not_garbage():
+    """An id outside [0, V) is refused naming labels (it used to come back as a NaN row)."""
     h = torch.randn(3, 4, generator=_gen(), dtype=F64, requires_grad=True)
     w = torch.randn(5, 4, generator=_gen(1), dtype=F64, requires_grad=True)
-    lp = hidden_logprobs(h, w, torch.tensor([0, 5, 4]), chunk_size=2, softcap=3.0)
-    assert torch.isfinite(lp[[0, 2]]).all() and torch.isnan(lp[1])
-    # backward still runs; with the bad row masked out, gradients match the other rows alone
-    gh, gw = torch.autograd.grad(lp[[0, 2]].sum(), (h, w))
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match=rf"labels: expected ids in \[0, 5\) \(the vocabulary V\), got ids from "
+                                             rf"{min(bad, 0)} to {max(bad, 4)}"):
+            hidden_logprobs(h, w, torch.tensor([0, bad, 4]), chunk_size=2, softcap=3.0)
+    # the valid rows alone: gradients as the naive head's
     keep = torch.tensor([0, 2])
+    lp = hidden_logprobs(h[keep], w, torch.tensor([0, 4]), chunk_size=2, softcap=3.0)
+    gh, gw = torch.autograd.grad(lp.sum(), (h, w))
     rh, rw = torch.autograd.grad(naive_logprobs(naive_head_logits(h[keep], w, softcap=3.0),
                                                 torch.tensor([0, 4])).sum(), (h, w))
     torch.testing.assert_close(gh, rh, rtol=1e-12, atol=1e-12)

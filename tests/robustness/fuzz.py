@@ -55,6 +55,10 @@ def run_examples(test: Callable[..., None], n: int) -> None:
 # --- drawing inputs ---------------------------------------------------------------------------
 REAL_REGIMES = ("unit", "zero", "tiny", "huge", "mixed", "const", "ties")
 LOGP_REGIMES = ("typical", "near_zero", "zero", "very_negative", "mixed")
+EDGE = 3.0e38  # below float32's (3.40e38) and bfloat16's (3.39e38) largest finite values
+if os.environ.get("ROBUSTNESS_EXTREMES"):  # opt-in: values up to the edge of float32 / bfloat16's range
+    REAL_REGIMES += ("extreme",)
+    LOGP_REGIMES += ("extreme",)
 MASK_KINDS = ("random", "all_true", "all_false", "right", "left", "gapped", "some_empty")
 SIZES = (0, 1, 1, 2, 3, 4, 5)
 
@@ -112,6 +116,9 @@ class Draw:
             x = torch.full_like(x, self.choice((-1e4, -1.0, 0.0, 1.0, 1e4), "const"))
         elif r == "ties":
             x = torch.randint(0, 2, tuple(shape), generator=self.g).to(F64)
+        elif r == "extreme":  # magnitudes up to the edge of the range, both signs, and the smallest normals
+            edge = torch.rand(tuple(shape), generator=self.g, dtype=F64) * EDGE
+            x = torch.where(torch.rand(tuple(shape), generator=self.g) < 0.2, x.sign() * 1.2e-38, x.sign() * edge)
         return x.to(dtype)
 
     def logprobs(self, shape, dtype, regimes: Sequence[str] = LOGP_REGIMES, label: str = "logp") -> torch.Tensor:
@@ -129,6 +136,8 @@ class Draw:
             x = torch.zeros_like(u)
         elif r == "very_negative":
             x = very
+        elif r == "extreme":
+            x = -u * EDGE
         else:
             pick = torch.randint(0, 4, tuple(shape), generator=self.g)
             x = torch.stack([typical, near, very, torch.zeros_like(u)], -1).gather(-1, pick[..., None])[..., 0]
