@@ -1,6 +1,6 @@
 # Two entry points on a fresh machine, both on the locked, tested set (requirements/lock.txt):
 #   make demo   sets up .venv and runs the built-in offline demo
-#   make test   sets up .venv and runs the test suite
+#   make test   sets up .venv, lints and type-checks (make lint), builds the docs (make docs), runs the test suite
 # and, for the optional vLLM engine (loops/vllm_engine.py), on requirements/vllm-lock.txt:
 #   make test-vllm    sets up .venv-vllm (vLLM's CPU build) and runs the tests that need vLLM
 # Keeping the lock current:
@@ -10,7 +10,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2
-EXTRAS  = dev,bench,diffusion,peft,notebooks,demo,ray,trackers
+EXTRAS  = dev,docs,bench,diffusion,peft,notebooks,demo,ray,trackers
 LOCK    = requirements/lock.txt
 VLLM_VENV ?= .venv-vllm
 VLLM_LOCK  = requirements/vllm-lock.txt
@@ -19,7 +19,7 @@ VLLM_LATEST_VENV ?= .venv-vllm-latest
 # torch==2.13.0 (the CPU build) is in every install command that could otherwise resolve torch on its own.
 LOCKED_INSTALL = -m pip install --quiet --no-deps -r
 
-.PHONY: setup demo test test-vllm latest-env vllm-latest-env test-latest lock bench clean
+.PHONY: setup demo test lint docs test-vllm latest-env vllm-latest-env test-latest lock bench clean
 setup: $(VENV)/.installed
 
 # The lock holds every dependency, so --no-deps installs exactly its lines; the check confirms it.
@@ -35,7 +35,17 @@ demo: setup
 
 test: setup
 	$(PY) requirements/lock.py check $(LOCK)
+	$(MAKE) --no-print-directory lint docs
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff over the code, mypy over rlcore/ and algorithms/ (settings in pyproject.toml)
+lint: setup
+	$(VENV)/bin/ruff check rlcore algorithms loops benchmarks tests
+	$(VENV)/bin/mypy
+
+# the documentation site with the API reference from the docstrings (build/site; warnings fail it)
+docs: setup
+	$(VENV)/bin/mkdocs build --quiet
 
 # vLLM's CPU build pins transformers below the main venv's, so it gets a venv of its own, with
 # rlcore installed without its pins. The torchvision / torchaudio wheels vLLM asks for are built for

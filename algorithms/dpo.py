@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -438,8 +439,8 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
     losses = fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=beta,
                 label_smoothing=label_smoothing, divergence=divergence, alpha=alpha,
                 chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths, discopop_tau=discopop_tau)
-    chosen_rewards = beta * (chosen_logps - ref_chosen_logps).detach()
-    rejected_rewards = beta * (rejected_logps - ref_rejected_logps).detach()
+    chosen_rewards = beta * (chosen_logps - cast(Tensor, ref_chosen_logps)).detach()
+    rejected_rewards = beta * (rejected_logps - cast(Tensor, ref_rejected_logps)).detach()
     return losses, chosen_rewards, rejected_rewards
 
 
@@ -544,6 +545,6 @@ def dpo(batch: TensorDictBase, *, beta: float = 0.1, loss_type: str = "sigmoid",
     parts = {"loss_dpo": losses.mean()}
     if rpo_alpha is not None:
         parts["loss_rpo"] = rpo_alpha * chosen_nll(cw, nw)
-    loss = sum(parts.values())
+    loss = cast(Tensor, sum(parts.values()))
     metrics = {k: v.detach() for k, v in parts.items()} | preference_metrics(rew_w, rew_l, cw, rw)
     return loss, TensorDict(metrics, batch_size=[])

@@ -387,8 +387,8 @@ def early_stop(approx_kl: Tensor, *, target_kl: float, factor: float = 1.5) -> T
 
 
 # --- the loss ------------------------------------------------------------------------------
-_LAYOUTS = {k: "[B, R]" for k in (K.LOGPROBS, K.OLD_LOGPROBS, K.ADVANTAGES, K.RESPONSE_MASK,
-                                    K.REF_LOGPROBS, K.VALUE_PREDS, K.VALUES, K.RETURNS, K.ENTROPY)}
+_LAYOUTS = dict.fromkeys((K.LOGPROBS, K.OLD_LOGPROBS, K.ADVANTAGES, K.RESPONSE_MASK, K.REF_LOGPROBS,
+                          K.VALUE_PREDS, K.VALUES, K.RETURNS, K.ENTROPY), "[B, R]")
 
 
 def _is_zero(coef) -> bool:

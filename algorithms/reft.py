@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ def _check(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor | None,
     check_ndim("h", h, min_ndim=1, layout="[..., H]")
     check_ndim("rotation", rotation, ndim=2, layout="[r, H]")
     r, H = rotation.shape
-    if H != h.shape[-1]:
+    if h.shape[-1] != H:
         raise ValueError(f"rotation: expected shape [r, {h.shape[-1]}] (H from h {list(h.shape)}), "
                          f"got {list(rotation.shape)}")
     if weight is not None and weight.shape != rotation.shape:
@@ -284,7 +284,7 @@ class ReftIntervention(nn.Module):
         if zero_init and spec.constant and spec.subtracts:
             raise ValueError(f"zero_init: {variant!r} sets the subspace to a constant, so no parameters make it the "
                              "identity; use another variant or zero_init=False")
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.variant, self.act = variant, act
         self.rotate = _Rotation(rank, hidden_size, generator, **factory)
         if spec.orthogonal:

@@ -8,6 +8,8 @@ keeps rewards near zero (a reward model's offset is otherwise free).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
@@ -76,7 +78,7 @@ def reward_loss(batch: TensorDictBase, *, margin_key=None,
         https://arxiv.org/abs/2312.09244.
     """
     keys = [(K.CHOSEN, K.REWARD), (K.REJECTED, K.REWARD)] + ([margin_key] if margin_key is not None else [])
-    require_keys(batch, keys, where="reward_loss", layouts={k: "[B] float" for k in keys})
+    require_keys(batch, keys, where="reward_loss", layouts=dict.fromkeys(keys, "[B] float"))
     rw, rl = batch.get(keys[0]), batch.get(keys[1])
     margin = batch.get(margin_key) if margin_key is not None else None
     parts = {"loss_bt": bradley_terry_loss(rw, rl, margin=margin).mean()}
@@ -86,4 +88,4 @@ def reward_loss(batch: TensorDictBase, *, margin_key=None,
     metrics = {k: v.detach() for k, v in parts.items()} | {
         "accuracy": (dw > dl).to(dw.dtype).mean(), "margin": (dw - dl).mean(),
         "rewards/chosen": dw.mean(), "rewards/rejected": dl.mean()}
-    return sum(parts.values()), TensorDict(metrics, batch_size=[])
+    return cast(torch.Tensor, sum(parts.values())), TensorDict(metrics, batch_size=[])

@@ -310,7 +310,7 @@ def _serve(paths: list[str], threads: int, tiny: bool, timeout_s: float = 600) -
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     for p in paths:
-        try:  # import bench modules, and what their cases() import lazily, once before forking
+        try:  # noqa: SIM105 -- import bench modules, and what their cases() import lazily, once before forking
             load(Path(p)).cases(tiny)
         except Exception:  # noqa: BLE001 - reported per measurement by the child instead
             pass

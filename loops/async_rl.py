@@ -123,7 +123,8 @@ def _generator_main(weights, cond, steps_done, version, requests, results, stop,
                 break
             index, rows, seed = req
             with cond:
-                while not cond.wait_for(lambda: steps_done.value >= index - max_lag or stop.is_set(), timeout=0.5):
+                while not cond.wait_for(lambda: steps_done.value >= index - max_lag or stop.is_set(),  # noqa: B023
+                                        timeout=0.5):
                     if orphaned():
                         break
                 if stop.is_set() or orphaned():

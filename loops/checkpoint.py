@@ -528,8 +528,8 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
 
     Raises:
         CheckpointError: a missing or truncated file (checked against ``manifest.json``), an
-        unreadable safetensors/JSON file (named in the message), or weights / state that do not
-        fit the template.
+            unreadable safetensors/JSON file (named in the message), or weights / state that do
+            not fit the template.
     """
     path = Path(path)
     verify_checkpoint(path)

@@ -151,8 +151,10 @@ class _Inline:
         return future
 
 
-def collect(state: TrainState, config: Config, reward_fn: Callable, executor=_Inline()):
-    """Sample the epoch's trajectories with ``state.rng``, score their images: ``(state, rollout [B])``."""
+def collect(state: TrainState, config: Config, reward_fn: Callable, executor=None):
+    """Sample the epoch's trajectories with ``state.rng``, score their images: ``(state, rollout [B])``.
+    ``executor``: where the reward function runs (``submit``), default inline."""
+    executor = executor if executor is not None else _Inline()
     g, schedule = copy_generator(state.rng), _schedule(config)
     batches, futures = [], []
     for _ in range(config.sample_num_batches_per_epoch):
@@ -200,7 +202,7 @@ def train_epoch(state: TrainState, rollout, config: Config):
     return state, torch.stack(history).mean(0)  # metrics averaged over the inner epochs
 
 
-def step(state: TrainState, _, *, config: Config, reward_fn: Callable, executor=_Inline()):
+def step(state: TrainState, _, *, config: Config, reward_fn: Callable, executor=None):
     """One DDPO epoch: collect → score → train_epoch."""
     state, rollout = collect(state, config, reward_fn, executor)
     state, rollout = score(state, rollout, config)

@@ -96,7 +96,7 @@ class DistInfo:
     local_rank: int = 0
     local_world_size: int = 1
     backend: str | None = None
-    device: torch.device = torch.device("cpu")
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 -- immutable
 
     @property
     def is_main(self) -> bool:
@@ -338,7 +338,7 @@ def wrap_model(model: nn.Module, *, strategy: str | None = "ddp", **kwargs: Any)
     wrapping (FSDP2 replaces the parameters by sharded ones).
 
     Raises:
-        ValueError listing the strategies for an unknown one.
+        ValueError: an unknown strategy (the message lists them).
     """
     name = "none" if strategy is None else strategy
     try:

@@ -98,7 +98,7 @@ def _step_of(line: str) -> float:
 def _duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
-    s = int(round(seconds))
+    s = round(seconds)
     return f"{s // 3600:d}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 

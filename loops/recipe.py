@@ -392,7 +392,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         try:
             if isinstance(value, bool):
                 raise ValueError("a bool")
-            number = float(value) if tp is float or isinstance(value, str) and any(c in value for c in ".eE") \
+            number = float(value) if tp is float or (isinstance(value, str) and any(c in value for c in ".eE")) \
                 else int(value)
             if tp is int and isinstance(number, float) and not number.is_integer():
                 raise ValueError("not integral")

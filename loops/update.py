@@ -164,10 +164,11 @@ def make_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int | None 
     ones). With warm-up the multiplier at step 0 is 0 (the first step does not move the
     weights), as in Hugging Face's schedules. Its state (a few numbers) checkpoints as JSON.
 
-    >>> opt = make_optimizer(nn.Linear(2, 2), lr=1.0)
-    >>> sched = make_scheduler(opt, total_steps=10, warmup_steps=2, kind="cosine")
-    >>> [round(SCHEDULES["cosine"](s, warmup_steps=2, total_steps=10), 3) for s in (0, 1, 2, 6, 10)]
-    [0.0, 0.5, 1.0, 0.5, 0.0]
+    Examples:
+        >>> opt = make_optimizer(nn.Linear(2, 2), lr=1.0)
+        >>> sched = make_scheduler(opt, total_steps=10, warmup_steps=2, kind="cosine")
+        >>> [round(SCHEDULES["cosine"](s, warmup_steps=2, total_steps=10), 3) for s in (0, 1, 2, 6, 10)]
+        [0.0, 0.5, 1.0, 0.5, 0.0]
     """
     try:
         schedule = SCHEDULES[kind]

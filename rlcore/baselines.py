@@ -78,7 +78,8 @@ def _grouping(scores: torch.Tensor, group_id: torch.Tensor | None
     return group_sum, group_sum(torch.ones_like(scores))
 
 
-def _centre(scores: torch.Tensor, group_id: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def _centre(scores: torch.Tensor, group_id: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """``(r − μ_g, count, group_sum)`` for each element of ``scores``."""
     group_sum, count = _grouping(scores, group_id)
     return scores - group_sum(scores) / count, count, group_sum

@@ -8,7 +8,7 @@ exception: it reads values, and is meant for the loop boundary (``loops/``), not
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -86,7 +86,7 @@ def check_float(name: str, x: torch.Tensor) -> None:
                         f"with shape {_fmt(x.shape)}")
 
 
-def require_keys(batch: Mapping, keys: Sequence, *, where: str, layouts: Mapping | None = None) -> None:
+def require_keys(batch: Any, keys: Sequence, *, where: str, layouts: Mapping | None = None) -> None:
     """Raise ``KeyError`` naming every key of ``keys`` missing from ``batch`` (a TensorDict).
 
     ``layouts`` maps a key to its documented shape, quoted in the message.

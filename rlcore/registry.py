@@ -9,13 +9,13 @@
 
 from __future__ import annotations
 
-from rlcore.checks import lookup
+from rlcore.checks import lookup  # noqa: F401 -- re-exported
 from rlcore.baselines import (with_dr_grpo_advantage, with_grpo_advantage, with_reinforce_pp_advantage,
                               with_remax_advantage, with_rloo_advantage)
-from rlcore.kl import KL_ESTIMATORS
-from rlcore.masked import AGGREGATIONS
+from rlcore.kl import KL_ESTIMATORS  # noqa: F401 -- re-exported
+from rlcore.masked import AGGREGATIONS  # noqa: F401 -- re-exported
 from rlcore.returns import with_gae
-from rlcore.transforms import KL_CONTROLLERS
+from rlcore.transforms import KL_CONTROLLERS  # noqa: F401 -- re-exported
 
 # KL_ESTIMATORS, AGGREGATIONS, KL_CONTROLLERS and lookup are re-exported from their home modules.
 __all__ = ["ADVANTAGE_ESTIMATORS"]

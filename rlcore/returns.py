@@ -96,7 +96,7 @@ def discounted_cumsum(x: torch.Tensor, *, coef: float, block: int = BLOCK) -> to
 
 def _scan(x: torch.Tensor, coef: float, block: int) -> torch.Tensor:
     T = x.shape[-1]
-    if T <= block:
+    if block >= T:
         return x @ _constant(_discount_matrix, T, coef, x.dtype, x.device)
     nb = -(-T // block)
     blocks = (F.pad(x, (0, nb * block - T)) if nb * block > T else x).unflatten(-1, (nb, block))

@@ -69,7 +69,7 @@ def assert_same(a: Any, b: Any, *, rtol: float = 0.0, atol: float = 0.0, what: s
         assert a == b, f"{what}: {a!r} != {b!r}"
     for (path, x), (_, y) in zip(la, lb):
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol, equal_nan=True,
-                                   msg=lambda m, p=path: f"{what}{p}: {m}")
+                                   msg=lambda m, p=path: f"{what}{p}: {m}")  # type: ignore[misc]
 
 
 def assert_pure(fn: Callable, *args: Any, rtol: float = 0.0, atol: float = 0.0, **kwargs: Any) -> Any:
@@ -98,7 +98,7 @@ def assert_pure(fn: Callable, *args: Any, rtol: float = 0.0, atol: float = 0.0, 
     for (path, before, version), (_, after) in zip(snapshot, tensor_leaves(inputs)):
         assert after._version == version, f"input{path} was written in place"
         torch.testing.assert_close(after.detach(), before, rtol=0, atol=0, equal_nan=True,
-                                   msg=lambda m, p=path: f"input{p} changed: {m}")
+                                   msg=lambda m, p=path: f"input{p} changed: {m}")  # type: ignore[misc]
     assert_same(first, second, rtol=rtol, atol=atol, what="second call differs: output")
     return first
 

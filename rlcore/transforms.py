@@ -169,7 +169,7 @@ class RunningMoments(NamedTuple):
     default). Variance: :func:`running_moments_var`; std: :func:`running_moments_std`.
     """
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # the field shadows tuple.count
     mean: torch.Tensor
     m2: torch.Tensor
 

@@ -1,6 +1,5 @@
 """Tests of loops/models.py: tokenizers, tiny models, trunk/value/reward forwards, reward helpers."""
 
-import math
 import warnings
 
 import pytest
