@@ -600,7 +600,7 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
 # Fields a resumed run may change: how long it runs, where and how often it logs, saves and evaluates.
 RESUMABLE_CHANGES = frozenset({"steps", "num_epochs", "resume", "run_dir", "save_every", "keep_last", "eval_every",
                                "log_every", "report_to", "log_completions", "eval_batch_size", "num_eval_images", "eval_seed",
-                               "device", "init_from"})
+                               "device", "init_from", "gradient_checkpointing"})
 
 
 def check_resume(checkpoint: str | Path, config: Mapping[str, Any], recipe: str) -> None:

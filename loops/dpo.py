@@ -48,8 +48,8 @@ from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.data import (collate_mismatched, collate_preference, collate_unpaired, iterate_batches,
                                preference_format, tokenize_dataset)
 from rlcore.loops.models import mix_into_reference, pad_token_id
-from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
-                                 mean_metrics, policy_tokenizer, run)
+from rlcore.loops.recipe import (ModelLoading, autocast_dtype, batch_source, build_policy, build_reference,
+                                 init_train_state, load_splits, mean_metrics, policy_tokenizer, run)
 from rlcore.loops.score import concatenated_forward, precompute_reference_logps, score_sequences
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import preference_dataset
@@ -75,7 +75,7 @@ HYPERPARAMETERS = ("beta", "label_smoothing", "reference_free", "divergence", "a
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(ModelLoading):
     """Every setting of the preference recipe (``configs/dpo.yaml``); each feeds the keyword of
     that name. Loss hyper-parameters left at ``None`` take the selected loss's default."""
 
@@ -211,10 +211,11 @@ def preference_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callab
     return loss(scorer(state.model("policy"), batch, chunked=chunked))
 
 
-def _update(state, batch, *, loss, chunked, micro_batch_size, max_grad_norm):
+def _update(state, batch, *, loss, chunked, micro_batch_size, max_grad_norm, config):
     rows = batch.batch_size[0]
     loss_fn = functools.partial(preference_loss_fn, loss=loss, chunked=chunked)
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
+                            autocast_dtype=autocast_dtype(config) if config is not None else None,
                             max_grad_norm=max_grad_norm)
     return advance(state, samples_seen=rows), metrics
 
@@ -228,7 +229,7 @@ def dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, chunke
     batch = batch.to(next(state.model("policy").parameters()).device)
     batch = with_reference(state, batch, chunked=chunked)
     state, metrics = _update(state, batch, loss=loss, chunked=chunked, micro_batch_size=micro_batch_size,
-                             max_grad_norm=max_grad_norm)
+                             max_grad_norm=max_grad_norm, config=config)
     return sync_reference(state, config), metrics
 
 
@@ -248,7 +249,7 @@ def kto_step(state: TrainState, item: tuple[TensorDictBase, TensorDictBase], *, 
         ref_kl = score_sequences(state.model("ref"), mismatched, chunked=chunked, reference=True).get(K.REF_LOGPS)
     batch = with_reference(state, batch, chunked=chunked).copy().update({K.KL_LOGPS: kl, K.REF_KL_LOGPS: ref_kl})
     state, metrics = _update(state, batch, loss=loss, chunked=chunked, micro_batch_size=micro_batch_size,
-                             max_grad_norm=max_grad_norm)
+                             max_grad_norm=max_grad_norm, config=config)
     return sync_reference(state, config), metrics
 
 

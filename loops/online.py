@@ -53,8 +53,8 @@ from rlcore.loops.data import check_text, text_window, tokenize_example
 from rlcore.loops.fold import to_floats
 from rlcore.loops.models import (combine_rewards, disable_dropout, import_reward_fn, load_model, missing_eos_penalty,
                                  reward_columns)
-from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
-                                 policy_tokenizer, run)
+from rlcore.loops.recipe import (ModelLoading, autocast_dtype, loading_kwargs, batch_source, build_policy, build_reference,
+                                 init_train_state, load_splits, policy_tokenizer, run)
 from rlcore.loops.score import score_rollout, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
 from rlcore.loops.tasks import exact_match, task_dataset, task_reward
@@ -73,7 +73,7 @@ RewardFn = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineConfig:
+class OnlineConfig(ModelLoading):
     """Fields shared by every online recipe (a recipe's ``Config`` subclasses this and adds its own)."""
 
     # --- model ---
@@ -209,7 +209,9 @@ def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mappi
     policy, tokenizer = build_policy(config)
     models = {"policy": policy, "ref": build_reference(config, policy)}
     if config.reward_model:
-        models["reward"] = load_model(config.reward_model, task="reward").to(config.device).eval().requires_grad_(False)
+        loading = {k: v for k, v in loading_kwargs(config).items() if k != "revision"}  # the revision is `model`'s
+        models["reward"] = load_model(config.reward_model, task="reward", **loading).to(config.device).eval()
+        models["reward"].requires_grad_(False)
     models.update(extra_models(policy) if extra_models is not None else {})
     for model in models.values():
         disable_dropout(model)  # RL needs the same log-probs in collect, score and update
@@ -415,6 +417,7 @@ def policy_update(state: TrainState, rollout: TensorDictBase, loss: Callable[...
     loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature)
     loss_fn = loss_fn if wrap_loss is None else wrap_loss(loss_fn)
     state, metrics = update(state, rollout, loss_fn, **update_sizes(config, rollout.batch_size[0]),
+                            autocast_dtype=autocast_dtype(config),
                             epochs=config.epochs, mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
     return state, metrics.update(rollout_metrics(rollout))
 

@@ -43,6 +43,7 @@ from rlcore.loops.dpo import (UNPAIRED, bind_loss, check_reference_sync, needs_r
                               reference_models, sync_reference, with_reference)
 from rlcore.loops.online import OnlineConfig, build_online_state, evaluate_policy, online_step, rollout_metrics, \
     train_online, update_sizes
+from rlcore.loops.recipe import autocast_dtype
 from rlcore.loops.state import TrainState
 from rlcore.loops.update import update
 
@@ -121,6 +122,7 @@ def optimise(state: TrainState, pairs: TensorDictBase, config: Config) -> tuple[
         return sync_reference(state, config), TensorDict({}, batch_size=[])
     loss_fn = functools.partial(preference_loss_fn, loss=bind_loss(config), chunked=config.chunked)
     state, metrics = update(state, pairs, loss_fn, **update_sizes(config, pairs.batch_size[0]), epochs=config.epochs,
+                            autocast_dtype=autocast_dtype(config),
                             max_grad_norm=config.max_grad_norm)
     return sync_reference(state, config), metrics
 

@@ -55,7 +55,7 @@ from rlcore.loops.distributed import all_gather_moments, all_reduce_sum, dist_in
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
 from rlcore.loops.online import OnlineConfig, build_online_state, evaluate_policy, online_step, rollout_metrics, \
     train_online, update_sizes, with_policy_logprobs
-from rlcore.loops.recipe import build_policy
+from rlcore.loops.recipe import autocast_dtype, build_policy
 from rlcore.loops.score import full_kl_from_models
 from rlcore.loops.state import TrainState, with_transforms
 from rlcore.loops.update import EARLY_STOP_CHECKS, update
@@ -248,6 +248,7 @@ def optimise(state: TrainState, batch: TensorDictBase, config: Config) -> tuple[
     """The update on a prepared rollout: ``epochs`` passes of :func:`ppo_loss_fn` (impure: trains)."""
     return update(state, batch, functools.partial(ppo_loss_fn, config=config),
                   **update_sizes(config, batch.batch_size[0]), epochs=config.epochs, mask_key=K.RESPONSE_MASK,
+                  autocast_dtype=autocast_dtype(config),
                   max_grad_norm=config.max_grad_norm, early_stop_check=config.early_stopping_check)
 
 

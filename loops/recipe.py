@@ -56,10 +56,11 @@ from rlcore.loops.logging import check_trackers, make_loggers
 from rlcore.loops.models import (build_model, build_tokenizer, disable_dropout, load_model, load_tokenizer,
                                  make_reference)
 from rlcore.loops.state import TrainState, init_state
-from rlcore.loops.update import make_optimizer, make_scheduler
+from rlcore.loops.update import enable_gradient_checkpointing, make_optimizer, make_scheduler
 
-__all__ = ["TINY_MODELS", "FIELD_DOCS", "build_reference", "FIELD_RULES", "TRL_NAMES", "check_config", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state", "load_splits",
-           "batch_source", "mean_metrics", "run", "load_config", "config_dict"]
+__all__ = ["ModelLoading", "DTYPES", "loading_kwargs", "autocast_dtype", "TINY_MODELS", "FIELD_DOCS", "build_reference", "FIELD_RULES",
+           "TRL_NAMES", "check_config", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state",
+           "load_splits", "batch_source", "mean_metrics", "run", "load_config", "config_dict"]
 
 # What the fields shared by the recipes' configs mean (a field's own comment, where written, wins).
 FIELD_DOCS: dict[str, str] = {
@@ -85,6 +86,49 @@ FIELD_DOCS: dict[str, str] = {
     "resume": "continue from the latest checkpoint of run_dir",
     "report_to": 'trackers besides metrics.jsonl: "tensorboard" (run_dir/tensorboard), "wandb" (TRL report_to)',
 }
+
+@dataclasses.dataclass(frozen=True)
+class ModelLoading:
+    """How a recipe loads its models: one declaration the recipes' configs share (TRL's
+    ``ModelConfig`` names). ``build_policy``, ``build_reference`` and the online recipes' reward
+    model read it."""
+
+    dtype: str = "float32"                    # the weights' dtype: float32 | bfloat16 | float16 | auto (TRL dtype)
+    attn_implementation: str | None = None    # eager | sdpa | flash_attention_2 ... (None: transformers' choice)
+    revision: str | None = None               # hub revision (branch, tag or commit) of `model`
+    trust_remote_code: bool = False           # run code shipped with a hub model (off: such a model is refused)
+    gradient_checkpointing: bool = False      # recompute activations in the backward pass: less memory, more compute
+    mixed_precision: str | None = None        # "bf16": forward and loss under torch.autocast, weights stay float32 (TRL bf16)
+
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def loading_kwargs(config: Any) -> dict[str, Any]:
+    """The ``from_pretrained`` keywords of ``config``'s ``ModelLoading`` fields (those it has)."""
+    kwargs = {"dtype": _get(config, "dtype", "float32"), "trust_remote_code": _get(config, "trust_remote_code", False)}
+    for name in ("attn_implementation", "revision"):
+        if _get(config, name) is not None:
+            kwargs[name] = _get(config, name)
+    return kwargs
+
+
+def autocast_dtype(config: Any) -> torch.dtype | None:
+    """The ``update(autocast_dtype=)`` of ``config.mixed_precision``: ``torch.bfloat16`` for ``"bf16"``,
+    else ``None``. (float16 autocast without loss scaling underflows gradients: not offered.)"""
+    return torch.bfloat16 if _get(config, "mixed_precision") == "bf16" else None
+
+
+def _as_loaded(model: nn.Module, config: Any) -> nn.Module:
+    """A model built from a config (the tiny ones) given the loading fields a checkpoint folder
+    would get from ``from_pretrained``: dtype, attention implementation, gradient checkpointing."""
+    dtype = _get(config, "dtype", "float32")
+    if dtype not in ("float32", "auto"):
+        model = model.to(getattr(torch, dtype))
+    if _get(config, "attn_implementation") is not None:
+        model.set_attn_implementation(config.attn_implementation)
+    return model
+
 
 # Offline model names -> architecture of ``build_model`` (with the character tokenizer).
 TINY_MODELS: dict[str, str] = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}
@@ -128,7 +172,7 @@ def build_reference(config: Any, policy: nn.Module) -> nn.Module:
     source = Path(path)
     if (source / "manifest.json").is_file() or latest_checkpoint(source) is not None:
         source = checkpoint_model_dir(source)
-    ref = load_model(str(source), task="causal_lm")
+    ref = load_model(str(source), task="causal_lm", **loading_kwargs(config))
     sizes = [m.get_output_embeddings().weight.shape[0] for m in (policy, ref)]
     if sizes[0] != sizes[1]:
         raise ValueError(f"ref_model: {path} has a vocabulary of {sizes[1]} tokens, the policy {sizes[0]}; the "
@@ -141,7 +185,11 @@ def policy_tokenizer(config: Any) -> Any:
     """The tokenizer of ``config.model``: the character tokenizer for ``TINY_MODELS``, else
     ``load_tokenizer(config.model)`` (pad token set)."""
     name = _get(config, "model", "tiny-llama")
-    return build_tokenizer() if name in TINY_MODELS else load_tokenizer(name)
+    if name in TINY_MODELS:
+        return build_tokenizer()
+    revision = _get(config, "revision")
+    return load_tokenizer(name, trust_remote_code=_get(config, "trust_remote_code", False),
+                          **({"revision": revision} if revision else {}))
 
 
 def build_policy(config: Any, *, task: str | None = None) -> tuple[nn.Module, Any]:
@@ -171,19 +219,27 @@ def build_policy(config: Any, *, task: str | None = None) -> tuple[nn.Module, An
     name = _get(config, "model", "tiny-llama")
     init_from = _get(config, "init_from")
     tokenizer = policy_tokenizer(config)
+    loading = loading_kwargs(config)
     if name in TINY_MODELS:
         if init_from:
-            model = load_model(str(checkpoint_model_dir(init_from)), task=task)
+            model = load_model(str(checkpoint_model_dir(init_from)), task=task,
+                               **{k: v for k, v in loading.items() if k != "revision"})
         else:
             model = build_model(TINY_MODELS[name], tokenizer=tokenizer, hidden_size=_get(config, "hidden_size", 64),
                                 num_layers=_get(config, "num_layers", 2), num_heads=_get(config, "num_heads", 4),
                                 max_position_embeddings=_get(config, "max_position_embeddings", 256),
                                 seed=_get(config, "seed", 0), task=task, tie_word_embeddings=task == "causal_lm")
+            model = _as_loaded(model, config)
     else:
         extra = {} if task == "causal_lm" else {"num_labels": 1}
-        model = load_model(str(checkpoint_model_dir(init_from)) if init_from else name, task=task, **extra)
+        if init_from:  # a checkpoint folder: the revision is the hub model's, not the checkpoint's
+            loading.pop("revision", None)
+        model = load_model(str(checkpoint_model_dir(init_from)) if init_from else name, task=task, **extra, **loading)
         if task != "causal_lm" and model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
+    if _get(config, "gradient_checkpointing", False) and not enable_gradient_checkpointing(model):
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} offers no gradient checkpointing "
+                         "(gradient_checkpointing_enable)")
     if _get(config, "disable_dropout", True):
         disable_dropout(model)
     return model.to(_get(config, "device", "cpu")), tokenizer
@@ -461,6 +517,11 @@ def check_config(config: Any) -> Any:
             faults.append(str(e))
     if faults:
         raise ValueError(f"{type(config).__name__}: " + "; ".join(faults))
+    if getattr(config, "mixed_precision", None) not in (None, "bf16"):
+        raise ValueError(f"{type(config).__name__}: mixed_precision: expected 'bf16' or None, got "
+                         f"{config.mixed_precision!r} (float16 autocast needs loss scaling, which is not offered)")
+    if getattr(config, "dtype", "float32") not in DTYPES:
+        raise ValueError(f"{type(config).__name__}: dtype: expected one of {list(DTYPES)}, got {config.dtype!r}")
     check_trackers(getattr(config, "report_to", ()))
     return config
 
@@ -480,6 +541,7 @@ TRL_NAMES: dict[str, tuple[str, ...]] = {
     "dataset_name": ("dataset",), "loss_type": ("loss_type", "loss"), "reward_model_path": ("reward_model",),
     "sft_model_path": ("init_from",), "gradient_accumulation_steps": ("micro_batch_size",),
     "epsilon_high": ("clip_eps_high",), "train_dataset": ("dataset",), "num_completions_to_print": ("log_completions",),
+    "torch_dtype": ("dtype",), "model_revision": ("revision",), "bf16": ("mixed_precision",),
 }
 
 

@@ -47,7 +47,9 @@ from rlcore.loops import grpo, rloo
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import online_step, policy_update, train_online
 from rlcore.loops.checkpoint import load_checkpoint
-from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
+from rlcore.loops.recipe import (ModelLoading, batch_source, build_policy, init_train_state, load_splits,
+                                 policy_tokenizer, run)
+from rlcore.loops.recipe import autocast_dtype as recipe_autocast
 from rlcore.loops.recipe import load_config as load_recipe_config
 from rlcore.loops.reft_data import ReftSpec, collate_reft, with_intervention_locations
 from rlcore.loops.reft_model import (ReftInterventions, ReftModel, intervention_dtype, make_interventions,
@@ -100,8 +102,8 @@ def _device(state: TrainState) -> torch.device:
 
 
 def reft_sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean", chunked: bool = True,
-                  micro_batch_size: int | None = None,
-                  max_grad_norm: float | None = 1.0) -> tuple[TrainState, TensorDict]:
+                  micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0,
+                  autocast_dtype: torch.dtype | None = None) -> tuple[TrainState, TensorDict]:
     """One ReFT SFT step (impure: it trains the interventions).
 
     ``loss = aggregate(−log p_Φ(x_t | x_<t), loss_mask, agg)``: ``loops.sft.sft_loss_fn`` on the
@@ -111,13 +113,14 @@ def reft_sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token
     batch = scoring_mask(batch.to(_device(state)))
     loss_fn = with_interventions(functools.partial(sft_loss_fn, agg=agg, chunked=chunked))
     state, metrics = update(state, batch, loss_fn, micro_batch_size=micro_batch_size, mask_key=K.LOSS_MASK,
+                            autocast_dtype=autocast_dtype,
                             max_grad_norm=max_grad_norm)
     return advance(state, samples_seen=batch.batch_size[0], tokens_seen=batch.get(K.ATTENTION_MASK).sum()), metrics
 
 
 def reft_dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, chunked: bool = True,
-                  micro_batch_size: int | None = None,
-                  max_grad_norm: float | None = 1.0) -> tuple[TrainState, TensorDict]:
+                  micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0,
+                  autocast_dtype: torch.dtype | None = None) -> tuple[TrainState, TensorDict]:
     """One ReFT preference step: reference log-probs from ``state.model("ref")`` (the base model,
     interventions off; skipped when the batch carries them), then ``update`` with
     ``preference_loss_fn`` inside ``intervened``. ``loss``: a bound pairwise loss, e.g.
@@ -126,7 +129,8 @@ def reft_dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, c
     """
     batch = with_reference(state, batch.to(_device(state)), chunked=chunked)
     loss_fn = with_interventions(functools.partial(preference_loss_fn, loss=loss, chunked=chunked))
-    state, metrics = update(state, batch, loss_fn, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
+    state, metrics = update(state, batch, loss_fn, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm,
+                            autocast_dtype=autocast_dtype)
     return advance(state, samples_seen=batch.batch_size[0]), metrics
 
 
@@ -201,7 +205,7 @@ class ReftFields:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReftConfig(ReftFields):
+class ReftConfig(ReftFields, ModelLoading):
     """Every setting of ``train_reft_sft`` (the keys of ``configs/reft_sft.yaml``).
 
     Model, data, optimisation and run fields are those of ``rlcore.loops.recipe`` (``model``:
@@ -244,7 +248,11 @@ class ReftConfig(ReftFields):
 
 
 def reft_spec(config: Any) -> ReftSpec:
-    """The ``ReftSpec`` made of a config's spec fields."""
+    """The ``ReftSpec`` made of a config's spec fields. Refuses ``gradient_checkpointing``: the
+    checkpointed blocks of a frozen model would pass no gradient to the interventions' hooks."""
+    if getattr(config, "gradient_checkpointing", False):
+        raise ValueError("gradient_checkpointing: ReFT trains interventions on a frozen model, whose checkpointed "
+                         "blocks would recompute without them in the backward pass; leave it off")
     return ReftSpec(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ReftSpec)})
 
 
@@ -299,7 +307,7 @@ def train_reft_sft(config: ReftConfig, *, model: nn.Module | None = None, tokeni
     train, held_out = (tokenize_dataset(d, tokenizer, max_length=config.max_length) for d in splits)
     eval_batches = _eval_batches(held_out, tokenizer, config)
     step = functools.partial(reft_sft_step, agg=config.agg, micro_batch_size=config.micro_batch_size,
-                             max_grad_norm=config.max_grad_norm)
+                             max_grad_norm=config.max_grad_norm, autocast_dtype=recipe_autocast(config))
     source = batch_source(train, config.batch_size, _collate_fn(tokenizer, spec), seed=config.seed)
     return run(step, state, source, config=config, num_steps=config.steps, name="reft_sft",
                eval_fn=lambda s: reft_eval_loss(s, eval_batches), callbacks=callbacks, tokenizer=tokenizer)

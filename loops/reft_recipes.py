@@ -36,8 +36,8 @@ from rlcore.loops.checkpoint import load_checkpoint
 from rlcore.loops.dpo import preference_loss_fn, with_reference
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import build_online_state
-from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
-                                 policy_tokenizer, run)
+from rlcore.loops.recipe import (autocast_dtype, batch_source, build_policy, init_train_state, load_splits,
+                                 mean_metrics, policy_tokenizer, run)
 from rlcore.loops.reft import (ReftFields, new_interventions, reft_dpo_step, reft_grpo_step,
                                reft_online_models, reft_rloo_step, reft_spec, train_reft_online)
 from rlcore.loops.reft_data import collate_reft, with_intervention_locations
@@ -151,7 +151,7 @@ def train_reft_dpo(config: ReftDpoConfig, *, callbacks: Sequence[Callable] = ()
     state, train, held_out, tokenizer, loss = _reft_dpo_setup(config)
     source = batch_source(train, config.batch_size, _dpo_collate(tokenizer, config), seed=config.seed)
     step = functools.partial(reft_dpo_step, loss=loss, chunked=config.chunked, micro_batch_size=config.micro_batch_size,
-                             max_grad_norm=config.max_grad_norm)
+                             max_grad_norm=config.max_grad_norm, autocast_dtype=autocast_dtype(config))
     eval_fn = functools.partial(_reft_dpo_eval, data=held_out, tokenizer=tokenizer, config=config, loss=loss)
     return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="reft_dpo",
                callbacks=callbacks, tokenizer=tokenizer)
@@ -206,7 +206,7 @@ def train_reft_reward(config: ReftRewardConfig, *, callbacks: Sequence[Callable]
     step = functools.partial(reward.reward_step, margin_key=config.margin_key,
                              center_rewards_coefficient=config.center_rewards_coefficient,
                              micro_batch_size=config.micro_batch_size, max_grad_norm=config.max_grad_norm,
-                             wrap_loss=with_interventions)
+                             wrap_loss=with_interventions, autocast_dtype=autocast_dtype(config))
     eval_fn = functools.partial(reward._evaluate, data=held_out, tokenizer=tokenizer, config=config, collate=collate,
                                 wrap_loss=with_interventions)
     return run(step, state, batch_source(train, config.batch_size, collate, seed=config.seed), config=config,

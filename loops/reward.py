@@ -37,8 +37,8 @@ from rlcore import keys as K
 from rlcore.algorithms.reward import reward_loss
 from rlcore.loops.data import collate_preference, preference_format, tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
-from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
-                                 policy_tokenizer, run)
+from rlcore.loops.recipe import (ModelLoading, autocast_dtype, batch_source, build_policy, init_train_state,
+                                 load_splits, mean_metrics, policy_tokenizer, run)
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import update
@@ -47,7 +47,7 @@ __all__ = ["Config", "collate_pairs", "with_rewards", "reward_loss_fn", "reward_
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(ModelLoading):
     """Every setting of the reward-modelling recipe (``configs/reward.yaml``); each feeds the
     keyword of that name. ``MODEL_TASK`` (not a field) makes ``build_policy`` build a reward model."""
 
@@ -134,16 +134,18 @@ def reward_loss_fn(state: TrainState, batch: TensorDictBase, *, margin_key: str 
 
 def reward_step(state: TrainState, batch: TensorDictBase, *, margin_key: str | None = None,
                 center_rewards_coefficient: float | None = None, micro_batch_size: int | None = None,
-                max_grad_norm: float | None = 1.0,
-                wrap_loss: Callable[[Callable], Callable] | None = None) -> tuple[TrainState, TensorDict]:
+                max_grad_norm: float | None = 1.0, wrap_loss: Callable[[Callable], Callable] | None = None,
+                autocast_dtype: torch.dtype | None = None) -> tuple[TrainState, TensorDict]:
     """One reward-modelling step (impure: it trains): one optimiser step on the batch's pairs.
-    ``wrap_loss`` wraps the loss closure (``loops.reft_model.with_interventions``: the ReFT version)."""
+    ``wrap_loss`` wraps the loss closure (``loops.reft_model.with_interventions``: the ReFT version);
+    ``autocast_dtype`` as ``update``'s (``mixed_precision``)."""
     batch = batch.to(next(state.model("policy").parameters()).device)
     rows = batch.batch_size[0]
     loss_fn = functools.partial(reward_loss_fn, margin_key=margin_key,
                                 center_rewards_coefficient=center_rewards_coefficient)
     loss_fn = wrap_loss(loss_fn) if wrap_loss is not None else loss_fn
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
+                            autocast_dtype=autocast_dtype,
                             max_grad_norm=max_grad_norm)
     return advance(state, samples_seen=rows), metrics
 
@@ -221,7 +223,8 @@ def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainS
     source = batch_source(train_data, config.batch_size, collate, seed=config.seed)
     step = functools.partial(reward_step, margin_key=config.margin_key,
                              center_rewards_coefficient=config.center_rewards_coefficient,
-                             micro_batch_size=config.micro_batch_size, max_grad_norm=config.max_grad_norm)
+                             micro_batch_size=config.micro_batch_size, max_grad_norm=config.max_grad_norm,
+                             autocast_dtype=autocast_dtype(config))
     eval_fn = functools.partial(_evaluate, data=held_out, tokenizer=tokenizer, config=config)
     return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="reward",
                callbacks=callbacks, tokenizer=tokenizer)

@@ -37,7 +37,8 @@ from rlcore.loops.collect import generate_rollout
 from rlcore.loops.data import collate_sequences, pack_sequences, tokenize_dataset
 from rlcore.loops.fold import to_floats
 from rlcore.loops.models import pad_token_id, position_ids_from_mask
-from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
+from rlcore.loops.recipe import (ModelLoading, autocast_dtype, batch_source, build_policy, init_train_state,
+                                 load_splits, policy_tokenizer, run)
 from rlcore.loops.score import score_sequences, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import exact_match, task_dataset
@@ -47,7 +48,7 @@ __all__ = ["Config", "scoring_mask", "sft_loss_fn", "sft_step", "evaluate", "tra
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(ModelLoading):
     """Every setting of the SFT recipe (``configs/sft.yaml``); each feeds the keyword of that name."""
 
     # model (loops.recipe.build_policy)
@@ -135,17 +136,18 @@ def sft_loss_fn(state: TrainState, batch: TensorDictBase, *, agg: str = "token_m
 
 def sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean", chunked: bool = True,
              micro_batch_size: int | None = None, max_grad_norm: float | None = 1.0,
-             examples: int | None = None) -> tuple[TrainState, TensorDict]:
+             examples: int | None = None, autocast_dtype: torch.dtype | None = None) -> tuple[TrainState, TensorDict]:
     """One SFT step (impure: it trains): score the mask, one optimiser step on the whole batch.
 
     ``examples``: examples in the batch for ``samples_seen`` (default its rows; packed rows hold
-    several).
+    several). ``autocast_dtype``: as ``update``'s (``mixed_precision``).
     """
     device = next(state.model("policy").parameters()).device
     batch = scoring_mask(batch.to(device))
     rows = batch.batch_size[0]
     loss_fn = functools.partial(sft_loss_fn, agg=agg, chunked=chunked)
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
+                            autocast_dtype=autocast_dtype,
                             mask_key=K.LOSS_MASK, max_grad_norm=max_grad_norm)
     state = advance(state, samples_seen=examples or rows, tokens_seen=batch.get(K.ATTENTION_MASK).sum())
     return state, metrics
@@ -234,7 +236,8 @@ def train(config: Config, *, formatting_func: Callable[[dict], str | dict] | Non
     state = init_train_state({"policy": model}, config)
     source = batch_source(train_data, config.batch_size, _collate_fn(train_data, tokenizer, config), seed=config.seed)
     step = functools.partial(sft_step, agg=config.agg, chunked=config.chunked, micro_batch_size=config.micro_batch_size,
-                             max_grad_norm=config.max_grad_norm, examples=config.batch_size)
+                             max_grad_norm=config.max_grad_norm, examples=config.batch_size,
+                             autocast_dtype=autocast_dtype(config))
     eval_fn = functools.partial(_evaluate, data=held_out, tokenizer=tokenizer, config=config)
     return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="sft",
                callbacks=callbacks, tokenizer=tokenizer)

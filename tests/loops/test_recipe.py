@@ -298,3 +298,74 @@ def test_a_reference_model_from_a_folder_or_a_checkpoint(tmp_path):
     assert torch.equal(trained.model("ref").lm_head.weight, other.lm_head.weight)
     precomputed, _ = dpo.train(dataclasses.replace(config, precompute_ref=True))
     assert "ref" not in precomputed.models
+
+
+# --- model loading fields (ModelLoading) ----------------------------------------------------------
+def _sft(**kw):
+    from rlcore.loops import sft
+    return sft.Config(**{**dict(hidden_size=16, num_layers=1, num_heads=2, num_train=16, num_eval=4, batch_size=4,
+                                max_length=24, log_every=100, run_dir=None), **kw})
+
+
+def test_dtype_and_attention_reach_tiny_and_loaded_models(tmp_path):
+    model, tok = build_policy(_sft(dtype="bfloat16", attn_implementation="eager"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config._attn_implementation == "eager"
+    base = build_policy(_sft())[0]
+    base.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    loaded, _ = build_policy(_sft(model=str(tmp_path / "m"), dtype="bfloat16", attn_implementation="sdpa",
+                                  revision="main"))
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert loaded.config._attn_implementation == "sdpa"
+    for a, b in zip(loaded.parameters(), base.parameters()):
+        assert torch.equal(a, b.bfloat16())
+    with pytest.raises(ValueError, match=r"dtype: expected one of \['float32', 'bfloat16', 'float16', 'auto'\], "
+                                         r"got 'float8'"):
+        load_config(type(_sft()), overrides={"dtype": "float8"})
+
+
+def test_bfloat16_sft_trains_and_gradient_checkpointing_changes_nothing_but_memory():
+    from rlcore.loops import sft
+    _, plain = sft.train(_sft(steps=3, lr=1e-2))
+    state, checkpointed = sft.train(_sft(steps=3, lr=1e-2, gradient_checkpointing=True))
+    assert state.model("policy").is_gradient_checkpointing
+    for a, b in zip(plain, checkpointed):  # the same maths, recomputed in the backward pass
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+    _, bf16 = sft.train(_sft(steps=3, lr=1e-2, dtype="bfloat16"))
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in bf16)
+    assert bf16[0]["loss"] == pytest.approx(plain[0]["loss"], rel=2e-2)  # bf16 rounding only
+
+
+def test_online_recipes_and_references_take_the_loading_fields():
+    from rlcore.loops import grpo
+    from rlcore.loops.online import build_online_state
+    config = grpo.Config(hidden_size=16, num_layers=1, num_heads=2, num_train=8, num_eval=4, batch_size=2,
+                         num_samples=2, max_new_tokens=4, steps=1, run_dir=None, gradient_checkpointing=True)
+    state, _ = build_online_state(config)
+    assert state.model("policy").is_gradient_checkpointing and not state.model("ref").training
+    state, history = grpo.train(config)
+    assert state.step == 1 and torch.isfinite(torch.tensor(history[-1]["loss"]))
+
+
+def test_reft_refuses_gradient_checkpointing():
+    from rlcore.loops.reft import ReftConfig, train_reft_sft
+    with pytest.raises(ValueError, match=r"gradient_checkpointing: ReFT trains interventions on a frozen model"):
+        train_reft_sft(ReftConfig(gradient_checkpointing=True, steps=1))
+
+
+def test_mixed_precision_bf16_keeps_float32_weights_and_close_losses():
+    from rlcore.loops import dpo, grpo, sft
+    _, plain = sft.train(_sft(steps=2, lr=1e-2))
+    state, mixed = sft.train(_sft(steps=2, lr=1e-2, mixed_precision="bf16"))
+    assert {p.dtype for p in state.model("policy").parameters()} == {torch.float32}
+    assert mixed[0]["loss"] != plain[0]["loss"]  # the forward ran in bfloat16 ...
+    assert mixed[0]["loss"] == pytest.approx(plain[0]["loss"], rel=2e-2)  # ... within its rounding
+    tiny = dict(hidden_size=16, num_layers=1, num_heads=2, num_train=8, num_eval=4, batch_size=4, run_dir=None,
+                steps=1, mixed_precision="bf16")
+    assert torch.isfinite(torch.tensor(dpo.train(dpo.Config(**tiny, max_length=24))[1][-1]["loss"]))
+    assert torch.isfinite(torch.tensor(grpo.train(grpo.Config(**{**tiny, "batch_size": 2}, num_samples=2,
+                                                              max_new_tokens=4))[1][-1]["loss"]))
+    with pytest.raises(ValueError, match=r"mixed_precision: expected 'bf16' or None, got 'fp16' \(float16 autocast "
+                                         r"needs loss scaling"):
+        load_config(type(_sft()), overrides={"mixed_precision": "fp16"})
