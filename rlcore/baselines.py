@@ -86,8 +86,18 @@ def _centre(scores: torch.Tensor, group_id: torch.Tensor | None
 
 
 def _scores(scores: torch.Tensor) -> torch.Tensor:
+    """Scores for the group statistics, in float64 (where the device has it): sums and squares of
+    scores anywhere in float32's or bfloat16's range stay finite."""
     check_float("scores", scores)
-    return scores.detach().to(torch.promote_types(scores.dtype, torch.float32))  # bf16 stats in fp32
+    wide = torch.float32 if scores.device.type == "mps" else torch.float64
+    return scores.detach().to(torch.promote_types(scores.dtype, wide))
+
+
+def _back(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the scores' ``dtype``, saturated at its largest finite value (an advantage such as
+    RLOO's ``r_i − mean_{j≠i} r_j`` can exceed the range its inputs fill)."""
+    big = torch.finfo(dtype).max
+    return x.clamp(-big, big).to(dtype)
 
 
 def group_mean(scores: torch.Tensor, *, group_id: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,7 +114,7 @@ def group_mean(scores: torch.Tensor, *, group_id: torch.Tensor | None = None) ->
     """
     s = _scores(scores)
     group_sum, count = _grouping(s, group_id)
-    return (group_sum(s) / count).expand_as(s).contiguous().to(scores.dtype)
+    return _back((group_sum(s) / count).expand_as(s).contiguous(), scores.dtype)
 
 
 # --- RLOO ------------------------------------------------------------------------------------
@@ -125,7 +135,7 @@ def rloo_advantage(scores: torch.Tensor, *, group_id: torch.Tensor | None = None
         from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740
     """
     centred, count, _ = _centre(_scores(scores), group_id)
-    return (centred * (count / (count - 1).clamp(min=1))).to(scores.dtype)
+    return _back(centred * (count / (count - 1).clamp(min=1)), scores.dtype)
 
 
 # --- GRPO ------------------------------------------------------------------------------------
@@ -191,7 +201,7 @@ def grpo_advantage(scores: torch.Tensor, *, group_id: torch.Tensor | None = None
         raise ValueError(f"scale: unknown {scale!r}; valid: {sorted(GRPO_SCALES)}") from None
     s = _scores(scores)
     centred, count, group_sum = _centre(s, group_id)
-    return rescale(s, centred, count, group_sum, eps).to(scores.dtype)
+    return _back(rescale(s, centred, count, group_sum, eps), scores.dtype)
 
 
 dr_grpo_advantage = functools.partial(grpo_advantage, scale="none")

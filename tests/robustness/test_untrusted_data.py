@@ -137,3 +137,16 @@ def test_labels_outside_the_vocabulary_are_named():
             token_logprobs(logits, labels)
     with pytest.raises(ValueError, match=r"labels: expected ids in \[0, 5\)"):
         hidden_logprobs(torch.randn(2, 3, 4), torch.randn(5, 4), labels=torch.tensor([[0, 1, 9], [0, 0, 0]]))
+
+
+def test_group_baselines_are_finite_at_the_edge_of_float32():
+    """Group statistics in float64: grpo_advantage([2e38, 2e38, 0, 0]) was NaN (the sum overflowed);
+    an advantage past the range saturates at the largest finite value instead of ±inf."""
+    from rlcore.baselines import grpo_advantage, group_mean, rloo_advantage
+    edge = torch.tensor([[2e38, 2e38, 0.0, 0.0]])
+    torch.testing.assert_close(grpo_advantage(edge), torch.tensor([[1.0, 1.0, -1.0, -1.0]]) * 0.75 ** 0.5)
+    in_bf16 = grpo_advantage(edge.bfloat16())
+    assert in_bf16.dtype == torch.bfloat16 and torch.isfinite(in_bf16).all()
+    torch.testing.assert_close(group_mean(edge), torch.full((1, 4), 1e38))
+    big = torch.finfo(torch.float32).max
+    assert rloo_advantage(torch.tensor([[3e38, -3e38]])).tolist() == [[big, -big]]  # 6e38 saturates
