@@ -200,7 +200,6 @@ REFT_INTERVENTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "consreft": consreft,
     "lobireft": lobireft,
 }
-CONSTANT_SOURCE = ("consreft", "lobireft")
 
 
 class _Variant(NamedTuple):
@@ -217,6 +216,7 @@ _VARIANTS = {
     "consreft": _Variant(orthogonal=True, subtracts=True, constant=True),
     "lobireft": _Variant(orthogonal=True, subtracts=False, constant=True),
 }
+CONSTANT_SOURCE = tuple(name for name, v in _VARIANTS.items() if v.constant)  # the (h, rotation, bias) ones
 
 
 class _Rotation(nn.Module):
