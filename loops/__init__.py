@@ -16,6 +16,7 @@ from rlcore.loops.diffusion import *  # noqa: F401,F403
 from rlcore.loops.distributed import *  # noqa: F401,F403
 from rlcore.loops.fold import *  # noqa: F401,F403
 from rlcore.loops.logging import *  # noqa: F401,F403
+from rlcore.loops.lora import *  # noqa: F401,F403
 from rlcore.loops.models import *  # noqa: F401,F403
 from rlcore.loops.online import *  # noqa: F401,F403
 from rlcore.loops.placement import *  # noqa: F401,F403
@@ -29,7 +30,7 @@ from rlcore.loops.update import *  # noqa: F401,F403
 from rlcore.loops.vllm_engine import *  # noqa: F401,F403
 from rlcore.loops.workers import *  # noqa: F401,F403
 
-_MODULES = ('async_learners', 'async_rl', 'checkpoint', 'collect', 'data', 'diffusion', 'distributed', 'fold', 'logging', 'models', 'online',
+_MODULES = ('async_learners', 'async_rl', 'checkpoint', 'collect', 'data', 'diffusion', 'distributed', 'fold', 'logging', 'lora', 'models', 'online',
             'placement', 'recipe', 'reft_data', 'reft_model', 'score', 'state', 'tasks', 'update', 'vllm_engine',
             'workers')
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

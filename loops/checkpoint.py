@@ -54,6 +54,7 @@ from torch import nn
 from rlcore.loops.dist_sync import (all_ranks_ok, drop_tied, full_optimizer_state, full_weights,
                                     load_full_weights, shard_optimizer_state)
 from rlcore.loops.distributed import dist_info, is_fsdp2, unwrap_model
+from rlcore.loops.lora import is_peft, load_adapter_weights
 from rlcore.loops.state import TrainState
 
 __all__ = [
@@ -213,6 +214,11 @@ def _load_model(model: nn.Module, directory: Path) -> None:
     for f in files:
         weights.update(_load_tensors(f))
     model = unwrap_model(model)
+    if is_peft(model):  # a LoRA policy: the folder holds its adapter (peft's names), the base is rebuilt
+        try:
+            return load_adapter_weights(model, weights, str(directory))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
     if is_fsdp2(model):
         try:
             return load_full_weights(model, weights)
@@ -419,8 +425,14 @@ def _model_card(step: int, config: dict, metrics: Mapping[str, float], models: M
         lines += ["## Final metrics", "", "| metric | value |", "| --- | --- |"]
         lines += [f"| {k} | {v:.6g} |" for k, v in metrics.items()] + [""]
     lines += ["## Config", "", "```json", json.dumps(config, indent=2, default=str), "```", ""]
-    if hf:
-        name = next(n for n, m in models.items() if _is_hf(m))
+    name = next((n for n, m in models.items() if _is_hf(m)), None)
+    if name is not None and is_peft(models[name]):
+        lines += ["## Loading", "", f"`models/{name}` holds a LoRA adapter; its base is the run's `model`.", "",
+                  "```python", "from peft import PeftModel",
+                  f'model = PeftModel.from_pretrained(base_model, "checkpoint-{step}/models/{name}")', "```", "",
+                  f"`rlcore export {recipe or 'RECIPE'} --checkpoint checkpoint-{step} --out DIR` writes the merged "
+                  "weights as a plain `from_pretrained` folder.", ""]
+    elif name is not None:
         lines += ["## Loading", "", "```python", "from transformers import AutoModelForCausalLM",
                   f'model = AutoModelForCausalLM.from_pretrained("checkpoint-{step}/models/{name}")', "```", ""]
     return "\n".join(lines)

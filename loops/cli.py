@@ -1,4 +1,4 @@
-"""The ``rlcore`` command: ``demo``, ``train RECIPE``, ``eval RECIPE``, ``recipes``.
+"""The ``rlcore`` command: ``demo``, ``train RECIPE``, ``eval RECIPE``, ``export RECIPE``, ``recipes``.
 
 ``rlcore train RECIPE [--config FILE.yaml] [--FIELD VALUE ...]`` runs a recipe of ``RECIPES``;
 its options are the fields of the recipe's ``Config`` (``rlcore train RECIPE --help`` lists them
@@ -11,6 +11,10 @@ weights.
 ``rlcore eval RECIPE --checkpoint DIR`` evaluates a saved policy on the recipe's held-out split,
 against the policy its run started from (the reference for KL); a recipe whose state is not a
 language-model policy (``ddpo``, the ``reft`` recipes) rebuilds it with its own ``checkpoint_state``.
+
+``rlcore export RECIPE --checkpoint DIR --out DIR`` writes a checkpoint's policy as a plain
+``from_pretrained`` folder with its tokenizer; a LoRA policy's adapter is merged into its base
+(``loops.lora.export_merged``).
 """
 
 from __future__ import annotations
@@ -127,20 +131,27 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval(args: argparse.Namespace) -> int:
+def _saved_run(module: ModuleType, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint ``--checkpoint`` names (a run directory: its latest) and the fields of its
+    stored config that the recipe's ``Config`` has."""
     from rlcore.loops.checkpoint import latest_checkpoint
-    from rlcore.loops.models import make_reference
-    from rlcore.loops.recipe import build_policy
-    from rlcore.loops.state import init_state
 
-    module = recipe_module(args.recipe)
     path = Path(args.checkpoint)
     if not (path / "trainer_state.json").exists():  # a run directory: its latest checkpoint
         path = latest_checkpoint(path) or path
     saved = path / "config.json"
     start = json.loads(saved.read_text()) if saved.exists() else {}
     known = {f.name for f in dataclasses.fields(module.Config)}
-    start = {k: v for k, v in start.items() if k in known}
+    return path, {k: v for k, v in start.items() if k in known}
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from rlcore.loops.models import make_reference
+    from rlcore.loops.recipe import build_policy
+    from rlcore.loops.state import init_state
+
+    module = recipe_module(args.recipe)
+    path, start = _saved_run(module, args)
     if hasattr(module, "checkpoint_state"):  # recipes whose state is not a language-model policy
         config = _config(module, args, start, {"resume": False})
         state = module.checkpoint_state(config, path)
@@ -150,6 +161,27 @@ def _eval(args: argparse.Namespace) -> int:
         policy, _ = build_policy(config)
         state = init_state({"policy": policy, "ref": make_reference(reference)}, seed=config.seed)
     print(json.dumps(module.evaluate(state, config), indent=2))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from rlcore.loops.lora import export_merged
+    from rlcore.loops.recipe import build_policy
+
+    module = recipe_module(args.recipe)
+    if hasattr(module, "checkpoint_state"):
+        raise SystemExit(f"rlcore export: the {args.recipe} recipe's checkpoints are not a language-model policy; "
+                         "load them with its checkpoint_state")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"rlcore export: --out {out} exists and is not empty")
+    path, start = _saved_run(module, args)
+    # the checkpoint's policy as plain weights: an adapter merged into its base, no new adapter
+    config = _config(module, args, start, {"init_from": str(path), "resume": False, "use_peft": False,
+                                           "gradient_checkpointing": False, "device": "cpu"})
+    model, tokenizer = build_policy(config)
+    export_merged(model, tokenizer, out)
+    print(json.dumps({"exported": str(out), "from": str(path)}))
     return 0
 
 
@@ -176,13 +208,18 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
                                       description=demo.__doc__.splitlines()[0]))
     sub.add_parser("recipes", help="list the recipes")
     # Recipe options depend on the recipe: import only the one named on the command line.
-    recipe = next((a for a in argv[1:] if not a.startswith("-")), None) if argv[:1] in (["train"], ["eval"]) else None
-    for command, help_text in (("train", "run a recipe"), ("eval", "evaluate a checkpoint of a recipe")):
+    commands = (("train", "run a recipe"), ("eval", "evaluate a checkpoint of a recipe"),
+                ("export", "write a checkpoint's policy as a plain from_pretrained folder (a LoRA adapter merged)"))
+    recipe = next((a for a in argv[1:] if not a.startswith("-")), None) if argv[:1] in [[c] for c, _ in commands] \
+        else None
+    for command, help_text in commands:
         p = sub.add_parser(command, help=help_text)
         p.add_argument("recipe", choices=sorted(RECIPES), help="which recipe")
-        if command == "eval":
+        if command in ("eval", "export"):
             p.add_argument("--checkpoint", required=True, help="a checkpoint directory or a run directory")
-        else:
+        if command == "export":
+            p.add_argument("--out", required=True, help="the folder to write (new or empty)")
+        elif command == "train":
             scale = p.add_argument_group("asynchronous off-policy training (grpo, rloo, ppo, online_dpo; "
                                          "rlcore.loops.async_rl)")
             scale.add_argument("--async", dest="run_async", action="store_true",
@@ -200,7 +237,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    handler = {"train": _train, "eval": _eval, "demo": _demo, "recipes": _recipes}[args.command]
+    handler = {"train": _train, "eval": _eval, "export": _export, "demo": _demo, "recipes": _recipes}[args.command]
     return handler(args)
 
 

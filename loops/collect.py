@@ -51,7 +51,7 @@ from rlcore import keys as K
 from rlcore.checks import check_mask, lookup, require_keys
 from rlcore.logprobs import token_logprobs
 from rlcore.loops.data import collate_prompts, tokenize_example
-from rlcore.loops.models import cache_keyword, pad_token_id, position_ids_from_mask
+from rlcore.loops.models import cache_keyword, model_device, pad_token_id, position_ids_from_mask
 from rlcore.loops.score import score_rollout
 
 __all__ = ["generate_rollout", "draw_seed", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align",
@@ -427,7 +427,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
     stops = [*([] if eos is None else torch.as_tensor(eos).reshape(-1).tolist()), *stop_token_ids]
     if not stops:
         raise ValueError("eos_token_id: the tokenizer has no eos token; pass eos_token_id or stop_token_ids")
-    device = next(model.parameters()).device
+    device = model_device(model)
     batch = _prompts(prompts, tokenizer, pad, max_prompt_length).to(device)
     if generator is not None:
         seed = draw_seed(generator)

@@ -161,7 +161,8 @@ def needs_reference(config: Config) -> bool:
 
 def check_reference_sync(config) -> None:
     """Refuse ``sync_ref_model`` where there is no reference model to move: a reference-free loss,
-    or reference log-probs computed once before training (``precompute_ref``)."""
+    reference log-probs computed once before training (``precompute_ref``), or the base under a
+    LoRA policy (``use_peft`` without a ``ref_model``)."""
     if not getattr(config, "sync_ref_model", False):
         return
     if not needs_reference(config):
@@ -170,6 +171,9 @@ def check_reference_sync(config) -> None:
     if getattr(config, "precompute_ref", False):
         raise ValueError("sync_ref_model: the reference log-probs are computed once before training with "
                          "precompute_ref=True, so a moving reference cannot be used; set one of the two to false")
+    if getattr(config, "use_peft", False) and not getattr(config, "ref_model", None):
+        raise ValueError("sync_ref_model: the reference of a LoRA policy is its base with the adapter off, shared "
+                         "with the policy, so it cannot move apart; give a ref_model, or set use_peft false")
 
 
 def sync_reference(state: TrainState, config) -> TrainState:

@@ -22,7 +22,7 @@ import inspect
 import math
 import string
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           PreTrainedModel, PreTrainedTokenizerFast)
 
 from rlcore.checks import check_mask, check_ndim, check_same_shape
+from rlcore.loops.lora import AdapterOff
 
 __all__ = [
     "build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS", "CHAT_TEMPLATE",
@@ -41,7 +42,7 @@ __all__ = [
     "ValueHead", "policy_and_values", "token_values", "reward_model_scores",
     "call_reward_fn", "import_reward_fn", "reward_columns", "combine_rewards", "missing_eos_penalty",
     "MAX_ABS_REWARD", "check_reward_range",
-    "make_reference", "mix_into_reference", "reference_via_disabled_adapter",
+    "make_reference", "mix_into_reference", "model_device",
 ]
 
 # --- tokenizers ------------------------------------------------------------------------------
@@ -315,6 +316,7 @@ def cache_keyword(model: nn.Module) -> str:
     signature, else its trunk's, so wrappers whose forward takes ``**kwargs`` (``ReftModel``,
     PEFT) answer for the model they wrap; ``past_key_values`` when neither names one.
     """
+    model = model.wrapped if isinstance(model, AdapterOff) else model
     found = _cache_keyword_of(type(model))
     if found is None:
         with contextlib.suppress(TypeError):
@@ -624,6 +626,13 @@ def missing_eos_penalty(score: torch.Tensor, response_ids: torch.Tensor, respons
     return torch.where(has_eos, score, score - penalty)
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s weights live: its first parameter's device, else its ``device`` attribute
+    (a module that holds no parameter of its own, such as ``loops.lora.AdapterOff``)."""
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device(model.device)
+
+
 # --- reference policy ------------------------------------------------------------------------
 def make_reference(model: nn.Module) -> nn.Module:
     """A frozen deep copy of ``model`` in eval mode (no parameter requires grad)."""
@@ -654,19 +663,3 @@ def mix_into_reference(ref: nn.Module, policy: nn.Module, alpha: float) -> nn.Mo
     for name, target in ref_params.items():
         target.lerp_(params[name].to(target.dtype), alpha)
     return ref
-
-
-@contextlib.contextmanager
-def reference_via_disabled_adapter(peft_model: nn.Module) -> Iterator[nn.Module]:
-    """Inside the block, ``peft_model`` with its adapters disabled: the base model as reference.
-
-    No copy of the weights (the LoRA case: the reference is the frozen base). Needs a PEFT model
-    (anything with ``disable_adapter()``); run the reference forward under ``torch.no_grad()``.
-
-    >>> # with reference_via_disabled_adapter(policy) as ref: ref_lp = token_logprobs_from_model(ref, ...)
-    """
-    if not hasattr(peft_model, "disable_adapter"):
-        raise TypeError(f"peft_model: expected a PEFT model with disable_adapter(), got "
-                        f"{type(peft_model).__name__}; for a plain model use make_reference(model)")
-    with peft_model.disable_adapter():
-        yield peft_model

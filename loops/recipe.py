@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import difflib
 import itertools
+import json
 import math
 import random
 import types
@@ -53,12 +54,13 @@ from rlcore.loops.data import load_source
 from rlcore.loops.distributed import is_main, shard_source
 from rlcore.loops.fold import every, fold, to_floats
 from rlcore.loops.logging import check_trackers, make_loggers
+from rlcore.loops.lora import adapter_off, apply_lora, is_adapter_dir, is_peft, with_adapter
 from rlcore.loops.models import (build_model, build_tokenizer, disable_dropout, load_model, load_tokenizer,
                                  make_reference)
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.update import enable_gradient_checkpointing, make_optimizer, make_scheduler
 
-__all__ = ["ModelLoading", "DTYPES", "loading_kwargs", "autocast_dtype", "TINY_MODELS", "FIELD_DOCS", "build_reference", "FIELD_RULES",
+__all__ = ["ModelLoading", "DTYPES", "loading_kwargs", "quantization_kwargs", "check_quantization", "autocast_dtype", "TINY_MODELS", "FIELD_DOCS", "build_reference", "FIELD_RULES",
            "TRL_NAMES", "check_config", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state",
            "load_splits", "batch_source", "mean_metrics", "run", "load_config", "config_dict"]
 
@@ -99,6 +101,14 @@ class ModelLoading:
     trust_remote_code: bool = False           # run code shipped with a hub model (off: such a model is refused)
     gradient_checkpointing: bool = False      # recompute activations in the backward pass: less memory, more compute
     mixed_precision: str | None = None        # "bf16": forward and loss under torch.autocast, weights stay float32 (TRL bf16)
+    use_peft: bool = False                    # train a LoRA adapter, not the weights; the reference is the base (adapter off)
+    lora_r: int = 16                          # LoRA rank r
+    lora_alpha: int = 32                      # LoRA scale α: the update is (α/r)·B·A
+    lora_dropout: float = 0.05                # dropout on the adapter's input (only where dropout is on: disable_dropout false)
+    lora_target_modules: tuple[str, ...] | None = None  # module names, or all-linear (None: peft's default for the architecture)
+    lora_modules_to_save: tuple[str, ...] | None = None  # modules trained in full beside the adapter (e.g. lm_head)
+    load_in_4bit: bool = False                # base weights quantised to 4 bits (bitsandbytes, CUDA; needs use_peft)
+    load_in_8bit: bool = False                # base weights quantised to 8 bits (bitsandbytes, CUDA; needs use_peft)
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -111,6 +121,44 @@ def loading_kwargs(config: Any) -> dict[str, Any]:
         if _get(config, name) is not None:
             kwargs[name] = _get(config, name)
     return kwargs
+
+
+def quantization_kwargs(config: Any) -> dict[str, Any]:
+    """The ``from_pretrained`` ``quantization_config`` of ``load_in_4bit`` / ``load_in_8bit``
+    (bitsandbytes; 4 bits as NF4 with the compute in ``dtype``, bfloat16 for float32 / auto), or
+    ``{}``. ``check_config`` has refused the cases bitsandbytes cannot serve."""
+    if not (_get(config, "load_in_4bit", False) or _get(config, "load_in_8bit", False)):
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    dtype = _get(config, "dtype", "float32")
+    compute = getattr(torch, dtype) if dtype in ("bfloat16", "float16") else torch.bfloat16
+    return {"quantization_config": BitsAndBytesConfig(
+        load_in_4bit=config.load_in_4bit, load_in_8bit=config.load_in_8bit, bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=compute)}
+
+
+def check_quantization(config: Any) -> None:
+    """Refuse ``load_in_4bit`` / ``load_in_8bit`` where they cannot work, before any model is built:
+    both at once, without ``use_peft`` (quantised weights do not train), on a model built from a
+    config (``TINY_MODELS``: nothing to quantise on load), off CUDA, or without bitsandbytes."""
+    four, eight = _get(config, "load_in_4bit", False), _get(config, "load_in_8bit", False)
+    if not (four or eight):
+        return
+    where = f"{type(config).__name__}: load_in_{4 if four else 8}bit"
+    if four and eight:
+        raise ValueError(f"{type(config).__name__}: load_in_4bit and load_in_8bit: choose one")
+    if not _get(config, "use_peft", False):
+        raise ValueError(f"{where}: quantised weights do not train; set use_peft to train a LoRA adapter on them")
+    if _get(config, "model", "tiny-llama") in TINY_MODELS:
+        raise ValueError(f"{where}: {config.model!r} is built from a config, not loaded; quantisation applies to a "
+                         "model folder or hub name")
+    if not str(_get(config, "device", "cpu")).startswith("cuda"):
+        raise ValueError(f"{where}: bitsandbytes quantisation runs on CUDA here; device is {config.device!r}")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{where}: needs the bitsandbytes package (pip install bitsandbytes)") from None
 
 
 def autocast_dtype(config: Any) -> torch.dtype | None:
@@ -158,7 +206,8 @@ def checkpoint_model_dir(path: str | Path, name: str = "policy") -> Path:
 
 
 def build_reference(config: Any, policy: nn.Module) -> nn.Module:
-    """The frozen reference of a run: a copy of ``policy`` (``make_reference``), or the model
+    """The frozen reference of a run: a copy of ``policy`` (``make_reference``; for a LoRA policy
+    the policy itself with its adapters disabled, ``loops.lora.adapter_off``: no copy), or the model
     ``config.ref_model`` names (TRL's ``ref_model``: a local model folder, a checkpoint or a run
     directory, its policy verified), frozen, dropout off, on the policy's device.
 
@@ -168,7 +217,7 @@ def build_reference(config: Any, policy: nn.Module) -> nn.Module:
     """
     path = _get(config, "ref_model")
     if not path:
-        return make_reference(policy)
+        return adapter_off(policy) if is_peft(policy) else make_reference(policy)
     source = Path(path)
     if (source / "manifest.json").is_file() or latest_checkpoint(source) is not None:
         source = checkpoint_model_dir(source)
@@ -192,7 +241,7 @@ def policy_tokenizer(config: Any) -> Any:
                           **({"revision": revision} if revision else {}))
 
 
-def build_policy(config: Any, *, task: str | None = None) -> tuple[nn.Module, Any]:
+def build_policy(config: Any, *, task: str | None = None, depth: int = 0) -> tuple[nn.Module, Any]:
     """The model and tokenizer a config names, offline for the tiny ones.
 
     ``config.model`` in ``TINY_MODELS``: ``build_model(arch, tokenizer=build_tokenizer(),
@@ -200,7 +249,11 @@ def build_policy(config: Any, *, task: str | None = None) -> tuple[nn.Module, An
     Otherwise ``load_model(config.model, task=task)`` and its tokenizer. With ``config.init_from``
     (a checkpoint directory, or a run directory: its latest checkpoint) the weights of the
     checkpoint's ``policy`` are loaded instead (same tokenizer, architecture from the stored
-    config). Dropout is set to 0 (``disable_dropout``) unless ``config.disable_dropout`` is False
+    config; a checkpoint holding a LoRA adapter: the adapter merged into the base its run
+    started from). With ``config.use_peft`` the model then gets a fresh LoRA adapter
+    (``loops.lora.apply_lora``; a policy or reward model, not a value model), so a run started
+    from a checkpoint has that checkpoint's policy as its reference. Dropout is set to 0
+    (``disable_dropout``, the adapter's included) unless ``config.disable_dropout`` is False
     (the SFT and reward recipes' default, as TRL's trainers: ``update`` then trains with the
     model's dropout). The model is moved to ``config.device``.
 
@@ -220,29 +273,79 @@ def build_policy(config: Any, *, task: str | None = None) -> tuple[nn.Module, An
     init_from = _get(config, "init_from")
     tokenizer = policy_tokenizer(config)
     loading = loading_kwargs(config)
-    if name in TINY_MODELS:
-        if init_from:
-            model = load_model(str(checkpoint_model_dir(init_from)), task=task,
-                               **{k: v for k, v in loading.items() if k != "revision"})
-        else:
-            model = build_model(TINY_MODELS[name], tokenizer=tokenizer, hidden_size=_get(config, "hidden_size", 64),
-                                num_layers=_get(config, "num_layers", 2), num_heads=_get(config, "num_heads", 4),
-                                max_position_embeddings=_get(config, "max_position_embeddings", 256),
-                                seed=_get(config, "seed", 0), task=task, tie_word_embeddings=task == "causal_lm")
-            model = _as_loaded(model, config)
+    extra = {} if task == "causal_lm" else {"num_labels": 1}
+    if init_from:
+        model = _checkpoint_policy(config, checkpoint_model_dir(init_from), task, depth)
+    elif name in TINY_MODELS:
+        model = build_model(TINY_MODELS[name], tokenizer=tokenizer, hidden_size=_get(config, "hidden_size", 64),
+                            num_layers=_get(config, "num_layers", 2), num_heads=_get(config, "num_heads", 4),
+                            max_position_embeddings=_get(config, "max_position_embeddings", 256),
+                            seed=_get(config, "seed", 0), task=task, tie_word_embeddings=task == "causal_lm")
+        model = _as_loaded(model, config)
     else:
-        extra = {} if task == "causal_lm" else {"num_labels": 1}
-        if init_from:  # a checkpoint folder: the revision is the hub model's, not the checkpoint's
-            loading.pop("revision", None)
-        model = load_model(str(checkpoint_model_dir(init_from)) if init_from else name, task=task, **extra, **loading)
-        if task != "causal_lm" and model.config.pad_token_id is None:
-            model.config.pad_token_id = tokenizer.pad_token_id
+        model = load_model(name, task=task, **extra, **loading, **quantization_kwargs(config))
+    if task != "causal_lm" and model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
     if _get(config, "gradient_checkpointing", False) and not enable_gradient_checkpointing(model):
         raise ValueError(f"gradient_checkpointing: {type(model).__name__} offers no gradient checkpointing "
                          "(gradient_checkpointing_enable)")
+    if _get(config, "use_peft", False) and task in _LORA_TASKS:
+        model = apply_lora(model, config, task=task)
     if _get(config, "disable_dropout", True):
-        disable_dropout(model)
+        disable_dropout(model)  # after the adapter: its dropout too
     return model.to(_get(config, "device", "cpu")), tokenizer
+
+
+# The models ``use_peft`` puts an adapter on: the policy and a reward model. A separate PPO value
+# model trains in full, as TRL's.
+_LORA_TASKS = ("causal_lm", "reward")
+
+# The fields that say which base model a checkpoint's weights (or adapter) belong to.
+_BASE_FIELDS = ("model", "revision", "hidden_size", "num_layers", "num_heads", "max_position_embeddings", "seed",
+                "init_from")
+
+
+class _BaseOf:
+    """``config`` with the base-model fields of a checkpoint's stored config (the model an adapter
+    was trained on), no adapter and no gradient checkpointing of its own. Everything that runs
+    code or moves data (``trust_remote_code``, ``device``, dtype) stays the caller's."""
+
+    def __init__(self, config: Any, stored: Mapping[str, Any]):
+        self._config = config
+        self._fields = {**{k: stored.get(k) for k in _BASE_FIELDS}, "use_peft": False,
+                        "gradient_checkpointing": False, "disable_dropout": True}
+        if self._fields["model"] is None:
+            self._fields["model"] = _get(config, "model", "tiny-llama")
+
+    def __getattr__(self, name: str) -> Any:
+        fields = self.__dict__["_fields"]
+        return fields[name] if name in fields else getattr(self.__dict__["_config"], name)
+
+
+def _checkpoint_policy(config: Any, model_dir: Path, task: str, depth: int) -> nn.Module:
+    """The weights of a checkpoint's model folder: full weights as saved (``from_pretrained``), or
+    an adapter merged into the base its run was trained on (that run's own ``init_from`` followed,
+    at most ``_MAX_ADAPTER_CHAIN`` deep)."""
+    loading = {k: v for k, v in loading_kwargs(config).items() if k != "revision"}  # the hub model's, not ours
+    if not is_adapter_dir(model_dir):
+        return load_model(str(model_dir), task=task, **({} if task == "causal_lm" else {"num_labels": 1}),
+                          **loading)
+    if depth >= _MAX_ADAPTER_CHAIN:
+        raise ValueError(f"init_from: {model_dir} is an adapter whose base is an adapter, {depth} deep; "
+                         "export the chain merged (rlcore export) and start from that")
+    stored_path = model_dir.parent.parent / "config.json"
+    try:
+        stored = json.loads(stored_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"init_from: {model_dir} holds an adapter but {stored_path} (its run's config, naming "
+                         f"the base model) is unreadable: {e}") from e
+    if not isinstance(stored, dict):
+        raise ValueError(f"init_from: {stored_path}: expected a mapping, got {type(stored).__name__}")
+    base, _ = build_policy(_BaseOf(config, stored), task=task, depth=depth + 1)
+    return with_adapter(base, model_dir)
+
+
+_MAX_ADAPTER_CHAIN = 8
 
 
 def init_train_state(models: Mapping[str, nn.Module], config: Any, *, trainable: Sequence[str] = ("policy",),
@@ -477,7 +580,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "minibatch_size", "micro_batch_size", "max_length", "max_prompt_length", "top_k", "keep_last",
                      "rank", "sample_batch_size", "sample_num_batches_per_epoch", "sample_num_steps",
                      "train_batch_size", "train_num_inner_epochs", "num_train_timesteps", "max_workers",
-                     "sample_size", "ref_model_sync_steps"], _AT_LEAST_1),
+                     "sample_size", "ref_model_sync_steps", "lora_r"], _AT_LEAST_1),
     **dict.fromkeys(["steps", "num_eval", "save_every", "eval_every", "log_every", "log_completions", "warmup_steps",
                      "pretrain_steps", "lr", "weight_decay", "kl_coef", "vf_coef", "clip_eps_low", "clip_eps_high", "cliprange_value",
                      "ratio_threshold", "train_learning_rate", "pretrain_learning_rate", "train_clip_range",
@@ -486,11 +589,13 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "center_rewards_coefficient", "per_prompt_stat_tracking_buffer_size",
                      "per_prompt_stat_tracking_min_count"], _AT_LEAST_0),
     **dict.fromkeys(["temperature", "beta", "max_grad_norm", "train_max_grad_norm", "horizon", "target",
-                     "train_adam_epsilon", "discopop_tau", "desirable_weight", "undesirable_weight"], _POSITIVE),
+                     "train_adam_epsilon", "discopop_tau", "desirable_weight", "undesirable_weight", "lora_alpha"],
+                    _POSITIVE),
     **dict.fromkeys(["lam", "label_smoothing", "train_adam_beta1", "train_adam_beta2", "ref_model_mixup_alpha"],
                     _UNIT),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "train_timestep_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
 }
 
@@ -523,6 +628,7 @@ def check_config(config: Any) -> Any:
     if getattr(config, "dtype", "float32") not in DTYPES:
         raise ValueError(f"{type(config).__name__}: dtype: expected one of {list(DTYPES)}, got {config.dtype!r}")
     check_trackers(getattr(config, "report_to", ()))
+    check_quantization(config)
     return config
 
 

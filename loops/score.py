@@ -26,6 +26,7 @@ from rlcore import keys as K
 from rlcore.checks import check_mask, check_ndim, require_keys
 from rlcore.kl import kl_full
 from rlcore.logprobs import hidden_logprobs, sequence_logprobs, token_logprobs
+from rlcore.loops.lora import linear_weights
 from rlcore.loops.models import (call_reward_fn, check_reward_range, position_ids_from_mask, reward_model_scores,
                                  trunk_hidden)
 
@@ -48,12 +49,13 @@ def _call(model: nn.Module, **kwargs):
 def _head_params(model: nn.Module) -> dict:
     """The LM head of ``model`` as ``hidden_logprobs`` keywords (weight, bias, softcap, scale)."""
     head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"model: the chunked path needs a linear LM head, got {type(head).__name__}; "
-                        "use chunked=False")
+    try:
+        weight, bias = linear_weights(head)  # a peft-wrapped head: the map it applies now
+    except TypeError as e:
+        raise TypeError(f"model: the chunked path needs a linear LM head ({e}); use chunked=False") from None
     config = getattr(model, "config", None)
     scale = (getattr(config, "logit_scale", None) or 1.0) / (getattr(config, "logits_scaling", None) or 1.0)
-    return dict(weight=head.weight, bias=head.bias, logit_scale=float(scale),
+    return dict(weight=weight, bias=bias, logit_scale=float(scale),
                 softcap=getattr(config, "final_logit_softcapping", None))
 
 

@@ -19,3 +19,21 @@ def test_readme_gives_the_two_commands():
     assert "make demo" in text and "make test" in text
     ci = (README.parent / ".ci" / "run").read_text()
     assert "make test" in ci
+
+
+def test_readme_commands_parse_into_configs(monkeypatch):
+    """Every ``rlcore train`` / ``export`` line of the README names options its recipe has, with
+    values its Config accepts (nothing is run: the model paths are placeholders)."""
+    import shlex
+
+    from rlcore.loops.cli import _config, build_parser, recipe_module
+
+    text = README.read_text().replace("\\\n", " ")
+    commands = [shlex.split(line.split("#")[0])[1:] for line in text.splitlines()
+                if re.match(r"\.venv/bin/rlcore (train|export) ", line) and "--help" not in line]
+    monkeypatch.chdir(README.parent)  # the configs/ paths the README names
+    assert any("--use_peft" in c for c in commands) and any(c[0] == "export" for c in commands)
+    for argv in commands:
+        args = build_parser(argv).parse_args(argv)
+        if argv[0] == "train":
+            _config(recipe_module(args.recipe), args)

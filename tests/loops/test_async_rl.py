@@ -242,7 +242,10 @@ def flat_models(state):
 
 
 NO_LAG_CASES = [(grpo, {}), (rloo, {}), (grpo, {"minibatch_size": 4, "epochs": 2}),  # shuffled minibatches
-                (ppo, {}), (ppo, {"value_model": "separate", "minibatch_size": 4}), (online_dpo, {})]
+                (ppo, {}), (ppo, {"value_model": "separate", "minibatch_size": 4}), (online_dpo, {}),
+                # LoRA policies: the generator's copy carries the adapter, the reference is the adapter off
+                (grpo, {"use_peft": True, "lora_r": 4, "lora_modules_to_save": ("lm_head",)}),
+                (ppo, {"use_peft": True, "lora_r": 4})]
 
 
 @pytest.mark.parametrize("recipe, extra", NO_LAG_CASES, ids=lambda x: x.__name__.rsplit(".", 1)[-1]

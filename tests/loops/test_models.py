@@ -10,7 +10,7 @@ from rlcore.loops.models import (ARCHS, TOKENIZER_KINDS, ValueHead, build_model,
                                  build_value_model, call_reward_fn, combine_rewards, disable_dropout,
                                  last_token_index, load_model, load_tokenizer, make_reference, missing_eos_penalty,
                                  pad_token_id, policy_and_values, position_ids_from_mask,
-                                 reference_via_disabled_adapter, reward_model_scores, token_values, trunk_hidden)
+                                 reward_model_scores, token_values, trunk_hidden)
 from rlcore.testing import assert_pure, left_padded_mask, right_padded_mask
 
 TEXTS = ["the cat sat on the mat", "2 + 2 = 4", "Hello, World!"]
@@ -306,28 +306,6 @@ def test_make_reference_is_a_frozen_copy(tokenizer):
     with torch.no_grad():
         model.get_input_embeddings().weight.add_(1.0)
     assert not torch.allclose(ref(ids).logits, model(ids).logits)
-
-
-def test_reference_via_disabled_adapter_needs_peft_model(lm):
-    with pytest.raises(TypeError, match="disable_adapter"):
-        with reference_via_disabled_adapter(lm):
-            pass
-
-
-@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' deprecations hit by peft
-def test_reference_via_disabled_adapter_with_peft(tokenizer):
-    peft = pytest.importorskip("peft")
-    base = build_model(tokenizer=tokenizer, hidden_size=16, num_layers=1, num_heads=2)
-    ids = torch.tensor([[5, 6, 7]])
-    with torch.no_grad():
-        expected = base(ids).logits.clone()
-    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():
-        assert not torch.allclose(model(ids).logits, expected)
-        with reference_via_disabled_adapter(model) as ref:
-            torch.testing.assert_close(ref(ids).logits, expected)
-        assert not torch.allclose(model(ids).logits, expected)
 
 
 def test_no_warnings_building_models(tokenizer):

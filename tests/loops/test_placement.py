@@ -218,8 +218,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_lag_0_reproduces_the_synchronous_recipe(ray_local, one_thread):
-    config = grpo.Config(**TINY, steps=2, eval_every=2)
+@pytest.mark.parametrize("lora", [{}, {"use_peft": True, "lora_r": 4}], ids=["full", "lora"])
+def test_lag_0_reproduces_the_synchronous_recipe(ray_local, one_thread, lora):
+    config = grpo.Config(**TINY, **lora, steps=2, eval_every=2)
     state, history = train_placed(config, algorithm="grpo", max_lag=0, reward_fn=LENGTH_REWARD, threads=1)
     sync_state, sync_history = grpo.train(config, reward_fn=LENGTH_REWARD)
     placed, sync = policy_params(state), policy_params(sync_state)

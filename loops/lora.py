@@ -1,0 +1,255 @@
+"""LoRA policies: a trainable low-rank adapter on a frozen base model, the base as the reference.
+
+A recipe whose config sets ``use_peft`` (``loops.recipe.ModelLoading``) trains a LoRA adapter
+(``peft``) instead of every weight:
+
+- :func:`apply_lora`: ``peft.get_peft_model`` from the config's ``lora_*`` fields (TRL's
+  ``ModelConfig`` names), ``"all-linear"`` included; a clear error when the target modules are
+  not in the model;
+- :class:`AdapterOff`: the reference of a LoRA policy, the same module with its adapters
+  disabled: ``π_ref`` costs no second copy of the weights (TRL's ``ref_model=None`` with PEFT);
+- :func:`load_adapter_weights`: a checkpoint's ``adapter_model.safetensors`` back into the
+  adapter, every key checked (resume is exact);
+- :func:`is_adapter_dir` / :func:`with_adapter`: a checkpoint's adapter folder merged into the
+  base it was trained on (``init_from``, ``rlcore eval``, ``rlcore export``);
+- :func:`export_merged`: a checkpoint as a plain ``from_pretrained`` folder (``W + (α/r)·B·A``).
+
+Checkpoints of a LoRA policy hold the adapter only (``save_pretrained`` of the peft model:
+``adapter_config.json`` + ``adapter_model.safetensors``, loadable with
+``PeftModel.from_pretrained(base, path)``); the base is rebuilt from the run's config.
+
+Reference: Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models",
+https://arxiv.org/abs/2106.09685
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["LORA_TASK_TYPES", "is_peft", "apply_lora", "in_use", "linear_weights", "AdapterOff", "adapter_off", "adapter_keys",
+           "load_adapter_weights", "is_adapter_dir", "with_adapter", "export_merged"]
+
+# The peft task type of each ``loops.models.TASKS`` entry: it decides which head peft trains in full
+# (``modules_to_save``: the classifier of a reward or value model).
+LORA_TASK_TYPES = {"causal_lm": "CAUSAL_LM", "reward": "SEQ_CLS", "value": "TOKEN_CLS"}
+
+
+def _peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("use_peft: LoRA needs the peft package; install rlcore[peft]") from None
+    return peft
+
+
+def is_peft(model: nn.Module) -> bool:
+    """Whether ``model`` is a peft model (it has adapters that ``disable_adapter()`` can switch off)."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def _targets(modules: Sequence[str] | None) -> str | list[str] | None:
+    if modules is None:
+        return None
+    modules = list(modules)
+    return "all-linear" if modules == ["all-linear"] else modules
+
+
+def apply_lora(model: nn.Module, config: Any, *, task: str = "causal_lm") -> nn.Module:
+    """``model`` wrapped with a fresh LoRA adapter from ``config``'s fields (a peft model).
+
+    ``h = W·x + (α/r)·B·A·dropout(x)`` on each target module, ``A`` random (drawn from
+    ``config.seed``), ``B = 0``: at initialisation the peft model computes exactly what ``model``
+    computes. Only the adapter (and
+    ``lora_modules_to_save``, plus the classifier of a reward or value model) requires grad.
+
+    Fields read: ``lora_r`` (``r``), ``lora_alpha`` (``α``), ``lora_dropout``,
+    ``lora_target_modules`` (module names, or ``["all-linear"]``: every linear layer but the
+    output layer; ``None``: peft's default for the architecture), ``lora_modules_to_save``.
+
+    Raises:
+        ValueError: the target modules are not in the model (naming them and the model's linear
+            layers), or ``model`` already has an adapter.
+    """
+    peft = _peft()
+    if is_peft(model):
+        raise ValueError("use_peft: the model already carries a peft adapter")
+    lora = peft.LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                           target_modules=_targets(config.lora_target_modules),
+                           modules_to_save=list(config.lora_modules_to_save or []) or None,
+                           task_type=LORA_TASK_TYPES[task],
+                           # GPT-2's projections are Conv1D, whose weight is stored transposed
+                           fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in model.modules()))
+    try:
+        return _wrap(model, lora, seed=getattr(config, "seed", 0))
+    except ValueError as e:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"})
+        raise ValueError(f"lora_target_modules: {config.lora_target_modules!r} does not fit "
+                         f"{type(model).__name__} ({e}); its linear layers are named {linear}, or use "
+                         "['all-linear']") from e
+
+
+def _wrap(model: nn.Module, lora: Any, *, seed: int) -> nn.Module:
+    """``peft.get_peft_model`` with ``A`` drawn from ``seed`` (the global RNG untouched)."""
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        torch.manual_seed(seed)
+        # peft asks transformers 5 for a property it renamed; nothing for the user to do
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return _peft().get_peft_model(model, lora)
+
+
+def _base_head(head: nn.Module) -> nn.Module:
+    """The base module under a peft wrapper of it (a LoRA layer or a ``modules_to_save`` copy)."""
+    return getattr(head, "original_module", None) or getattr(head, "base_layer", None) or head
+
+
+def in_use(module: nn.Module) -> nn.Module:
+    """The module a peft ``modules_to_save`` wrapper runs now: the active adapter's trained copy,
+    or the original while the adapters are disabled (or none is active); any other module itself."""
+    if not (hasattr(module, "original_module") and hasattr(module, "modules_to_save")):
+        return module
+    adapter = next((a for a in module.active_adapters if a in module.modules_to_save), None)
+    return module.original_module if module.disable_adapters or adapter is None else module.modules_to_save[adapter]
+
+
+def linear_weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight, bias)`` of the linear map ``layer`` applies, ``[out, in]``: a LoRA layer's
+    ``W + Σ (α/r)·B·A`` over its active adapters (``W`` when disabled or merged), with gradient
+    to ``A`` and ``B``; a plain ``nn.Linear``'s own. Raises ``TypeError`` for anything else, and
+    for a LoRA layer whose adapter dropout is on in training (the map is then not one matrix)."""
+    layer = in_use(layer)
+    if hasattr(layer, "base_layer") and hasattr(layer, "get_delta_weight"):
+        base, weight = layer.base_layer, layer.base_layer.weight
+        if layer.merged or layer.disable_adapters:
+            return weight, base.bias
+        for adapter in (a for a in layer.active_adapters if a in layer.lora_A):
+            if layer.training and layer.lora_dropout[adapter].p > 0:
+                raise TypeError(f"{type(layer).__name__}: adapter {adapter!r} drops its input (lora_dropout "
+                                f"{layer.lora_dropout[adapter].p}); the head is not one linear map")
+            weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+        return weight, base.bias
+    if not isinstance(layer, nn.Linear):
+        raise TypeError(f"expected a linear layer, got {type(layer).__name__}")
+    return layer.weight, layer.bias
+
+
+class AdapterOff(nn.Module):
+    """``module`` (a peft model or a part of it) called with the peft model's adapters disabled.
+
+    The reference of a LoRA policy: ``AdapterOff(policy)`` computes the base model's outputs
+    (each LoRA layer returns ``W·x``; ``modules_to_save`` use their originals) from the very
+    tensors the policy holds. It registers no parameter of its own, so it is never trained,
+    saved twice or moved apart from the policy. The pieces the scorers use answer with the
+    adapters off too: ``get_decoder()`` (the hidden-state path), ``get_output_embeddings()``
+    (the base head), ``generate``. Call it under ``torch.no_grad()``, as any reference.
+    """
+
+    def __init__(self, peft_model: nn.Module, module: nn.Module | None = None):
+        super().__init__()
+        if not is_peft(peft_model):
+            raise TypeError(f"peft_model: expected a peft model with disable_adapter(), got "
+                            f"{type(peft_model).__name__}; for a plain model use make_reference(model)")
+        # Plain attributes, not submodules: no parameter is registered twice.
+        self.__dict__["peft_model"] = peft_model
+        self.__dict__["wrapped"] = peft_model if module is None else module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.peft_model.disable_adapter():
+            return self.wrapped(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        with self.peft_model.disable_adapter():
+            return self.peft_model.generate(*args, **kwargs)
+
+    @property
+    def config(self) -> Any:
+        return self.peft_model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.peft_model.parameters()).device
+
+    def get_decoder(self) -> nn.Module:
+        from rlcore.loops.models import _decoder
+
+        return AdapterOff(self.peft_model, _decoder(self.peft_model))
+
+    def get_output_embeddings(self) -> nn.Module:
+        return _base_head(self.peft_model.get_output_embeddings())
+
+    def extra_repr(self) -> str:
+        return f"adapters of {type(self.peft_model).__name__} disabled"
+
+
+def adapter_off(model: nn.Module) -> AdapterOff:
+    """The reference of a LoRA policy: ``AdapterOff(model)``, in eval mode."""
+    return AdapterOff(model).eval()
+
+
+def adapter_keys(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the names peft saves them (``get_peft_model_state_dict``)."""
+    return _peft().get_peft_model_state_dict(model)
+
+
+def load_adapter_weights(model: nn.Module, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Copy a saved adapter (``adapter_model.safetensors``'s tensors) into peft ``model``, in place.
+
+    Raises ``ValueError`` naming ``where`` when a key is missing, unexpected, or of another shape,
+    before any tensor is copied.
+    """
+    own = adapter_keys(model)
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    shapes = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape)
+    if missing or unexpected or shapes:
+        raise ValueError(f"{where}: the adapter does not fit the model: missing {missing[:8]}, unexpected "
+                         f"{unexpected[:8]}, other shapes {shapes[:8]}")
+    _peft().set_peft_model_state_dict(model, weights)
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """Whether ``path`` holds a saved peft adapter (``adapter_config.json``) rather than full weights."""
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def with_adapter(base: nn.Module, directory: str | Path) -> nn.Module:
+    """``base`` with the LoRA adapter saved in ``directory`` merged into its weights
+    (``W + (α/r)·B·A``): a plain model, no peft wrapper left.
+
+    The adapter's configuration is read as JSON; its ``base_model_name_or_path`` is ignored (the
+    caller supplies the base the run was trained on). Raises ``ValueError`` for an adapter that
+    does not fit ``base`` or whose configuration is not a LoRA one.
+    """
+    peft, directory = _peft(), Path(directory)
+    try:
+        stored = json.loads((directory / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{directory}/adapter_config.json: unreadable ({e})") from e
+    if not isinstance(stored, dict) or stored.get("peft_type") != "LORA":
+        raise ValueError(f"{directory}/adapter_config.json: expected a LoRA adapter (peft_type 'LORA'), got "
+                         f"{stored.get('peft_type') if isinstance(stored, dict) else type(stored).__name__!r}")
+    model = _wrap(base, peft.LoraConfig.from_pretrained(str(directory)), seed=0)  # A and B overwritten next
+    from safetensors.torch import load_file
+
+    load_adapter_weights(model, load_file(str(directory / "adapter_model.safetensors")), str(directory))
+    return model.merge_and_unload()
+
+
+def export_merged(model: nn.Module, tokenizer: Any, out: str | Path) -> Path:
+    """Save ``model`` as a plain ``from_pretrained`` folder at ``out`` (with its tokenizer): a peft
+    model's adapters merged into a copy of its weights first (the model itself is unchanged)."""
+    import copy
+
+    out = Path(out)
+    if is_peft(model):
+        model = copy.deepcopy(model).merge_and_unload()
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
