@@ -10,6 +10,7 @@ from importlib import import_module as _import_module
 from rlcore.loops.async_learners import *  # noqa: F401,F403
 from rlcore.loops.async_rl import *  # noqa: F401,F403
 from rlcore.loops.checkpoint import *  # noqa: F401,F403
+from rlcore.loops.chunks import *  # noqa: F401,F403
 from rlcore.loops.collect import *  # noqa: F401,F403
 from rlcore.loops.data import *  # noqa: F401,F403
 from rlcore.loops.diffusion import *  # noqa: F401,F403
@@ -30,7 +31,7 @@ from rlcore.loops.update import *  # noqa: F401,F403
 from rlcore.loops.vllm_engine import *  # noqa: F401,F403
 from rlcore.loops.workers import *  # noqa: F401,F403
 
-_MODULES = ('async_learners', 'async_rl', 'checkpoint', 'collect', 'data', 'diffusion', 'distributed', 'fold', 'logging', 'lora', 'models', 'online',
+_MODULES = ('async_learners', 'async_rl', 'checkpoint', 'chunks', 'collect', 'data', 'diffusion', 'distributed', 'fold', 'logging', 'lora', 'models', 'online',
             'placement', 'recipe', 'reft_data', 'reft_model', 'score', 'state', 'tasks', 'update', 'vllm_engine',
             'workers')
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

@@ -50,7 +50,8 @@ from torch import nn
 
 from rlcore.loops.async_learners import Learner, check_learner, learn
 from rlcore.loops.checkpoint import resume
-from rlcore.loops.collect import draw_seed, generate_rollout
+from rlcore.loops.chunks import generate_in_chunks
+from rlcore.loops.collect import draw_seed
 from rlcore.loops.distributed import process_context
 from rlcore.loops.dpo import reference_models
 from rlcore.loops.online import (check_prompt_data, check_prompt_lengths, evaluate_policy, generate_kwargs,
@@ -133,8 +134,8 @@ def _generator_main(weights, cond, steps_done, version, requests, results, stop,
                     _copy_weights(policy, weights)
                     local_steps, local_version = steps_done.value, version.value
             start = time.time()
-            rollout = generate_rollout(policy, tokenizer, list(rows["prompt"]), seed=seed,
-                                       policy_version=local_version, **generate_kwargs)
+            rollout = generate_in_chunks(policy, tokenizer, list(rows["prompt"]), seed=seed,
+                                         policy_version=local_version, **generate_kwargs)
             results.put((index, rollout.to("cpu"), (start, time.time())))
     except BaseException:  # noqa: BLE001 -- reported to the learner, which raises it
         results.put(("error", traceback.format_exc(), None))  # flushed before the process exits

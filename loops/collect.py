@@ -54,7 +54,7 @@ from rlcore.loops.data import collate_prompts, tokenize_example
 from rlcore.loops.models import cache_keyword, model_device, pad_token_id, position_ids_from_mask
 from rlcore.loops.score import score_rollout
 
-__all__ = ["generate_rollout", "draw_seed", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align",
+__all__ = ["generate_rollout", "draw_seed", "response_budget", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align",
            "check_length_range", "uniform_length_sampler", "SAMPLERS", "VLLM", "multinomial_sample", "gumbel_max_sample", "truncate_logits", "sample_responses"]
 
 
@@ -338,6 +338,18 @@ def _check_context(model: nn.Module, prompt_mask: torch.Tensor, max_new_tokens: 
                          "or lower max_new_tokens")
 
 
+def response_budget(max_new_tokens: int, length_sampler: Callable[[], int] | tuple[int, int] | None,
+                    seed: int | None) -> int:
+    """A call's response budget: ``max_new_tokens``, or drawn by ``length_sampler``: a callable
+    ``() -> int``, or ``(low, high)``: uniform on ``[low, high)`` from a generator seeded with the
+    call's sampling ``seed`` (the same seed, the same budget; unseeded without one)."""
+    if isinstance(length_sampler, (tuple, list)):
+        low, high = check_length_range(length_sampler)
+        draw = torch.Generator().manual_seed(seed) if seed is not None else None
+        return int(torch.randint(low, high, (), generator=draw))
+    return max_new_tokens if length_sampler is None else int(length_sampler())
+
+
 def draw_seed(generator: torch.Generator) -> int:
     """One sampling seed from ``generator`` (advancing it): ``randint(0, 2**62)`` on its device, the
     draw ``generate_rollout(generator=...)`` makes. Item ``i``'s seed in every online loop."""
@@ -432,12 +444,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
     if generator is not None:
         seed = draw_seed(generator)
     if isinstance(length_sampler, (tuple, list)):
-        low, high = check_length_range(length_sampler)
-        _check_context(model, batch[K.PROMPT_MASK], high - 1)  # every draw fits, not only this one
-        draw = torch.Generator().manual_seed(seed) if seed is not None else None
-        max_new_tokens = int(torch.randint(low, high, (), generator=draw))
-    elif length_sampler is not None:
-        max_new_tokens = int(length_sampler())
+        _check_context(model, batch[K.PROMPT_MASK], check_length_range(length_sampler)[1] - 1)  # every draw fits
+    max_new_tokens = response_budget(max_new_tokens, length_sampler, seed)
     _check_context(model, batch[K.PROMPT_MASK], max_new_tokens)
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, enabled=seed is not None), torch.no_grad():

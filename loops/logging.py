@@ -9,7 +9,9 @@ Every logger is a callback ``cb(state, metrics)`` (``metrics`` already plain flo
 - :class:`TensorBoardLogger` and :class:`WandbLogger` write where those packages are installed;
   asking for one that is not installed raises ``ImportError`` saying what to install;
 - :class:`SampleTable` writes a table of sample generations every ``n`` steps to
-  ``run_dir/samples.jsonl`` and ``run_dir/samples.md``.
+  ``run_dir/samples.jsonl`` and ``run_dir/samples.md``;
+- :class:`PeakMemory` hands the loggers each step's peak memory (process RSS; CUDA's
+  ``max_memory_allocated`` when the run is on a GPU) beside its metrics.
 
 :func:`make_loggers` builds the usual set in one call.
 """
@@ -38,7 +40,79 @@ __all__ = [
     "TRACKERS",
     "check_trackers",
     "read_jsonl",
+    "PeakMemory",
+    "peak_memory",
 ]
+
+_GIB = 2.0 ** 30
+
+
+def _peak_rss_bytes() -> tuple[float, bool]:
+    """``(peak resident set size of this process in bytes, whether it can be reset)``: Linux's
+    ``VmHWM``, else ``getrusage``'s ``ru_maxrss`` (the peak since the process started)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return kib * 1024.0, os.access("/proc/self/clear_refs", os.W_OK)
+    except (OSError, StopIteration, ValueError, IndexError):
+        import resource
+
+        scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * float(scale), False
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # Linux >= 4.0: VmHWM back to the current RSS
+    except OSError:
+        pass
+
+
+def peak_memory(device: Any = "cpu", *, reset: bool = True) -> dict[str, float]:
+    """The peak memory since the last reset, in GiB: ``memory/peak_rss_gib`` (this process's
+    resident set: weights, activations, optimiser state and everything else on the CPU) and, for
+    a CUDA ``device``, ``memory/peak_cuda_gib`` (``torch.cuda.max_memory_allocated``). With
+    ``reset``, both peaks then restart from the current use. Where the RSS peak cannot be reset
+    (not Linux), it is the peak since the process started."""
+    rss, resettable = _peak_rss_bytes()
+    out = {"memory/peak_rss_gib": rss / _GIB}
+    if str(device).startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["memory/peak_cuda_gib"] = torch.cuda.max_memory_allocated(device) / _GIB
+            if reset:
+                torch.cuda.reset_peak_memory_stats(device)
+    if reset and resettable:
+        _reset_peak_rss()
+    return out
+
+
+class PeakMemory:
+    """Loggers wrapped so each sees the step's metrics plus its peak memory (:func:`peak_memory`,
+    reset when the run starts and after every step): the peak of the step, its evaluation and its
+    checkpoint of the step before. The history ``fold`` returns is left as it is (memory differs
+    from run to run; the metrics there are the run's maths)."""
+
+    def __init__(self, loggers: Sequence[Callable], device: Any = "cpu"):
+        self.loggers, self.device = list(loggers), device
+
+    def on_start(self, state: Any) -> None:
+        peak_memory(self.device)
+        for logger in self.loggers:
+            if hasattr(logger, "on_start"):
+                logger.on_start(state)
+
+    def on_end(self, state: Any) -> None:
+        for logger in self.loggers:
+            if hasattr(logger, "on_end"):
+                logger.on_end(state)
+
+    def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
+        metrics = {**metrics, **peak_memory(self.device)}
+        for logger in self.loggers:
+            logger(state, metrics)
 
 
 def _json_number(v: float) -> float | None:
@@ -294,23 +368,24 @@ def check_trackers(report_to: Sequence[str]) -> None:
 
 def make_loggers(run_dir: str | Path, *, total: int | None = None, stage: str = "train", progress: bool = True,
                  progress_every: int = 10, report_to: Sequence[str] = (), config: Mapping[str, Any] | None = None,
-                 wandb_kwargs: Mapping[str, Any] | None = None, stream: IO[str] | None = None) -> list:
+                 wandb_kwargs: Mapping[str, Any] | None = None, stream: IO[str] | None = None,
+                 device: Any = "cpu") -> list:
     """The usual logging callbacks: JSONL in ``run_dir``, a progress line, and the trackers named in
     ``report_to``: ``"tensorboard"`` writes ``run_dir/tensorboard``; ``"wandb"`` starts a run named
     after ``run_dir`` with ``config`` as its config (the project, mode and entity come from
     ``wandb_kwargs``, else wandb's environment: ``WANDB_PROJECT``, ``WANDB_MODE``, ...). With a
     tracker, the completions evaluations write to ``run_dir/completions.jsonl`` go to it as tables
-    (``CompletionsToTrackers``)."""
+    (``CompletionsToTrackers``). The JSONL lines and the trackers carry each step's peak memory
+    (``PeakMemory`` on ``device``)."""
     check_trackers(report_to)
     callbacks: list = [JsonlLogger(run_dir)]
-    if progress:
-        callbacks.append(ProgressDisplay(total, stage=stage, every=progress_every, stream=stream))
     trackers: list = []
     if "tensorboard" in report_to:
         trackers.append(TensorBoardLogger(Path(run_dir) / "tensorboard"))
     if "wandb" in report_to:
         trackers.append(WandbLogger(config=dict(config or {}), **{"name": Path(run_dir).name, "dir": str(run_dir),
                                                                    **(wandb_kwargs or {})}))
-    if trackers:  # the completions an evaluation logs (log_completions) go to the trackers too
-        trackers.append(CompletionsToTrackers(Path(run_dir) / "completions.jsonl", list(trackers)))
-    return callbacks + trackers
+    measured = PeakMemory(callbacks + trackers, device)
+    display = [ProgressDisplay(total, stage=stage, every=progress_every, stream=stream)] if progress else []
+    completions = [CompletionsToTrackers(Path(run_dir) / "completions.jsonl", list(trackers))] if trackers else []
+    return [measured, *display, *completions]  # an evaluation's completions go to the trackers too

@@ -48,6 +48,7 @@ from torch import nn
 
 from rlcore import keys as K
 from rlcore.kl import kl_estimate
+from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.data import check_text, text_window, tokenize_example
 from rlcore.loops.fold import to_floats
@@ -113,6 +114,8 @@ class OnlineConfig(ModelLoading):
     epochs: int = 1                  # passes over each rollout (TRL ppo_epochs / num_iterations)
     minibatch_size: int | None = None  # rollout rows per optimiser step (None: the whole rollout)
     micro_batch_size: int | None = None  # rows per forward/backward (gradient accumulation; None: minibatch)
+    generation_batch_size: int | None = None  # rollout rows sampled per call, a multiple of num_samples (None: all; TRL generation_batch_size)
+    forward_batch_size: int | None = None  # rows per no-grad scoring forward: reference, values, reward model (None: all)
     lr: float = 1e-5                 # AdamW peak learning rate
     weight_decay: float = 0.0        # AdamW decoupled weight decay
     warmup_steps: int = 0            # optimiser steps of linear warm-up
@@ -243,16 +246,18 @@ def repeat_columns(rows: Mapping[str, Sequence], num_samples: int, *,
 
 # --- collect and score ---------------------------------------------------------------------------
 def generate_kwargs(config: Any) -> dict[str, Any]:
-    """The sampling keywords of ``generate_rollout`` for ``config`` (everything but prompts, seed and
+    """The sampling keywords of ``generate_in_chunks`` for ``config`` (everything but prompts, seed and
     version): ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``num_samples``,
-    ``max_prompt_length``, ``sampler``, ``engine_options``, ``stop_token_ids``, ``length_sampler``. The
+    ``max_prompt_length``, ``sampler``, ``engine_options``, ``stop_token_ids``, ``length_sampler``,
+    ``rows_per_call`` (``generation_batch_size``). The
     synchronous recipes, the generator process of
     ``loops.async_rl`` and the generator actor of ``loops.placement`` all sample with these."""
     return dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
                 top_p=config.top_p, num_samples=config.num_samples, max_prompt_length=config.max_prompt_length,
                 sampler=config.sampler, engine_options=config.engine_options,
                 stop_token_ids=tuple(getattr(config, "stop_token_ids", ())),
-                length_sampler=getattr(config, "length_sampler", None))
+                length_sampler=getattr(config, "length_sampler", None),
+                rows_per_call=getattr(config, "generation_batch_size", None))
 
 
 def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
@@ -273,9 +278,9 @@ def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: 
         As :func:`score_collected`: the advanced state and the rollout TensorDict ``[B = P·G]``.
     """
     G = config.num_samples if num_samples is None else num_samples
-    rollout = generate_rollout(state.model("policy"), tokenizer, list(rows["prompt"]),
-                               **{**generate_kwargs(config), "num_samples": G},
-                               seed=draw_seed(copy_generator(state.rng)), policy_version=state.policy_version)
+    rollout = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]),
+                                 **{**generate_kwargs(config), "num_samples": G},
+                                 seed=draw_seed(copy_generator(state.rng)), policy_version=state.policy_version)
     return score_collected(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
                            value_fn=value_fn, reference=reference, num_samples=G)
 
@@ -309,7 +314,8 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
     G = config.num_samples if num_samples is None else num_samples
     rollout = score_rollout(rollout, ref=state.model("ref") if reference else None, value_fn=value_fn,
                             reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
-                            reward_columns=repeat_columns(rows, G), temperature=config.temperature)
+                            reward_columns=repeat_columns(rows, G), temperature=config.temperature,
+                            rows_per_forward=getattr(config, "forward_batch_size", None))
     penalty = getattr(config, "missing_eos_penalty", None)
     if penalty:  # a response cut at max_new_tokens, with no stop token, loses `penalty`
         stops = [tokenizer.eos_token_id, *getattr(config, "stop_token_ids", ())]

@@ -64,7 +64,8 @@ from torch import nn
 from rlcore.loops.async_learners import Learner, check_learner, learn_scored
 from rlcore.loops.async_rl import check_max_lag
 from rlcore.loops.checkpoint import resume
-from rlcore.loops.collect import draw_seed, generate_rollout
+from rlcore.loops.chunks import generate_in_chunks
+from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import disable_dropout
 from rlcore.loops.online import (build_online_state, evaluate_policy, generate_kwargs, make_reward_fn,
                                  prompt_source, repeat_columns, score_collected)
@@ -158,8 +159,8 @@ class GeneratorWorker:
 
     def generate(self, prompts: Sequence, seed: int) -> TensorDict:
         """``generate_rollout`` of ``G`` samples per prompt with ``seed``; the rollout on the CPU."""
-        return generate_rollout(self.policy, self.tokenizer, list(prompts), seed=seed, policy_version=self.version,
-                                **self.kwargs).to("cpu")
+        return generate_in_chunks(self.policy, self.tokenizer, list(prompts), seed=seed, policy_version=self.version,
+                                  **self.kwargs).to("cpu")
 
 
 class ScorerWorker:

@@ -495,7 +495,8 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
             if is_main():  # under torchrun, rank 0 logs (checkpoints handle ranks themselves)
                 cbs += make_loggers(run_dir, total=num_steps, stage=name,
                                     progress_every=_get(config, "log_every", 10) or 10,
-                                    report_to=_get(config, "report_to", ()), config=settings)
+                                    report_to=_get(config, "report_to", ()), config=settings,
+                                    device=_get(config, "device", "cpu"))
             # after the loggers: a step's line is written before its checkpoint, so a run killed between
             # the two resumes from the previous checkpoint and logs that step once
             saved = None
@@ -580,7 +581,8 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "minibatch_size", "micro_batch_size", "max_length", "max_prompt_length", "top_k", "keep_last",
                      "rank", "sample_batch_size", "sample_num_batches_per_epoch", "sample_num_steps",
                      "train_batch_size", "train_num_inner_epochs", "num_train_timesteps", "max_workers",
-                     "sample_size", "ref_model_sync_steps", "lora_r"], _AT_LEAST_1),
+                     "sample_size", "ref_model_sync_steps", "lora_r", "generation_batch_size",
+                     "forward_batch_size"], _AT_LEAST_1),
     **dict.fromkeys(["steps", "num_eval", "save_every", "eval_every", "log_every", "log_completions", "warmup_steps",
                      "pretrain_steps", "lr", "weight_decay", "kl_coef", "vf_coef", "clip_eps_low", "clip_eps_high", "cliprange_value",
                      "ratio_threshold", "train_learning_rate", "pretrain_learning_rate", "train_clip_range",
@@ -615,6 +617,10 @@ def check_config(config: Any) -> Any:
         allowed, what = rule
         if not (math.isfinite(value) and allowed(value)):
             faults.append(f"{f.name}: expected {what}, got {value!r}")
+    rows, group = getattr(config, "generation_batch_size", None), getattr(config, "num_samples", 1)
+    if isinstance(rows, int) and isinstance(group, int) and group >= 1 and rows % group:
+        faults.append(f"generation_batch_size: expected a multiple of num_samples={group} (whole groups per "
+                      f"call), got {rows}")
     if getattr(config, "length_sampler", None) is not None:
         try:
             check_length_range(config.length_sampler)

@@ -163,8 +163,9 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
                   value_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                   reward_fn: Callable | None = None, reward_model: nn.Module | None = None, tokenizer=None,
                   reward_columns: Mapping[str, Sequence] | None = None, temperature: float = 1.0,
-                  chunked: bool = True) -> TensorDict:
-    """Add log-probs, values and scores to a rollout: one no-grad forward per model given.
+                  chunked: bool = True, rows_per_forward: int | None = None) -> TensorDict:
+    """Add log-probs, values and scores to a rollout: one no-grad forward per model given
+    (``rows_per_forward`` rows at a time, ``None``: all).
 
     The forward input is the rollout layout concatenated, ``[prompt (left padded) | response
     (right padded)]`` ``[B, P+R]`` with its mask; token quantities are sliced to the response:
@@ -206,21 +207,30 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
     ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
     mask = torch.cat([prompt_mask, response_mask], -1)
     P, R = prompt_mask.shape[-1], response_mask.shape[-1]
+    if rows_per_forward is not None and (isinstance(rows_per_forward, bool) or not isinstance(rows_per_forward, int)
+                                         or rows_per_forward < 1):
+        raise ValueError(f"rows_per_forward: expected a positive int or None, got {rows_per_forward!r}")
 
     def response_only(x: torch.Tensor) -> torch.Tensor:
         return torch.where(response_mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    def by_rows(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        step = rows_per_forward or ids.shape[0]
+        if step >= ids.shape[0]:
+            return fn(ids, mask)
+        return torch.cat([fn(ids[i:i + step], mask[i:i + step]) for i in range(0, ids.shape[0], step)])
 
     new: dict = {}
     with torch.no_grad():
         for key, model in ((K.OLD_LOGPROBS, policy), (K.REF_LOGPROBS, ref)):
             if model is not None:
-                new[key] = response_only(token_logprobs_from_model(model, ids, mask, response_length=R,
-                                                                   temperature=temperature, chunked=chunked))
+                new[key] = response_only(by_rows(lambda i, m, model=model: token_logprobs_from_model(
+                    model, i, m, response_length=R, temperature=temperature, chunked=chunked)))
         if value_fn is not None:
-            new[K.VALUES] = response_only(_at_least_fp32(value_fn(ids, mask)[:, P - 1:P - 1 + R]))
+            new[K.VALUES] = response_only(_at_least_fp32(by_rows(value_fn)[:, P - 1:P - 1 + R]))
         scores = []
         if reward_model is not None:
-            from_model = _at_least_fp32(reward_model_scores(reward_model, ids, mask))
+            from_model = _at_least_fp32(by_rows(lambda i, m: reward_model_scores(reward_model, i, m)))
             check_reward_range(from_model[torch.isfinite(from_model)], "reward_model")
             scores.append(from_model)
         if reward_fn is not None:

@@ -194,7 +194,7 @@ def test_check_learner_and_max_lag_errors_name_the_argument():
 
 def test_learn_is_score_collected_then_learn_scored():
     """``learn`` = ``online.score_collected`` (the recipe's scoring options) then ``learn_scored``."""
-    from rlcore.loops.collect import generate_rollout
+    from rlcore.loops.chunks import generate_in_chunks
     from rlcore.loops.collect import draw_seed
     from rlcore.loops.online import generate_kwargs, score_collected
     from rlcore.loops.state import copy_generator
@@ -205,8 +205,8 @@ def test_learn_is_score_collected_then_learn_scored():
     for split in (False, True):
         torch.manual_seed(0)
         state, tokenizer = ppo.build_state(config)
-        rollout = generate_rollout(state.model("policy"), tokenizer, rows["prompt"], **generate_kwargs(config),
-                                   seed=draw_seed(copy_generator(state.rng)), policy_version=0)
+        rollout = generate_in_chunks(state.model("policy"), tokenizer, rows["prompt"], **generate_kwargs(config),
+                                     seed=draw_seed(copy_generator(state.rng)), policy_version=0)
         if split:
             state, scored = score_collected(state, rows, rollout, config=config, tokenizer=tokenizer,
                                             reward_fn=digits, **ppo.score_options(state, config))

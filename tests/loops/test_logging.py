@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlcore.loops.fold import fold
-from rlcore.loops.logging import (CompletionsToTrackers, JsonlLogger, ProgressDisplay, SampleTable, TensorBoardLogger,
+from rlcore.loops.logging import (CompletionsToTrackers, JsonlLogger, PeakMemory, ProgressDisplay, SampleTable, TensorBoardLogger,
                                   WandbLogger, check_trackers, make_loggers, read_jsonl)
 
 
@@ -149,10 +149,11 @@ def tensorboard_scalars(log_dir):
 def test_report_to_tensorboard_writes_every_metric_at_its_step(tmp_path):
     pytest.importorskip("tensorboard")
     callbacks = make_loggers(tmp_path, progress=False, report_to=["tensorboard"])
-    assert [type(c) for c in callbacks] == [JsonlLogger, TensorBoardLogger, CompletionsToTrackers]
+    assert [type(c) for c in callbacks] == [PeakMemory, CompletionsToTrackers]
+    assert [type(c) for c in callbacks[0].loggers] == [JsonlLogger, TensorBoardLogger]
     fold(step, S(), [1, 2, 3], callbacks=callbacks)
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
-    assert set(scalars) == {"loss", "reward", "n"}
+    assert set(scalars) == {"loss", "reward", "n", "memory/peak_rss_gib"}
     assert scalars["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0)]
     assert [v for _, v in scalars["reward"]] == pytest.approx([0.1, 0.2, 0.3])
 
@@ -185,7 +186,9 @@ def test_report_to_wandb_starts_a_run_named_after_the_run_dir_with_the_config(tm
     assert fake.calls[0] == ("init", {"project": "rlhf", "config": {"lr": 1e-3}, "name": "grpo-run",
                                       "dir": str(run_dir)})
     assert [c[:2] for c in fake.calls[1:3]] == [("log", 1), ("log", 2)]
-    assert fake.calls[2][2] == pytest.approx({"loss": 2.0, "reward": 0.2, "n": 3.0}) and fake.calls[-1] == ("finish",)
+    logged = fake.calls[2][2]
+    assert logged.pop("memory/peak_rss_gib") > 0 and fake.calls[-1] == ("finish",)
+    assert logged == pytest.approx({"loss": 2.0, "reward": 0.2, "n": 3.0})
 
 
 def test_completions_reach_the_trackers_as_tables_once(tmp_path):
@@ -244,7 +247,35 @@ def test_report_to_names_are_checked_before_anything_is_built(tmp_path, monkeypa
 def test_make_loggers(tmp_path):
     out = io.StringIO()
     callbacks = make_loggers(tmp_path, total=4, stage="dpo", progress_every=2, stream=out)
-    assert [type(c) for c in callbacks] == [JsonlLogger, ProgressDisplay]
-    fold(step, S(), [1, 2, 3, 4], callbacks=callbacks)
+    assert [type(c) for c in callbacks] == [PeakMemory, ProgressDisplay]
+    _, history = fold(step, S(), [1, 2, 3, 4], callbacks=callbacks)
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 4 and out.getvalue().startswith("dpo 2/4")
+    assert all("memory/peak_rss_gib" not in h for h in history)  # the history keeps the run's maths only
     assert len(make_loggers(tmp_path, progress=False)) == 1
+
+
+def test_peak_memory_is_each_step_s_own():
+    """A step that holds 256 MiB for a moment shows it in its peak; the next step, which does not,
+    no longer does (where the peak can be reset: Linux)."""
+    import os
+
+    import torch
+
+    from rlcore.loops.logging import peak_memory
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("the RSS peak cannot be reset here")
+    peaks = []
+
+    def busy(state, x):
+        if x:
+            big = torch.ones(2 ** 26)  # 256 MiB of float32, written
+            del big
+        return step(state, x)
+
+    class Record:
+        def __call__(self, state, metrics):
+            peaks.append(metrics["memory/peak_rss_gib"])
+
+    fold(busy, S(), [0, 1, 0], callbacks=[PeakMemory([Record()])])
+    assert peaks[1] > peaks[0] + 0.2 and peaks[2] < peaks[1] - 0.2, peaks
+    assert set(peak_memory("cpu")) == {"memory/peak_rss_gib"}

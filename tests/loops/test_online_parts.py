@@ -8,7 +8,8 @@ from tensordict import TensorDict
 
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import grpo_loss
-from rlcore.loops.collect import draw_seed, generate_rollout
+from rlcore.loops.chunks import generate_in_chunks
+from rlcore.loops.collect import draw_seed
 from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, evaluate_policy,
                                  generate_kwargs, make_reward_fn, online_step, policy_loss_fn, prompt_source,
                                  repeat_columns, rollout_metrics, score_collected, with_policy_logprobs)
@@ -98,7 +99,7 @@ def test_generate_kwargs_and_draw_seed():
                           sampler=None, stop_token_ids=(7,), length_sampler=(2, 4))
     assert generate_kwargs(config) == dict(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4,
                                            max_prompt_length=9, sampler=None, engine_options={}, stop_token_ids=(7,),
-                                           length_sampler=(2, 4))
+                                           length_sampler=(2, 4), rows_per_call=None)
     g, expected = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     seeds = [draw_seed(g) for _ in range(3)]
     assert seeds == [int(torch.randint(0, 2**62, (), generator=expected)) for _ in range(3)]
@@ -111,8 +112,8 @@ def test_collect_rollout_is_generation_then_score_collected(setup):
     then ``score_collected``, gives the rollout and state of ``collect_rollout`` exactly."""
     config, state, tokenizer, rows = setup
     want_state, want = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
-    generated = generate_rollout(state.model("policy"), tokenizer, list(rows["prompt"]), **generate_kwargs(config),
-                                 generator=copy_generator(state.rng), policy_version=state.policy_version)
+    generated = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]), **generate_kwargs(config),
+                                   generator=copy_generator(state.rng), policy_version=state.policy_version)
     got_state, got = assert_pure(score_collected, state, rows, generated, config=config, tokenizer=tokenizer,
                                  reward_fn=digit_fraction)
     assert set(got.keys()) == set(want.keys())
@@ -132,8 +133,8 @@ def test_score_collected_options_and_columns(setup):
         seen["answer"] = list(answer)
         return [0.5] * len(completions)
 
-    generated = generate_rollout(state.model("policy"), tokenizer, list(rows["prompt"]),
-                                 **{**generate_kwargs(config), "num_samples": 2}, seed=1)
+    generated = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]),
+                                   **{**generate_kwargs(config), "num_samples": 2}, seed=1)
     head = lambda ids, mask: torch.ones(ids.shape, dtype=torch.float32)  # noqa: E731
     new, scored = score_collected(state, rows, generated, config=config, tokenizer=tokenizer, reward_fn=reward,
                                   value_fn=head, reference=False, num_samples=2)
