@@ -3,6 +3,8 @@
 #   make test   sets up .venv, lints and type-checks (make lint), builds the docs (make docs), runs the test suite
 # and, for the optional vLLM engine (loops/vllm_engine.py), on requirements/vllm-lock.txt:
 #   make test-vllm    sets up .venv-vllm (vLLM's CPU build) and runs the tests that need vLLM
+# and, on a machine with a CUDA device and a CUDA build of torch==2.13.0 in .venv:
+#   make test-gpu     the tests marked gpu (every recipe on CUDA: bf16, LoRA, autocast, memory metrics)
 # Keeping the lock current:
 #   make test-latest  resolves the newest versions pyproject.toml allows into .venv-latest and runs the suite
 #   make lock         rewrites both locks from fresh resolves (then run make test and make test-vllm)
@@ -19,7 +21,7 @@ VLLM_LATEST_VENV ?= .venv-vllm-latest
 # torch==2.13.0 (the CPU build) is in every install command that could otherwise resolve torch on its own.
 LOCKED_INSTALL = -m pip install --quiet --no-deps -r
 
-.PHONY: setup demo test lint docs test-vllm latest-env vllm-latest-env test-latest lock bench clean
+.PHONY: setup demo test test-gpu lint docs test-vllm latest-env vllm-latest-env test-latest lock bench clean
 setup: $(VENV)/.installed
 
 # The lock holds every dependency, so --no-deps installs exactly its lines; the check confirms it.
@@ -37,6 +39,10 @@ test: setup
 	$(PY) requirements/lock.py check $(LOCK)
 	$(MAKE) --no-print-directory lint docs
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-gpu: setup
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: no CUDA device visible to torch')"
+	$(PY) -m pytest -m gpu -p no:cacheprovider tests
 
 # ruff over the code, mypy over rlcore/ and algorithms/ (settings in pyproject.toml)
 lint: setup

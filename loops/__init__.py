@@ -25,6 +25,7 @@ from rlcore.loops.recipe import *  # noqa: F401,F403
 from rlcore.loops.reft_data import *  # noqa: F401,F403
 from rlcore.loops.reft_model import *  # noqa: F401,F403
 from rlcore.loops.score import *  # noqa: F401,F403
+from rlcore.loops.shapes import *  # noqa: F401,F403
 from rlcore.loops.state import *  # noqa: F401,F403
 from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
@@ -32,6 +33,6 @@ from rlcore.loops.vllm_engine import *  # noqa: F401,F403
 from rlcore.loops.workers import *  # noqa: F401,F403
 
 _MODULES = ('async_learners', 'async_rl', 'checkpoint', 'chunks', 'collect', 'data', 'diffusion', 'distributed', 'fold', 'logging', 'lora', 'models', 'online',
-            'placement', 'recipe', 'reft_data', 'reft_model', 'score', 'state', 'tasks', 'update', 'vllm_engine',
+            'placement', 'recipe', 'reft_data', 'reft_model', 'score', 'shapes', 'state', 'tasks', 'update', 'vllm_engine',
             'workers')
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

@@ -249,8 +249,15 @@ def load_model(name_or_path: str, *, task: str = "causal_lm", trust_remote_code:
     """
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
-    return _lookup(TASKS, task, "task").from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
-                                                        dtype=dtype, **kwargs)
+    try:
+        return _lookup(TASKS, task, "task").from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                            dtype=dtype, **kwargs)
+    except ValueError as e:
+        if trust_remote_code or "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(f"model: {name_or_path} ships its own modelling code (its config's auto_map), which is "
+                         "not run by default; read it, then set trust_remote_code: true (--trust_remote_code true) "
+                         "to run it") from e
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:

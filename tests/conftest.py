@@ -11,3 +11,15 @@ import torch  # noqa: E402
 
 # Tests run as two xdist workers on small tensors: one intra-op thread each avoids oversubscription.
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped where no CUDA device is visible (``make test-gpu`` runs them)."""
+    if torch.cuda.is_available():
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
