@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 from transformers import PreTrainedTokenizerFast
 
@@ -40,6 +40,7 @@ class Family:
     eos: str
     pad: str
     chat_template: str               # Jinja, the family's turn format
+    pretokenize: str                 # the regex that splits text before BPE (numbers: 1 digit for Qwen, 1-3 for Llama-3)
     extra: tuple[tuple[str, Any], ...] = ()  # further config fields
 
 
@@ -50,11 +51,14 @@ _LLAMA3 = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>'
            "'<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}{% endfor %}"
            "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
 
+_WORDS = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"""
+_REST = r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 FAMILIES: dict[str, Family] = {
     "qwen2.5": Family("qwen2", 151_936, 1_000_000.0, 1e-6, bos="<|endoftext|>", eos="<|im_end|>",
-                      pad="<|endoftext|>", chat_template=_CHATML, extra=(("use_sliding_window", False),)),
+                      pad="<|endoftext|>", chat_template=_CHATML, pretokenize=_WORDS + r"\p{N}" + _REST,
+                      extra=(("use_sliding_window", False), ("attention_bias", True))),
     "llama3": Family("llama", 128_256, 500_000.0, 1e-5, bos="<|begin_of_text|>", eos="<|eot_id|>",
-                     pad="<|finetune_right_pad_id|>", chat_template=_LLAMA3),
+                     pad="<|finetune_right_pad_id|>", chat_template=_LLAMA3, pretokenize=_WORDS + r"\p{N}{1,3}" + _REST),
 }
 _SPECIALS = {"qwen2.5": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
              "llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
@@ -91,7 +95,10 @@ def family_tokenizer(family: str, *, vocab_size: int = 1024, texts: list[str] | 
     with ``family``'s special tokens at the lowest ids, its bos / eos / pad and chat template."""
     spec, specials = _lookup(family, "tiny")[0], _SPECIALS[family]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([  # the family's split, then bytes (GPT-2 style)
+        pre_tokenizers.Split(Regex(spec.pretokenize), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -100,9 +107,13 @@ def family_tokenizer(family: str, *, vocab_size: int = 1024, texts: list[str] | 
                                    chat_template=spec.chat_template, padding_side="left", model_max_length=32768)
 
 
-def family_config(family: str, size: str = "tiny", *, tokenizer: Any = None, **overrides: Any) -> Any:
+def family_config(family: str, size: str = "tiny", *, tokenizer: Any = None, model_type: str | None = None,
+                  **overrides: Any) -> Any:
     """``family``'s transformers config at ``size`` (``SIZES``), special-token ids from
-    ``tokenizer`` when given; ``overrides`` win (e.g. ``num_hidden_layers=1``)."""
+    ``tokenizer`` when given; ``overrides`` win (e.g. ``num_hidden_layers=1``). ``model_type``
+    builds the same geometry in another architecture (``"llama"`` for a Qwen2.5 shape whose
+    folder must load a tokenizer of its own choosing: transformers gives a ``qwen2`` folder
+    Qwen's tokenizer class whatever the folder holds)."""
     spec, (hidden, inter, layers, heads, kv, tied) = _lookup(family, size)
     ids = {} if tokenizer is None else {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                                         "pad_token_id": tokenizer.pad_token_id}
@@ -110,7 +121,7 @@ def family_config(family: str, size: str = "tiny", *, tokenizer: Any = None, **o
                   num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
                   rope_theta=spec.rope_theta, rms_norm_eps=spec.rms_norm_eps, max_position_embeddings=32768,
                   attention_dropout=0.0, **dict(spec.extra), **ids)
-    return AutoConfig.for_model(spec.model_type, **{**fields, **overrides})
+    return AutoConfig.for_model(model_type or spec.model_type, **{**fields, **overrides})
 
 
 def build_family_model(family: str, size: str = "tiny", *, tokenizer: Any = None, seed: int = 0,

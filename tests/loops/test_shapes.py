@@ -71,6 +71,12 @@ def test_saved_folder_loads_as_a_checkpoint_would(qwen_dir):
     ids = torch.tensor([tokenizer("sort: 3 1 2")["input_ids"]])
     torch.testing.assert_close(model(ids).logits, fresh(ids).logits, rtol=1e-6, atol=1e-6)
     assert tokenizer.chat_template == FAMILIES["qwen2.5"].chat_template
+    ours = family_tokenizer("qwen2.5")  # transformers loads Qwen's own class: the same tokens
+    for text in ("12 + 345 = 357", "Question: what's 7 times 8?\n  Answer: 56", "<|im_start|>user\nhi<|im_end|>\n"):
+        assert tokenizer(text)["input_ids"] == ours(text)["input_ids"]
+    def split(family):
+        return [piece for piece, _ in family_tokenizer(family).backend_tokenizer.pre_tokenizer.pre_tokenize_str("2024")]
+    assert split("qwen2.5") == ["2", "0", "2", "4"] and split("llama3") == ["202", "4"]  # numbers: 1 or 3 digits
 
 
 # Each recipe from the command line on the local folder, as the README shows it.
