@@ -249,7 +249,7 @@ def report(results: dict, args, load: tuple[float, ...], wall: float) -> str:
              f"Versions: {_versions()}  ", f"Machine: {_machine()}, load average at start "
              f"{', '.join(f'{x:.2f}' for x in load)}; {wall / 60:.0f} min in all  ",
              f"Model: Qwen2.5-shaped `{sizes(args.tiny)['size']}` from config (vocabulary 151,936), bfloat16 "
-             "weights; LoRA r 16 α 32 on every linear layer where named; gradient checkpointing on", "",
+             "weights; LoRA r 16 α 32 on every linear layer in the `_lora` cases; gradient checkpointing on", "",
              "| case | impl | median step s | timed steps s | peak RSS GiB | step vs rlcore (peer/ours) | peak vs rlcore |",
              "| --- | --- | ---: | --- | ---: | ---: | ---: |"]
     verdicts = []

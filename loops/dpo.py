@@ -47,7 +47,7 @@ from rlcore.algorithms.dpo import DPO_LOSSES, dpo
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.data import (collate_mismatched, collate_preference, collate_unpaired, iterate_batches,
                                preference_format, tokenize_dataset)
-from rlcore.loops.models import mix_into_reference, pad_token_id
+from rlcore.loops.models import mix_into_reference, model_device, pad_token_id
 from rlcore.loops.recipe import (ModelLoading, autocast_dtype, batch_source, build_policy, build_reference,
                                  init_train_state, load_splits, mean_metrics, policy_tokenizer, run)
 from rlcore.loops.score import concatenated_forward, precompute_reference_logps, score_sequences
@@ -101,6 +101,7 @@ class Config(ModelLoading):
     loss_type: str = "dpo"                 # a key of LOSSES
     precompute_ref: bool = False           # reference log-probs computed once before training, no ref model kept
     ref_model: str | None = None           # the reference: a model folder or checkpoint (default: a copy of the initial policy; TRL ref_model)
+    ref_device: str | None = None          # where the reference lives (None: device; e.g. cpu beside a policy on cuda)
     sync_ref_model: bool = False           # TR-DPO: every ref_model_sync_steps steps, ref ← α·policy + (1 − α)·ref (TRL sync_ref_model)
     ref_model_mixup_alpha: float = 0.6     # α of that update (TRL ref_model_mixup_alpha)
     ref_model_sync_steps: int = 512        # steps between updates (TRL ref_model_sync_steps)
@@ -200,8 +201,11 @@ def with_reference(state: TrainState, batch: TensorDictBase, *, chunked: bool = 
     present = (K.CHOSEN, K.REF_LOGPS) if paired else K.REF_LOGPS
     if "ref" not in state.models or present in batch.keys(include_nested=True):
         return batch
-    scorer = concatenated_forward if paired else score_sequences
-    return scorer(state.model("ref"), batch, chunked=chunked, reference=True)
+    scorer, ref = concatenated_forward if paired else score_sequences, state.model("ref")
+    here, there = batch.device, model_device(ref)
+    if here is None or there == here:
+        return scorer(ref, batch, chunked=chunked, reference=True)
+    return scorer(ref, batch.to(there), chunked=chunked, reference=True).to(here)  # a reference on ref_device
 
 
 def preference_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable,

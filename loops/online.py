@@ -86,6 +86,8 @@ class OnlineConfig(ModelLoading):
     init_from: str | None = None     # start from the policy weights of a checkpoint / run dir (e.g. an SFT run)
     reward_model: str | None = None  # local path of a sequence-classification reward model (same tokenizer)
     ref_model: str | None = None     # the KL reference: a model folder or checkpoint (default: a copy of the initial policy; TRL ref_model)
+    ref_device: str | None = None    # where the reference lives (None: device; e.g. cpu beside a policy on cuda)
+    reward_device: str | None = None  # where the reward model lives (None: device)
     reward_funcs: tuple[str, ...] = ()  # "package.module:function" reward functions to import (TRL reward_funcs)
     reward_weights: tuple[float, ...] | None = None  # one weight per reward function (TRL reward_weights; None: all 1)
     device: str = "cpu"              # where models and rollouts live
@@ -213,7 +215,8 @@ def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mappi
     models = {"policy": policy, "ref": build_reference(config, policy)}
     if config.reward_model:
         loading = {k: v for k, v in loading_kwargs(config).items() if k != "revision"}  # the revision is `model`'s
-        models["reward"] = load_model(config.reward_model, task="reward", **loading).to(config.device).eval()
+        models["reward"] = load_model(config.reward_model, task="reward", **loading).to(
+            config.reward_device or config.device).eval()
         models["reward"].requires_grad_(False)
     models.update(extra_models(policy) if extra_models is not None else {})
     for model in models.values():
@@ -461,7 +464,8 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                    reward_columns=columns)
     greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)
-    reference = generate_rollout(state.model("ref"), tokenizer, prompts, do_sample=False, behaviour=None, **gen)
+    reference = generate_rollout(state.model("ref"), tokenizer, prompts, do_sample=False, behaviour=None,
+                                 **gen).to(greedy.device)  # a reference on ref_device answers there
     reward, ref_reward = score_rollout(greedy, **scoring)[K.SCORE], score_rollout(reference, **scoring)[K.SCORE]
     texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(greedy[K.RESPONSE_IDS], greedy[K.RESPONSE_MASK])],
                                    skip_special_tokens=True)

@@ -206,7 +206,8 @@ def checkpoint_model_dir(path: str | Path, name: str = "policy") -> Path:
 
 
 def build_reference(config: Any, policy: nn.Module) -> nn.Module:
-    """The frozen reference of a run: a copy of ``policy`` (``make_reference``; for a LoRA policy
+    """The frozen reference of a run, on ``config.ref_device`` (default: the policy's device): a
+    copy of ``policy`` (``make_reference``; for a LoRA policy
     the policy itself with its adapters disabled, ``loops.lora.adapter_off``: no copy), or the model
     ``config.ref_model`` names (TRL's ``ref_model``: a local model folder, a checkpoint or a run
     directory, its policy verified), frozen, dropout off, on the policy's device.
@@ -215,9 +216,14 @@ def build_reference(config: Any, policy: nn.Module) -> nn.Module:
         ValueError: a reference whose vocabulary differs from the policy's (their log-probs
             would not be of the same tokens).
     """
-    path = _get(config, "ref_model")
+    path, device = _get(config, "ref_model"), _get(config, "ref_device")
     if not path:
-        return adapter_off(policy) if is_peft(policy) else make_reference(policy)
+        if is_peft(policy):
+            if device is not None and torch.device(device) != next(policy.parameters()).device:
+                raise ValueError(f"ref_device: {device!r}: the reference of a LoRA policy is the policy itself with "
+                                 "its adapter off, on the policy's device; give a ref_model to place one elsewhere")
+            return adapter_off(policy)
+        return make_reference(policy).to(device) if device is not None else make_reference(policy)
     source = Path(path)
     if (source / "manifest.json").is_file() or latest_checkpoint(source) is not None:
         source = checkpoint_model_dir(source)
@@ -227,7 +233,7 @@ def build_reference(config: Any, policy: nn.Module) -> nn.Module:
         raise ValueError(f"ref_model: {path} has a vocabulary of {sizes[1]} tokens, the policy {sizes[0]}; the "
                          "reference must share the policy's tokenizer")
     disable_dropout(ref)
-    return ref.to(next(policy.parameters()).device).eval().requires_grad_(False)
+    return ref.to(device or next(policy.parameters()).device).eval().requires_grad_(False)
 
 
 def policy_tokenizer(config: Any) -> Any:

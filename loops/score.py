@@ -27,8 +27,8 @@ from rlcore.checks import check_mask, check_ndim, require_keys
 from rlcore.kl import kl_full
 from rlcore.logprobs import hidden_logprobs, sequence_logprobs, token_logprobs
 from rlcore.loops.lora import linear_weights
-from rlcore.loops.models import (call_reward_fn, check_reward_range, position_ids_from_mask, reward_model_scores,
-                                 trunk_hidden)
+from rlcore.loops.models import (call_reward_fn, check_reward_range, model_device, position_ids_from_mask,
+                                 reward_model_scores, trunk_hidden)
 
 __all__ = ["token_logprobs_from_model", "full_kl_from_models", "score_rollout", "score_sequences", "concatenated_forward",
            "precompute_reference_logps"]
@@ -44,6 +44,16 @@ def _call(model: nn.Module, **kwargs):
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     return model(**kwargs)
+
+
+def _on_model_device(model: nn.Module, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn(*tensors)`` with the tensors moved to ``model``'s device and the result moved back to
+    theirs: a reference or reward model kept on another device (``ref_device``, ``reward_device``,
+    e.g. the CPU beside a policy on the GPU) reads the rollout where it lives."""
+    here, there = tensors[0].device, model_device(model)
+    if there == here:
+        return fn(*tensors)
+    return fn(*(t.to(there) for t in tensors)).to(here)
 
 
 def _head_params(model: nn.Module) -> dict:
@@ -140,8 +150,10 @@ def full_kl_from_models(policy: nn.Module, ref: nn.Module, rollout: TensorDictBa
     position_ids = position_ids_from_mask(mask)
 
     def response_logits(model: nn.Module, rows: slice) -> torch.Tensor:
-        logits = _call(model, input_ids=ids[rows], attention_mask=mask[rows].long(), position_ids=position_ids[rows],
-                       use_cache=False, logits_to_keep=R + 1).logits
+        def forward(i: torch.Tensor, m: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+            return _call(model, input_ids=i, attention_mask=m.long(), position_ids=p, use_cache=False,
+                         logits_to_keep=R + 1).logits
+        logits = _on_model_device(model, forward, ids[rows], mask[rows], position_ids[rows])
         return _at_least_fp32(logits[:, logits.shape[1] - R - 1:-1])
 
     chunks = [kl_full(response_logits(policy, slice(i, i + step)), response_logits(ref, slice(i, i + step)),
@@ -224,13 +236,15 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
     with torch.no_grad():
         for key, model in ((K.OLD_LOGPROBS, policy), (K.REF_LOGPROBS, ref)):
             if model is not None:
-                new[key] = response_only(by_rows(lambda i, m, model=model: token_logprobs_from_model(
-                    model, i, m, response_length=R, temperature=temperature, chunked=chunked)))
+                new[key] = response_only(by_rows(lambda i, m, model=model: _on_model_device(
+                    model, lambda i, m: token_logprobs_from_model(model, i, m, response_length=R,
+                                                                  temperature=temperature, chunked=chunked), i, m)))
         if value_fn is not None:
             new[K.VALUES] = response_only(_at_least_fp32(by_rows(value_fn)[:, P - 1:P - 1 + R]))
         scores = []
         if reward_model is not None:
-            from_model = _at_least_fp32(by_rows(lambda i, m: reward_model_scores(reward_model, i, m)))
+            from_model = _at_least_fp32(by_rows(lambda i, m: _on_model_device(
+                reward_model, lambda i, m: reward_model_scores(reward_model, i, m), i, m)))
             check_reward_range(from_model[torch.isfinite(from_model)], "reward_model")
             scores.append(from_model)
         if reward_fn is not None:

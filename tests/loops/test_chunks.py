@@ -122,8 +122,8 @@ def test_recipes_run_with_bounded_chunks():
     assert same == whole  # one call of all 8 rows: the unchunked run, bit for bit
     for a, b in zip(whole_state.model().parameters(), same_state.model().parameters()):
         assert torch.equal(a, b)
-    _, chunked = grpo.train(dataclasses.replace(config, generation_batch_size=2, forward_batch_size=3),
-                            reward_fn=digit_fraction)
+    _, chunked = grpo.train(dataclasses.replace(config, generation_batch_size=2, forward_batch_size=3,
+                                                ref_device="cpu", eval_every=2), reward_fn=digit_fraction)
     assert len(chunked) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in chunked)
     _, critic = ppo.train(ppo.Config(**TINY, steps=1, batch_size=4, num_samples=2, generation_batch_size=4,
                                      forward_batch_size=1, value_model="separate"), reward_fn=digit_fraction)

@@ -77,3 +77,14 @@ def test_grpo_with_lora_on_cuda_keeps_the_reference_on_the_device(qwen_dir):
                          generation_batch_size=2, forward_batch_size=2)
     state, hist = grpo.train(config, reward_fn=lambda prompts, completions, **_: [float(len(c)) for c in completions])
     assert state.model("ref").device.type == "cuda" and len(hist) == 2
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo", "dpo"])
+def test_a_reference_on_the_cpu_beside_a_policy_on_cuda(recipe, qwen_dir, tmp_path, capsys):
+    """``ref_device: cpu`` (and the reward model with ``reward_device``): the scorers move each
+    forward's rows to the model and its results back; PPO's full KL reads both models."""
+    extra = ["--kl", "full"] if recipe == "ppo" else []
+    assert cli(["train", recipe, "--model", str(qwen_dir), "--device", "cuda", "--ref_device", "cpu",
+                *RECIPES[recipe], "--steps", "2", "--num_eval", "4", "--eval_every", "2", *extra]) == 0
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final"]
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in final.items() if k.startswith("loss"))

@@ -199,6 +199,12 @@ def test_dpo_lora_lowers_the_loss_with_the_adapter_off_reference():
     assert sum(h["loss"] for h in hist[-3:]) / 3 < 0.6, [h["loss"] for h in hist]
 
 
+def test_an_adapter_off_reference_cannot_live_elsewhere():
+    with pytest.raises(ValueError, match="ref_device: 'meta': the reference of a LoRA policy is the policy itself"):
+        build_reference(grpo.Config(**TINY, **LORA, ref_device="meta"), _lora_policy())
+    assert build_reference(grpo.Config(**TINY, **LORA, ref_device="cpu"), _lora_policy()).device.type == "cpu"
+
+
 def test_sync_ref_model_with_a_lora_policy_is_refused():
     with pytest.raises(ValueError, match="sync_ref_model: the reference of a LoRA policy is its base"):
         dpo.train(dpo.Config(**{**TINY, **LORA, "sync_ref_model": True, "steps": 1}))
@@ -227,6 +233,14 @@ def test_grpo_lora_raises_the_reward():
     _, hist = grpo.train(config, reward_fn=_digits)
     first, last = (sum(h["rollout/score"] for h in part) / 3 for part in (hist[:3], hist[-3:]))
     assert last > first + 0.2, [h["rollout/score"] for h in hist]
+
+
+def test_ppo_lora_raises_the_reward():
+    config = ppo.Config(**{**TINY, **LORA, **HEAD, "num_samples": 4, "max_new_tokens": 8, "eval_every": 0,
+                           "steps": 12, "lr": 3e-2, "batch_size": 8, "kl_coef": 0.0})
+    _, hist = ppo.train(config, reward_fn=_digits)
+    first, last = (sum(h["rollout/score"] for h in part) / 3 for part in (hist[:3], hist[-3:]))
+    assert last > first + 0.1, [h["rollout/score"] for h in hist]
 
 
 def test_reward_model_lora_trains_the_adapter_and_the_score_head():
@@ -342,6 +356,16 @@ def test_bf16_weights_keep_a_float32_adapter_and_step():
     dtypes = {n.split(".")[-2] if "lora_" in n else "base": p.dtype for n, p in state.model().named_parameters()}
     assert dtypes["base"] == torch.bfloat16 and dtypes["default"] == torch.float32
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
+
+
+def test_bf16_weights_change_log_probs_within_bf16_rounding():
+    """bfloat16 weights keep ~3 significant digits: the log-probs of a random tiny model (|lp| ≈ 4.6)
+    move by at most 0.1 from the float32 model's, the adapter's included."""
+    full = _perturbed(_lora_policy())
+    half = _perturbed(_lora_policy(dtype="bfloat16"))
+    for chunked in (True, False):
+        torch.testing.assert_close(_logprobs(half, chunked).float()[MASK[:, 1:]],
+                                   _logprobs(full, chunked)[MASK[:, 1:]], rtol=0, atol=0.1)
 
 
 def test_gradient_checkpointing_with_an_adapter_gives_the_same_gradients():

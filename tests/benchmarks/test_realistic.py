@@ -1,0 +1,57 @@
+"""benchmarks/realistic.py at its tiny size: every case and implementation takes its steps, and the
+report states the goals' verdicts (the real run: make bench-realistic)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness as H  # noqa: E402
+
+R = H.load(ROOT / "benchmarks" / "realistic.py")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(R.save_model(tmp_path_factory.mktemp("realistic") / "qwen2.5", tiny=True))
+
+
+def test_the_data_has_the_stated_token_counts(model_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    s = R.sizes(True)
+    for row in R.pairs(True, 151_936):
+        assert [len(tok(row[k])["input_ids"]) for k in ("prompt", "chosen", "rejected")] == [s["half"]] * 3
+    assert all(len(tok(p["prompt"])["input_ids"]) == s["prompt"] for p in R.prompts(True, 151_936))
+
+
+@pytest.mark.parametrize("case, impl", [(c, i) for c, impls in R.CASES.items() for i in impls])
+def test_every_case_takes_its_steps(case, impl, model_dir):
+    if impl == "trl":
+        pytest.importorskip("trl")
+    result = R.run_one(case, impl, model_dir, True, 1)
+    assert len(result["steps"]) == 1 and result["steps"][0] > 0 and result["peak_gib"] > 0
+
+
+def test_report_states_the_verdicts_and_replaces_only_its_section():
+    results = {"grpo_lora": {"rlcore": {"steps": [2.0, 2.0], "peak_gib": 4.0},
+                             "trl": {"steps": [5.0, 5.0], "peak_gib": 10.0}},
+               "sft_full": {"rlcore": {"steps": [1.0], "peak_gib": 30.0}},
+               "dpo_lora": {"rlcore": {"error": "ValueError: x"}}}
+    text = R.report(results, SimpleNamespace(tiny=True, steps=2, write=False), (0.1, 0.2, 0.3), 60.0)
+    assert "| grpo_lora | trl | 5.0 | 5.0, 5.0 | 10.00 | 2.50 | 2.50 |" in text
+    assert "- goal, grpo_lora: rlcore ≥ 1.5× faster than trl: 2.50×, met" in text
+    assert "- goal, grpo_lora: rlcore peak ≤ 0.5× trl's: 0.40×, met" in text
+    assert "- goal, sft_full: rlcore peak within 24 GiB: 30.0 GiB, MISSED" in text
+    assert "| dpo_lora | rlcore | failed: ValueError: x" in text
+    before = "# Results\n\n## steps\n\nold\n\n## realistic\n\nstale\n\n## zeta\n\nkept\n"
+    after = R._replace_section(before, text)
+    assert "stale" not in after and "## steps\n\nold" in after and after.endswith("## zeta\n\nkept\n")
+    assert R._replace_section("# Results\n", text).endswith(text)
