@@ -48,6 +48,7 @@ from torch import nn
 
 from rlcore import keys as K
 from rlcore.kl import kl_estimate
+from rlcore.rewards import soft_overlong_penalty
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.data import check_text, text_window, tokenize_example
@@ -107,6 +108,8 @@ class OnlineConfig(ModelLoading):
     max_prompt_length: int | None = None  # keep the last tokens of longer prompts
     stop_token_ids: tuple[int, ...] = ()  # token ids that also end a response (EOS always does; TRL stop_token_id)
     missing_eos_penalty: float | None = None  # subtracted from the score of a response cut at max_new_tokens (TRL missing_eos_penalty)
+    overlong_buffer: int | None = None  # DAPO soft overlong punishment: responses in the last N tokens of max_new_tokens lose up to overlong_penalty_factor (None: off; verl overlong_buffer.len)
+    overlong_penalty_factor: float = 1.0  # the soft overlong penalty at max_new_tokens (verl overlong_buffer.penalty_factor)
     sampler: str | None = "gumbel"   # decode loop's sampler (loops.collect.SAMPLERS); None: Hugging Face generate; "vllm": a vLLM engine
     engine_options: dict = dataclasses.field(default_factory=dict)  # vllm.LLM keywords when sampler="vllm"
     # --- optimisation (update) ---
@@ -324,6 +327,11 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
         stops = [tokenizer.eos_token_id, *getattr(config, "stop_token_ids", ())]
         rollout[K.SCORE] = missing_eos_penalty(rollout[K.SCORE], rollout[K.RESPONSE_IDS], rollout[K.RESPONSE_MASK],
                                                eos_token_id=stops, penalty=penalty)
+    buffer = getattr(config, "overlong_buffer", None)
+    if buffer:  # DAPO: a response running into the budget is worse, before it is cut
+        rollout[K.SCORE] = rollout[K.SCORE] + soft_overlong_penalty(
+            rollout[K.RESPONSE_MASK], max_length=config.max_new_tokens, buffer=buffer,
+            factor=config.overlong_penalty_factor).to(rollout[K.SCORE])
     rollout = exclude_unscored(rollout)
     rng = copy_generator(state.rng)
     draw_seed(rng)  # the seed the rollout was sampled with

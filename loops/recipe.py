@@ -588,12 +588,12 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "rank", "sample_batch_size", "sample_num_batches_per_epoch", "sample_num_steps",
                      "train_batch_size", "train_num_inner_epochs", "num_train_timesteps", "max_workers",
                      "sample_size", "ref_model_sync_steps", "lora_r", "generation_batch_size",
-                     "forward_batch_size"], _AT_LEAST_1),
+                     "forward_batch_size", "overlong_buffer"], _AT_LEAST_1),
     **dict.fromkeys(["steps", "num_eval", "save_every", "eval_every", "log_every", "log_completions", "warmup_steps",
                      "pretrain_steps", "lr", "weight_decay", "kl_coef", "vf_coef", "clip_eps_low", "clip_eps_high", "cliprange_value",
                      "ratio_threshold", "train_learning_rate", "pretrain_learning_rate", "train_clip_range",
                      "train_adv_clip_max", "train_adam_weight_decay", "sample_eta", "eps", "rpo_alpha", "cpo_alpha",
-                     "missing_eos_penalty",
+                     "missing_eos_penalty", "overlong_penalty_factor",
                      "center_rewards_coefficient", "per_prompt_stat_tracking_buffer_size",
                      "per_prompt_stat_tracking_min_count"], _AT_LEAST_0),
     **dict.fromkeys(["temperature", "beta", "max_grad_norm", "train_max_grad_norm", "horizon", "target",
@@ -623,6 +623,9 @@ def check_config(config: Any) -> Any:
         allowed, what = rule
         if not (math.isfinite(value) and allowed(value)):
             faults.append(f"{f.name}: expected {what}, got {value!r}")
+    buffer, budget = getattr(config, "overlong_buffer", None), getattr(config, "max_new_tokens", None)
+    if isinstance(buffer, int) and isinstance(budget, int) and buffer > budget:
+        faults.append(f"overlong_buffer: expected at most max_new_tokens={budget}, got {buffer}")
     rows, group = getattr(config, "generation_batch_size", None), getattr(config, "num_samples", 1)
     if isinstance(rows, int) and isinstance(group, int) and group >= 1 and rows % group:
         faults.append(f"generation_batch_size: expected a multiple of num_samples={group} (whole groups per "

@@ -18,7 +18,7 @@ from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape,
 from rlcore.kl import kl_estimate
 from rlcore.transforms import RunningMoments, running_moments_std
 
-__all__ = ["compute_rewards", "process_scores", "with_rewards", "last_token_mask"]
+__all__ = ["compute_rewards", "process_scores", "with_rewards", "last_token_mask", "soft_overlong_penalty"]
 
 
 def _zero(x: torch.Tensor) -> torch.Tensor:
@@ -45,6 +45,43 @@ def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
     t = torch.arange(mask.shape[-1], device=mask.device)
     last = torch.where(mask, t, -1).amax(dim=-1, keepdim=True) if mask.shape[-1] else t
     return mask & (t == last)
+
+
+def soft_overlong_penalty(response_mask: torch.Tensor, *, max_length: int, buffer: int,
+                          factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment of each response, from its length ``L = Σ_t mask_t``:
+
+    ``0`` for ``L ≤ L_max − L_buf``; ``factor·(L_max − L_buf − L)/L_buf`` (from 0 down to
+    ``−factor``) for ``L_max − L_buf < L ≤ L_max``; ``−factor`` for ``L > L_max``. Added to the
+    sequence score, it tells the policy that a response running into the budget is worse, before
+    it is cut.
+
+    Args:
+        response_mask: ``[..., R]`` bool.
+        max_length: ``L_max ≥ 1`` (the response budget).
+        buffer: ``L_buf`` in ``[1, L_max]``, the length of the punished band.
+        factor: ``≥ 0``, the penalty at ``L_max``.
+    Returns:
+        ``[...]`` float32, in ``[−factor, 0]``. Gradient: none (lengths are counts).
+
+    >>> soft_overlong_penalty(torch.tensor([[True] * 2 + [False] * 2, [True] * 3 + [False], [True] * 4]),
+    ...                       max_length=4, buffer=2)
+    tensor([ 0.0000, -0.5000, -1.0000])
+
+    Reference: Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"
+    (overlong reward shaping), https://arxiv.org/abs/2503.14476
+    """
+    check_mask("response_mask", response_mask)
+    check_ndim("response_mask", response_mask, min_ndim=1, layout="[..., R]")
+    for name, value, low in (("max_length", max_length, 1), ("buffer", buffer, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    if buffer > max_length:
+        raise ValueError(f"buffer: expected at most max_length={max_length}, got {buffer}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < float("inf"):
+        raise ValueError(f"factor: expected a finite float >= 0, got {factor!r}")
+    length = response_mask.sum(-1).to(torch.float32)
+    return ((max_length - buffer - length) / buffer).clamp(-1.0, 0.0) * factor
 
 
 def compute_rewards(score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,

@@ -104,3 +104,26 @@ def test_evaluate_entry_point():
     out = grpo.evaluate(state, config)
     assert {"reward", "exact_match", "kl_ref"} <= set(out) and out["reward"] >= 0.0
     assert torch.equal(state.rng.get_state(), build_online_state(config)[0].rng.get_state())
+
+
+def test_soft_overlong_punishment_shapes_the_score():
+    """The score a step trains on is the reward plus DAPO's length penalty (written out here)."""
+    from rlcore.loops.online import collect_rollout
+    config = grpo.Config(**TINY, batch_size=2, num_samples=4, overlong_buffer=3, overlong_penalty_factor=0.5)
+    state, tokenizer = online.build_online_state(config)
+    rows = {"prompt": ["12+3=", "4+5="], "answer": ["15", "9"]}
+    _, shaped = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+    _, plain = collect_rollout(state, rows, config=dataclasses.replace(config, overlong_buffer=None),
+                               tokenizer=tokenizer, reward_fn=digit_fraction)
+    lengths = plain[K.RESPONSE_MASK].sum(-1).tolist()
+    expected = [min(0.0, (8 - 3 - n) / 3) * 0.5 for n in lengths]
+    assert (shaped[K.SCORE] - plain[K.SCORE]).tolist() == pytest.approx(expected)
+    with pytest.raises(ValueError, match=r"overlong_buffer: expected at most max_new_tokens=8, got 9"):
+        grpo.train(dataclasses.replace(config, overlong_buffer=9))
+
+
+def test_dapo_config_trains():
+    config = load_config(grpo.Config, CONFIG.parent / "dapo.yaml", {"steps": 2, "run_dir": None, "eval_every": 0})
+    assert (config.loss_type, config.overlong_buffer, config.kl_coef) == ("dapo", 4, 0.0)
+    _, history = grpo.train(config)
+    assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)

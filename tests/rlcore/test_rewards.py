@@ -314,3 +314,43 @@ def test_a_kl_tensor_is_the_penalty_itself():
         with_rewards(batch, kl="full")
     with pytest.raises(ValueError, match=r"kl"):
         compute_rewards(batch[K.SCORE], batch[K.OLD_LOGPROBS], batch[K.REF_LOGPROBS], mask, kl=values[:, :-1])
+
+
+# --- soft overlong punishment (DAPO) -------------------------------------------------------------------
+def _overlong_loop(lengths, max_length, buffer, factor):
+    """The piecewise formula of the DAPO paper, one response at a time."""
+    out = []
+    for n in lengths:
+        if n <= max_length - buffer:
+            out.append(0.0)
+        elif n <= max_length:
+            out.append(factor * ((max_length - buffer) - n) / buffer)
+        else:
+            out.append(-factor)
+    return out
+
+
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=8), st.integers(1, 10), st.data(),
+       st.sampled_from([0.0, 0.5, 1.0, 3.0]))
+def test_soft_overlong_penalty_is_the_piecewise_formula(lengths, max_length, data, factor):
+    from rlcore.rewards import soft_overlong_penalty
+    buffer = data.draw(st.integers(1, max_length))
+    width = max(lengths)
+    mask = torch.tensor([[t < n for t in range(width)] for n in lengths], dtype=torch.bool).reshape(len(lengths), width)
+    got = soft_overlong_penalty(mask, max_length=max_length, buffer=buffer, factor=factor)
+    assert got.dtype == torch.float32 and got.shape == (len(lengths),)
+    assert got.tolist() == pytest.approx(_overlong_loop(lengths, max_length, buffer, factor), abs=1e-6)
+
+
+def test_soft_overlong_penalty_refuses_bad_settings():
+    from rlcore.rewards import soft_overlong_penalty
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    for kwargs, message in ((dict(max_length=0, buffer=1), "max_length: expected an int >= 1, got 0"),
+                            (dict(max_length=4, buffer=5), "buffer: expected at most max_length=4, got 5"),
+                            (dict(max_length=4, buffer=0), "buffer: expected an int >= 1, got 0"),
+                            (dict(max_length=4, buffer=2, factor=-1.0), "factor: expected a finite float >= 0"),
+                            (dict(max_length=4, buffer=2, factor=float("nan")), "factor: expected a finite float")):
+        with pytest.raises(ValueError, match=message):
+            soft_overlong_penalty(mask, **kwargs)
+    with pytest.raises((TypeError, ValueError), match="response_mask"):
+        soft_overlong_penalty(mask.float(), max_length=4, buffer=2)

@@ -266,6 +266,14 @@ def last_token_mask(d: Draw, dtype):
     return Case(rewards.last_token_mask, dict(mask=d.mask(rows(d))))
 
 
+def soft_overlong(d: Draw, dtype):
+    shape = rows(d)
+    limit = d.int(1, 2 * shape[-1] + 1, "max_length")
+    return Case(rewards.soft_overlong_penalty, dict(response_mask=d.mask(shape), max_length=limit,
+                                                    buffer=d.int(1, limit, "buffer"),
+                                                    factor=d.choice([0.0, 1.0, 1e30], "factor")))
+
+
 def _reward_kwargs(d: Draw, dtype, name: str):
     kind = d.choice(sorted(kl.KL_ESTIMATORS) + sorted(kl.KL_ALIASES), "kl")
     clamp = d.choice([None, 20.0], "clamp")
@@ -455,6 +463,7 @@ FUZZ = {
     "rlcore.rewards.last_token_mask": Entry(last_token_mask, dtypes=(F64,)),
     "rlcore.rewards.compute_rewards": Entry(compute_rewards),
     "rlcore.rewards.process_scores": Entry(process_scores),
+    "rlcore.rewards.soft_overlong_penalty": Entry(soft_overlong, dtypes=(F64,)),
     "rlcore.rewards.with_rewards": Entry(with_rewards),
     "rlcore.transforms.fixed_kl_init": kl_init(transforms.fixed_kl_init),
     "rlcore.transforms.adaptive_kl_init": kl_init(transforms.adaptive_kl_init),
