@@ -57,6 +57,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 SECTION = "## realistic"
 LORA = dict(r=16, alpha=32)
+VOCAB = 151_936  # loops.shapes.FAMILIES["qwen2.5"].vocab_size, without importing rlcore in the driver
 LR = 1e-5
 GIB = 2.0 ** 30
 
@@ -91,7 +92,9 @@ def save_model(directory: Path, tiny: bool) -> Path:
 
     from rlcore.loops.shapes import FAMILIES, build_family_model
 
-    tokenizer = _bench_steps().word_tokenizer(FAMILIES["qwen2.5"].vocab_size)
+    assert FAMILIES["qwen2.5"].vocab_size == VOCAB
+
+    tokenizer = _bench_steps().word_tokenizer(VOCAB)
     # Llama's modelling code at Qwen2.5's geometry (q/k/v/o biases): a qwen2 folder would load Qwen's
     # tokenizer class, which cannot read the word vocabulary
     model = build_family_model("qwen2.5", sizes(tiny)["size"], tokenizer=tokenizer, dtype=torch.bfloat16,
@@ -142,7 +145,7 @@ def _peak_gib() -> float:
 def _rlcore(case: str, model_dir: str, tiny: bool, steps: int, work: Path) -> list[float]:
     from rlcore.loops import dpo, grpo, sft
 
-    s, vocab = sizes(tiny), 151_936
+    s, vocab = sizes(tiny), VOCAB
     ends: list[float] = []
     stamp = [lambda state, metrics: ends.append(time.perf_counter())]
     common = dict(model=model_dir, dtype="bfloat16", gradient_checkpointing=True, steps=1 + steps, lr=LR,
@@ -175,7 +178,7 @@ def _trl(case: str, model_dir: str, tiny: bool, steps: int, work: Path) -> list[
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
 
-    s, vocab = sizes(tiny), 151_936
+    s, vocab = sizes(tiny), VOCAB
     ends: list[float] = []
 
     class Stamp(TrainerCallback):

@@ -234,10 +234,13 @@ def with_adapter(base: nn.Module, directory: str | Path) -> nn.Module:
     if not isinstance(stored, dict) or stored.get("peft_type") != "LORA":
         raise ValueError(f"{directory}/adapter_config.json: expected a LoRA adapter (peft_type 'LORA'), got "
                          f"{stored.get('peft_type') if isinstance(stored, dict) else type(stored).__name__!r}")
+    weights_file = directory / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise ValueError(f"{directory}: an adapter_config.json without its adapter_model.safetensors")
     model = _wrap(base, peft.LoraConfig.from_pretrained(str(directory)), seed=0)  # A and B overwritten next
     from safetensors.torch import load_file
 
-    load_adapter_weights(model, load_file(str(directory / "adapter_model.safetensors")), str(directory))
+    load_adapter_weights(model, load_file(str(weights_file)), str(directory))
     return model.merge_and_unload()
 
 

@@ -279,7 +279,6 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0) -> tup
     init_from = _get(config, "init_from")
     tokenizer = policy_tokenizer(config)
     loading = loading_kwargs(config)
-    extra = {} if task == "causal_lm" else {"num_labels": 1}
     if init_from:
         model = _checkpoint_policy(config, checkpoint_model_dir(init_from), task, depth)
     elif name in TINY_MODELS:
@@ -289,7 +288,7 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0) -> tup
                             seed=_get(config, "seed", 0), task=task, tie_word_embeddings=task == "causal_lm")
         model = _as_loaded(model, config)
     else:
-        model = load_model(name, task=task, **extra, **loading, **quantization_kwargs(config))
+        model = load_model(name, task=task, **_head_kwargs(task), **loading, **quantization_kwargs(config))
     if task != "causal_lm" and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if _get(config, "gradient_checkpointing", False) and not enable_gradient_checkpointing(model):
@@ -300,6 +299,11 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0) -> tup
     if _get(config, "disable_dropout", True):
         disable_dropout(model)  # after the adapter: its dropout too
     return model.to(_get(config, "device", "cpu")), tokenizer
+
+
+def _head_kwargs(task: str) -> dict[str, Any]:
+    """``from_pretrained`` keywords of a task's head: one label for a reward or value model."""
+    return {} if task == "causal_lm" else {"num_labels": 1}
 
 
 # The models ``use_peft`` puts an adapter on: the policy and a reward model. A separate PPO value
@@ -313,15 +317,26 @@ _BASE_FIELDS = ("model", "revision", "hidden_size", "num_layers", "num_heads", "
 
 class _BaseOf:
     """``config`` with the base-model fields of a checkpoint's stored config (the model an adapter
-    was trained on), no adapter and no gradient checkpointing of its own. Everything that runs
-    code or moves data (``trust_remote_code``, ``device``, dtype) stays the caller's."""
+    was trained on; each checked for its type and range, an absent one the caller's), no adapter
+    and no gradient checkpointing of its own. Everything that runs code or moves data
+    (``trust_remote_code``, ``device``, dtype) stays the caller's."""
 
-    def __init__(self, config: Any, stored: Mapping[str, Any]):
+    def __init__(self, config: Any, stored: Mapping[str, Any], where: Path):
         self._config = config
-        self._fields = {**{k: stored.get(k) for k in _BASE_FIELDS}, "use_peft": False,
-                        "gradient_checkpointing": False, "disable_dropout": True}
-        if self._fields["model"] is None:
-            self._fields["model"] = _get(config, "model", "tiny-llama")
+        base = {k: stored.get(k) for k in _BASE_FIELDS}
+        for name, value in base.items():  # the stored config is a file: typed and ranged before use
+            if value is None:
+                continue
+            if name in ("model", "revision", "init_from"):
+                ok, what = isinstance(value, str), "a string"
+            else:
+                rule, what = FIELD_RULES.get(name, (lambda v: True, ""))
+                ok = isinstance(value, int) and not isinstance(value, bool) and rule(value)
+                what = f"an int {what}".strip()
+            if not ok:
+                raise ValueError(f"init_from: {where}: {name}: expected {what}, got {value!r}")
+        self._fields = {**{k: v for k, v in base.items() if v is not None or k in ("revision", "init_from")},
+                        "use_peft": False, "gradient_checkpointing": False, "disable_dropout": True}
 
     def __getattr__(self, name: str) -> Any:
         fields = self.__dict__["_fields"]
@@ -334,8 +349,7 @@ def _checkpoint_policy(config: Any, model_dir: Path, task: str, depth: int) -> n
     at most ``_MAX_ADAPTER_CHAIN`` deep)."""
     loading = {k: v for k, v in loading_kwargs(config).items() if k != "revision"}  # the hub model's, not ours
     if not is_adapter_dir(model_dir):
-        return load_model(str(model_dir), task=task, **({} if task == "causal_lm" else {"num_labels": 1}),
-                          **loading)
+        return load_model(str(model_dir), task=task, **_head_kwargs(task), **loading)
     if depth >= _MAX_ADAPTER_CHAIN:
         raise ValueError(f"init_from: {model_dir} is an adapter whose base is an adapter, {depth} deep; "
                          "export the chain merged (rlcore export) and start from that")
@@ -347,7 +361,7 @@ def _checkpoint_policy(config: Any, model_dir: Path, task: str, depth: int) -> n
                          f"the base model) is unreadable: {e}") from e
     if not isinstance(stored, dict):
         raise ValueError(f"init_from: {stored_path}: expected a mapping, got {type(stored).__name__}")
-    base, _ = build_policy(_BaseOf(config, stored), task=task, depth=depth + 1)
+    base, _ = build_policy(_BaseOf(config, stored, stored_path), task=task, depth=depth + 1)
     return with_adapter(base, model_dir)
 
 
@@ -623,6 +637,13 @@ def check_config(config: Any) -> Any:
         allowed, what = rule
         if not (math.isfinite(value) and allowed(value)):
             faults.append(f"{f.name}: expected {what}, got {value!r}")
+    for name in ("device", "ref_device", "reward_device"):
+        value = getattr(config, name, None)
+        if value is not None:
+            try:
+                torch.device(value)
+            except (RuntimeError, TypeError):
+                faults.append(f"{name}: expected a device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}")
     buffer, budget = getattr(config, "overlong_buffer", None), getattr(config, "max_new_tokens", None)
     if isinstance(buffer, int) and isinstance(budget, int) and buffer > budget:
         faults.append(f"overlong_buffer: expected at most max_new_tokens={budget}, got {buffer}")

