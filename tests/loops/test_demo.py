@@ -125,8 +125,9 @@ def test_a_tiny_run_writes_its_directory_and_replaces_stale_stages(tmp_path, cap
 
 @pytest.mark.slow
 def test_quick_demo_rl_beats_sft_on_held_out_prompts(tmp_path):
-    # sort, seed 0: SFT 0.35 -> GRPO 0.57 held-out exact match after 100 steps (docs/demo.md)
-    result = demo.run_demo(demo.Config(task="sort", out=str(tmp_path), quick=True), stream=io.StringIO())
+    # sort, seed 0, 150 RL steps: SFT 0.35 -> GRPO 0.59 held-out exact match on an AMD EPYC (docs/demo.md);
+    # at --quick's 100 steps the margin is CPU-dependent (0.22 on an Intel Xeon, 0.086 on that EPYC)
+    result = demo.run_demo(demo.Config(task="sort", out=str(tmp_path), quick=True, steps=150), stream=io.StringIO())
     baseline, after_sft, after_rl = result["rows"]
     assert after_sft["exact_match"] > baseline["exact_match"] + 0.1  # SFT taught a partial skill ...
     assert after_sft["exact_match"] < 0.6  # ... only partial
