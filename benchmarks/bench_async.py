@@ -48,7 +48,7 @@ def _run(kind: str, config, split: bool = False) -> float:
         else:
             if split:
                 torch.set_num_threads(half)
-            train_async(config, algorithm="grpo", max_lag=int(kind[-1]), reward_fn=_digits, start_method="forkserver",
+            train_async(config, max_lag=int(kind[-1]), reward_fn=_digits, start_method="forkserver",
                         generator_threads=half if split else threads)
         return time.perf_counter() - start
     finally:

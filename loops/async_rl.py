@@ -3,7 +3,7 @@
 The learner (this process) and a generator process run concurrently::
 
     learner   item t: rollout_t from the queue -> score (reference, reward, the critic's values)
-              -> prepare (advantages, GAE or preference pairs) -> update
+              -> the recipe's learn (advantages, GAE or preference pairs; the update)
               -> push the weights (version t+1) into shared memory
     generator item i: wait until the learner has finished ≥ i − N steps -> copy the newest weights
               -> generate_rollout (behaviour log-probs, POLICY_VERSION stamped) -> the queue
@@ -13,14 +13,13 @@ synchronous loop (the generator waits for every update; same seeds, same paramet
 recipe's own ``step``, minibatch shuffling included); ``N = 1`` overlaps the generation of
 batch ``t+1`` with the update on batch ``t``, the setting of Noukhovitch et al.
 
-The learner's side lives in ``loops.async_learners``: each algorithm is its recipe's own hooks
-(``LEARNERS``), and :func:`~rlcore.loops.async_learners.learn` runs on the generator's rollout
-what the synchronous ``step`` runs after generating (``collect_rollout → prepare → optimise``),
-so sync and async share one code path; everything after generation runs on the learner's current
+The learner's side lives in ``loops.async_learners``: :func:`~rlcore.loops.async_learners.learn_off_policy`
+runs on the generator's rollout what the synchronous ``step`` runs after generating (scoring, then
+the recipe's own ``learn``), so sync and async share one code path; everything after generation runs on the learner's current
 models (PPO's values from its current critic, never a stale one). ``is_clip`` switches on the
 truncated importance correction described there.
 
-Metrics per step: those of ``learn`` (``async/staleness``, ``async/logprob_gap``, ...), and
+Metrics per step: those of ``learn_off_policy`` (``async/staleness``, ``async/logprob_gap``, ...), and
 ``async/wait_s`` (learner idle, waiting for a rollout), ``async/generate_s``, ``async/overlap_s``
 (the rollout's generation time that overlapped learner steps).
 
@@ -48,7 +47,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from rlcore.loops.async_learners import Learner, check_learner, learn
+from rlcore.loops.async_learners import check_learner, learn_off_policy
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
@@ -260,18 +259,18 @@ def rollout_source(handle: GeneratorHandle, source: Callable[[int], Any], seeds:
 
 
 def _async_step(state: TrainState, item: tuple, *, handle: GeneratorHandle, config: Any, tokenizer, reward_fn,
-                learner: Learner, is_clip: float | None) -> tuple[TrainState, TensorDict]:
+                is_clip: float | None) -> tuple[TrainState, TensorDict]:
     start = time.time()
     rows, rollout, timing = item
-    state, metrics = learn(state, rows, rollout.to(config.device), config=config, tokenizer=tokenizer,
-                           reward_fn=reward_fn, learner=learner, is_clip=is_clip)
+    state, metrics = learn_off_policy(state, rows, rollout.to(config.device), config=config, tokenizer=tokenizer,
+                                      reward_fn=reward_fn, is_clip=is_clip)
     push_weights(handle, state.model("policy"), steps_done=state.step + 1, version=state.policy_version)
     handle.learner_rng = state.rng
     handle.learner_spans.append((start, time.time()))
     return state, metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in timing.items()})
 
 
-def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float | None = None, reward_fn=None,
+def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, reward_fn=None,
                 callbacks: Sequence[Callable] = (), start_method: str = "spawn",
                 generator_device: str | None = None,
                 generator_threads: int | None = None) -> tuple[TrainState, list[dict[str, float]]]:
@@ -280,11 +279,11 @@ def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float
     The run is the recipe's (its own state builder, e.g. PPO's critic and KL controller; the
     data, evaluation, checkpoints, logs and resume of ``loops.online.train_online``), with the
     step split between the generator (``generate_rollout`` on a copy of the policy) and the
-    learner (``loops.async_learners.learn`` with the recipe's hooks, ``LEARNERS[algorithm]``).
+    learner (``loops.async_learners.learn_off_policy``: scoring, then the recipe's ``learn``).
 
     Args:
-        config: the recipe's ``Config`` (``loops.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``).
-        algorithm: a key of ``loops.async_learners.LEARNERS`` (checked by ``check_learner``).
+        config: the recipe's ``Config`` (``loops.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``): it names
+            the recipe (``async_learners.recipe_of``).
         max_lag: ``N``: rollouts come from a policy at most ``N`` updates old; 0 is synchronous.
         is_clip: ``C > 0`` of the truncated importance correction, or ``None`` (off); a
             ``ValueError`` for a learner whose loss has no ratio (online DPO).
@@ -295,9 +294,9 @@ def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float
     Returns:
         ``(state, history)`` as the recipe's ``train``; history rows carry the ``async/*`` metrics.
     """
-    learner = check_learner(algorithm, config, is_clip)
+    recipe = check_learner(config, is_clip)
     check_max_lag(max_lag)
-    state, tokenizer = learner.build_state(config)
+    state, tokenizer = recipe.build_state(config)
     if config.run_dir and config.resume:  # resume before the generator copies the weights
         state = resume(config.run_dir, state)
     train_ds, eval_ds = load_splits(config, task_dataset)
@@ -309,10 +308,10 @@ def train_async(config: Any, *, algorithm: str, max_lag: int = 1, is_clip: float
                            start_method=start_method, device=generator_device or config.device,
                            threads=generator_threads) as handle:
         step = functools.partial(_async_step, handle=handle, config=config, tokenizer=tokenizer, reward_fn=reward,
-                                 learner=learner, is_clip=is_clip)
+                                 is_clip=is_clip)
         eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
                                     reward_fn=reward)
         source = rollout_source(handle, prompt_source(train_ds, config), state.rng)
         return run(step, state, source, config=dataclasses.replace(config, resume=False), num_steps=config.steps,
-                   eval_fn=eval_fn, name=f"async-{algorithm}", callbacks=callbacks,
+                   eval_fn=eval_fn, name=f"async-{recipe.__name__.rsplit('.', 1)[-1]}", callbacks=callbacks,
                    save_models=reference_models(config))

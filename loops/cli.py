@@ -77,7 +77,8 @@ def field_docs(cls: type) -> dict[str, str]:
         except (OSError, TypeError):
             continue
         for match in re.finditer(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE):
-            docs[match.group(1)] = match.group(2).strip()
+            if match.group(1) in names:  # a ClassVar is no field
+                docs[match.group(1)] = match.group(2).strip()
     return docs
 
 
@@ -123,7 +124,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.run_async:
         from rlcore.loops.async_rl import train_async
 
-        _, history = train_async(config, algorithm=args.recipe, max_lag=args.max_lag, is_clip=args.is_clip)
+        _, history = train_async(config, max_lag=args.max_lag, is_clip=args.is_clip)
     else:
         _, history = module.train(config)
     if history:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -54,7 +53,7 @@ from rlcore.loops.score import concatenated_forward, precompute_reference_logps,
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import update
-from rlcore.registry import lookup
+from rlcore.checks import bind_keywords, lookup
 
 __all__ = ["Config", "LOSSES", "REFERENCE_FREE", "UNPAIRED", "HYPERPARAMETERS", "bind_loss", "needs_reference",
            "check_reference_sync", "sync_reference", "reference_models", "unpair", "with_reference",
@@ -146,13 +145,8 @@ def bind_loss(config: Config) -> Callable[[TensorDictBase], tuple[torch.Tensor, 
     for a loss that does not take it (naming the loss's parameters).
     """
     fn = lookup(LOSSES, config.loss_type, what="loss_type")
-    accepted = set(inspect.signature(fn).parameters) - {"batch", "loss_type"}
     chosen = {k: getattr(config, k) for k in HYPERPARAMETERS if getattr(config, k) is not None}
-    wrong = sorted(set(chosen) - accepted)
-    if wrong:
-        raise ValueError(f"loss_type {config.loss_type!r} takes no {wrong}; its parameters: {sorted(accepted)} "
-                         "(leave the others unset)")
-    return functools.partial(fn, **chosen)
+    return bind_keywords(fn, chosen, what="loss_type", name=config.loss_type, positional=("batch", "loss_type"))
 
 
 def needs_reference(config: Config) -> bool:

@@ -12,8 +12,6 @@ preference pairs) and the loss; what is the same lives here:
 - :func:`collect_rollout`: ``G`` samples per prompt from the policy, seeded from ``state.rng``
   (:func:`generate_kwargs`, ``loops.collect.draw_seed``), then :func:`score_collected`: reference
   log-probs, optional values, the task reward (or reward model), the seed draw and the counters;
-- :func:`online_step`: a recipe's synchronous step from its hooks (``collect_rollout →
-  prepare → optimise``);
 - :func:`policy_loss_fn`: the ``update`` loss closure of the policy-gradient recipes (log-probs
   through the policy, then any ``(batch, **denominators) -> (loss, metrics)`` loss);
 - :func:`evaluate_policy`: held-out mean reward and exact match (greedy) and KL to the reference
@@ -39,7 +37,7 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from datasets import Dataset
@@ -47,14 +45,16 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from rlcore import keys as K
+from rlcore.baselines import ADVANTAGE_ESTIMATORS
+from rlcore.checks import bind_keywords, lookup
 from rlcore.kl import kl_estimate
 from rlcore.rewards import soft_overlong_penalty
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed, generate_rollout
 from rlcore.loops.data import check_text, text_window, tokenize_example
 from rlcore.loops.fold import to_floats
-from rlcore.loops.models import (combine_rewards, disable_dropout, import_reward_fn, load_model, missing_eos_penalty,
-                                 reward_columns)
+from rlcore.loops.models import (ValueHead, combine_rewards, disable_dropout, import_reward_fn, load_model,
+                                 missing_eos_penalty, reward_columns, token_values)
 from rlcore.loops.recipe import (ModelLoading, autocast_dtype, loading_kwargs, batch_source, build_policy, build_reference,
                                  init_train_state, load_splits, policy_tokenizer, run)
 from rlcore.loops.score import score_rollout, token_logprobs_from_model
@@ -64,19 +64,24 @@ from rlcore.loops.update import update
 from rlcore.masked import masked_sum
 from rlcore.transforms import observed_kl
 
-__all__ = ["OnlineConfig", "make_reward_fn", "exclude_unscored", "check_prompt_data", "check_prompt_lengths",
+__all__ = ["OnlineConfig", "Correction", "advantage_fn", "make_reward_fn", "exclude_unscored", "check_prompt_data", "check_prompt_lengths",
            "build_online_state",
            "prompt_source", "update_sizes",
-           "repeat_columns", "generate_kwargs", "collect_rollout", "score_collected", "online_step",
+           "repeat_columns", "generate_kwargs", "collect_rollout", "critic_values", "score_collected",
            "with_policy_logprobs", "policy_loss_fn", "policy_update", "rollout_metrics",
            "evaluate_policy", "train_online"]
 
 RewardFn = Callable[..., Any]
+# the asynchronous learners' importance correction: a batch with advantages -> (the batch the loss sees, metrics)
+Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
 
 
 @dataclasses.dataclass(frozen=True)
 class OnlineConfig(ModelLoading):
     """Fields shared by every online recipe (a recipe's ``Config`` subclasses this and adds its own)."""
+
+    # whether scoring adds the rollout's per-token reference log-probs (online DPO's pairs get theirs)
+    rollout_ref_logprobs: ClassVar[bool] = True
 
     # --- model ---
     model: str = "tiny-llama"        # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer), or a local path / hub name
@@ -267,9 +272,7 @@ def generate_kwargs(config: Any) -> dict[str, Any]:
 
 
 def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
-                    reward_fn: RewardFn | None, num_samples: int | None = None,
-                    value_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                    reference: bool = True) -> tuple[TrainState, TensorDict]:
+                    reward_fn: RewardFn | None, num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
     """Sample ``G`` responses per prompt and score them: ``(state, rollout)``.
 
     ``generate_rollout(policy, ..., seed=draw_seed(copy of state.rng))`` (``generate_kwargs``), then
@@ -279,7 +282,6 @@ def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: 
     Args:
         rows: a prompt batch, dict of columns with ``prompt`` (``P`` rows).
         num_samples: ``G`` (default ``config.num_samples``).
-        value_fn, reference: scoring options (:func:`score_collected`).
     Returns:
         As :func:`score_collected`: the advanced state and the rollout TensorDict ``[B = P·G]``.
     """
@@ -288,37 +290,49 @@ def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: 
                                  **{**generate_kwargs(config), "num_samples": G},
                                  seed=draw_seed(copy_generator(state.rng)), policy_version=state.policy_version)
     return score_collected(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                           value_fn=value_fn, reference=reference, num_samples=G)
+                           num_samples=G)
+
+
+def critic_values(state: TrainState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """``(input_ids, attention_mask) -> values [B, T]`` of the state's critic ``models["value"]``: a
+    ``ValueHead`` on the policy's trunk, or a model of its own (``loops.models.token_values``);
+    ``None`` when the state holds no critic."""
+    value = state.models.get("value")
+    if value is None:
+        return None
+    if isinstance(value, ValueHead):
+        return functools.partial(token_values, state.model("policy"), head=value)
+    return functools.partial(token_values, value)
 
 
 def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any,
-                    tokenizer, reward_fn: RewardFn | None,
-                    value_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                    reference: bool = True, num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
+                    tokenizer, reward_fn: RewardFn | None, num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
     """``collect_rollout`` after generation: score a rollout sampled from ``rows`` with a seed drawn
     from ``state.rng``, and advance the state past that draw and those samples.
 
-    ``score_rollout`` with the reference (``ref_logprobs``, unless ``reference=False``),
-    ``value_fn`` (``values``) and the reward (``score``: ``reward_fn`` on the decoded texts with
-    the other dataset columns repeated per sample, plus ``state.models["reward"]`` when present);
-    then one ``draw_seed`` from a copy of ``state.rng`` (the seed the rollout was sampled
-    with) and the counters. A rollout generated elsewhere (``loops.async_rl``, ``loops.placement``)
-    with that seed therefore leaves the state exactly as the synchronous ``collect_rollout`` does.
+    ``score_rollout`` with the models the state holds: ``ref_logprobs`` from ``models["ref"]``
+    (unless the recipe's config has ``rollout_ref_logprobs = False``: online DPO's pairs get
+    theirs), ``values`` from a critic (:func:`critic_values`) and ``score`` from the reward
+    (``reward_fn`` on the decoded texts with the other dataset columns repeated per sample, plus
+    ``models["reward"]``); then one ``draw_seed`` from a copy of ``state.rng`` (the seed the
+    rollout was sampled with) and the counters. A rollout generated elsewhere (``loops.async_rl``,
+    ``loops.placement``) with that seed therefore leaves the state exactly as the synchronous
+    ``collect_rollout`` does; a learner whose state holds no reference or reward model (the Ray
+    scorer added those) scores only what it holds.
 
     Args:
         rows: the prompt batch the rollout was sampled from (``P`` rows of columns).
         rollout: ``[B = P·G]`` from ``generate_rollout`` (``loops.collect``).
         reward_fn: ``None`` with no ``state.models["reward"]`` keeps the rollout's ``score`` (if any).
-        value_fn: ``(input_ids, attention_mask) -> [B, T]`` or ``None``.
-        reference: add ``ref_logprobs`` from ``state.models["ref"]``.
         num_samples: ``G`` (default ``config.num_samples``).
     Returns:
         ``(state, rollout)``: the state with the generator advanced by one draw and ``samples_seen``,
         ``episodes`` (``+B``), ``tokens_seen`` (``+Σ response_mask``) advanced (the input state is
         untouched); a shallow copy of the rollout with the scores.
     """
+    reference = state.models.get("ref") if getattr(config, "rollout_ref_logprobs", True) else None
     G = config.num_samples if num_samples is None else num_samples
-    rollout = score_rollout(rollout, ref=state.model("ref") if reference else None, value_fn=value_fn,
+    rollout = score_rollout(rollout, ref=reference, value_fn=critic_values(state),
                             reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                             reward_columns=repeat_columns(rows, G), temperature=config.temperature,
                             rows_per_forward=getattr(config, "forward_batch_size", None))
@@ -361,21 +375,12 @@ def exclude_unscored(rollout: TensorDictBase) -> TensorDictBase:
         K.GROUP_ID: torch.where(unscored, fresh, group)})
 
 
-def online_step(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
-                reward_fn: RewardFn | None, score_options: Callable[[TrainState, Any], dict],
-                prepare: Callable[..., tuple[TrainState, TensorDictBase, dict]],
-                optimise: Callable[..., tuple[TrainState, TensorDict]]) -> tuple[TrainState, TensorDict]:
-    """One synchronous online step from a recipe's hooks: ``collect_rollout(**score_options(state, config))
-    → prepare(state, rollout, config) → optimise(state, batch, config)`` (impure: trains).
-
-    ``loops.async_learners.learn`` runs the same hooks on a rollout generated elsewhere.
-    Returns ``(state, metrics)``: ``optimise``'s metrics updated with ``prepare``'s.
-    """
-    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                                     **score_options(state, config))
-    state, batch, info = prepare(state, rollout, config)
-    state, metrics = optimise(state, batch, config)
-    return state, metrics.update(info)
+def advantage_fn(config: Any) -> Callable[[TensorDictBase], TensorDictBase]:
+    """The estimator a policy-gradient recipe's config selects: ``ADVANTAGE_ESTIMATORS[config.advantage]``
+    (``rlcore.baselines``) with ``config.advantage_kwargs`` bound, each keyword checked against its
+    signature (``rlcore.checks.bind_keywords``). Scored rollout → rollout + ``advantages``, ``returns``."""
+    estimator = lookup(ADVANTAGE_ESTIMATORS, config.advantage, what="advantage")
+    return bind_keywords(estimator, config.advantage_kwargs, what="advantage_kwargs", name=config.advantage)
 
 
 def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0) -> TensorDictBase:
@@ -436,7 +441,7 @@ def policy_update(state: TrainState, rollout: TensorDictBase, loss: Callable[...
     state, metrics = update(state, rollout, loss_fn, **update_sizes(config, rollout.batch_size[0]),
                             autocast_dtype=autocast_dtype(config),
                             epochs=config.epochs, mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
-    return state, metrics.update(rollout_metrics(rollout))
+    return state, metrics
 
 
 def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:

@@ -1,16 +1,16 @@
 """Placement on Ray (the ``rlcore[ray]`` extra): generator, reward scorer and learner as actors.
 
-An online recipe (GRPO, RLOO, PPO, online DPO: ``async_learners.LEARNERS``) split over three Ray
+An online recipe (GRPO, RLOO, PPO, online DPO: ``async_learners.recipe_of``) split over three Ray
 actors that call the plain functions of the single-process loop::
 
     generator  a copy of the policy    generate_rollout(seed, policy_version)        (loops.collect)
     scorer     reference, reward model, workers.compute_log_probs(model="ref"),
                reward function          workers.compute_rewards                       (loops.workers)
-    learner    the recipe's TrainState  learn_placed on the scored rollout (score_collected,
-               (policy, critic, AdamW)  async_learners.learn_scored: the recipe's own hooks
-                                        score_options, prepare, optimise); then the policy's
-                                        CPU state_dict goes to the generator through the
-                                        object store (WeightPush)
+    learner    the recipe's TrainState  async_learners.learn_off_policy on the scored rollout
+               (policy, critic, AdamW)  (score_collected with the models it holds, then the
+                                        recipe's own learn); then the policy's CPU state_dict
+                                        goes to the generator through the object store
+                                        (WeightPush)
 
 The fold itself (``loops.recipe.run``: checkpoints, JSONL logs, evaluation, resume) runs inside
 the learner, which holds the state it threads. For item ``t`` the learner submits
@@ -23,9 +23,9 @@ batch ``t+1`` with the update on batch ``t`` (as ``loops.async_rl``).
 
 Which models sit where: the scorer holds the reward model and adds the reference log-probs of
 the rollout when the recipe scores them there (GRPO, RLOO, PPO); a recipe that asks for none
-(``score_options`` with ``reference=False``: online DPO, whose pairs get theirs in ``prepare``)
-keeps its reference in the learner. PPO's critic stays with the learner, which computes the
-values with its current weights (as ``async_learners.learn`` does).
+(``rollout_ref_logprobs = False``: online DPO, whose pairs get theirs in ``learn``) keeps its
+reference in the learner. PPO's critic stays with the learner, which computes the values with
+its current weights (``score_collected`` scores with the models the learner's state holds).
 
 Weights: each push is checked (``ray.get``) just before the next one and at the end of the run
 (:class:`WeightPush`), so an error in the generator's ``set_weights`` fails the learner's run
@@ -61,20 +61,20 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from rlcore.loops.async_learners import Learner, check_learner, learn_scored
+from rlcore.loops.async_learners import check_learner, learn_off_policy
 from rlcore.loops.async_rl import check_max_lag
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import disable_dropout
 from rlcore.loops.online import (build_online_state, evaluate_policy, generate_kwargs, make_reward_fn,
-                                 prompt_source, repeat_columns, score_collected)
+                                 prompt_source, repeat_columns)
 from rlcore.loops.recipe import build_policy, load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset
 from rlcore.loops.workers import compute_log_probs, compute_rewards
 
-__all__ = ["RAY_INSTALL", "ROLES", "require_ray", "cpu_state_dict", "learn_placed", "WeightPush", "GeneratorWorker",
+__all__ = ["RAY_INSTALL", "ROLES", "require_ray", "cpu_state_dict", "WeightPush", "GeneratorWorker",
            "ScorerWorker", "LearnerWorker", "placed_source", "train_placed"]
 
 RAY_INSTALL = 'pip install "rlcore[ray]"'
@@ -98,21 +98,6 @@ def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _set_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
-
-
-def learn_placed(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any,
-                 learner: Learner, is_clip: float | None = None) -> tuple[TrainState, TensorDict]:
-    """The learner actor's step on a rollout the scorer has scored (``score``, and ``ref_logprobs``
-    when the learner's ``score_options`` ask for them): the rest of ``async_learners.learn``.
-
-    ``loops.online.score_collected`` with only what the learner's own models add (PPO's values:
-    ``learner.score_options`` with no reference, no reward function, and the state holds no
-    reward model), which replays the seed draw and advances the counters; then
-    ``async_learners.learn_scored``. Impure (trains).
-    """
-    options = {**learner.score_options(state, config), "reference": False}  # the scorer added ref_logprobs
-    state, rollout = score_collected(state, rows, rollout, config=config, tokenizer=None, reward_fn=None, **options)
-    return learn_scored(state, rollout, config=config, learner=learner, is_clip=is_clip)
 
 
 class WeightPush:
@@ -218,14 +203,14 @@ def placed_source(generator, scorer, prompts: Callable[[int], Any], seeds: torch
     return start_at
 
 
-def _placed_step(state: TrainState, item: tuple, *, weights: WeightPush, config: Any, learner: Learner,
+def _placed_step(state: TrainState, item: tuple, *, weights: WeightPush, config: Any, tokenizer,
                  is_clip: float | None) -> tuple[TrainState, TensorDict]:
     rows, ref = item
     start = time.time()
     rollout = weights.ray.get(ref)
     wait = time.time() - start
-    state, metrics = learn_placed(state, rows, rollout.to(config.device), config=config, learner=learner,
-                                  is_clip=is_clip)
+    state, metrics = learn_off_policy(state, rows, rollout.to(config.device), config=config, tokenizer=tokenizer,
+                                      is_clip=is_clip)
     push_wait = weights.push(state.model("policy"), state.policy_version)
     return state, metrics.update({"placed/wait_s": torch.tensor(wait, dtype=torch.float64),
                                   "placed/push_wait_s": torch.tensor(push_wait, dtype=torch.float64)})
@@ -234,15 +219,15 @@ def _placed_step(state: TrainState, item: tuple, *, weights: WeightPush, config:
 class LearnerWorker:
     """Holds the ``TrainState`` (policy, optimiser, schedule, counters, rng) and runs the fold."""
 
-    def __init__(self, config: Any, *, algorithm: str, is_clip: float | None = None, threads: int | None = None):
+    def __init__(self, config: Any, *, is_clip: float | None = None, threads: int | None = None):
         _set_threads(threads)
-        self.config, self.algorithm, self.is_clip = config, algorithm, is_clip
-        self.learner = check_learner(algorithm, config, is_clip)
-        state, _ = self.learner.build_state(config)
+        self.config, self.is_clip = config, is_clip
+        self.recipe = check_learner(config, is_clip)
+        state, self.tokenizer = self.recipe.build_state(config)
         if config.run_dir and config.resume:  # before the first weights go to the generator
             state = resume(config.run_dir, state)
-        # the scorer holds the reward model, and the reference unless prepare needs it here
-        self.reference = self.learner.score_options(state, config).get("reference", True)
+        # the scorer holds the reward model, and the reference unless learn needs it here
+        self.reference = config.rollout_ref_logprobs
         moved = ("reward", "ref") if self.reference else ("reward",)
         self.state = dataclasses.replace(state, models={k: v for k, v in state.models.items() if k not in moved})
 
@@ -254,7 +239,7 @@ class LearnerWorker:
         weights = WeightPush(ray, generator)
         weights.push(state.model("policy"), state.policy_version)
         weights.wait()  # the first weights are in place before any generation
-        step = functools.partial(_placed_step, weights=weights, config=config, learner=self.learner,
+        step = functools.partial(_placed_step, weights=weights, config=config, tokenizer=self.tokenizer,
                                  is_clip=self.is_clip)
         source = placed_source(generator, scorer, prompt_source(load_splits(config, task_dataset)[0], config),
                                state.rng, max_lag=max_lag, reference=self.reference)
@@ -263,7 +248,7 @@ class LearnerWorker:
             return ray.get(scorer.evaluate.remote(cpu_state_dict(s.model("policy"))))
 
         self.state, history = run(step, state, source, config=dataclasses.replace(config, resume=False),
-                                  num_steps=config.steps, eval_fn=eval_fn, name=f"placed-{self.algorithm}",
+                                  num_steps=config.steps, eval_fn=eval_fn, name=f"placed-{self.recipe.__name__.rsplit('.', 1)[-1]}",
                                   callbacks=callbacks)
         weights.wait()  # the last push: its error fails the run too
         return self.state, history
@@ -279,7 +264,7 @@ def _per_role(value: float | Mapping[str, float], name: str) -> dict[str, float]
     return dict(value)
 
 
-def train_placed(config: Any, *, algorithm: str = "grpo", max_lag: int = 0, is_clip: float | None = None,
+def train_placed(config: Any, *, max_lag: int = 0, is_clip: float | None = None,
                  reward_fn: Callable | None = None, callbacks: Sequence[Callable] = (),
                  num_cpus: float | Mapping[str, float] = 0.5, num_gpus: float | Mapping[str, float] = 0,
                  threads: int | None = None, address: str | None = None) -> tuple[TrainState, list[dict[str, float]]]:
@@ -292,9 +277,8 @@ def train_placed(config: Any, *, algorithm: str = "grpo", max_lag: int = 0, is_c
     Args:
         config: the recipe's ``Config`` (``loops.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``); a relative
             ``run_dir`` is made absolute here (the learner writes it, on its node).
-        algorithm: a key of ``async_learners.LEARNERS`` (``async_learners.check_learner``).
         max_lag: ``N ≥ 0``: rollouts come from a policy at most ``N`` updates old; 0 is synchronous.
-        is_clip: ``C`` of the truncated importance correction (``async_learners.learn_scored``), or ``None``.
+        is_clip: ``C`` of the truncated importance correction (``async_learners.learn_off_policy``), or ``None``.
         reward_fn: overrides the task reward (runs in the scorer: it must pickle).
         callbacks: extra fold callbacks; they run in the learner (they must pickle).
         num_cpus, num_gpus: Ray resources per actor, one number or a mapping of every role in
@@ -307,7 +291,7 @@ def train_placed(config: Any, *, algorithm: str = "grpo", max_lag: int = 0, is_c
         (staleness, behaviour-vs-learner gap), ``placed/wait_s`` (the learner waiting for a
         scored rollout) and ``placed/push_wait_s`` (waiting for the previous weight push).
     """
-    check_learner(algorithm, config, is_clip)
+    check_learner(config, is_clip)
     check_max_lag(max_lag)
     cpus, gpus = _per_role(num_cpus, "num_cpus"), _per_role(num_gpus, "num_gpus")
     ray = require_ray()
@@ -326,7 +310,7 @@ def train_placed(config: Any, *, algorithm: str = "grpo", max_lag: int = 0, is_c
     try:
         generator = place(GeneratorWorker, "generator", config)
         scorer = place(ScorerWorker, "scorer", config, reward_fn=reward_fn)
-        learner_actor = place(LearnerWorker, "learner", config, algorithm=algorithm, is_clip=is_clip)
+        learner_actor = place(LearnerWorker, "learner", config, is_clip=is_clip)
         return ray.get(learner_actor.train.remote(generator, scorer, max_lag=max_lag, callbacks=tuple(callbacks)))
     finally:
         for actor in actors:

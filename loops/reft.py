@@ -14,10 +14,9 @@ therefore the reference policy for free (``"ref"`` is the same object: no copy).
 - GRPO / RLOO (``reft_grpo_step`` / ``reft_rloo_step`` with ``train_reft_online``): the policy is a
   ``ReftModel`` (``{"policy": ReftModel(base), "ref": base}``), so the online recipes' collection
   and evaluation generate with the interventions at the prompt positions (with a KV cache only the
-  prompt is edited, ``rlcore.loops.reft_model``); the steps are the recipes' own hooks
-  (``grpo.prepare`` / ``rloo.prepare``, ``grpo_loss_fn`` / ``rloo_loss_fn``) through
-  ``loops.online.online_step``, with the rollout's locations added and the loss closure
-  ``loops.online.policy_loss_fn`` run inside ``intervened``.
+  prompt is edited, ``rlcore.loops.reft_model``); each step is the recipe's own
+  ``collect_rollout`` then ``learn`` (``grpo.learn`` / ``rloo.learn``), with the rollout's
+  locations added and the loss closure ``loops.online.policy_loss_fn`` run inside ``intervened``.
 
 ``train_reft_sft(config)`` runs the SFT recipe from a ``ReftConfig`` (``configs/reft_sft.yaml`` via
 ``load_config``) with the scaffolding of ``rlcore.loops.recipe``.
@@ -45,7 +44,7 @@ from rlcore.loops.dpo import preference_loss_fn, with_reference
 from rlcore.loops.data import tokenize_dataset
 from rlcore.loops import grpo, rloo
 from rlcore.loops.models import pad_token_id
-from rlcore.loops.online import online_step, policy_update, train_online
+from rlcore.loops.online import collect_rollout, train_online
 from rlcore.loops.checkpoint import load_checkpoint
 from rlcore.loops.recipe import (ModelLoading, batch_source, build_policy, init_train_state, load_splits,
                                  policy_tokenizer, run)
@@ -134,34 +133,27 @@ def reft_dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, c
     return advance(state, samples_seen=batch.batch_size[0]), metrics
 
 
-def _reft_online_step(recipe: ModuleType, loss_fn: Callable[[Any], Callable], state: TrainState, rows: dict, *,
-                      config: Any, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
-    """``recipe.step`` with the rollout's intervention locations and the loss inside ``intervened``."""
-    def prepare(state: TrainState, rollout: TensorDictBase, config: Any):
-        return recipe.prepare(state, with_intervention_locations(rollout, state.model("policy").spec), config)
-
-    def optimise(state: TrainState, batch: TensorDictBase, config: Any):
-        return policy_update(state, batch, loss_fn(config), config=config, wrap_loss=with_interventions)
-
-    return online_step(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                       score_options=recipe.score_options, prepare=prepare, optimise=optimise)
+def _reft_online_step(recipe: ModuleType, state: TrainState, rows: dict, *, config: Any, tokenizer,
+                      reward_fn) -> tuple[TrainState, TensorDict]:
+    """``recipe.step`` for a ``ReftModel`` policy: the rollout gains its intervention locations and
+    ``recipe.learn``'s loss runs inside ``intervened``."""
+    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    rollout = with_intervention_locations(rollout, state.model("policy").spec)
+    return recipe.learn(state, rollout, config, wrap_loss=with_interventions)
 
 
 def reft_grpo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
                    reward_fn) -> tuple[TrainState, TensorDict]:
     """``loops.grpo.step`` for a ``ReftModel`` policy: collect (intervened generation, base reference),
-    ``grpo.prepare`` (group advantages), update of the interventions with ``grpo.grpo_loss_fn``
-    inside ``intervened``."""
-    return _reft_online_step(grpo, grpo.grpo_loss_fn, state, rows, config=config, tokenizer=tokenizer,
-                             reward_fn=reward_fn)
+    then ``grpo.learn`` (group advantages, the update of the interventions inside ``intervened``)."""
+    return _reft_online_step(grpo, state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
 
 
 def reft_rloo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
                    reward_fn) -> tuple[TrainState, TensorDict]:
-    """``loops.rloo.step`` for a ``ReftModel`` policy: ``rloo.prepare`` (KL-penalised rewards against
-    the base model, leave-one-out advantages), ``rloo.rloo_loss_fn`` inside ``intervened``."""
-    return _reft_online_step(rloo, rloo.rloo_loss_fn, state, rows, config=config, tokenizer=tokenizer,
-                             reward_fn=reward_fn)
+    """``loops.rloo.step`` for a ``ReftModel`` policy: ``rloo.learn`` (KL-penalised rewards against
+    the base model, leave-one-out advantages, the update inside ``intervened``)."""
+    return _reft_online_step(rloo, state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
 
 
 def reft_online_models(spec: ReftSpec, *, zero_init: bool = False, seed: int = 0) -> Callable[[nn.Module], dict]:

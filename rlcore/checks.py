@@ -7,7 +7,9 @@ exception: it reads values, and is meant for the loop boundary (``loops/``), not
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -21,6 +23,7 @@ __all__ = [
     "check_finite",
     "NonFiniteError",
     "lookup",
+    "bind_keywords",
 ]
 
 
@@ -128,3 +131,24 @@ def lookup(registry: Mapping[str, V], name: str, *, what: str = "name") -> V:
         return registry[name]
     except KeyError:
         raise ValueError(f"{what}: unknown {name!r}; valid: {sorted(registry)}") from None
+
+
+def bind_keywords(fn: Callable[..., Any], keywords: Mapping[str, Any], *, what: str, name: str,
+                  positional: Sequence[str] = ("batch",)) -> Callable[..., Any]:
+    """``functools.partial(fn, **keywords)`` after checking every keyword is a parameter of ``fn``
+    (other than the ``positional`` ones the caller passes): a registry entry chosen by ``name``
+    with its hyper-parameters from a config, as ``advantage`` / ``advantage_kwargs``.
+
+    >>> def estimator(batch, *, gamma=1.0): ...
+    >>> bind_keywords(estimator, {"lam": 0.9}, what="advantage_kwargs", name="gae")
+    Traceback (most recent call last):
+    ...
+    ValueError: advantage_kwargs: 'gae' takes no ['lam']; its parameters: ['gamma']
+    """
+    if not isinstance(keywords, Mapping) or not all(isinstance(k, str) for k in keywords):
+        raise ValueError(f"{what}: expected a mapping of keyword: value, got {keywords!r}")
+    accepted = set(inspect.signature(fn).parameters) - set(positional)
+    wrong = sorted(set(keywords) - accepted)
+    if wrong:
+        raise ValueError(f"{what}: {name!r} takes no {wrong}; its parameters: {sorted(accepted)}")
+    return functools.partial(fn, **keywords)

@@ -1,5 +1,7 @@
 """What the online-recipe tests share: a tiny configuration and a trivially learnable reward."""
 
+import torch
+
 TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=64, num_eval=16, max_new_tokens=8, run_dir=None)
 
 
@@ -12,3 +14,9 @@ def digit_fraction(prompts, completions, **_):
     the wrong samples) does not. As a judge it nearly always separates a group's best and worst.
     """
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def flat_models(state):
+    """Every model's parameters (policy, reference, critic), in name order."""
+    return torch.cat([p.detach().reshape(-1) for name in sorted(state.models)
+                      for p in state.models[name].parameters()])

@@ -16,12 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlcore import keys as K
-from rlcore.loops import async_rl, grpo, online_dpo, ppo, rloo
-from rlcore.loops.async_learners import (LEARNERS, check_learner, learn, learn_scored, off_policy_metrics,
-                                         truncated_importance_weights, with_importance_correction)
+from rlcore.loops import async_rl, grpo, online_dpo, ppo, rloo, sft
+from rlcore.loops.async_learners import (check_learner, importance_correction, learn_off_policy, off_policy_metrics,
+                                         recipe_of, truncated_importance_weights, with_importance_correction)
 from rlcore.loops.async_rl import check_max_lag, train_async
 from rlcore.loops.checkpoint import list_checkpoints, load_checkpoint
+from rlcore.loops.reft_recipes import ReftGrpoConfig
 from rlcore.testing import assert_padding_invariant, assert_pure, make_rollout, right_padded_mask
+from tests.loops.online_helpers import flat_models
 
 METHOD = "forkserver"
 
@@ -123,80 +125,61 @@ def test_off_policy_metrics_golden():
     assert float(m["async/logprob_abs_gap"]) == pytest.approx((0.5 + 1.0 + 1.0) / 3)
 
 
-def test_unknown_algorithm_lists_the_learners():
-    with pytest.raises(ValueError, match=r"algorithm.*'a2c'.*\['grpo', 'online_dpo', 'ppo', 'rloo'\]"):
-        train_async(grpo.Config(), algorithm="a2c")
-    assert sorted(LEARNERS) == ["grpo", "online_dpo", "ppo", "rloo"]
-
-
 @pytest.mark.parametrize("recipe", [grpo, rloo, ppo, online_dpo])
-def test_learners_are_the_recipes_own_hooks(recipe):
-    """One code path: the learner runs the functions the synchronous step runs."""
-    learner = LEARNERS[recipe.__name__.rsplit(".", 1)[-1]]
-    assert (learner.config, learner.build_state, learner.score_options, learner.prepare, learner.optimise) == \
-        (recipe.Config, recipe.build_state, recipe.score_options, recipe.prepare, recipe.optimise)
+def test_the_learner_is_the_recipe_found_from_its_config(recipe):
+    """One code path: the learner runs the recipe's own ``learn``; no recipe is named anywhere else."""
+    assert recipe_of(recipe.Config()) is recipe and check_learner(recipe.Config(), None) is recipe
 
 
 def test_ratio_levels_for_is_clip():
-    assert LEARNERS["ppo"].level(ppo.Config()) == "token"
-    assert LEARNERS["rloo"].level(rloo.Config()) == "sequence_sum"
-    assert LEARNERS["grpo"].level(grpo.Config()) == "token"
-    assert LEARNERS["grpo"].level(grpo.Config(loss_type="gspo")) == "sequence"
-    assert LEARNERS["online_dpo"].level is None
+    assert ppo.Config().ratio_level == "token"
+    assert rloo.Config().ratio_level == "sequence_sum"
+    assert grpo.Config().ratio_level == "token"
+    assert grpo.Config(loss_type="gspo").ratio_level == "sequence"
+    assert online_dpo.Config().ratio_level is None
 
 
 def test_bad_arguments_fail_before_any_process(monkeypatch):
     monkeypatch.setattr(async_rl, "generator_process", None)  # reaching it would raise TypeError
     with pytest.raises(ValueError, match=r"is_clip: 'online_dpo' has no importance ratio"):
-        train_async(online_dpo.Config(), algorithm="online_dpo", is_clip=2.0)
+        train_async(online_dpo.Config(), is_clip=2.0)
     with pytest.raises(ValueError, match=r"is_clip: expected C > 0"):
-        train_async(ppo.Config(), algorithm="ppo", is_clip=0.0)
-    with pytest.raises(TypeError, match=r"config: algorithm 'ppo' needs a rlcore.loops.ppo.Config, got "
-                                        r"rlcore.loops.grpo.Config"):
-        train_async(grpo.Config(), algorithm="ppo")
+        train_async(ppo.Config(), is_clip=0.0)
+    with pytest.raises(TypeError, match=r"config: expected the Config of an online recipe .* got "
+                                        r"rlcore.loops.sft.Config"):
+        train_async(sft.Config())
+    with pytest.raises(TypeError, match=r"got rlcore.loops.reft_recipes.ReftGrpoConfig"):  # not grpo's learn
+        train_async(ReftGrpoConfig())
     with pytest.raises(ValueError, match="value_model: unknown 'tied'"):  # the recipe's own checks
-        train_async(ppo.Config(value_model="tied"), algorithm="ppo")
+        train_async(ppo.Config(value_model="tied"))
     with pytest.raises(ValueError, match="num_samples: online DPO"):
-        train_async(online_dpo.Config(num_samples=1), algorithm="online_dpo")
+        train_async(online_dpo.Config(num_samples=1))
     with pytest.raises(ValueError, match=r"max_lag: expected an int ≥ 0, got -1"):
-        train_async(grpo.Config(), algorithm="grpo", max_lag=-1)
-    dpo_learner = LEARNERS["online_dpo"]  # learn and learn_scored check before scoring or training
-    with pytest.raises(ValueError, match="is_clip: this learner's loss has no importance ratio"):
-        learn(None, {}, None, config=online_dpo.Config(), tokenizer=None, reward_fn=None, learner=dpo_learner,
-              is_clip=1.0)
-    with pytest.raises(ValueError, match="is_clip: this learner's loss has no importance ratio"):
-        learn_scored(None, None, config=online_dpo.Config(), learner=dpo_learner, is_clip=1.0)
-
-
-@pytest.mark.parametrize("algorithm, config, is_clip", [("grpo", grpo.Config(), None), ("grpo", grpo.Config(), 2.0),
-                                                        ("ppo", ppo.Config(), 0.5), ("rloo", rloo.Config(), 1.0),
-                                                        ("online_dpo", online_dpo.Config(), None)])
-def test_check_learner_returns_the_recipe_learner(algorithm, config, is_clip):
-    assert check_learner(algorithm, config, is_clip) is LEARNERS[algorithm]
+        train_async(grpo.Config(), max_lag=-1)
+    with pytest.raises(ValueError, match="is_clip: 'online_dpo' has no importance ratio"):  # before scoring
+        learn_off_policy(None, {}, None, config=online_dpo.Config(), is_clip=1.0)
 
 
 def test_check_learner_and_max_lag_errors_name_the_argument():
-    with pytest.raises(ValueError, match=r"algorithm: unknown 'a2c'; valid: \['grpo', 'online_dpo', 'ppo', 'rloo'\]"):
-        check_learner("a2c", grpo.Config(), None)
-    with pytest.raises(TypeError, match=r"config: algorithm 'grpo' needs a rlcore.loops.grpo.Config, got "
-                                        r"rlcore.loops.rloo.Config"):
-        check_learner("grpo", rloo.Config(), None)
+    with pytest.raises(TypeError, match=r"config: expected the Config of an online recipe"):
+        check_learner(object(), None)
     with pytest.raises(ValueError, match=r"is_clip: 'online_dpo' has no importance ratio to correct"):
-        check_learner("online_dpo", online_dpo.Config(), 1.0)
+        check_learner(online_dpo.Config(), 1.0)
     for bad in (0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match=r"is_clip: expected C > 0 or None for 'rloo', got"):
-            check_learner("rloo", rloo.Config(), bad)
+        with pytest.raises(ValueError, match=r"is_clip: expected C > 0 or None, got"):
+            check_learner(rloo.Config(), bad)
     for bad in (-1, 1.0, True, None):
         with pytest.raises(ValueError, match=r"max_lag: expected an int ≥ 0, got"):
             check_max_lag(bad)
     assert check_max_lag(0) is None and check_max_lag(3) is None
 
 
-def test_learn_is_score_collected_then_learn_scored():
-    """``learn`` = ``online.score_collected`` (the recipe's scoring options) then ``learn_scored``."""
+def test_learn_off_policy_is_score_collected_then_the_recipes_learn():
+    """``learn_off_policy`` = ``online.score_collected`` then ``ppo.learn`` with the importance correction
+    of the learner's own log-probs at PPO's ratio level."""
     from rlcore.loops.chunks import generate_in_chunks
     from rlcore.loops.collect import draw_seed
-    from rlcore.loops.online import generate_kwargs, score_collected
+    from rlcore.loops.online import generate_kwargs, score_collected, with_policy_logprobs
     from rlcore.loops.state import copy_generator
 
     config = ppo.Config(**TINY, num_samples=2, steps=1, lr=1e-2)
@@ -208,17 +191,21 @@ def test_learn_is_score_collected_then_learn_scored():
         rollout = generate_in_chunks(state.model("policy"), tokenizer, rows["prompt"], **generate_kwargs(config),
                                      seed=draw_seed(copy_generator(state.rng)), policy_version=0)
         if split:
-            state, scored = score_collected(state, rows, rollout, config=config, tokenizer=tokenizer,
-                                            reward_fn=digits, **ppo.score_options(state, config))
-            results.append(learn_scored(state, scored, config=config, learner=LEARNERS["ppo"], is_clip=2.0))
+            state, scored = score_collected(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=digits)
+            with torch.no_grad():
+                prox = with_policy_logprobs(state.model("policy"), scored)[K.LOGPROBS]
+            stats = off_policy_metrics(scored, prox, state.policy_version)
+            state, metrics = ppo.learn(state, scored, config,
+                                       correction=importance_correction(prox, clip=2.0, level="token"))
+            results.append((state, metrics.update(stats)))
         else:
-            results.append(learn(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=digits,
-                                 learner=LEARNERS["ppo"], is_clip=2.0))
+            results.append(learn_off_policy(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=digits,
+                                            is_clip=2.0))
     (a, ma), (b, mb) = results
     assert torch.equal(flat_models(a), flat_models(b)) and torch.equal(a.rng.get_state(), b.rng.get_state())
     assert (a.samples_seen, a.tokens_seen, a.policy_version) == (b.samples_seen, b.tokens_seen, b.policy_version)
     assert set(ma.keys()) == set(mb.keys()) and all(torch.equal(ma[k], mb[k]) for k in ma.keys())
-    assert "async/is_weight" in ma.keys() and "kl_coef" in ma.keys()  # correction on, prepare's metrics kept
+    assert "async/is_weight" in ma.keys() and "kl_coef" in ma.keys()  # correction on, learn's metrics kept
 
 
 # --- the loop ---------------------------------------------------------------------------------------
@@ -235,12 +222,6 @@ def flat(state):
     return torch.cat([p.detach().reshape(-1) for p in state.model().parameters()])
 
 
-def flat_models(state):
-    """Every model's parameters (policy, reference, critic), in name order."""
-    return torch.cat([p.detach().reshape(-1) for name in sorted(state.models)
-                      for p in state.models[name].parameters()])
-
-
 NO_LAG_CASES = [(grpo, {}), (rloo, {}), (grpo, {"minibatch_size": 4, "epochs": 2}),  # shuffled minibatches
                 (ppo, {}), (ppo, {"value_model": "separate", "minibatch_size": 4}), (online_dpo, {}),
                 # LoRA policies: the generator's copy carries the adapter, the reference is the adapter off
@@ -255,7 +236,7 @@ def test_no_lag_reproduces_the_synchronous_recipe(recipe, extra):
     and the same metrics as the recipe's own synchronous step."""
     config = recipe.Config(**TINY, num_samples=4, steps=3, lr=1e-2, **extra)
     sync_state, sync_hist = recipe.train(config, reward_fn=digits)
-    state, hist = train_async(config, algorithm=recipe.__name__.rsplit(".", 1)[-1], max_lag=0, reward_fn=digits,
+    state, hist = train_async(config, max_lag=0, reward_fn=digits,
                               start_method=METHOD)
     assert torch.equal(flat_models(state), flat_models(sync_state))
     assert (state.step, state.policy_version, state.samples_seen, state.tokens_seen, state.optimizer_steps) == \
@@ -270,7 +251,7 @@ def test_no_lag_reproduces_the_synchronous_recipe(recipe, extra):
 
 def test_one_step_lag_overlaps_and_still_learns():
     config = grpo.Config(**TINY, num_samples=4, steps=24, lr=1e-2)
-    state, hist = train_async(config, algorithm="grpo", max_lag=1, is_clip=2.0, reward_fn=digits, start_method=METHOD)
+    state, hist = train_async(config, max_lag=1, is_clip=2.0, reward_fn=digits, start_method=METHOD)
     assert state.step == 24 and state.policy_version == 24
     assert sum(h["async/overlap_s"] for h in hist) > 0  # generation of t+1 ran during the update on t
     assert all(h["async/staleness_max"] <= 1 for h in hist) and hist[-1]["async/staleness"] == 1
@@ -283,15 +264,15 @@ def test_one_step_lag_overlaps_and_still_learns():
                          ids=["ppo-is_clip", "ppo", "online_dpo"])
 def test_one_step_lag_records_staleness_and_versions(recipe, is_clip, monkeypatch):
     """N = 1: rollout t comes from version t − 1 or t (0 for the first), as the metrics say."""
-    seen, real_learn = [], async_rl.learn  # the name train_async's step calls
+    seen, real_learn = [], async_rl.learn_off_policy  # the name train_async's step calls
 
     def recording_learn(state, rows, rollout, **kwargs):
         seen.append((state.policy_version, rollout[K.POLICY_VERSION].unique().tolist()))
         return real_learn(state, rows, rollout, **kwargs)
 
-    monkeypatch.setattr(async_rl, "learn", recording_learn)
+    monkeypatch.setattr(async_rl, "learn_off_policy", recording_learn)
     config = recipe.Config(**TINY, num_samples=2, steps=5, lr=1e-2)
-    state, hist = train_async(config, algorithm=recipe.__name__.rsplit(".", 1)[-1], max_lag=1, is_clip=is_clip,
+    state, hist = train_async(config, max_lag=1, is_clip=is_clip,
                               reward_fn=digits, start_method=METHOD)
     assert state.step == 5 and len(seen) == 5 and seen[0] == (0, [0])
     for (learner_version, (rollout_version,)), h in zip(seen, hist):
@@ -309,7 +290,7 @@ def test_correction_keeps_the_behaviour_rollout_metrics(monkeypatch):
     """With is_clip the loss sees old_logprobs = π_prox, the logged rollout/kl_ref stays π_b's."""
     config = grpo.Config(**TINY, num_samples=2, steps=1, lr=1e-2, kl_coef=0.1)
     _, sync_hist = grpo.train(config, reward_fn=digits)
-    _, hist = train_async(config, algorithm="grpo", max_lag=0, is_clip=1.0, reward_fn=digits, start_method=METHOD)
+    _, hist = train_async(config, max_lag=0, is_clip=1.0, reward_fn=digits, start_method=METHOD)
     assert hist[0]["rollout/kl_ref"] == sync_hist[0]["rollout/kl_ref"]
 
 
@@ -346,7 +327,7 @@ def test_interrupted_learner_leaves_no_process_and_no_partial_checkpoint(tmp_pat
             raise error("learner interrupted")
 
     with recorded_generator(monkeypatch) as handles, pytest.raises(error, match="learner interrupted"):
-        train_async(config, algorithm=recipe.__name__.rsplit(".", 1)[-1], max_lag=1, reward_fn=digits,
+        train_async(config, max_lag=1, reward_fn=digits,
                     callbacks=[fail_at_step_3], start_method=METHOD)
     assert len(handles) == 1
     assert_stopped(handles[0])
@@ -369,7 +350,7 @@ def test_interrupt_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkey
 
     monkeypatch.setattr(checkpoint, "_write_manifest", interrupted)
     with recorded_generator(monkeypatch) as handles, pytest.raises(KeyboardInterrupt):
-        train_async(config, algorithm="grpo", max_lag=1, reward_fn=digits, start_method=METHOD)
+        train_async(config, max_lag=1, reward_fn=digits, start_method=METHOD)
     assert_stopped(handles[0])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "metrics.jsonl"]
 
@@ -377,5 +358,5 @@ def test_interrupt_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkey
 def test_generator_failure_is_raised_in_the_learner(monkeypatch):
     config = grpo.Config(**TINY, num_samples=2, steps=3, sampler="no-such-sampler")  # generate_rollout raises in the child
     with recorded_generator(monkeypatch) as handles, pytest.raises(RuntimeError, match="generator process failed"):
-        train_async(config, algorithm="grpo", max_lag=1, reward_fn=digits, start_method=METHOD)
+        train_async(config, max_lag=1, reward_fn=digits, start_method=METHOD)
     assert_stopped(handles[0])

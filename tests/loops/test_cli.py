@@ -105,7 +105,7 @@ def test_train_async_from_the_cli(tmp_path, capsys):
                      "--num_train", "8", "--num_eval", "4", "--max_new_tokens", "4", "--run_dir", str(run)]) == 0
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final"]
     assert "async/staleness" in final and final["optimizer_steps"] >= 1
-    with pytest.raises(ValueError, match=r"algorithm: unknown 'sft'"):
+    with pytest.raises(TypeError, match=r"config: expected the Config of an online recipe .* got rlcore.loops.sft.Config"):
         cli.main(["train", "sft", "--async", "--steps", "1", "--run_dir", "null"])
 
 

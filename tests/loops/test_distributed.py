@@ -167,12 +167,12 @@ PPO_STATS = dict(normalize=True, kl_controller="adaptive", kl_coef=0.2, target=0
 
 
 def ppo_statistics(rollouts):
-    """``ppo.prepare`` on each rollout in turn: the KL coefficient, score moments and processed scores."""
+    """``ppo.rewards_and_advantages`` on each rollout in turn: the KL coefficient, score moments and processed scores."""
     config = ppo.Config(**PPO_STATS)
     state = init_state({}, transforms={"kl": ppo.kl_controller("adaptive")[0](0.2), "score_moments": running_moments_init()})
     seen = {}
     for i, rollout in enumerate(rollouts):
-        state, prepared, _ = ppo.prepare(state, rollout, config)
+        state, prepared, _ = ppo.rewards_and_advantages(state, rollout, config)
         moments = state.transforms["score_moments"]
         seen[f"ppo/{i}/coef"] = torch.as_tensor(state.transforms["kl"].coef, dtype=DT).reshape(1)
         seen[f"ppo/{i}/moments"] = torch.stack([moments.count.to(DT), moments.mean, moments.m2])

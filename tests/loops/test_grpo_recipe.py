@@ -63,7 +63,8 @@ def test_unknown_loss_type_fails_before_building():
 
 @pytest.mark.parametrize("scale", ["group", "none"])
 def test_advantages_are_group_relative(monkeypatch, scale):
-    config = grpo.Config(**TINY, steps=1, batch_size=3, num_samples=4, lr=1e-3, scale=scale, eps=0.0)
+    config = grpo.Config(**TINY, steps=1, batch_size=3, num_samples=4, lr=1e-3,
+                         advantage_kwargs={"scale": scale, "eps": 0.0})
     state, tokenizer = build_online_state(config)
     rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
     seen = []
@@ -84,6 +85,23 @@ def test_advantages_are_group_relative(monkeypatch, scale):
     for i, a in enumerate(expected.reshape(-1).float()):
         torch.testing.assert_close(batch[K.ADVANTAGES][i][mask[i]], a.expand(int(mask[i].sum())))
     assert state.optimizer_steps == 1 and math.isfinite(float(metrics["loss"]))
+
+
+def test_the_advantage_estimator_is_chosen_by_name():
+    """``advantage: dr_grpo`` is ``grpo`` with ``{scale: none}``: the same training, bit for bit; an
+    unknown estimator or keyword is refused before any model is built."""
+    config = grpo.Config(**TINY, steps=2, batch_size=2, num_samples=4, lr=1e-2)
+    runs = [grpo.train(dataclasses.replace(config, **kw), reward_fn=digit_fraction)[0]
+            for kw in ({"advantage": "dr_grpo"}, {"advantage_kwargs": {"scale": "none"}}, {})]
+    named, keyword, default = ([p.detach().clone() for p in s.model("policy").parameters()] for s in runs)
+    assert all(torch.equal(a, b) for a, b in zip(named, keyword))
+    assert not all(torch.equal(a, b) for a, b in zip(named, default))  # σ-scaling changes the update
+    with pytest.raises(ValueError, match=r"advantage: unknown 'a2c'"):
+        grpo.train(dataclasses.replace(config, advantage="a2c"))
+    with pytest.raises(ValueError, match=r"advantage_kwargs: 'grpo' takes no \['lam'\]"):
+        grpo.train(dataclasses.replace(config, advantage_kwargs={"lam": 0.9}))
+    with pytest.raises(ValueError, match=r"advantage_kwargs: expected a mapping"):
+        grpo.train(dataclasses.replace(config, advantage_kwargs=["scale"]))
 
 
 def test_yaml_config_loads_and_runs(tmp_path):

@@ -9,16 +9,18 @@ from tensordict import TensorDict
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import grpo_loss
 from rlcore.loops.chunks import generate_in_chunks
+from rlcore.loops import grpo, online_dpo, ppo, rloo
 from rlcore.loops.collect import draw_seed
+from rlcore.loops.models import ValueHead
 from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, evaluate_policy,
-                                 generate_kwargs, make_reward_fn, online_step, policy_loss_fn, prompt_source,
+                                 generate_kwargs, make_reward_fn, policy_loss_fn, prompt_source,
                                  repeat_columns, rollout_metrics, score_collected, with_policy_logprobs)
 from rlcore.loops.state import copy_generator
 from rlcore.loops.recipe import load_splits
 from rlcore.loops.score import token_logprobs_from_model
 from rlcore.loops.tasks import task_dataset
 from rlcore.testing import assert_pure
-from tests.loops.online_helpers import digit_fraction
+from tests.loops.online_helpers import digit_fraction, flat_models
 
 TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=32, num_eval=6, max_new_tokens=6, batch_size=4,
             num_samples=3, lr=1e-2)
@@ -88,8 +90,8 @@ def test_collect_rollout_layout_rng_and_counters(setup):
 
 def test_collect_rollout_without_reference(setup):
     config, state, tokenizer, rows = setup
-    _, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction,
-                                 reference=False, num_samples=2)
+    _, rollout = collect_rollout(state, rows, config=online_dpo.Config(**TINY), tokenizer=tokenizer,
+                                 reward_fn=digit_fraction, num_samples=2)
     assert K.REF_LOGPROBS not in rollout.keys() and rollout.batch_size == torch.Size([2 * len(rows["prompt"])])
     assert "rollout/kl_ref" not in rollout_metrics(rollout)
 
@@ -125,7 +127,9 @@ def test_collect_rollout_is_generation_then_score_collected(setup):
     assert K.SCORE not in generated.keys() and K.REF_LOGPROBS not in generated.keys()  # the input is not modified
 
 
-def test_score_collected_options_and_columns(setup):
+def test_score_collected_scores_with_the_models_the_state_holds(setup):
+    """A reference adds ``ref_logprobs``, a critic ``values``, a reward model or function ``score``; a
+    state without them (the Ray learner's) scores only what it holds."""
     config, state, tokenizer, rows = setup
     seen = {}
 
@@ -135,40 +139,49 @@ def test_score_collected_options_and_columns(setup):
 
     generated = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]),
                                    **{**generate_kwargs(config), "num_samples": 2}, seed=1)
-    head = lambda ids, mask: torch.ones(ids.shape, dtype=torch.float32)  # noqa: E731
-    new, scored = score_collected(state, rows, generated, config=config, tokenizer=tokenizer, reward_fn=reward,
-                                  value_fn=head, reference=False, num_samples=2)
+    head = ValueHead(state.model("policy").config.hidden_size)
+    with torch.no_grad():  # V = 0·h + 1: values of one on every response token
+        head.summary.weight.zero_()
+        head.summary.bias.fill_(1.0)
+    lean = dataclasses.replace(state, models={"policy": state.model("policy"), "value": head})
+    new, scored = score_collected(lean, rows, generated, config=config, tokenizer=tokenizer, reward_fn=reward,
+                                  num_samples=2)
     assert K.REF_LOGPROBS not in scored.keys() and seen["answer"] == [a for a in rows["answer"] for _ in range(2)]
     m = scored[K.RESPONSE_MASK]
     assert torch.equal(scored[K.VALUES], m.float()) and torch.equal(scored[K.SCORE], torch.full((len(m),), 0.5))
     assert new.samples_seen == state.samples_seen + len(m)
     # no reward function and no reward model: the rollout's score (from a scorer elsewhere) is kept
-    _, kept = score_collected(state, rows, scored, config=config, tokenizer=None, reward_fn=None, reference=False,
-                              num_samples=2)
+    _, kept = score_collected(lean, rows, scored, config=config, tokenizer=None, reward_fn=None, num_samples=2)
     assert torch.equal(kept[K.SCORE], scored[K.SCORE])
+    # with a reference, ref_logprobs; unless the config's recipe scores none (online DPO)
+    _, with_ref = score_collected(state, rows, generated, config=config, tokenizer=tokenizer, reward_fn=reward,
+                                  num_samples=2)
+    assert K.REF_LOGPROBS in with_ref.keys() and K.VALUES not in with_ref.keys()
+    _, without = score_collected(state, rows, generated, config=online_dpo.Config(**TINY), tokenizer=tokenizer,
+                                 reward_fn=reward, num_samples=2)
+    assert K.REF_LOGPROBS not in without.keys()
 
 
-def test_online_step_chains_the_hooks(setup):
-    config, state, tokenizer, rows = setup
-    calls = []
-
-    def score_options(s, c):
-        calls.append("score_options")
-        return {"reference": False}
-
-    def prepare(s, rollout, c):
-        calls.append(("prepare", K.REF_LOGPROBS in rollout.keys(), s.samples_seen))
-        return s, rollout, {"info": torch.tensor(1.0)}
-
-    def optimise(s, batch, c):
-        calls.append(("optimise", batch.batch_size[0]))
-        return s, TensorDict({"loss": torch.tensor(0.0)}, batch_size=[])
-
-    new, metrics = online_step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction,
-                               score_options=score_options, prepare=prepare, optimise=optimise)
-    B = len(rows["prompt"]) * config.num_samples
-    assert calls == ["score_options", ("prepare", False, state.samples_seen + B), ("optimise", B)]
-    assert sorted(metrics.keys()) == ["info", "loss"] and new.samples_seen == state.samples_seen + B
+@pytest.mark.parametrize("recipe", [grpo, rloo, ppo, online_dpo])
+def test_each_step_is_collect_then_learn(recipe):
+    """A recipe's ``step`` is ``collect_rollout`` then its ``learn``, nothing else: the same parameters,
+    generator state, counters and metrics, bit for bit."""
+    config = recipe.Config(**{**TINY, "num_samples": 2})
+    rows = {"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]}
+    results = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        state, tokenizer = recipe.build_state(config)
+        if split:
+            state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+            results.append(recipe.learn(state, rollout, config))
+        else:
+            results.append(recipe.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction))
+    (a, ma), (b, mb) = results
+    assert torch.equal(flat_models(a), flat_models(b)) and torch.equal(a.rng.get_state(), b.rng.get_state())
+    assert (a.samples_seen, a.tokens_seen, a.policy_version) == (b.samples_seen, b.tokens_seen, b.policy_version)
+    assert set(ma.keys()) == set(mb.keys()) and all(torch.equal(ma[k], mb[k]) for k in ma.keys())
+    assert {"rollout/score", "rollout/length"} <= set(ma.keys())
 
 
 def test_policy_logprobs_and_loss_closure(setup):

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from rlcore.loops import grpo, online_dpo, ppo, rloo
+from rlcore.loops import grpo, online_dpo, ppo, rloo, sft
 from rlcore.loops import placement
 from rlcore.loops.placement import RAY_INSTALL, ROLES, require_ray, train_placed
 
@@ -44,16 +44,15 @@ def test_module_imports_without_ray_and_names_the_install(monkeypatch):
 def test_bad_arguments_fail_before_any_actor_starts(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # nothing below may reach Ray
     config = grpo.Config(**TINY, steps=1)
-    with pytest.raises(ValueError, match=r"algorithm: unknown 'a2c'; valid: \["):
-        train_placed(config, algorithm="a2c")
-    with pytest.raises(TypeError, match=r"config: algorithm 'rloo' needs a rlcore.loops.rloo.Config"):
-        train_placed(config, algorithm="rloo")
+    with pytest.raises(TypeError, match=r"config: expected the Config of an online recipe .* got "
+                                        r"rlcore.loops.sft.Config"):
+        train_placed(sft.Config(steps=1))
     with pytest.raises(ValueError, match=r"max_lag: expected an int ≥ 0, got -1"):
         train_placed(config, max_lag=-1)
-    with pytest.raises(ValueError, match=r"is_clip: expected C > 0 or None for 'grpo', got 0"):
+    with pytest.raises(ValueError, match=r"is_clip: expected C > 0 or None, got 0"):
         train_placed(config, is_clip=0)
     with pytest.raises(ValueError, match=r"is_clip: 'online_dpo' has no importance ratio"):
-        train_placed(online_dpo.Config(**TINY, steps=1), algorithm="online_dpo", is_clip=1.0)
+        train_placed(online_dpo.Config(**TINY, steps=1), is_clip=1.0)
     with pytest.raises(ValueError, match=r"num_cpus: expected a number or a mapping of every role"):
         train_placed(config, num_cpus={"learner": 1})
     with pytest.raises(ValueError, match=r"num_gpus: expected a number or a mapping of every role \['generator', "
@@ -101,27 +100,25 @@ def test_placed_source_submits_at_most_max_lag_items_ahead_with_the_recipe_seeds
 
 
 @pytest.mark.parametrize("recipe", [grpo, ppo, online_dpo], ids=["grpo", "ppo", "online_dpo"])
-def test_learn_placed_after_the_scorer_equals_async_learn(one_thread, recipe):
-    """scorer.score, then the learner's learn_placed (its own models: PPO's critic, online DPO's
-    reference) = async_learners.learn with every model in one state."""
-    from rlcore.loops.async_learners import LEARNERS, learn
+def test_learn_after_the_scorer_equals_learn_with_every_model(one_thread, recipe):
+    """scorer.score, then learn_off_policy on the learner's lean state (its own models: PPO's critic,
+    online DPO's reference) = learn_off_policy with every model in one state."""
+    from rlcore.loops.async_learners import learn_off_policy
     from rlcore.loops.collect import generate_rollout
 
-    name = recipe.__name__.rsplit(".", 1)[-1]
     config = recipe.Config(**TINY, steps=1)
     rows = {"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]}
     full, tokenizer = recipe.build_state(config)
     rollout = generate_rollout(full.model("policy"), tokenizer, rows["prompt"], max_new_tokens=6, num_samples=2,
                                seed=3, policy_version=0, sampler=config.sampler)
-    want_state, want = learn(full, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=LENGTH_REWARD,
-                             learner=LEARNERS[name])
+    want_state, want = learn_off_policy(full, rows, rollout, config=config, tokenizer=tokenizer,
+                                        reward_fn=LENGTH_REWARD)
     lean, _ = recipe.build_state(config)
-    reference = recipe.score_options(lean, config).get("reference", True)
+    reference = config.rollout_ref_logprobs
     kept = sorted(k for k in lean.models if k != "reward" and not (k == "ref" and reference))
     lean = dataclasses.replace(lean, models={k: lean.models[k] for k in kept})
     scored = placement.ScorerWorker(config, reward_fn=LENGTH_REWARD).score(rollout, rows, reference=reference)
-    got_state, got = assert_pure_state(placement.learn_placed, lean, rows, scored, config=config,
-                                       learner=LEARNERS[name])
+    got_state, got = assert_pure_state(learn_off_policy, lean, rows, scored, config=config, tokenizer=tokenizer)
     assert sorted(got_state.models) == kept and got_state.policy_version == want_state.policy_version == 1
     for (key, a), b in zip(policy_params(got_state).items(), policy_params(want_state).values()):
         assert torch.equal(a, b), key
@@ -221,7 +218,7 @@ def one_thread():
 @pytest.mark.parametrize("lora", [{}, {"use_peft": True, "lora_r": 4}], ids=["full", "lora"])
 def test_lag_0_reproduces_the_synchronous_recipe(ray_local, one_thread, lora):
     config = grpo.Config(**TINY, **lora, steps=2, eval_every=2)
-    state, history = train_placed(config, algorithm="grpo", max_lag=0, reward_fn=LENGTH_REWARD, threads=1)
+    state, history = train_placed(config, max_lag=0, reward_fn=LENGTH_REWARD, threads=1)
     sync_state, sync_history = grpo.train(config, reward_fn=LENGTH_REWARD)
     placed, sync = policy_params(state), policy_params(sync_state)
     assert any(not torch.equal(a, b) for a, b in zip(sync.values(), policy_params(grpo.build_state(config)[0]).values()))
@@ -240,7 +237,7 @@ def test_lag_0_reproduces_the_synchronous_recipe(ray_local, one_thread, lora):
 
 def test_lag_1_is_one_version_stale_and_leaves_no_actors(ray_local):
     config = rloo.Config(**TINY, steps=3)
-    state, history = train_placed(config, algorithm="rloo", max_lag=1, reward_fn=LENGTH_REWARD,
+    state, history = train_placed(config, max_lag=1, reward_fn=LENGTH_REWARD,
                                   num_cpus={"generator": 0.5, "scorer": 0.25, "learner": 0.5})
     assert state.step == 3 and state.policy_version == 3
     # item 0 is generated by version 0; item t ≥ 1 was submitted before the push of step t - 1
@@ -275,7 +272,7 @@ def test_a_failed_weight_push_fails_the_run_within_a_step_and_leaves_no_actors(r
     monkeypatch.setattr(placement, "GeneratorWorker", RefusingGenerator)
     config = grpo.Config(**{**TINY, "run_dir": str(tmp_path)}, steps=4)
     with pytest.raises(RuntimeError, match="generator refused weights of version 1"):
-        train_placed(config, algorithm="grpo", max_lag=1, reward_fn=LENGTH_REWARD)
+        train_placed(config, max_lag=1, reward_fn=LENGTH_REWARD)
     # the push after step 0 failed; step 1 checks it before its own push: steps 0 and 1 ran, 1 was not logged
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
     assert_no_actors_left(ray_local)

@@ -164,8 +164,7 @@ def _moved_state_and_rollout(config):
         for p in state.model("policy").parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     rows = load_splits(config, task_dataset)[0][:3]
-    return collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction,
-                           **ppo.score_options(state, config))
+    return collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
 
 
 def test_full_kl_is_the_vocabulary_sum_at_each_response_token():
@@ -197,7 +196,7 @@ def test_kl_full_puts_the_exact_kl_in_the_reward():
     from rlcore.loops.score import full_kl_from_models
     config = ppo.Config(**TINY, batch_size=3, kl="full", kl_coef=0.3, micro_batch_size=2)
     state, rollout = _moved_state_and_rollout(config)
-    _, prepared, info = ppo.prepare(state, rollout, config)
+    _, prepared, info = ppo.rewards_and_advantages(state, rollout, config)
     mask = rollout[K.RESPONSE_MASK]
     full = full_kl_from_models(state.model("policy"), state.model("ref"), rollout)
     torch.testing.assert_close(prepared[K.KL], full)

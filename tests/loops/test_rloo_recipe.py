@@ -30,8 +30,12 @@ def test_rloo_raises_the_reward():
     assert last > first + 0.1, [h["rollout/score"] for h in history]
 
 
-def test_kl_penalty_is_in_the_reward_and_advantages_are_leave_one_out(monkeypatch):
-    config = rloo.Config(**TINY, steps=1, batch_size=3, num_samples=3, lr=1e-3, kl_coef=0.5)
+@pytest.mark.parametrize("advantage", ["rloo", "grpo"])
+def test_kl_penalty_is_in_the_reward_and_advantages_are_leave_one_out(monkeypatch, advantage):
+    """The default estimator is leave-one-out; ``advantage: grpo`` puts GRPO's (r − μ)/(σ + eps) on the
+    same KL-penalised sequence rewards, with no other change to the step."""
+    config = rloo.Config(**TINY, steps=1, batch_size=3, num_samples=3, lr=1e-3, kl_coef=0.5, advantage=advantage,
+                         advantage_kwargs={"eps": 0.0} if advantage == "grpo" else {})
     state, tokenizer = build_online_state(config)
     rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
     seen = []
@@ -47,7 +51,10 @@ def test_kl_penalty_is_in_the_reward_and_advantages_are_leave_one_out(monkeypatc
     kl = torch.where(mask, batch[K.OLD_LOGPROBS] - batch[K.REF_LOGPROBS], 0.0).sum(-1)
     sequence_reward = batch[K.SCORE] - 0.5 * kl  # TRL: r = score − β·Σ_t k1
     torch.testing.assert_close(torch.where(mask, batch[K.REWARDS], 0.0).sum(-1), sequence_reward)
-    expected = rloo_advantage(sequence_reward.view(3, 3)).reshape(-1)
+    r = sequence_reward.view(3, 3).double()
+    sd = r.std(-1, keepdim=True)  # written out: the group's unbiased σ, 0 advantage where the group ties
+    grpo = torch.where(sd > 0, (r - r.mean(-1, keepdim=True)) / sd.clamp(min=1e-30), 0.0).float()
+    expected = (rloo_advantage(sequence_reward.view(3, 3)) if advantage == "rloo" else grpo).reshape(-1)
     for i in range(9):  # the same advantage on every token of a response
         torch.testing.assert_close(batch[K.ADVANTAGES][i][mask[i]], expected[i].expand(int(mask[i].sum())))
     assert state.policy_version == 1 and math.isfinite(float(metrics["loss"]))
@@ -56,6 +63,11 @@ def test_kl_penalty_is_in_the_reward_and_advantages_are_leave_one_out(monkeypatc
 def test_needs_two_samples_per_prompt():
     with pytest.raises(ValueError, match="num_samples: RLOO needs at least 2"):
         rloo.train(rloo.Config(**TINY, num_samples=1))
+    with pytest.raises(ValueError, match=r"advantage: unknown 'a2c'; valid: \['dr_grpo', 'gae'"):
+        rloo.train(rloo.Config(**TINY, advantage="a2c"))
+    with pytest.raises(ValueError, match=r"advantage_kwargs: 'rloo' takes no \['scale'\]; its parameters: "
+                                         r"\['group_size'\]"):
+        rloo.train(rloo.Config(**TINY, advantage_kwargs={"scale": "batch"}))
 
 
 def test_yaml_config_loads_and_runs(tmp_path):

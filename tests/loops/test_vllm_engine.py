@@ -281,7 +281,7 @@ def test_async_generator_runs_the_engine_in_process():
     """The async generator is a daemonic process: the engine runs inside it, and follows the pushes."""
     from rlcore.loops.async_rl import train_async
     config = grpo.Config(**{**TINY, **WIDE}, steps=3, batch_size=4, num_samples=2, lr=1e-2, sampler="vllm")
-    state, history = train_async(config, algorithm="grpo", max_lag=1)
+    state, history = train_async(config, max_lag=1)
     assert state.step == 3
     assert [h["async/staleness"] for h in history] == [0, 1, 1]
     assert all(abs(h["async/logprob_gap"]) < 1e-3 for h in history[:1])

@@ -400,7 +400,7 @@ def moments_stat(fn):
 
 # --- registry ----------------------------------------------------------------------------------
 def advantage_estimators(d: Draw, dtype):
-    registry = importlib.import_module("rlcore.registry")
+    registry = importlib.import_module("rlcore.baselines")
     name = d.choice(sorted(registry.ADVANTAGE_ESTIMATORS), "estimator")
     fn = registry.ADVANTAGE_ESTIMATORS[name]
     if name == "gae":
@@ -478,7 +478,7 @@ FUZZ = {
     "rlcore.transforms.running_moments_merge": Entry(moments_merge),
     "rlcore.transforms.running_moments_var": moments_stat(transforms.running_moments_var),
     "rlcore.transforms.running_moments_std": moments_stat(transforms.running_moments_std),
-    "rlcore.registry.ADVANTAGE_ESTIMATORS": Entry(advantage_estimators),
+    "rlcore.baselines.ADVANTAGE_ESTIMATORS": Entry(advantage_estimators),
 }
 
 EXEMPT_MODULES = {
