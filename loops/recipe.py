@@ -606,7 +606,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **dict.fromkeys(["steps", "num_eval", "save_every", "eval_every", "log_every", "log_completions", "warmup_steps",
                      "pretrain_steps", "lr", "weight_decay", "kl_coef", "vf_coef", "clip_eps_low", "clip_eps_high", "cliprange_value",
                      "ratio_threshold", "train_learning_rate", "pretrain_learning_rate", "train_clip_range",
-                     "train_adv_clip_max", "train_adam_weight_decay", "sample_eta", "eps", "rpo_alpha", "cpo_alpha",
+                     "train_adv_clip_max", "train_adam_weight_decay", "sample_eta", "rpo_alpha", "cpo_alpha",
                      "missing_eos_penalty", "overlong_penalty_factor",
                      "center_rewards_coefficient", "per_prompt_stat_tracking_buffer_size",
                      "per_prompt_stat_tracking_min_count"], _AT_LEAST_0),

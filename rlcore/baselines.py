@@ -45,6 +45,8 @@ __all__ = [
     "with_dr_grpo_advantage",
     "with_reinforce_pp_advantage",
     "with_remax_advantage",
+    "opo_advantage",
+    "with_opo_advantage",
     "ADVANTAGE_ESTIMATORS",
 ]
 
@@ -184,7 +186,7 @@ def grpo_advantage(scores: torch.Tensor, *, group_id: torch.Tensor | None = None
         scores: ``[..., G]`` float (grouped view) or ``[B]`` float with ``group_id``.
         group_id: ``[B]`` integer labels, or ``None`` for the grouped view.
         scale: ``"group"`` | ``"batch"`` | ``"none"`` (see ``GRPO_SCALES``).
-        eps: added to ``σ``.
+        eps: added to ``σ``, finite and ``≥ 0`` (a negative one could divide by zero).
     Returns:
         ``[..., G]`` / ``[B]``, detached.
 
@@ -200,6 +202,8 @@ def grpo_advantage(scores: torch.Tensor, *, group_id: torch.Tensor | None = None
         rescale = GRPO_SCALES[scale]
     except KeyError:
         raise ValueError(f"scale: unknown {scale!r}; valid: {sorted(GRPO_SCALES)}") from None
+    if not (isinstance(eps, (int, float)) and 0 <= eps < float("inf")):
+        raise ValueError(f"eps: expected a finite number >= 0 (added to σ), got {eps!r}")
     s = _scores(scores)
     centred, count, group_sum = _centre(s, group_id)
     return _back(rescale(s, centred, count, group_sum, eps), scores.dtype)
@@ -214,6 +218,39 @@ References:
     Liu et al., "Understanding R1-Zero-Like Training: A Critical Perspective",
     https://arxiv.org/abs/2503.20783
 """
+
+
+# --- OPO ---------------------------------------------------------------------------------------
+def opo_advantage(scores: torch.Tensor, lengths: torch.Tensor, *,
+                  group_id: torch.Tensor | None = None) -> torch.Tensor:
+    """Optimal-baseline advantage: ``A_i = r_i − b_g`` with the length-weighted group mean
+    ``b_g = Σ_{j∈g} l_j·r_j / Σ_{j∈g} l_j``.
+
+    With a sequence's policy-gradient norm growing with its length ``l``, ``b_g`` is the baseline
+    of least variance (OPO). A group whose lengths sum to 0 takes the plain mean; a singleton's
+    baseline is its own score, so its advantage is 0 (verl's ``opo`` estimator uses ``b = 0``
+    for singletons instead).
+
+    Args:
+        scores: ``[..., G]`` float (grouped view) or ``[B]`` float with ``group_id``.
+        lengths: ``l ≥ 0``, the response lengths in tokens, shaped like ``scores``.
+        group_id: ``[B]`` integer labels, or ``None`` for the grouped view.
+    Returns:
+        ``[..., G]`` / ``[B]``, detached. ``Σ_j l_j·A_j = 0`` over each group.
+
+    >>> opo_advantage(torch.tensor([[1.0, 0.0]]), torch.tensor([[3.0, 1.0]]))
+    tensor([[ 0.2500, -0.7500]])
+
+    References:
+        Hao et al., "On-Policy RL with Optimal Reward Baseline", https://arxiv.org/abs/2505.23585
+    """
+    s = _scores(scores)
+    check_same_shape("scores", scores, lengths=lengths)
+    l = lengths.detach().to(s.dtype)  # noqa: E741 -- the paper's l
+    group_sum, count = _grouping(s, group_id)
+    total = group_sum(l)
+    weighted = group_sum(l * s) / torch.where(total > 0, total, torch.ones_like(total))
+    return _back(s - torch.where(total > 0, weighted, group_sum(s) / count), scores.dtype)
 
 
 # --- token-level estimators ------------------------------------------------------------------
@@ -384,6 +421,20 @@ def with_dr_grpo_advantage(batch: TensorDictBase, *, group_size: int | None = No
     return _with_outcome(grpo_advantage, batch, group_size, "with_dr_grpo_advantage", scale="none")
 
 
+def with_opo_advantage(batch: TensorDictBase, *, group_size: int | None = None) -> TensorDictBase:
+    """Add ``advantages`` = ``returns`` ``[B, R]``: :func:`opo_advantage` of the sequence scores,
+    weighted by the response lengths ``Σ_t response_mask``. Args and Returns as in
+    :func:`with_rloo_advantage`."""
+    where = "with_opo_advantage"
+    scores = _sequence_scores(batch, where)
+    mask = batch.get(K.RESPONSE_MASK)
+    check_mask(K.RESPONSE_MASK, mask)
+    check_ndim(K.RESPONSE_MASK, mask, ndim=batch.batch_dims + 1, layout="[B, R]")
+    lengths = mask.sum(-1).to(scores.dtype)
+    adv = broadcast_to_tokens(_grouped(opo_advantage, (scores, lengths), batch, group_size, where), mask)
+    return batch.copy().update({K.ADVANTAGES: adv, K.RETURNS: adv.clone()})
+
+
 def with_reinforce_pp_advantage(batch: TensorDictBase, *, gamma: float = 1.0, group_baseline: bool = False,
                                 eps: float = 1e-8, group_size: int | None = None) -> TensorDictBase:
     """Add REINFORCE++ ``advantages`` and the discounted reward-to-go as ``returns``, ``[B, R]``.
@@ -440,6 +491,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., TensorDictBase]] = {
     "rloo": with_rloo_advantage,
     "grpo": with_grpo_advantage,
     "dr_grpo": with_dr_grpo_advantage,
+    "opo": with_opo_advantage,                # response-length-weighted group baseline
     "reinforce_pp": with_reinforce_pp_advantage,  # needs token rewards (KL in the reward: RLOO)
     "remax": with_remax_advantage,            # needs baseline_score (a greedy rollout's score)
 }

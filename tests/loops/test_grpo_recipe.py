@@ -87,6 +87,29 @@ def test_advantages_are_group_relative(monkeypatch, scale):
     assert state.optimizer_steps == 1 and math.isfinite(float(metrics["loss"]))
 
 
+def test_a_new_estimator_needs_no_loop_edit(monkeypatch):
+    """``advantage: opo`` (an entry of ``rlcore.baselines.ADVANTAGE_ESTIMATORS``, nothing else): the
+    step trains on r − Σ l·r / Σ l per group, l the response lengths."""
+    config = grpo.Config(**TINY, steps=1, batch_size=3, num_samples=4, lr=1e-3, advantage="opo")
+    state, tokenizer = build_online_state(config)
+    rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
+    seen = []
+
+    def spy(state, batch, **kw):
+        seen.append(batch)
+        return policy_loss_fn(state, batch, **kw)
+
+    monkeypatch.setattr(online, "policy_loss_fn", spy)
+    state, metrics = grpo.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+    batch = seen[0]
+    mask = batch[K.RESPONSE_MASK]
+    r, n = batch[K.SCORE].view(3, 4).double(), mask.sum(-1).view(3, 4).double()
+    expected = (r - (n * r).sum(-1, keepdim=True) / n.sum(-1, keepdim=True)).reshape(-1).float()
+    for i, a in enumerate(expected):
+        torch.testing.assert_close(batch[K.ADVANTAGES][i][mask[i]], a.expand(int(mask[i].sum())))
+    assert state.optimizer_steps == 1 and math.isfinite(float(metrics["loss"]))
+
+
 def test_the_advantage_estimator_is_chosen_by_name():
     """``advantage: dr_grpo`` is ``grpo`` with ``{scale: none}``: the same training, bit for bit; an
     unknown estimator or keyword is refused before any model is built."""

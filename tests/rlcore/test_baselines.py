@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from rlcore import keys as K
-from rlcore.baselines import (GRPO_SCALES, broadcast_to_tokens, dr_grpo_advantage, group_mean, grpo_advantage,
-                              reinforce_pp_advantage, reinforce_pp_baseline_advantage, remax_advantage,
+from rlcore.baselines import (ADVANTAGE_ESTIMATORS, GRPO_SCALES, broadcast_to_tokens, dr_grpo_advantage, group_mean,
+                              grpo_advantage, opo_advantage, with_opo_advantage, reinforce_pp_advantage, reinforce_pp_baseline_advantage, remax_advantage,
                               rloo_advantage, with_dr_grpo_advantage, with_grpo_advantage,
                               with_reinforce_pp_advantage, with_remax_advantage, with_rloo_advantage)
 from rlcore.masked import masked_mean, masked_sum, masked_var
@@ -106,6 +106,60 @@ def test_grpo_grouped_view_and_group_id_agree(P, G, seed, scale):
 def test_grpo_unknown_scale_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"scale: unknown 'std'.*\['batch', 'group', 'none'\]"):
         grpo_advantage(torch.zeros(2, 2), scale="std")
+    for bad in (-0.5, float("nan"), float("inf")):  # σ + eps could be 0 or NaN
+        with pytest.raises(ValueError, match=r"eps: expected a finite number >= 0"):
+            grpo_advantage(torch.zeros(2, 2), eps=bad)
+
+
+# --- OPO ---------------------------------------------------------------------------------------
+def opo_reference(scores, lengths, group_id):
+    """Written out: per group, b = Σ l·r / Σ l (the mean where Σ l = 0), A = r − b."""
+    out = torch.zeros_like(scores)
+    for g in group_id.unique():
+        idx = (group_id == g).nonzero().flatten()
+        r, l = scores[idx], lengths[idx]
+        b = (l * r).sum() / l.sum() if l.sum() > 0 else r.mean()
+        out[idx] = r - b
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_opo_matches_the_written_out_formula(seed):
+    g = torch.Generator().manual_seed(seed)
+    P, G = 3, 4
+    scores = torch.randn(P * G, generator=g, dtype=torch.float64)
+    lengths = torch.randint(0, 9, (P * G,), generator=g).double()
+    lengths[:G] = 0  # a group of empty responses: the plain mean
+    ids = ids_of(P, G)
+    perm = torch.randperm(P * G, generator=g)
+    flat = opo_advantage(scores[perm], lengths[perm], group_id=ids[perm])
+    torch.testing.assert_close(flat, opo_reference(scores, lengths, ids)[perm], rtol=1e-12, atol=1e-12)
+    grid = opo_advantage(scores.view(P, G), lengths.view(P, G))
+    torch.testing.assert_close(grid.reshape(-1), opo_reference(scores, lengths, ids), rtol=1e-12, atol=1e-12)
+    weighted = (grid * lengths.view(P, G)).sum(-1)  # the length-weighted advantages cancel in each group
+    torch.testing.assert_close(weighted, torch.zeros(P, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def test_opo_golden_values_singletons_and_errors():
+    torch.testing.assert_close(opo_advantage(torch.tensor([[1.0, 0.0]]), torch.tensor([[3.0, 1.0]])),
+                               torch.tensor([[0.25, -0.75]]))
+    equal = opo_advantage(torch.tensor([[1.0, 3.0]]), torch.tensor([[5.0, 5.0]]))  # equal lengths: group centring
+    torch.testing.assert_close(equal, torch.tensor([[-1.0, 1.0]]))
+    single = opo_advantage(torch.tensor([2.0, 5.0]), torch.tensor([4.0, 0.0]), group_id=torch.tensor([0, 1]))
+    assert torch.equal(single, torch.zeros(2))  # a singleton is its own baseline
+    with pytest.raises(ValueError, match="lengths"):
+        opo_advantage(torch.zeros(2, 3), torch.zeros(2, 2))
+
+
+def test_opo_adapter_weights_by_response_length():
+    batch = rollout()
+    mask = batch[K.RESPONSE_MASK]
+    out = assert_pure(with_opo_advantage, batch)
+    score = masked_sum(batch[K.REWARDS], mask, dim=-1)
+    want = opo_reference(score, mask.sum(-1).to(score.dtype), batch[K.GROUP_ID])
+    torch.testing.assert_close(out[K.ADVANTAGES], broadcast_to_tokens(want, mask), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[K.RETURNS], out[K.ADVANTAGES], rtol=0, atol=0)
+    assert ADVANTAGE_ESTIMATORS["opo"] is with_opo_advantage
 
 
 # --- singleton groups, empty rows ------------------------------------------------------------

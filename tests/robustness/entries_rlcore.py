@@ -206,6 +206,12 @@ def grpo_scales(d: Draw, dtype):
     return Case(baselines.grpo_advantage, kw)
 
 
+def opo(d: Draw, dtype):
+    kw = _scores(d, dtype)
+    kw["lengths"] = d.reals(kw["scores"].shape, dtype).abs()  # response lengths are ≥ 0
+    return Case(baselines.opo_advantage, kw)
+
+
 def reinforce_pp(fn):
     def make(d: Draw, dtype):
         baseline = fn is baselines.reinforce_pp_baseline_advantage or d.flag("group_baseline")
@@ -449,6 +455,7 @@ FUZZ = {
     "rlcore.baselines.reinforce_pp_advantage": reinforce_pp(baselines.reinforce_pp_advantage),
     "rlcore.baselines.reinforce_pp_baseline_advantage": reinforce_pp(baselines.reinforce_pp_baseline_advantage),
     "rlcore.baselines.remax_advantage": Entry(remax),
+    "rlcore.baselines.opo_advantage": Entry(opo),
     "rlcore.baselines.broadcast_to_tokens": Entry(broadcast),
     "rlcore.baselines.with_rloo_advantage": with_outcome(
         baselines.with_rloo_advantage, [(K.SCORE,), (K.REWARDS, K.SCORE)]),
@@ -460,6 +467,7 @@ FUZZ = {
     "rlcore.baselines.with_reinforce_pp_advantage": with_outcome(
         baselines.with_reinforce_pp_advantage, [(K.REWARDS,)], gamma=_GAMMAS, group_baseline=(False, True)),
     "rlcore.baselines.with_remax_advantage": Entry(with_remax),
+    "rlcore.baselines.with_opo_advantage": with_outcome(baselines.with_opo_advantage, [(K.SCORE,), (K.REWARDS, K.SCORE)]),
     "rlcore.rewards.last_token_mask": Entry(last_token_mask, dtypes=(F64,)),
     "rlcore.rewards.compute_rewards": Entry(compute_rewards),
     "rlcore.rewards.process_scores": Entry(process_scores),
