@@ -3,7 +3,7 @@
     python benchmarks/bench_async.py [--tiny] [--steps N] [--threads T]
 
 prints one line per setting: wall time and rollout samples per second of the synchronous recipe
-(``loops.grpo.train``) and of ``loops.async_rl.train_async`` with ``max_lag`` 0 and 1, on the
+(``loops.recipes.grpo.train``) and of ``loops.scale.async_rl.train_async`` with ``max_lag`` 0 and 1, on the
 offline tiny Llama and a digit-counting reward. Also follows the harness protocol
 (``cases``), so ``benchmarks/run.py --only async`` times it beside the other benchmarks.
 ``split``: the learner and the generator on half of the threads each (disjoint cores).
@@ -27,7 +27,7 @@ def _digits(prompts, completions, **_):
 
 
 def _config(tiny: bool, steps: int | None = None):
-    from rlcore.loops import grpo
+    from rlcore.loops.recipes import grpo
     size = dict(hidden_size=16, num_layers=1, num_heads=2, max_new_tokens=8, batch_size=2, num_samples=4) if tiny \
         else dict(hidden_size=64, num_layers=2, num_heads=4, max_new_tokens=24, batch_size=4, num_samples=4)
     return grpo.Config(**size, steps=steps or (6 if tiny else 24), lr=1e-2, num_train=64, num_eval=4, run_dir=None,
@@ -37,8 +37,8 @@ def _config(tiny: bool, steps: int | None = None):
 def _run(kind: str, config, split: bool = False) -> float:
     """Train once; returns the wall time in seconds. ``split``: the learner and the generator get
     half of this process's threads each (disjoint cores), instead of all of them each."""
-    from rlcore.loops import grpo
-    from rlcore.loops.async_rl import train_async
+    from rlcore.loops.recipes import grpo
+    from rlcore.loops.scale.async_rl import train_async
     threads = torch.get_num_threads()
     half = max(1, threads // 2)
     start = time.perf_counter()

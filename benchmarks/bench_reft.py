@@ -1,11 +1,11 @@
 """LoReFT against LoRA (peft) and full fine-tuning: trainable parameters, step time, loss reached.
 
 The same frozen tiny Llama-style model (built from a config, offline), the same batches of the
-built-in ``sort`` task, the same loss and optimiser step (``loops.sft``'s loss through
+built-in ``sort`` task, the same loss and optimiser step (``loops.recipes.sft``'s loss through
 ``loops.update``, AdamW); only what trains differs:
 
 - ``rlcore`` LoReFT: rank-4 interventions on the residual stream after blocks 1 and 2 at the
-  first 3 and last 3 prompt tokens (``loops.reft.reft_sft_step``);
+  first 3 and last 3 prompt tokens (``loops.recipes.reft.reft_sft_step``);
 - ``peft_lora``: LoRA rank 4 on ``q_proj`` / ``v_proj`` of every block (``peft``, optional:
   ``pip install peft``);
 - ``full``: every weight.
@@ -27,9 +27,9 @@ import torch
 
 from rlcore.loops.data import tokenize_dataset
 from rlcore.loops.models import build_model, build_tokenizer
-from rlcore.loops.reft import init_reft_state, reft_sft_step, trainable_fraction
+from rlcore.loops.recipes.reft import init_reft_state, reft_sft_step, trainable_fraction
 from rlcore.loops.reft_data import ReftSpec, collate_reft
-from rlcore.loops.sft import sft_step
+from rlcore.loops.recipes.sft import sft_step
 from rlcore.loops.state import init_state
 from rlcore.loops.tasks import task_dataset
 from rlcore.loops.update import make_optimizer

@@ -9,7 +9,7 @@ Cases (full size; ``--tiny`` shrinks every dimension):
 
 - ``dpo fp32`` / ``dpo bf16-autocast``: 8 pairs × 256 tokens (prompt 128, completions 128 ending
   in EOS: 4,096 tokens a step), β = 0.1, sigmoid loss, reference model forward every step.
-  ``rlcore``: ``loops.dpo.dpo_step`` (reference log-probs, then ``update``: ``concatenated_forward``
+  ``rlcore``: ``loops.recipes.dpo.dpo_step`` (reference log-probs, then ``update``: ``concatenated_forward``
   on the chunked hidden-state log-prob path, the DPO loss, backward, clip, AdamW); under bf16 the
   same pieces with the reference forward in ``torch.autocast`` and ``update(autocast_dtype=bf16)``.
   ``plain``: full-logits forwards (``log_softmax → gather``), loss, backward, clip, AdamW.
@@ -67,7 +67,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from rlcore import keys as K  # noqa: E402
-from rlcore.loops import dpo as dpo_recipe, grpo as grpo_recipe, rloo as rloo_recipe  # noqa: E402
+from rlcore.loops.recipes import dpo as dpo_recipe, grpo as grpo_recipe, rloo as rloo_recipe  # noqa: E402
 from rlcore.loops.collect import generate_rollout  # noqa: E402
 from rlcore.loops.data import collate_preference  # noqa: E402
 from rlcore.loops.models import build_model, make_reference  # noqa: E402

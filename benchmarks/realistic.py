@@ -143,7 +143,7 @@ def _peak_gib() -> float:
 
 
 def _rlcore(case: str, model_dir: str, tiny: bool, steps: int, work: Path) -> list[float]:
-    from rlcore.loops import dpo, grpo, sft
+    from rlcore.loops.recipes import dpo, grpo, sft
 
     s, vocab = sizes(tiny), VOCAB
     ends: list[float] = []

@@ -1,38 +1,51 @@
 """rlcore.loops: collect, score, update and the fold; the only code that touches models and data.
 
-The building blocks are exported here. Each trainer is a recipe module with a ``Config``,
-``train(config)`` and ``evaluate(state, config)``: ``rlcore.loops.sft``, ``reward``, ``dpo``,
-``ppo``, ``rloo``, ``grpo``, ``online_dpo``, ``ddpo`` (the ``diffusion`` extra) and ``reft``; the
-``rlcore`` command runs them (``rlcore train RECIPE``)."""
+Laid out by role:
+
+- the loop's pieces, here: ``fold`` and ``state`` (the fold and what it threads), ``collect``
+  and ``chunks`` (generation), ``score``, ``update`` (the one impure step), ``online`` (what the
+  online recipes share: collect → score, evaluation), ``recipe`` (the run-config base, building
+  models and the run), ``data``, ``tasks``, ``models``, ``lora``, ``shapes``, ``checkpoint``,
+  ``logging``, ``diffusion``, ``reft_data`` / ``reft_model``; the ``cli`` and the ``demo``;
+- ``rlcore.loops.recipes``: one module per trainer (``sft``, ``reward``, ``dpo``, ``ppo``,
+  ``rloo``, ``grpo``, ``online_dpo``, ``ddpo``, ``reft``), each with a ``Config``,
+  ``train(config)`` and ``evaluate(state, config)``; the ``rlcore`` command runs them
+  (``rlcore train RECIPE``);
+- ``rlcore.loops.scale``: ``torch.distributed`` (``distributed``, ``dist_sync``), asynchronous
+  off-policy training (``async_rl``, ``async_learners``), Ray placement (``placement``,
+  ``workers``) and the vLLM engine (``vllm_engine``).
+
+The building blocks of the pieces and of ``scale`` are exported here; recipes are imported by
+name (``from rlcore.loops.recipes import grpo``)."""
 
 from importlib import import_module as _import_module
 
-from rlcore.loops.async_learners import *  # noqa: F401,F403
-from rlcore.loops.async_rl import *  # noqa: F401,F403
 from rlcore.loops.checkpoint import *  # noqa: F401,F403
 from rlcore.loops.chunks import *  # noqa: F401,F403
 from rlcore.loops.collect import *  # noqa: F401,F403
 from rlcore.loops.data import *  # noqa: F401,F403
 from rlcore.loops.diffusion import *  # noqa: F401,F403
-from rlcore.loops.distributed import *  # noqa: F401,F403
 from rlcore.loops.fold import *  # noqa: F401,F403
 from rlcore.loops.logging import *  # noqa: F401,F403
 from rlcore.loops.lora import *  # noqa: F401,F403
 from rlcore.loops.models import *  # noqa: F401,F403
 from rlcore.loops.online import *  # noqa: F401,F403
-from rlcore.loops.placement import *  # noqa: F401,F403
 from rlcore.loops.recipe import *  # noqa: F401,F403
 from rlcore.loops.reft_data import *  # noqa: F401,F403
 from rlcore.loops.reft_model import *  # noqa: F401,F403
+from rlcore.loops.scale.async_learners import *  # noqa: F401,F403
+from rlcore.loops.scale.async_rl import *  # noqa: F401,F403
+from rlcore.loops.scale.distributed import *  # noqa: F401,F403
+from rlcore.loops.scale.placement import *  # noqa: F401,F403
+from rlcore.loops.scale.vllm_engine import *  # noqa: F401,F403
+from rlcore.loops.scale.workers import *  # noqa: F401,F403
 from rlcore.loops.score import *  # noqa: F401,F403
 from rlcore.loops.shapes import *  # noqa: F401,F403
 from rlcore.loops.state import *  # noqa: F401,F403
 from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
-from rlcore.loops.vllm_engine import *  # noqa: F401,F403
-from rlcore.loops.workers import *  # noqa: F401,F403
 
-_MODULES = ('async_learners', 'async_rl', 'checkpoint', 'chunks', 'collect', 'data', 'diffusion', 'distributed', 'fold', 'logging', 'lora', 'models', 'online',
-            'placement', 'recipe', 'reft_data', 'reft_model', 'score', 'shapes', 'state', 'tasks', 'update', 'vllm_engine',
-            'workers')
+_MODULES = ("checkpoint", "chunks", "collect", "data", "diffusion", "fold", "logging", "lora", "models", "online",
+            "recipe", "reft_data", "reft_model", "scale.async_learners", "scale.async_rl", "scale.distributed",
+            "scale.placement", "scale.vllm_engine", "scale.workers", "score", "shapes", "state", "tasks", "update")
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

@@ -4,7 +4,7 @@
 its options are the fields of the recipe's ``Config`` (``rlcore train RECIPE --help`` lists them
 with their defaults and documentation). Values given on the command line override the YAML,
 which overrides the defaults; unknown fields are an error that lists the valid ones. ``--async``
-(GRPO, RLOO, PPO, online DPO) runs the recipe with ``loops.async_rl.train_async``: generation in
+(GRPO, RLOO, PPO, online DPO) runs the recipe with ``loops.scale.async_rl.train_async``: generation in
 its own process at most ``--max_lag`` policy versions behind, ``--is_clip`` capping the importance
 weights.
 
@@ -34,21 +34,21 @@ from typing import Any
 __all__ = ["RECIPES", "recipe_module", "field_docs", "main"]
 
 # recipe name -> module of rlcore.loops with ``Config``, ``train(config)`` and ``evaluate(state, config)``
-# (``module:NAME``: an object of that module with those attributes, e.g. ``loops.reft_recipes.GRPO``)
+# (``module:NAME``: an object of that module with those attributes, e.g. ``loops.recipes.reft_recipes.GRPO``)
 RECIPES: dict[str, str] = {
-    "sft": "rlcore.loops.sft",
-    "reward": "rlcore.loops.reward",
-    "dpo": "rlcore.loops.dpo",
-    "ppo": "rlcore.loops.ppo",
-    "rloo": "rlcore.loops.rloo",
-    "grpo": "rlcore.loops.grpo",
-    "online_dpo": "rlcore.loops.online_dpo",
-    "ddpo": "rlcore.loops.ddpo",
-    "reft": "rlcore.loops.reft",
-    "reft_grpo": "rlcore.loops.reft_recipes:GRPO",
-    "reft_rloo": "rlcore.loops.reft_recipes:RLOO",
-    "reft_dpo": "rlcore.loops.reft_recipes:DPO",
-    "reft_reward": "rlcore.loops.reft_recipes:REWARD",
+    "sft": "rlcore.loops.recipes.sft",
+    "reward": "rlcore.loops.recipes.reward",
+    "dpo": "rlcore.loops.recipes.dpo",
+    "ppo": "rlcore.loops.recipes.ppo",
+    "rloo": "rlcore.loops.recipes.rloo",
+    "grpo": "rlcore.loops.recipes.grpo",
+    "online_dpo": "rlcore.loops.recipes.online_dpo",
+    "ddpo": "rlcore.loops.recipes.ddpo",
+    "reft": "rlcore.loops.recipes.reft",
+    "reft_grpo": "rlcore.loops.recipes.reft_recipes:GRPO",
+    "reft_rloo": "rlcore.loops.recipes.reft_recipes:RLOO",
+    "reft_dpo": "rlcore.loops.recipes.reft_recipes:DPO",
+    "reft_reward": "rlcore.loops.recipes.reft_recipes:REWARD",
 }
 
 
@@ -116,13 +116,13 @@ def _parse_value(text: str) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rlcore.loops.distributed import init_distributed
+    from rlcore.loops.scale.distributed import init_distributed
 
     init_distributed()  # joins torchrun's process group; a no-op in one process
     module = recipe_module(args.recipe)
     config = _config(module, args)
     if args.run_async:
-        from rlcore.loops.async_rl import train_async
+        from rlcore.loops.scale.async_rl import train_async
 
         _, history = train_async(config, max_lag=args.max_lag, is_clip=args.is_clip)
     else:
@@ -222,7 +222,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             p.add_argument("--out", required=True, help="the folder to write (new or empty)")
         elif command == "train":
             scale = p.add_argument_group("asynchronous off-policy training (grpo, rloo, ppo, online_dpo; "
-                                         "rlcore.loops.async_rl)")
+                                         "rlcore.loops.scale.async_rl)")
             scale.add_argument("--async", dest="run_async", action="store_true",
                                help="generate in a separate process, at most --max_lag policy versions behind")
             scale.add_argument("--max_lag", type=int, default=1, help="policy versions the generator may lag [default: 1]")

@@ -33,7 +33,7 @@ with Gumbel noise from uniforms, exact and ~4x cheaper on CPU than ``softmax`` +
 whose exponential draws over ``V`` dominate a small model's decode step) and reads both behaviour
 log-probs from the same logits, with no ``[B, V]`` copies kept. It supports temperature, top-k
 and top-p, greedy decoding and stop tokens; not ``generate_kwargs``. ``sampler="vllm"`` runs a
-vLLM engine kept in step with the model's weights (``loops.vllm_engine``; optional). All engines
+vLLM engine kept in step with the model's weights (``loops.scale.vllm_engine``; optional). All engines
 give the same rollout layout and log-probs that match a recomputation through ``loops.score``.
 """
 
@@ -172,7 +172,7 @@ SAMPLERS: dict[str, Callable[..., torch.Tensor]] = {
     "multinomial": multinomial_sample,
     "gumbel": gumbel_max_sample,
 }
-VLLM = "vllm"  # the sampler name of the vLLM engine (loops.vllm_engine)
+VLLM = "vllm"  # the sampler name of the vLLM engine (loops.scale.vllm_engine)
 
 
 def truncate_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -394,7 +394,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
         max_prompt_length: keep the last tokens of longer text prompts (default: no limit).
         policy_version: stamped on every row as ``policy_version [B]`` when given.
         sampler: ``None`` (``generate``), a key of ``SAMPLERS`` (``"gumbel"``: the fast loop), or
-            ``"vllm"``: a vLLM engine for ``model`` (``loops.vllm_engine``; ``vllm`` installed),
+            ``"vllm"``: a vLLM engine for ``model`` (``loops.scale.vllm_engine``; ``vllm`` installed),
             which records the truncated distribution's log-probs; with top-k / top-p and
             ``behaviour="tempered"`` the log-probs come from one forward of ``model`` instead.
         engine_options: ``vllm.LLM`` keywords for ``sampler="vllm"`` (``engine_for``).
@@ -457,7 +457,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
                                          temperature=temperature, top_k=top_k, top_p=top_p, use_cache=use_cache,
                                          generate_kwargs=generate_kwargs)
         elif sampler == VLLM:
-            from rlcore.loops.vllm_engine import engine_for, vllm_generate
+            from rlcore.loops.scale.vllm_engine import engine_for, vllm_generate
             response, old = vllm_generate(engine_for(model, engine_options), batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
                                           max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
                                           num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -4,7 +4,7 @@
 [--sft-steps N] [--out DIR] [--seed S] [--quick]`` reads top to bottom (:func:`run_demo`)::
 
     baseline  a tiny Llama built from a config with the character tokenizer: nothing downloaded
-    sft       loops.sft for a few steps on a built-in task with a verifiable answer (loops.tasks):
+    sft       loops.recipes.sft for a few steps on a built-in task with a verifiable answer (loops.tasks):
               a partial skill, some held-out prompts right, most wrong
     rl        loops.<algo> from the SFT checkpoint (init_from), the SFT policy as the frozen
               reference: grpo (default), rloo, ppo, online_dpo (sampled answers scored by the
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from rlcore.checks import lookup
-from rlcore.loops import dpo, grpo, online_dpo, ppo, rloo, sft
+from rlcore.loops.recipes import dpo, grpo, online_dpo, ppo, rloo, sft
 from rlcore.loops.logging import ProgressDisplay
 from rlcore.loops.online import OnlineConfig, evaluate_policy
 from rlcore.loops.recipe import build_policy, config_dict, load_splits

@@ -262,7 +262,7 @@ def generate_kwargs(config: Any) -> dict[str, Any]:
     ``max_prompt_length``, ``sampler``, ``engine_options``, ``stop_token_ids``, ``length_sampler``,
     ``rows_per_call`` (``generation_batch_size``). The
     synchronous recipes, the generator process of
-    ``loops.async_rl`` and the generator actor of ``loops.placement`` all sample with these."""
+    ``loops.scale.async_rl`` and the generator actor of ``loops.scale.placement`` all sample with these."""
     return dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
                 top_p=config.top_p, num_samples=config.num_samples, max_prompt_length=config.max_prompt_length,
                 sampler=config.sampler, engine_options=config.engine_options,
@@ -315,8 +315,8 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
     theirs), ``values`` from a critic (:func:`critic_values`) and ``score`` from the reward
     (``reward_fn`` on the decoded texts with the other dataset columns repeated per sample, plus
     ``models["reward"]``); then one ``draw_seed`` from a copy of ``state.rng`` (the seed the
-    rollout was sampled with) and the counters. A rollout generated elsewhere (``loops.async_rl``,
-    ``loops.placement``) with that seed therefore leaves the state exactly as the synchronous
+    rollout was sampled with) and the counters. A rollout generated elsewhere (``loops.scale.async_rl``,
+    ``loops.scale.placement``) with that seed therefore leaves the state exactly as the synchronous
     ``collect_rollout`` does; a learner whose state holds no reference or reward model (the Ray
     scorer added those) scores only what it holds.
 

@@ -1,6 +1,6 @@
 """Scaffolding shared by every recipe: models from a config, data splits and sources, the run.
 
-A recipe module (``loops/sft.py``, ``loops/dpo.py``, ...) is a frozen ``Config`` dataclass, a
+A recipe module (``loops/recipes/sft.py``, ``loops/recipes/dpo.py``, ...) is a frozen ``Config`` dataclass, a
 ``step(state, batch) -> (state, metrics)`` that reads collect → score → update, and
 ``train(config) -> (state, history)`` built from these pieces:
 
@@ -51,7 +51,7 @@ from rlcore.loops.collect import check_length_range
 from rlcore.loops.checkpoint import (Checkpointer, check_resume, latest_checkpoint, resume, run_dir_lock,
                                      verify_checkpoint)
 from rlcore.loops.data import load_source
-from rlcore.loops.distributed import is_main, shard_source
+from rlcore.loops.scale.distributed import is_main, shard_source
 from rlcore.loops.fold import every, fold, to_floats
 from rlcore.loops.logging import check_trackers, make_loggers
 from rlcore.loops.lora import adapter_off, apply_lora, is_adapter_dir, is_peft, with_adapter

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlcore.loops import dpo, grpo
+from rlcore.loops.recipes import dpo, grpo
 from rlcore.loops.recipe import load_config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "from_trl.md"

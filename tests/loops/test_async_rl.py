@@ -16,12 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlcore import keys as K
-from rlcore.loops import async_rl, grpo, online_dpo, ppo, rloo, sft
-from rlcore.loops.async_learners import (check_learner, importance_correction, learn_off_policy, off_policy_metrics,
+from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo, sft
+from rlcore.loops.scale import async_rl
+from rlcore.loops.scale.async_learners import (check_learner, importance_correction, learn_off_policy, off_policy_metrics,
                                          recipe_of, truncated_importance_weights, with_importance_correction)
-from rlcore.loops.async_rl import check_max_lag, train_async
+from rlcore.loops.scale.async_rl import check_max_lag, train_async
 from rlcore.loops.checkpoint import list_checkpoints, load_checkpoint
-from rlcore.loops.reft_recipes import ReftGrpoConfig
+from rlcore.loops.recipes.reft_recipes import ReftGrpoConfig
 from rlcore.testing import assert_padding_invariant, assert_pure, make_rollout, right_padded_mask
 from tests.loops.online_helpers import flat_models
 
@@ -146,9 +147,9 @@ def test_bad_arguments_fail_before_any_process(monkeypatch):
     with pytest.raises(ValueError, match=r"is_clip: expected C > 0"):
         train_async(ppo.Config(), is_clip=0.0)
     with pytest.raises(TypeError, match=r"config: expected the Config of an online recipe .* got "
-                                        r"rlcore.loops.sft.Config"):
+                                        r"rlcore.loops.recipes.sft.Config"):
         train_async(sft.Config())
-    with pytest.raises(TypeError, match=r"got rlcore.loops.reft_recipes.ReftGrpoConfig"):  # not grpo's learn
+    with pytest.raises(TypeError, match=r"got rlcore.loops.recipes.reft_recipes.ReftGrpoConfig"):  # not grpo's learn
         train_async(ReftGrpoConfig())
     with pytest.raises(ValueError, match="value_model: unknown 'tied'"):  # the recipe's own checks
         train_async(ppo.Config(value_model="tied"))

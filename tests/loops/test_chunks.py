@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlcore import keys as K
-from rlcore.loops import grpo, ppo
+from rlcore.loops.recipes import grpo, ppo
 from rlcore.loops.chunks import cat_rollouts, chunk_seed, generate_in_chunks
 from rlcore.loops.collect import _prompts, generate_rollout
 from rlcore.loops.models import build_model, build_reward_model, build_tokenizer, pad_token_id, token_values

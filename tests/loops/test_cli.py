@@ -64,7 +64,7 @@ def test_console_script_lists_recipes():
 @pytest.mark.slow
 def test_a_recipe_runs_under_torchrun_with_two_ranks(tmp_path):
     """The same CLI command under torchrun: two gloo ranks, one checkpoint, one metrics log."""
-    from rlcore.loops.distributed import free_port
+    from rlcore.loops.scale.distributed import free_port
 
     run = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -105,7 +105,7 @@ def test_train_async_from_the_cli(tmp_path, capsys):
                      "--num_train", "8", "--num_eval", "4", "--max_new_tokens", "4", "--run_dir", str(run)]) == 0
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["final"]
     assert "async/staleness" in final and final["optimizer_steps"] >= 1
-    with pytest.raises(TypeError, match=r"config: expected the Config of an online recipe .* got rlcore.loops.sft.Config"):
+    with pytest.raises(TypeError, match=r"config: expected the Config of an online recipe .* got rlcore.loops.recipes.sft.Config"):
         cli.main(["train", "sft", "--async", "--steps", "1", "--run_dir", "null"])
 
 

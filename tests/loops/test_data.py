@@ -473,7 +473,7 @@ def test_a_hub_dataset_name_loads_from_the_cache_offline(tmp_path):
 import sys
 from rlcore.loops.data import load_source
 from rlcore.loops.recipe import load_splits
-from rlcore.loops.sft import Config
+from rlcore.loops.recipes.sft import Config
 train, held_out = load_splits(Config(task=None, dataset="acme/adds", eval_dataset="acme/adds:test"), None)
 print(len(train), len(held_out), train[0]["prompt"], held_out[0]["prompt"])
 try:

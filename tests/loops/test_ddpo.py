@@ -1,4 +1,4 @@
-"""loops/ddpo.py: the DDPO recipe: config, collect -> score -> train_epoch, ratio 1 at lr 0, one optimiser
+"""loops/recipes/ddpo.py: the DDPO recipe: config, collect -> score -> train_epoch, ratio 1 at lr 0, one optimiser
 step per sample batch, accumulation over micro-batches, resume, and a short run that raises the reward."""
 
 import dataclasses
@@ -14,7 +14,7 @@ pytest.importorskip("PIL")
 
 from rlcore import keys as K  # noqa: E402
 from rlcore.algorithms.ddpo import batch_advantages, prompt_stats_init, prompt_stats_update  # noqa: E402
-from rlcore.loops.ddpo import Config, build_state, collect, evaluate, score, train, train_epoch  # noqa: E402
+from rlcore.loops.recipes.ddpo import Config, build_state, collect, evaluate, score, train, train_epoch  # noqa: E402
 from rlcore.loops.diffusion import (ddim_schedule, jpeg_compressibility, latents_to_images, step_logprobs,  # noqa: E402
                                     timestep_rows)
 from rlcore.loops.logging import read_jsonl  # noqa: E402

@@ -1,4 +1,4 @@
-"""Tests of the preference-optimisation recipe (loops/dpo.py) on tiny offline models."""
+"""Tests of the preference-optimisation recipe (loops/recipes/dpo.py) on tiny offline models."""
 
 import copy
 import dataclasses
@@ -12,12 +12,12 @@ from rlcore import keys as K
 from rlcore.algorithms.dpo import DPO_LOSSES
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.data import collate_mismatched, collate_preference, collate_unpaired, tokenize_dataset
-from rlcore.loops.dpo import (LOSSES, REFERENCE_FREE, UNPAIRED, Config, bind_loss, dpo_step, evaluate, kto_step,
+from rlcore.loops.recipes.dpo import (LOSSES, REFERENCE_FREE, UNPAIRED, Config, bind_loss, dpo_step, evaluate, kto_step,
                               needs_reference, preference_loss_fn, train, unpair, with_reference)
 from rlcore.loops.models import make_reference, mix_into_reference, pad_token_id
 from rlcore.loops.recipe import build_policy, init_train_state, load_config
-from rlcore.loops.sft import Config as SFTConfig
-from rlcore.loops.sft import train as train_sft
+from rlcore.loops.recipes.sft import Config as SFTConfig
+from rlcore.loops.recipes.sft import train as train_sft
 from rlcore.loops.tasks import preference_dataset
 from rlcore.testing import assert_pure
 
@@ -182,7 +182,7 @@ def test_gpt2_policy():
 
 
 def test_truncation_follows_trl_and_the_configured_mode():
-    from rlcore.loops import dpo
+    from rlcore.loops.recipes import dpo
     from rlcore.loops.data import load_local
     from rlcore.loops.models import build_tokenizer
     tokenizer = build_tokenizer()
@@ -199,7 +199,7 @@ def test_truncation_follows_trl_and_the_configured_mode():
 
 def test_dpo_trains_on_pairs_with_an_implicit_prompt(tmp_path):
     import json
-    from rlcore.loops import dpo
+    from rlcore.loops.recipes import dpo
     rows = [{"chosen": f"{i}+1={i + 1}", "rejected": f"{i}+1={i + 2}"} for i in range(40)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = dpo.Config(dataset=str(tmp_path / "pairs.jsonl"), hidden_size=16, num_layers=1, num_heads=2, steps=2,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlcore import keys as K
-from rlcore.loops import grpo, sft
+from rlcore.loops.recipes import grpo, sft
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.cli import main as cli
 from rlcore.loops.models import load_model, load_tokenizer

@@ -1,4 +1,4 @@
-"""GRPO recipe (loops/grpo.py): raises a learnable reward, loss presets by name, config, YAML."""
+"""GRPO recipe (loops/recipes/grpo.py): raises a learnable reward, loss presets by name, config, YAML."""
 
 import dataclasses
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlcore import keys as K
-from rlcore.loops import grpo
+from rlcore.loops.recipes import grpo
 from rlcore.loops.logging import read_jsonl
 from rlcore.loops import online
 from rlcore.loops.online import build_online_state, evaluate_policy, policy_loss_fn, prompt_source

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlcore import keys as K
-from rlcore.loops import dpo, grpo, online_dpo, ppo, reward, rloo, sft
+from rlcore.loops.recipes import dpo, grpo, online_dpo, ppo, reward, rloo, sft
 from rlcore.loops.checkpoint import latest_checkpoint
 from rlcore.loops.cli import main as cli
 from rlcore.loops.collect import generate_rollout

@@ -1,4 +1,4 @@
-"""Online DPO recipe (loops/online_dpo.py): raises a learnable reward, pairs from the judge, a
+"""Online DPO recipe (loops/recipes/online_dpo.py): raises a learnable reward, pairs from the judge, a
 reward model as judge, ties, config checks, YAML."""
 
 import math
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlcore import keys as K
-from rlcore.loops import online_dpo
-from rlcore.loops.dpo import preference_loss_fn
+from rlcore.loops.recipes import online_dpo
+from rlcore.loops.recipes.dpo import preference_loss_fn
 from rlcore.loops.models import build_reward_model, build_tokenizer
 from rlcore.loops.online import build_online_state, evaluate_policy, prompt_source
 from rlcore.loops.recipe import load_config, load_splits

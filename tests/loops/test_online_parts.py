@@ -9,7 +9,7 @@ from tensordict import TensorDict
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import grpo_loss
 from rlcore.loops.chunks import generate_in_chunks
-from rlcore.loops import grpo, online_dpo, ppo, rloo
+from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import ValueHead
 from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, evaluate_policy,

@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from rlcore.loops import grpo, online_dpo, ppo, rloo, sft
-from rlcore.loops import placement
-from rlcore.loops.placement import RAY_INSTALL, ROLES, require_ray, train_placed
+from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo, sft
+from rlcore.loops.scale import placement
+from rlcore.loops.scale.placement import RAY_INSTALL, ROLES, require_ray, train_placed
 
 # A reward that varies between samples of a random tiny model (a lambda: Ray pickles it by value).
 LENGTH_REWARD = lambda prompts, completions, **_: [float(len(c)) for c in completions]  # noqa: E731
@@ -31,9 +31,9 @@ def policy_params(state):
 # --- without Ray -------------------------------------------------------------------------------------
 def test_module_imports_without_ray_and_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
-    monkeypatch.setattr(sys.modules["rlcore.loops"], "placement", placement)  # restored after the re-import
-    monkeypatch.delitem(sys.modules, "rlcore.loops.placement")
-    fresh = importlib.import_module("rlcore.loops.placement")  # no top-level `import ray`
+    monkeypatch.setattr(sys.modules["rlcore.loops.scale"], "placement", placement)  # restored after the re-import
+    monkeypatch.delitem(sys.modules, "rlcore.loops.scale.placement")
+    fresh = importlib.import_module("rlcore.loops.scale.placement")  # no top-level `import ray`
     assert fresh is not placement and fresh.RAY_INSTALL == 'pip install "rlcore[ray]"'
     with pytest.raises(ImportError, match=r'pip install "rlcore\[ray\]"'):
         fresh.require_ray()
@@ -45,7 +45,7 @@ def test_bad_arguments_fail_before_any_actor_starts(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # nothing below may reach Ray
     config = grpo.Config(**TINY, steps=1)
     with pytest.raises(TypeError, match=r"config: expected the Config of an online recipe .* got "
-                                        r"rlcore.loops.sft.Config"):
+                                        r"rlcore.loops.recipes.sft.Config"):
         train_placed(sft.Config(steps=1))
     with pytest.raises(ValueError, match=r"max_lag: expected an int ≥ 0, got -1"):
         train_placed(config, max_lag=-1)
@@ -103,7 +103,7 @@ def test_placed_source_submits_at_most_max_lag_items_ahead_with_the_recipe_seeds
 def test_learn_after_the_scorer_equals_learn_with_every_model(one_thread, recipe):
     """scorer.score, then learn_off_policy on the learner's lean state (its own models: PPO's critic,
     online DPO's reference) = learn_off_policy with every model in one state."""
-    from rlcore.loops.async_learners import learn_off_policy
+    from rlcore.loops.scale.async_learners import learn_off_policy
     from rlcore.loops.collect import generate_rollout
 
     config = recipe.Config(**TINY, steps=1)

@@ -1,4 +1,4 @@
-"""PPO recipe (loops/ppo.py): raises a learnable reward, KL controller and score moments as state,
+"""PPO recipe (loops/recipes/ppo.py): raises a learnable reward, KL controller and score moments as state,
 early stopping, ratio threshold, both critics, exact resume, YAML."""
 
 import dataclasses
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlcore.loops import ppo
+from rlcore.loops.recipes import ppo
 from rlcore.loops.fold import stop_when
 from rlcore.loops.models import ValueHead
 from rlcore.loops.online import build_online_state, evaluate_policy

@@ -260,7 +260,7 @@ def test_dropout_defaults_follow_trl(tmp_path, recipe, kept):
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.3,
                                embd_pdrop=0.3, attn_pdrop=0.3)).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    module = importlib.import_module(f"rlcore.loops.{recipe}")
+    module = importlib.import_module(f"rlcore.loops.recipes.{recipe}")
     config = module.Config(model=str(tmp_path / "model"), run_dir=None)
     assert config.disable_dropout is not kept
     model, _ = build_policy(config)
@@ -272,7 +272,7 @@ def test_dropout_defaults_follow_trl(tmp_path, recipe, kept):
 
 def test_a_reference_model_from_a_folder_or_a_checkpoint(tmp_path):
     """TRL's ref_model: the KL / DPO reference loaded from a path instead of copied from the policy."""
-    from rlcore.loops import dpo, grpo
+    from rlcore.loops.recipes import dpo, grpo
     from rlcore.loops.models import build_model, build_tokenizer
     from rlcore.loops.online import build_online_state
     tokenizer = build_tokenizer()
@@ -302,7 +302,7 @@ def test_a_reference_model_from_a_folder_or_a_checkpoint(tmp_path):
 
 # --- model loading fields (ModelLoading) ----------------------------------------------------------
 def _sft(**kw):
-    from rlcore.loops import sft
+    from rlcore.loops.recipes import sft
     return sft.Config(**{**dict(hidden_size=16, num_layers=1, num_heads=2, num_train=16, num_eval=4, batch_size=4,
                                 max_length=24, log_every=100, run_dir=None), **kw})
 
@@ -326,7 +326,7 @@ def test_dtype_and_attention_reach_tiny_and_loaded_models(tmp_path):
 
 
 def test_bfloat16_sft_trains_and_gradient_checkpointing_changes_nothing_but_memory():
-    from rlcore.loops import sft
+    from rlcore.loops.recipes import sft
     _, plain = sft.train(_sft(steps=3, lr=1e-2))
     state, checkpointed = sft.train(_sft(steps=3, lr=1e-2, gradient_checkpointing=True))
     assert state.model("policy").is_gradient_checkpointing
@@ -338,7 +338,7 @@ def test_bfloat16_sft_trains_and_gradient_checkpointing_changes_nothing_but_memo
 
 
 def test_online_recipes_and_references_take_the_loading_fields():
-    from rlcore.loops import grpo
+    from rlcore.loops.recipes import grpo
     from rlcore.loops.online import build_online_state
     config = grpo.Config(hidden_size=16, num_layers=1, num_heads=2, num_train=8, num_eval=4, batch_size=2,
                          num_samples=2, max_new_tokens=4, steps=1, run_dir=None, gradient_checkpointing=True)
@@ -349,13 +349,13 @@ def test_online_recipes_and_references_take_the_loading_fields():
 
 
 def test_reft_refuses_gradient_checkpointing():
-    from rlcore.loops.reft import ReftConfig, train_reft_sft
+    from rlcore.loops.recipes.reft import ReftConfig, train_reft_sft
     with pytest.raises(ValueError, match=r"gradient_checkpointing: ReFT trains interventions on a frozen model"):
         train_reft_sft(ReftConfig(gradient_checkpointing=True, steps=1))
 
 
 def test_mixed_precision_bf16_keeps_float32_weights_and_close_losses():
-    from rlcore.loops import dpo, grpo, sft
+    from rlcore.loops.recipes import dpo, grpo, sft
     _, plain = sft.train(_sft(steps=2, lr=1e-2))
     state, mixed = sft.train(_sft(steps=2, lr=1e-2, mixed_precision="bf16"))
     assert {p.dtype for p in state.model("policy").parameters()} == {torch.float32}

@@ -19,9 +19,9 @@ from rlcore.loops.checkpoint import load_checkpoint, save_checkpoint
 from rlcore.loops.data import collate, tokenize_example
 from rlcore.loops.models import build_model
 from rlcore.algorithms.dpo import dpo
-from rlcore.loops import grpo, rloo
+from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.collect import generate_rollout
-from rlcore.loops.reft import (ReftConfig, evaluate, init_reft_state, load_config, reft_dpo_step, reft_grpo_step,
+from rlcore.loops.recipes.reft import (ReftConfig, evaluate, init_reft_state, load_config, reft_dpo_step, reft_grpo_step,
                                reft_rloo_step, reft_sft_step, reft_spec, trainable_fraction, train_reft_online,
                                train_reft_sft)
 from rlcore.loops import reft_data, reft_model
@@ -599,7 +599,7 @@ def test_a_format_1_direft_loads_as_nodireft_and_a_bad_dtype_is_refused(tokenize
 
 def test_reft_dpo_from_a_config_trains_the_interventions_on_a_frozen_base():
     from rlcore.loops.recipe import build_policy
-    from rlcore.loops.reft_recipes import ReftDpoConfig, train_reft_dpo
+    from rlcore.loops.recipes.reft_recipes import ReftDpoConfig, train_reft_dpo
     config = ReftDpoConfig(hidden_size=32, num_layers=2, num_train=32, num_eval=8, batch_size=8, max_length=32,
                            steps=4, lr=2e-2, beta=0.5, run_dir=None, eval_every=4)
     base = build_policy(config)[0]
@@ -617,7 +617,7 @@ def test_reft_dpo_from_a_config_trains_the_interventions_on_a_frozen_base():
 def test_reft_reward_trains_interventions_and_the_score_head_only(tmp_path):
     """pyreft's reward example: a frozen classifier, interventions at prompt positions, the head trained."""
     from rlcore.loops.recipe import build_policy
-    from rlcore.loops.reft_recipes import ReftRewardConfig, train_reft_reward
+    from rlcore.loops.recipes.reft_recipes import ReftRewardConfig, train_reft_reward
     config = ReftRewardConfig(hidden_size=32, num_layers=2, num_train=64, num_eval=16, batch_size=16, max_length=32,
                               steps=12, lr=3e-2, run_dir=None, eval_every=12, positions="f1+l1", zero_init=False)
     base = build_policy(config)[0]

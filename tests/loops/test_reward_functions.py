@@ -9,7 +9,9 @@ import pytest
 from rlcore import keys as K
 import torch
 
-from rlcore.loops import cli, grpo
+from rlcore.loops import cli
+
+from rlcore.loops.recipes import grpo
 from rlcore.loops.models import call_reward_fn, import_reward_fn
 from rlcore.loops.online import make_reward_fn
 from tests.loops.online_helpers import TINY

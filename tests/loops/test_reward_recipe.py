@@ -1,4 +1,4 @@
-"""Tests of the reward-modelling recipe (loops/reward.py) on tiny offline models."""
+"""Tests of the reward-modelling recipe (loops/recipes/reward.py) on tiny offline models."""
 
 import copy
 import dataclasses
@@ -13,7 +13,7 @@ from rlcore import keys as K
 from rlcore.loops.data import tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import build_policy, init_train_state, load_config
-from rlcore.loops.reward import Config, collate_pairs, evaluate, reward_loss_fn, reward_step, train, with_rewards
+from rlcore.loops.recipes.reward import Config, collate_pairs, evaluate, reward_loss_fn, reward_step, train, with_rewards
 from rlcore.loops.tasks import preference_dataset
 from rlcore.testing import assert_pure
 
@@ -127,7 +127,7 @@ def test_yaml_config_loads_and_runs(tmp_path):
 def test_pre_tokenised_pairs_as_trl_gives_them(tmp_path):
     """TRL's RewardTrainer input: input_ids_chosen / input_ids_rejected (+ attention masks), no text."""
     import json
-    from rlcore.loops import reward
+    from rlcore.loops.recipes import reward
     from rlcore.loops.data import load_local
     from rlcore.loops.models import build_tokenizer
     tok = build_tokenizer()

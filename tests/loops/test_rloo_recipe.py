@@ -1,4 +1,4 @@
-"""RLOO recipe (loops/rloo.py): raises a learnable reward, KL in the reward, config checks, YAML."""
+"""RLOO recipe (loops/recipes/rloo.py): raises a learnable reward, KL in the reward, config checks, YAML."""
 
 import dataclasses
 import math
@@ -9,7 +9,7 @@ import torch
 
 from rlcore import keys as K
 from rlcore.baselines import rloo_advantage
-from rlcore.loops import rloo
+from rlcore.loops.recipes import rloo
 from rlcore.loops import online
 from rlcore.loops.online import build_online_state, evaluate_policy, policy_loss_fn, prompt_source
 from rlcore.loops.recipe import load_config, load_splits

@@ -1,4 +1,4 @@
-"""Tests of the SFT recipe (loops/sft.py) on tiny offline models."""
+"""Tests of the SFT recipe (loops/recipes/sft.py) on tiny offline models."""
 
 import copy
 import dataclasses
@@ -16,7 +16,7 @@ from rlcore.loops.fold import stop_when
 from rlcore.loops.logging import read_jsonl
 from rlcore.loops.models import build_tokenizer, pad_token_id
 from rlcore.loops.recipe import build_policy, init_train_state, load_config
-from rlcore.loops.sft import Config, evaluate, scoring_mask, sft_loss_fn, sft_step, train
+from rlcore.loops.recipes.sft import Config, evaluate, scoring_mask, sft_loss_fn, sft_step, train
 from rlcore.loops.tasks import task_dataset
 from rlcore.testing import assert_padding_invariant, assert_pure
 
@@ -171,7 +171,7 @@ def test_yaml_config_loads_and_runs(tmp_path):
 
 
 def test_completion_only_loss_and_dataset_text_field_as_trl():
-    from rlcore.loops import sft
+    from rlcore.loops.recipes import sft
     from rlcore.loops.data import load_local
     from rlcore.loops.models import build_tokenizer
     tok = build_tokenizer()
@@ -192,7 +192,7 @@ def test_completion_only_loss_and_dataset_text_field_as_trl():
 
 def test_assistant_only_loss_trains_on_every_assistant_turn(tmp_path):
     """TRL's assistant_only_loss: a multi-turn conversation is one example whose targets are every reply."""
-    from rlcore.loops import sft
+    from rlcore.loops.recipes import sft
     chats = [{"messages": [{"role": "user", "content": f"{a}+1="}, {"role": "assistant", "content": str(a + 1)},
                            {"role": "user", "content": "again"}, {"role": "assistant", "content": str(a + 1)}]}
              for a in range(12)]
@@ -230,7 +230,7 @@ def test_formatting_func_from_python_as_trl(tmp_path):
     state, history = train(config, formatting_func=as_pair)
     assert len(seen) == 12 and all(math.isfinite(h["loss"]) for h in history)
     tok = build_tokenizer()
-    from rlcore.loops import sft
+    from rlcore.loops.recipes import sft
     prepared = sft._prepare(load_local(str(path)), tok, config, as_pair)
     batch = scoring_mask(sft._collate_fn(prepared, tok, config)(prepared[:1]))
     assert tok.decode(batch[K.INPUT_IDS][0][batch[K.LOSS_MASK][0]]) == rows[0]["reply"] + "</s>"

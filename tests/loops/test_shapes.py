@@ -120,7 +120,7 @@ def test_remote_code_is_refused_unless_trusted(tmp_path):
     (folder / "configuration_custom.py").write_text(code)
     (folder / "modeling_custom.py").write_text(code)
     family_tokenizer("qwen2.5").save_pretrained(folder)
-    from rlcore.loops import grpo
+    from rlcore.loops.recipes import grpo
     with pytest.raises(ValueError, match=r"model: .*custom ships its own modelling code .* set trust_remote_code: "
                                          r"true \(--trust_remote_code true\)"):
         build_policy(grpo.Config(model=str(folder)))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlcore import keys as K
-from rlcore.loops import grpo, online_dpo, ppo, rloo
+from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo
 from rlcore.loops.online import build_online_state, collect_rollout, prompt_source
 from rlcore.loops.recipe import load_splits
 from rlcore.loops.tasks import task_dataset

@@ -9,7 +9,7 @@ from rlcore.loops.models import build_model, build_value_model
 from rlcore.loops.score import score_rollout
 from rlcore.loops.state import init_state
 from rlcore.loops.update import update
-from rlcore.loops.workers import WORKER_OPS, compute_log_probs, compute_rewards, compute_values, train_step
+from rlcore.loops.scale.workers import WORKER_OPS, compute_log_probs, compute_rewards, compute_values, train_step
 from rlcore.masked import aggregate
 from rlcore.testing import assert_pure, make_rollout
 

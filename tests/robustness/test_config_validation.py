@@ -5,7 +5,9 @@ import dataclasses
 
 import pytest
 
-from rlcore.loops import cli, dpo, grpo, sft
+from rlcore.loops import cli
+
+from rlcore.loops.recipes import dpo, grpo, sft
 from rlcore.loops.cli import RECIPES, recipe_module
 from rlcore.loops.recipe import FIELD_RULES, check_config, load_config
 

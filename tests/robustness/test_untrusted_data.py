@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlcore.logprobs import hidden_logprobs, token_logprobs
-from rlcore.loops import grpo, sft
+from rlcore.loops.recipes import grpo, sft
 from rlcore.loops.data import load_local, max_token_chars, text_window, tokenize_example
 from rlcore.loops.models import MAX_ABS_REWARD, build_tokenizer, call_reward_fn
 from tests.loops.online_helpers import TINY
@@ -122,7 +122,7 @@ def test_rewards_too_large_for_float32_losses_are_refused():
 
 
 def test_ppo_with_the_largest_accepted_rewards_keeps_its_losses_finite():
-    from rlcore.loops import ppo
+    from rlcore.loops.recipes import ppo
 
     def largest(prompts, completions):
         return [MAX_ABS_REWARD * (1 if len(c) % 2 else -1) for c in completions]

@@ -1,7 +1,7 @@
 """The learner's half of asynchronous off-policy RLHF: a recipe's ``learn`` on a generated rollout.
 
 A synchronous online recipe's ``step`` is ``collect_rollout → learn``. The asynchronous loops
-(``loops.async_rl``'s generator process, ``loops.placement``'s Ray actors) generate elsewhere and
+(``loops.scale.async_rl``'s generator process, ``loops.scale.placement``'s Ray actors) generate elsewhere and
 hand the rollout to :func:`learn_off_policy`: ``loops.online.score_collected`` (the scores the
 learner's state holds models for, the seed draw, the counters), then the recipe's own ``learn``
 (:func:`recipe_of` finds it from the config's class: no recipe is imported here) with the
@@ -113,7 +113,7 @@ def off_policy_metrics(rollout: TensorDictBase, proximal_logprobs: torch.Tensor,
 # --- what the learner does with a generated rollout ------------------------------------------------------
 def recipe_of(config: Any) -> ModuleType:
     """The online recipe module whose ``Config`` ``config`` is: the module of its class, which must
-    have a ``learn`` and a ``build_state`` (``loops.grpo``, ``rloo``, ``ppo``, ``online_dpo``, or a
+    have a ``learn`` and a ``build_state`` (``loops.recipes.grpo``, ``rloo``, ``ppo``, ``online_dpo``, or a
     user's recipe written the same way). A subclass defined elsewhere (the ReFT recipes' configs)
     is not its parent's recipe: its module must define them too.
 
@@ -124,7 +124,7 @@ def recipe_of(config: Any) -> ModuleType:
     if callable(getattr(module, "learn", None)) and callable(getattr(module, "build_state", None)):
         return module
     raise TypeError(f"config: expected the Config of an online recipe (a module with learn and build_state: "
-                    f"loops.grpo, rloo, ppo, online_dpo), got {type(config).__module__}.{type(config).__qualname__}")
+                    f"loops.recipes.grpo, rloo, ppo, online_dpo), got {type(config).__module__}.{type(config).__qualname__}")
 
 
 def check_learner(config: Any, is_clip: float | None) -> ModuleType:

@@ -5,7 +5,7 @@ actors that call the plain functions of the single-process loop::
 
     generator  a copy of the policy    generate_rollout(seed, policy_version)        (loops.collect)
     scorer     reference, reward model, workers.compute_log_probs(model="ref"),
-               reward function          workers.compute_rewards                       (loops.workers)
+               reward function          workers.compute_rewards                       (loops.scale.workers)
     learner    the recipe's TrainState  async_learners.learn_off_policy on the scored rollout
                (policy, critic, AdamW)  (score_collected with the models it holds, then the
                                         recipe's own learn); then the policy's CPU state_dict
@@ -19,7 +19,7 @@ to the scorer to the learner as an object reference, never through the driver. R
 one caller makes on one actor in the order they were made, so with ``max_lag = N`` the learner
 submits item ``t + N`` right after pushing the weights of step ``t − 1``: a rollout is at most
 ``N`` updates old. ``N = 0`` is the synchronous recipe, ``N = 1`` overlaps the generation of
-batch ``t+1`` with the update on batch ``t`` (as ``loops.async_rl``).
+batch ``t+1`` with the update on batch ``t`` (as ``loops.scale.async_rl``).
 
 Which models sit where: the scorer holds the reward model and adds the reference log-probs of
 the rollout when the recipe scores them there (GRPO, RLOO, PPO); a recipe that asks for none
@@ -35,7 +35,7 @@ Determinism: sampling seeds are drawn in item order from a copy of the learner's
 and the learner replays that draw (``online.score_collected``), the draws the synchronous
 ``collect_rollout`` makes. With ``max_lag=0``, one minibatch per step (``update`` then never
 shuffles with ``state.rng``) and the same threads per process, a placed run ends with the very
-parameters as the recipe's ``train(config)`` (``loops.grpo``, ``loops.rloo``, ...).
+parameters as the recipe's ``train(config)`` (``loops.recipes.grpo``, ``loops.recipes.rloo``, ...).
 
 Ray is imported inside the functions: this module imports without it and
 :func:`require_ray` names the install (``pip install "rlcore[ray]"``).
@@ -61,8 +61,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from rlcore.loops.async_learners import check_learner, learn_off_policy
-from rlcore.loops.async_rl import check_max_lag
+from rlcore.loops.scale.async_learners import check_learner, learn_off_policy
+from rlcore.loops.scale.async_rl import check_max_lag
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
@@ -72,7 +72,7 @@ from rlcore.loops.online import (build_online_state, evaluate_policy, generate_k
 from rlcore.loops.recipe import build_policy, load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset
-from rlcore.loops.workers import compute_log_probs, compute_rewards
+from rlcore.loops.scale.workers import compute_log_probs, compute_rewards
 
 __all__ = ["RAY_INSTALL", "ROLES", "require_ray", "cpu_state_dict", "WeightPush", "GeneratorWorker",
            "ScorerWorker", "LearnerWorker", "placed_source", "train_placed"]
@@ -86,7 +86,7 @@ def require_ray():
     try:
         import ray
     except ImportError as e:
-        raise ImportError(f"rlcore.loops.placement runs on Ray, which is not installed: {RAY_INSTALL}") from e
+        raise ImportError(f"rlcore.loops.scale.placement runs on Ray, which is not installed: {RAY_INSTALL}") from e
     return ray
 
 
@@ -275,7 +275,7 @@ def train_placed(config: Any, *, max_lag: int = 0, is_clip: float | None = None,
     instance, else starts one with ``ray.init(address=address)`` and shuts it down at the end.
 
     Args:
-        config: the recipe's ``Config`` (``loops.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``); a relative
+        config: the recipe's ``Config`` (``loops.recipes.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``); a relative
             ``run_dir`` is made absolute here (the learner writes it, on its node).
         max_lag: ``N ≥ 0``: rollouts come from a policy at most ``N`` updates old; 0 is synchronous.
         is_clip: ``C`` of the truncated importance correction (``async_learners.learn_off_policy``), or ``None``.

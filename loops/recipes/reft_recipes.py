@@ -1,14 +1,14 @@
 """ReFT recipes from a config: GRPO, RLOO, DPO and reward modelling of interventions on a frozen model.
 
 Each is the recipe of ``rlcore.loops`` it names, with the intervention fields of
-``loops.reft.ReftFields`` added to that recipe's ``Config`` and its loss closure run inside
+``loops.recipes.reft.ReftFields`` added to that recipe's ``Config`` and its loss closure run inside
 ``intervened`` (``loops.reft_model``):
 
 - ``GRPO`` / ``RLOO`` (``rlcore train reft_grpo`` / ``reft_rloo``): ``train_reft_online`` with the
   policy a ``ReftModel`` and the base model the reference;
 - ``DPO`` (``reft_dpo``): ``reft_dpo_step`` on pairs with intervention locations, the base model as
-  the reference (no copy), any pairwise loss of ``loops.dpo.LOSSES``;
-- ``REWARD`` (``reft_reward``, pyreft's reward example): ``loops.reward.reward_step`` with the
+  the reference (no copy), any pairwise loss of ``loops.recipes.dpo.LOSSES``;
+- ``REWARD`` (``reft_reward``, pyreft's reward example): ``loops.recipes.reward.reward_step`` with the
   interventions at the pairs' prompt positions and the classifier's score head trained with them.
 
 Each value is a ``ReftRecipe`` (``Config``, ``train``, ``evaluate``, ``checkpoint_state``), the
@@ -31,14 +31,14 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from rlcore.loops import dpo, grpo, reward, rloo
+from rlcore.loops.recipes import dpo, grpo, reward, rloo
 from rlcore.loops.checkpoint import load_checkpoint
-from rlcore.loops.dpo import preference_loss_fn, with_reference
+from rlcore.loops.recipes.dpo import preference_loss_fn, with_reference
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import build_online_state
 from rlcore.loops.recipe import (autocast_dtype, batch_source, build_policy, init_train_state, load_splits,
                                  mean_metrics, policy_tokenizer, run)
-from rlcore.loops.reft import (ReftFields, new_interventions, reft_dpo_step, reft_grpo_step,
+from rlcore.loops.recipes.reft import (ReftFields, new_interventions, reft_dpo_step, reft_grpo_step,
                                reft_online_models, reft_rloo_step, reft_spec, train_reft_online)
 from rlcore.loops.reft_data import collate_reft, with_intervention_locations
 from rlcore.loops.reft_model import with_interventions
@@ -54,21 +54,21 @@ __all__ = ["ReftGrpoConfig", "ReftRlooConfig", "ReftDpoConfig", "ReftRewardConfi
 # --- configs -----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ReftGrpoConfig(ReftFields, grpo.Config):
-    """GRPO with ReFT (``rlcore train reft_grpo``): ``loops.grpo.Config`` and ``ReftFields``."""
+    """GRPO with ReFT (``rlcore train reft_grpo``): ``loops.recipes.grpo.Config`` and ``ReftFields``."""
 
     run_dir: str | None = "runs/reft_grpo"
 
 
 @dataclasses.dataclass(frozen=True)
 class ReftRlooConfig(ReftFields, rloo.Config):
-    """RLOO with ReFT (``rlcore train reft_rloo``): ``loops.rloo.Config`` and ``ReftFields``."""
+    """RLOO with ReFT (``rlcore train reft_rloo``): ``loops.recipes.rloo.Config`` and ``ReftFields``."""
 
     run_dir: str | None = "runs/reft_rloo"
 
 
 @dataclasses.dataclass(frozen=True)
 class ReftDpoConfig(ReftFields, dpo.Config):
-    """DPO with ReFT (``rlcore train reft_dpo``): ``loops.dpo.Config`` and ``ReftFields``; pairwise
+    """DPO with ReFT (``rlcore train reft_dpo``): ``loops.recipes.dpo.Config`` and ``ReftFields``; pairwise
     losses (KTO's unpaired rows are not offered), the base model as the reference."""
 
     run_dir: str | None = "runs/reft_dpo"
@@ -77,7 +77,7 @@ class ReftDpoConfig(ReftFields, dpo.Config):
 @dataclasses.dataclass(frozen=True)
 class ReftRewardConfig(ReftFields, reward.Config):
     """Reward modelling with ReFT (``rlcore train reft_reward``, pyreft's reward example):
-    ``loops.reward.Config`` and ``ReftFields``. The interventions edit the pairs' prompt positions
+    ``loops.recipes.reward.Config`` and ``ReftFields``. The interventions edit the pairs' prompt positions
     and the model's score head trains with them; the rest of the model is frozen."""
 
     run_dir: str | None = "runs/reft_reward"
@@ -201,7 +201,7 @@ def _reft_reward_setup(config: ReftRewardConfig):
 def train_reft_reward(config: ReftRewardConfig, *, callbacks: Sequence[Callable] = ()
                       ) -> tuple[TrainState, list[dict[str, float]]]:
     """Reward modelling of ReFT interventions (and the score head) on a frozen sequence classifier:
-    ``loops.reward.reward_step`` with its loss inside ``intervened``. ``(state, history)``."""
+    ``loops.recipes.reward.reward_step`` with its loss inside ``intervened``. ``(state, history)``."""
     state, train, held_out, tokenizer, collate = _reft_reward_setup(config)
     step = functools.partial(reward.reward_step, margin_key=config.margin_key,
                              center_rewards_coefficient=config.center_rewards_coefficient,

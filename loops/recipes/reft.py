@@ -6,11 +6,11 @@ interventions' parameters. Every recipe's ``update`` loss closure becomes its Re
 batch's ``INTERVENTION_LOCATIONS``); whatever runs outside is the base model itself, which is
 therefore the reference policy for free (``"ref"`` is the same object: no copy).
 
-- SFT (``reft_sft_step``): ``loops.sft.sft_loss_fn`` with the interventions on;
+- SFT (``reft_sft_step``): ``loops.recipes.sft.sft_loss_fn`` with the interventions on;
   state ``{"policy": base, "ref": base, "interventions": iv}`` (``init_reft_state``), so a
   checkpoint stores the interventions only.
 - DPO (``reft_dpo_step``): reference log-probs from the base model (interventions off), then
-  ``loops.dpo.preference_loss_fn`` with them on; the same state.
+  ``loops.recipes.dpo.preference_loss_fn`` with them on; the same state.
 - GRPO / RLOO (``reft_grpo_step`` / ``reft_rloo_step`` with ``train_reft_online``): the policy is a
   ``ReftModel`` (``{"policy": ReftModel(base), "ref": base}``), so the online recipes' collection
   and evaluation generate with the interventions at the prompt positions (with a KV cache only the
@@ -40,9 +40,9 @@ from torch import nn
 
 from rlcore import keys as K
 from rlcore.algorithms.reft import trainable_parameters
-from rlcore.loops.dpo import preference_loss_fn, with_reference
+from rlcore.loops.recipes.dpo import preference_loss_fn, with_reference
 from rlcore.loops.data import tokenize_dataset
-from rlcore.loops import grpo, rloo
+from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import collect_rollout, train_online
 from rlcore.loops.checkpoint import load_checkpoint
@@ -53,7 +53,7 @@ from rlcore.loops.recipe import load_config as load_recipe_config
 from rlcore.loops.reft_data import ReftSpec, collate_reft, with_intervention_locations
 from rlcore.loops.reft_model import (ReftInterventions, ReftModel, intervention_dtype, make_interventions,
                                      with_interventions)
-from rlcore.loops.sft import scoring_mask, sft_loss_fn
+from rlcore.loops.recipes.sft import scoring_mask, sft_loss_fn
 from rlcore.loops.state import TrainState, advance, init_state
 from rlcore.loops.tasks import task_dataset
 from rlcore.loops.update import make_optimizer, update
@@ -105,7 +105,7 @@ def reft_sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token
                   autocast_dtype: torch.dtype | None = None) -> tuple[TrainState, TensorDict]:
     """One ReFT SFT step (impure: it trains the interventions).
 
-    ``loss = aggregate(−log p_Φ(x_t | x_<t), loss_mask, agg)``: ``loops.sft.sft_loss_fn`` on the
+    ``loss = aggregate(−log p_Φ(x_t | x_<t), loss_mask, agg)``: ``loops.recipes.sft.sft_loss_fn`` on the
     ``scoring_mask`` of the batch, its forwards inside ``intervened``. Reads ``input_ids``,
     ``attention_mask``, ``loss_mask`` ``[B, T]`` and ``INTERVENTION_LOCATIONS [B, n]``.
     """
@@ -123,7 +123,7 @@ def reft_dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, c
     """One ReFT preference step: reference log-probs from ``state.model("ref")`` (the base model,
     interventions off; skipped when the batch carries them), then ``update`` with
     ``preference_loss_fn`` inside ``intervened``. ``loss``: a bound pairwise loss, e.g.
-    ``functools.partial(rlcore.algorithms.dpo.dpo, beta=0.1)`` or ``loops.dpo.bind_loss(config)``.
+    ``functools.partial(rlcore.algorithms.dpo.dpo, beta=0.1)`` or ``loops.recipes.dpo.bind_loss(config)``.
     Reads a preference batch with ``INTERVENTION_LOCATIONS`` on each side.
     """
     batch = with_reference(state, batch.to(_device(state)), chunked=chunked)
@@ -144,14 +144,14 @@ def _reft_online_step(recipe: ModuleType, state: TrainState, rows: dict, *, conf
 
 def reft_grpo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
                    reward_fn) -> tuple[TrainState, TensorDict]:
-    """``loops.grpo.step`` for a ``ReftModel`` policy: collect (intervened generation, base reference),
+    """``loops.recipes.grpo.step`` for a ``ReftModel`` policy: collect (intervened generation, base reference),
     then ``grpo.learn`` (group advantages, the update of the interventions inside ``intervened``)."""
     return _reft_online_step(grpo, state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
 
 
 def reft_rloo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
                    reward_fn) -> tuple[TrainState, TensorDict]:
-    """``loops.rloo.step`` for a ``ReftModel`` policy: ``rloo.learn`` (KL-penalised rewards against
+    """``loops.recipes.rloo.step`` for a ``ReftModel`` policy: ``rloo.learn`` (KL-penalised rewards against
     the base model, leave-one-out advantages, the update inside ``intervened``)."""
     return _reft_online_step(rloo, state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
 
@@ -167,7 +167,7 @@ def reft_online_models(spec: ReftSpec, *, zero_init: bool = False, seed: int = 0
 def train_reft_online(config: Any, step: Callable, spec: ReftSpec, *, zero_init: bool = False, reward_fn=None,
                       callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
     """GRPO / RLOO with ReFT: ``train_online(config, step)`` (``step``: ``reft_grpo_step`` or
-    ``reft_rloo_step``, ``config``: ``loops.grpo.Config`` / ``loops.rloo.Config``) with the
+    ``reft_rloo_step``, ``config``: ``loops.recipes.grpo.Config`` / ``loops.recipes.rloo.Config``) with the
     policy wrapped in a ``ReftModel`` and the base model as the reference.
 
     ``build_online_state`` still makes (and drops) a copy of the policy for its default reference.
@@ -316,6 +316,6 @@ def checkpoint_state(config: ReftConfig, path: str | Path) -> TrainState:
 
 
 # The recipe protocol of ``rlcore.loops.cli`` (``Config``, ``train(config)``, ``evaluate(state, config)``):
-# this module is the SFT recipe ("reft"); loops.reft_recipes holds GRPO, RLOO, DPO and reward modelling.
+# this module is the SFT recipe ("reft"); loops.recipes.reft_recipes holds GRPO, RLOO, DPO and reward modelling.
 Config = ReftConfig
 train = train_reft_sft

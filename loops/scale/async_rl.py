@@ -13,7 +13,7 @@ synchronous loop (the generator waits for every update; same seeds, same paramet
 recipe's own ``step``, minibatch shuffling included); ``N = 1`` overlaps the generation of
 batch ``t+1`` with the update on batch ``t``, the setting of Noukhovitch et al.
 
-The learner's side lives in ``loops.async_learners``: :func:`~rlcore.loops.async_learners.learn_off_policy`
+The learner's side lives in ``loops.scale.async_learners``: :func:`~rlcore.loops.scale.async_learners.learn_off_policy`
 runs on the generator's rollout what the synchronous ``step`` runs after generating (scoring, then
 the recipe's own ``learn``), so sync and async share one code path; everything after generation runs on the learner's current
 models (PPO's values from its current critic, never a stale one). ``is_clip`` switches on the
@@ -47,12 +47,12 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from rlcore.loops.async_learners import check_learner, learn_off_policy
+from rlcore.loops.scale.async_learners import check_learner, learn_off_policy
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
-from rlcore.loops.distributed import process_context
-from rlcore.loops.dpo import reference_models
+from rlcore.loops.scale.distributed import process_context
+from rlcore.loops.recipes.dpo import reference_models
 from rlcore.loops.online import (check_prompt_data, check_prompt_lengths, evaluate_policy, generate_kwargs,
                                  make_reward_fn, prompt_source)
 from rlcore.loops.recipe import load_splits, run
@@ -279,10 +279,10 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
     The run is the recipe's (its own state builder, e.g. PPO's critic and KL controller; the
     data, evaluation, checkpoints, logs and resume of ``loops.online.train_online``), with the
     step split between the generator (``generate_rollout`` on a copy of the policy) and the
-    learner (``loops.async_learners.learn_off_policy``: scoring, then the recipe's ``learn``).
+    learner (``loops.scale.async_learners.learn_off_policy``: scoring, then the recipe's ``learn``).
 
     Args:
-        config: the recipe's ``Config`` (``loops.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``): it names
+        config: the recipe's ``Config`` (``loops.recipes.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``): it names
             the recipe (``async_learners.recipe_of``).
         max_lag: ``N``: rollouts come from a policy at most ``N`` updates old; 0 is synchronous.
         is_clip: ``C > 0`` of the truncated importance correction, or ``None`` (off); a

@@ -28,7 +28,7 @@ One engine per policy module, built on first use and kept in a per-process regis
   samples of one prompt are independent (a request with ``n = G`` and one seed gives correlated
   children). Identical prompts still share their prefill through the prefix cache.
 - **Processes.** The engine runs in its own processes, so its thread binding and process group stay
-  out of the trainer's. A daemonic process (the generator of ``loops.async_rl``) may not start
+  out of the trainer's. A daemonic process (the generator of ``loops.scale.async_rl``) may not start
   children: there the engine runs in-process, which is harmless in a process that only generates.
 
 vLLM samples with its own kernels and random streams, so a rollout differs from the other engines'
