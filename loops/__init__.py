@@ -4,9 +4,11 @@ Laid out by role:
 
 - the loop's pieces, here: ``fold`` and ``state`` (the fold and what it threads), ``collect``
   and ``chunks`` (generation), ``score``, ``update`` (the one impure step), ``online`` (what the
-  online recipes share: collect → score, evaluation), ``recipe`` (the run-config base, building
-  models and the run), ``data``, ``tasks``, ``models``, ``lora``, ``shapes``, ``checkpoint``,
-  ``logging``, ``diffusion``, ``reft_data`` / ``reft_model``; the ``cli`` and the ``demo``;
+  online recipes share: collect → score), ``evaluate`` (their held-out metrics),
+  ``reward_fns`` (calling, checking and combining reward functions), ``config`` (the run-config
+  base: shared fields, YAML, checks), ``recipe`` (models, data splits, the run), ``data``,
+  ``tasks``, ``models``, ``lora``, ``shapes``, ``checkpoint``, ``logging``, ``diffusion``,
+  ``reft_data`` / ``reft_model``; the ``cli`` and the ``demo``;
 - ``rlcore.loops.recipes``: one module per trainer (``sft``, ``reward``, ``dpo``, ``ppo``,
   ``rloo``, ``grpo``, ``online_dpo``, ``ddpo``, ``reft``), each with a ``Config``,
   ``train(config)`` and ``evaluate(state, config)``; the ``rlcore`` command runs them
@@ -23,8 +25,10 @@ from importlib import import_module as _import_module
 from rlcore.loops.checkpoint import *  # noqa: F401,F403
 from rlcore.loops.chunks import *  # noqa: F401,F403
 from rlcore.loops.collect import *  # noqa: F401,F403
+from rlcore.loops.config import *  # noqa: F401,F403
 from rlcore.loops.data import *  # noqa: F401,F403
 from rlcore.loops.diffusion import *  # noqa: F401,F403
+from rlcore.loops.evaluate import *  # noqa: F401,F403
 from rlcore.loops.fold import *  # noqa: F401,F403
 from rlcore.loops.logging import *  # noqa: F401,F403
 from rlcore.loops.lora import *  # noqa: F401,F403
@@ -33,6 +37,7 @@ from rlcore.loops.online import *  # noqa: F401,F403
 from rlcore.loops.recipe import *  # noqa: F401,F403
 from rlcore.loops.reft_data import *  # noqa: F401,F403
 from rlcore.loops.reft_model import *  # noqa: F401,F403
+from rlcore.loops.reward_fns import *  # noqa: F401,F403
 from rlcore.loops.scale.async_learners import *  # noqa: F401,F403
 from rlcore.loops.scale.async_rl import *  # noqa: F401,F403
 from rlcore.loops.scale.distributed import *  # noqa: F401,F403
@@ -45,7 +50,7 @@ from rlcore.loops.state import *  # noqa: F401,F403
 from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
 
-_MODULES = ("checkpoint", "chunks", "collect", "data", "diffusion", "fold", "logging", "lora", "models", "online",
-            "recipe", "reft_data", "reft_model", "scale.async_learners", "scale.async_rl", "scale.distributed",
+_MODULES = ("checkpoint", "chunks", "collect", "config", "data", "diffusion", "evaluate", "fold", "logging", "lora", "models", "online",
+            "recipe", "reft_data", "reft_model", "reward_fns", "scale.async_learners", "scale.async_rl", "scale.distributed",
             "scale.placement", "scale.vllm_engine", "scale.workers", "score", "shapes", "state", "tasks", "update")
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

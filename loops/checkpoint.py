@@ -57,20 +57,8 @@ from rlcore.loops.scale.distributed import dist_info, is_fsdp2, unwrap_model
 from rlcore.loops.lora import is_peft, load_adapter_weights
 from rlcore.loops.state import TrainState
 
-__all__ = [
-    "save_checkpoint",
-    "load_checkpoint",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "checkpoint_info",
-    "resume",
-    "Checkpointer",
-    "CheckpointError",
-    "verify_checkpoint",
-    "run_dir_lock",
-    "check_resume",
-    "RESUMABLE_CHANGES",
-]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_info", "resume",
+           "Checkpointer", "CheckpointError", "verify_checkpoint", "run_dir_lock", "check_resume", "RESUMABLE_CHANGES"]
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^checkpoint-(?P<step>\d+)$")

@@ -64,8 +64,8 @@ def recipe_module(name: str) -> ModuleType | Any:
 
 def field_docs(cls: type) -> dict[str, str]:
     """``field -> the comment written after it`` in the dataclass source (and its bases'), else the
-    shared meaning of that field (``rlcore.loops.recipe.FIELD_DOCS``)."""
-    from rlcore.loops.recipe import FIELD_DOCS
+    shared meaning of that field (``rlcore.loops.config.FIELD_DOCS``)."""
+    from rlcore.loops.config import FIELD_DOCS
 
     names = {f.name for f in dataclasses.fields(cls)}
     docs: dict[str, str] = {k: v for k, v in FIELD_DOCS.items() if k in names}
@@ -97,7 +97,7 @@ def _config(module: ModuleType, args: argparse.Namespace, base: dict[str, Any] |
     """The recipe's ``Config``: defaults < ``base`` < the ``--config`` YAML < ``--field`` flags < ``forced``."""
     import yaml
 
-    from rlcore.loops.recipe import load_config
+    from rlcore.loops.config import load_config
 
     values = dict(base or {})
     if args.config is not None:

@@ -54,8 +54,9 @@ from rlcore.loops.data import collate_prompts, tokenize_example
 from rlcore.loops.models import cache_keyword, model_device, pad_token_id, position_ids_from_mask
 from rlcore.loops.score import score_rollout
 
-__all__ = ["generate_rollout", "draw_seed", "response_budget", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids", "left_align",
-           "check_length_range", "uniform_length_sampler", "SAMPLERS", "VLLM", "multinomial_sample", "gumbel_max_sample", "truncate_logits", "sample_responses"]
+__all__ = ["generate_rollout", "draw_seed", "response_budget", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids",
+           "left_align", "check_length_range", "uniform_length_sampler", "SAMPLERS", "VLLM", "multinomial_sample",
+           "gumbel_max_sample", "truncate_logits", "sample_responses"]
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, stop_token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -54,12 +54,10 @@ from tensordict import TensorDict
 from rlcore import keys as K
 from rlcore.loops.models import pad_token_id
 
-__all__ = [
-    "FORMATS", "detect_format", "check_text", "max_token_chars", "text_window", "split_implicit_prompt",
-    "preference_format", "load_local", "load_source", "TRUNCATIONS", "tokenize_example", "tokenize_dataset",
-    "pad_sequences", "COLLATORS", "collate", "collate_prompts", "collate_sequences", "collate_preference",
-    "collate_unpaired", "collate_mismatched", "iterate_batches", "pack_sequences",
-]
+__all__ = ["FORMATS", "detect_format", "check_text", "max_token_chars", "text_window", "split_implicit_prompt",
+           "preference_format", "load_local", "load_source", "TRUNCATIONS", "tokenize_example", "tokenize_dataset",
+           "pad_sequences", "COLLATORS", "collate", "collate_prompts", "collate_sequences", "collate_preference",
+           "collate_unpaired", "collate_mismatched", "iterate_batches", "pack_sequences"]
 
 # Required columns per format, most specific first: detection takes the first whose columns are
 # all present.

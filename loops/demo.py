@@ -10,7 +10,7 @@
               reference: grpo (default), rloo, ppo, online_dpo (sampled answers scored by the
               task's reward) or dpo (offline, on the task's near-miss preference pairs)
     report    per stage, on the same held-out prompts: exact-match accuracy of greedy answers,
-              mean reward, KL to the SFT policy (loops.online.evaluate_policy); printed and
+              mean reward, KL to the SFT policy (loops.evaluate.evaluate_policy); printed and
               written to OUT/table.md, OUT/results.json and OUT/curves.png (needs matplotlib)
 
 ``OUT/sft`` and ``OUT/<algo>`` hold each stage's checkpoints and ``metrics.jsonl`` (the held-out
@@ -42,8 +42,10 @@ import torch
 from rlcore.checks import lookup
 from rlcore.loops.recipes import dpo, grpo, online_dpo, ppo, rloo, sft
 from rlcore.loops.logging import ProgressDisplay
-from rlcore.loops.online import OnlineConfig, evaluate_policy
-from rlcore.loops.recipe import build_policy, config_dict, load_splits
+from rlcore.loops.online import OnlineConfig
+from rlcore.loops.evaluate import evaluate_policy
+from rlcore.loops.recipe import build_policy, load_splits
+from rlcore.loops.config import config_dict
 from rlcore.loops.state import init_state
 from rlcore.loops.tasks import BUILTIN_TASKS, task_dataset
 
@@ -103,7 +105,7 @@ def _eval_config(config: Config) -> OnlineConfig:
 
 
 def evaluate_stage(policy, reference, config: Config, held_out=None) -> dict[str, float]:
-    """Held-out metrics of ``policy`` against ``reference``: ``loops.online.evaluate_policy``.
+    """Held-out metrics of ``policy`` against ``reference``: ``loops.evaluate.evaluate_policy``.
 
     ``exact_match`` and ``reward`` of greedy answers, ``kl_ref = mean_b Σ_t (log π − log π_ref)`` of
     answers sampled at ``config.temperature``, ``win_rate`` against the reference's greedy answers,

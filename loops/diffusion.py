@@ -44,13 +44,11 @@ try:
 except ImportError:  # optional extra
     Image = None
 
-__all__ = [
-    "DDIMSchedule", "BETA_SCHEDULES", "ddim_schedule", "schedule_from_scheduler", "build_denoiser",
-    "predict_noise", "sample_trajectories", "step_logprobs", "timestep_rows", "latents_to_images",
-    "images_to_uint8", "jpeg_sizes", "jpeg_compressibility", "jpeg_incompressibility", "REWARD_FUNCTIONS",
-    "get_reward_fn", "score_images", "image_grid", "save_image_grid", "SYNTHETIC_PATTERNS",
-    "synthetic_images", "pretrain_denoiser",
-]
+__all__ = ["DDIMSchedule", "BETA_SCHEDULES", "ddim_schedule", "schedule_from_scheduler", "build_denoiser",
+           "predict_noise", "sample_trajectories", "step_logprobs", "timestep_rows", "latents_to_images",
+           "images_to_uint8", "jpeg_sizes", "jpeg_compressibility", "jpeg_incompressibility", "REWARD_FUNCTIONS",
+           "get_reward_fn", "score_images", "image_grid", "save_image_grid", "SYNTHETIC_PATTERNS", "synthetic_images",
+           "pretrain_denoiser"]
 
 
 def _require(module: Any, what: str, package: str) -> None:

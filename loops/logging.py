@@ -28,21 +28,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = [
-    "JsonlLogger",
-    "ProgressDisplay",
-    "TensorBoardLogger",
-    "WandbLogger",
-    "SampleTable",
-    "make_loggers",
-    "markdown_table",
-    "CompletionsToTrackers",
-    "TRACKERS",
-    "check_trackers",
-    "read_jsonl",
-    "PeakMemory",
-    "peak_memory",
-]
+__all__ = ["JsonlLogger", "ProgressDisplay", "TensorBoardLogger", "WandbLogger", "SampleTable", "make_loggers",
+           "markdown_table", "CompletionsToTrackers", "TRACKERS", "check_trackers", "read_jsonl", "PeakMemory",
+           "peak_memory"]
 
 _GIB = 2.0 ** 30
 

@@ -1,6 +1,6 @@
 """LoRA policies: a trainable low-rank adapter on a frozen base model, the base as the reference.
 
-A recipe whose config sets ``use_peft`` (``loops.recipe.ModelLoading``) trains a LoRA adapter
+A recipe whose config sets ``use_peft`` (``loops.config.ModelLoading``) trains a LoRA adapter
 (``peft``) instead of every weight:
 
 - :func:`apply_lora`: ``peft.get_peft_model`` from the config's ``lora_*`` fields (TRL's
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LORA_TASK_TYPES", "is_peft", "apply_lora", "in_use", "linear_weights", "AdapterOff", "adapter_off", "adapter_keys",
-           "load_adapter_weights", "is_adapter_dir", "with_adapter", "export_merged"]
+__all__ = ["LORA_TASK_TYPES", "is_peft", "apply_lora", "in_use", "linear_weights", "AdapterOff", "adapter_off",
+           "adapter_keys", "load_adapter_weights", "is_adapter_dir", "with_adapter", "export_merged"]
 
 # The peft task type of each ``loops.models.TASKS`` entry: it decides which head peft trains in full
 # (``modules_to_save``: the classifier of a reward or value model).

@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -48,30 +46,26 @@ from rlcore import keys as K
 from rlcore.baselines import ADVANTAGE_ESTIMATORS
 from rlcore.checks import bind_keywords, lookup
 from rlcore.kl import kl_estimate
-from rlcore.rewards import soft_overlong_penalty
 from rlcore.loops.chunks import generate_in_chunks
-from rlcore.loops.collect import draw_seed, generate_rollout
+from rlcore.loops.collect import draw_seed
+from rlcore.loops.config import ModelLoading, autocast_dtype, loading_kwargs
 from rlcore.loops.data import check_text, text_window, tokenize_example
-from rlcore.loops.fold import to_floats
-from rlcore.loops.models import (ValueHead, combine_rewards, disable_dropout, import_reward_fn, load_model,
-                                 missing_eos_penalty, reward_columns, token_values)
-from rlcore.loops.recipe import (ModelLoading, autocast_dtype, loading_kwargs, batch_source, build_policy, build_reference,
-                                 init_train_state, load_splits, policy_tokenizer, run)
+from rlcore.loops.evaluate import evaluate_policy
+from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_values
+from rlcore.loops.recipe import batch_source, build_policy, build_reference, init_train_state, load_splits, run
+from rlcore.loops.reward_fns import RewardFn, make_reward_fn, missing_eos_penalty, repeat_columns, reward_columns
 from rlcore.loops.score import score_rollout, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
-from rlcore.loops.tasks import exact_match, task_dataset, task_reward
+from rlcore.loops.tasks import task_dataset
 from rlcore.loops.update import update
-from rlcore.masked import masked_sum
+from rlcore.rewards import soft_overlong_penalty
 from rlcore.transforms import observed_kl
 
-__all__ = ["OnlineConfig", "Correction", "advantage_fn", "make_reward_fn", "exclude_unscored", "check_prompt_data", "check_prompt_lengths",
-           "build_online_state",
-           "prompt_source", "update_sizes",
-           "repeat_columns", "generate_kwargs", "collect_rollout", "critic_values", "score_collected",
-           "with_policy_logprobs", "policy_loss_fn", "policy_update", "rollout_metrics",
-           "evaluate_policy", "train_online"]
+__all__ = ["OnlineConfig", "Correction", "advantage_fn", "exclude_unscored", "check_prompt_data",
+           "check_prompt_lengths", "build_online_state", "prompt_source", "update_sizes", "generate_kwargs",
+           "collect_rollout", "critic_values", "score_collected", "with_policy_logprobs", "policy_loss_fn",
+           "policy_update", "rollout_metrics", "train_online"]
 
-RewardFn = Callable[..., Any]
 # the asynchronous learners' importance correction: a batch with advantages -> (the batch the loss sees, metrics)
 Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
 
@@ -144,20 +138,6 @@ class OnlineConfig(ModelLoading):
 
 
 # --- building -----------------------------------------------------------------------------------
-def make_reward_fn(config: Any, reward_fn: RewardFn | Sequence[RewardFn] | None = None) -> RewardFn | None:
-    """The reward function of a run: ``reward_fn`` (one function or a list) and the functions the
-    config names in ``reward_funcs`` (``import_reward_fn``), summed with ``reward_weights``
-    (``combine_rewards``); with none, ``task_reward(config.task)`` unless a ``reward_model`` scores
-    instead (then ``None``)."""
-    given = [] if reward_fn is None else list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
-    funcs = given + [import_reward_fn(spec) for spec in getattr(config, "reward_funcs", ())]
-    weights = getattr(config, "reward_weights", None)
-    if weights is not None and len(weights) != len(funcs):
-        raise ValueError(f"reward_weights: expected one weight per reward function ({len(funcs)}), got "
-                         f"{len(weights)}: {list(weights)}")
-    if not funcs:
-        return None if config.reward_model else task_reward(config.task)
-    return funcs[0] if len(funcs) == 1 and weights is None else combine_rewards(funcs, weights)
 
 
 def check_prompt_data(reward: RewardFn | None, **splits: Dataset) -> None:
@@ -246,13 +226,6 @@ def update_sizes(config: Any, rows: int) -> dict[str, int]:
     at ``rows`` (``None``: all rows), so a short rollout (few pairs, a small last batch) still fits."""
     minibatch = min(config.minibatch_size or rows, rows)
     return {"minibatch_size": minibatch, "micro_batch_size": min(config.micro_batch_size or minibatch, minibatch)}
-
-
-def repeat_columns(rows: Mapping[str, Sequence], num_samples: int, *,
-                   skip: Sequence[str] = ("prompt", "completion")) -> dict[str, list]:
-    """Each column but ``skip`` with every value repeated ``num_samples`` times in place
-    (``[a, b] → [a, a, b, b]``), aligned with the prompt-major rows of a rollout."""
-    return {k: [v for v in col for _ in range(num_samples)] for k, col in rows.items() if k not in skip}
 
 
 # --- collect and score ---------------------------------------------------------------------------
@@ -463,87 +436,6 @@ def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
 
 
 # --- evaluation ----------------------------------------------------------------------------------
-def _exact_match_reward(prompts, completions, *, answer, **_):
-    return exact_match(completions, answer)
-
-
-def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any, *, tokenizer, reward_fn,
-                   seed: int) -> dict[str, torch.Tensor]:
-    """Per-prompt ``[b]`` evaluation quantities of one chunk of held-out rows."""
-    columns, prompts = repeat_columns(rows, 1), list(rows["prompt"])
-    policy = state.model("policy")
-    gen = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length, seed=seed,
-               sampler=config.sampler, engine_options=config.engine_options)
-    scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
-                   reward_columns=columns)
-    greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)
-    reference = generate_rollout(state.model("ref"), tokenizer, prompts, do_sample=False, behaviour=None,
-                                 **gen).to(greedy.device)  # a reference on ref_device answers there
-    reward, ref_reward = score_rollout(greedy, **scoring)[K.SCORE], score_rollout(reference, **scoring)[K.SCORE]
-    texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(greedy[K.RESPONSE_IDS], greedy[K.RESPONSE_MASK])],
-                                   skip_special_tokens=True)
-    out = {"reward": reward, "response_length": greedy[K.RESPONSE_MASK].sum(-1).float(), "_completions": texts,
-           # win-rate against the reference policy, greedy both: 1 per win, ½ per tie; NaN (left out) unscored
-           "win_rate": torch.where(reward.isnan() | ref_reward.isnan(), math.nan,
-                                   (reward > ref_reward).float() + 0.5 * (reward == ref_reward).float())}
-    if "answer" in columns:
-        out["exact_match"] = score_rollout(greedy, reward_fn=_exact_match_reward, tokenizer=tokenizer,
-                                           reward_columns={"answer": columns["answer"]})[K.SCORE]
-    sampled = generate_rollout(policy, tokenizer, prompts, temperature=config.temperature, top_k=config.top_k,
-                               top_p=config.top_p, **gen)
-    sampled = score_rollout(sampled, ref=state.model("ref"), temperature=config.temperature, **scoring)
-    kl = kl_estimate(sampled[K.OLD_LOGPROBS], sampled[K.REF_LOGPROBS], "k1")
-    out["sampled_reward"] = sampled[K.SCORE]
-    out["kl_ref"] = masked_sum(kl, sampled[K.RESPONSE_MASK], dim=-1)
-    return out
-
-
-def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: Dataset | None = None,
-                    reward_fn: RewardFn | None = None) -> dict[str, float]:
-    """Held-out metrics, means over the prompts (those the reward function scored, for the rewards):
-    ``reward``, ``exact_match`` and ``response_length``
-    of greedy responses; ``win_rate`` of those against the reference policy's greedy responses
-    (judged by the same reward; a tie counts ½); ``sampled_reward`` and ``kl_ref`` of one sampled
-    response per prompt.
-
-    ``kl_ref = mean_b Σ_t (log π − log π_ref)`` (k1 of whole responses sampled at
-    ``config.temperature``, both log-probs at that temperature). ``exact_match`` needs an ``answer``
-    column (omitted otherwise). Prompts go ``config.eval_batch_size`` at a time; chunk ``i`` samples
-    with the fixed seed ``config.seed + i`` (not ``state.rng``, not the global RNG), so evaluating
-    never changes training and the same state always gets the same numbers. With ``run_dir`` and
-    ``log_completions = n``, the first ``n`` prompts, their greedy completions and rewards are
-    appended to ``run_dir/completions.jsonl``.
-
-    Args:
-        dataset: the held-out split (default: ``load_splits(config, task_dataset)[1]``).
-        tokenizer, reward_fn: as in training (defaults from ``config``).
-    Returns:
-        ``dict[str, float]``.
-    """
-    tokenizer = tokenizer if tokenizer is not None else policy_tokenizer(config)
-    dataset = dataset if dataset is not None else load_splits(config, task_dataset)[1]
-    reward_fn = make_reward_fn(config, reward_fn)
-    n, size = len(dataset), config.eval_batch_size
-    chunks = [_evaluate_rows(state, dataset[i:i + size], config, tokenizer=tokenizer, reward_fn=reward_fn,
-                             seed=config.seed + i // size) for i in range(0, n, size)]
-    texts = [t for c in chunks for t in c.pop("_completions")]
-    if config.run_dir and getattr(config, "log_completions", 0) > 0:
-        _write_completions(Path(config.run_dir), state.step, dataset, texts, torch.cat([c["reward"] for c in chunks]),
-                           config.log_completions)
-    # nanmean: a prompt the reward function had no opinion on (None) is left out of the reward means
-    return to_floats({k: torch.cat([c[k] for c in chunks]).float().nanmean() for k in chunks[0]})
-
-
-def _write_completions(run_dir: Path, step: int, dataset: Dataset, completions: Sequence[str], rewards: torch.Tensor,
-                       n: int) -> None:
-    """Append the first ``n`` held-out prompts, their greedy completions and rewards (``null``: no opinion)
-    to ``run_dir/completions.jsonl``, one line each, stamped with the step."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "completions.jsonl", "a", encoding="utf-8") as f:
-        for i in range(min(n, len(completions))):
-            reward = float(rewards[i])
-            f.write(json.dumps({"step": step, "prompt": dataset[i]["prompt"], "completion": completions[i],
-                                "reward": reward if math.isfinite(reward) else None}) + "\n")
 
 
 # --- the run -------------------------------------------------------------------------------------

@@ -39,10 +39,8 @@ from rlcore.algorithms.reft import REFT_INTERVENTIONS
 from rlcore.checks import check_mask, check_ndim
 from rlcore.loops.data import collate
 
-__all__ = [
-    "ReftSpec", "REFT_COMPONENTS", "REFT_ACTIVATIONS", "parse_positions", "reft_locations",
-    "with_intervention_locations", "collate_reft",
-]
+__all__ = ["ReftSpec", "REFT_COMPONENTS", "REFT_ACTIVATIONS", "parse_positions", "reft_locations",
+           "with_intervention_locations", "collate_reft"]
 
 # Where an intervention reads and writes the residual stream of decoder block ``i``; the hook
 # installing each is ``rlcore.loops.reft_model.COMPONENT_HOOKS[name]``.

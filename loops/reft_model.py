@@ -52,12 +52,9 @@ from rlcore.checks import check_float, check_ndim
 from rlcore.loops.models import cache_length
 from rlcore.loops.reft_data import REFT_ACTIVATIONS, ReftSpec, reft_locations
 
-__all__ = [
-    "ReftInterventions", "find_blocks", "make_interventions", "intervene", "COMPONENT_HOOKS", "reft_interventions",
-    "ReftModel",
-    "intervention_dtype", "intervened", "with_interventions", "save_interventions", "load_interventions",
-    "REFT_FORMAT",
-]
+__all__ = ["ReftInterventions", "find_blocks", "make_interventions", "intervene", "COMPONENT_HOOKS",
+           "reft_interventions", "ReftModel", "intervention_dtype", "intervened", "with_interventions",
+           "save_interventions", "load_interventions", "REFT_FORMAT"]
 
 # 2: "direft" keeps R orthonormal (pyreft's DiReFT); format 1's "direft" had R free, which is "nodireft".
 REFT_FORMAT = 2

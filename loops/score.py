@@ -27,11 +27,11 @@ from rlcore.checks import check_mask, check_ndim, require_keys
 from rlcore.kl import kl_full
 from rlcore.logprobs import hidden_logprobs, sequence_logprobs, token_logprobs
 from rlcore.loops.lora import linear_weights
-from rlcore.loops.models import (call_reward_fn, check_reward_range, model_device, position_ids_from_mask,
-                                 reward_model_scores, trunk_hidden)
+from rlcore.loops.models import model_device, position_ids_from_mask, reward_model_scores, trunk_hidden
+from rlcore.loops.reward_fns import call_reward_fn, check_reward_range
 
-__all__ = ["token_logprobs_from_model", "full_kl_from_models", "score_rollout", "score_sequences", "concatenated_forward",
-           "precompute_reference_logps"]
+__all__ = ["token_logprobs_from_model", "full_kl_from_models", "score_rollout", "score_sequences",
+           "concatenated_forward", "precompute_reference_logps"]
 
 _ROLLOUT_LAYOUT = {K.PROMPT_IDS: "[B, P] long (left padded)", K.PROMPT_MASK: "[B, P] bool",
                   K.RESPONSE_IDS: "[B, R] long (right padded)", K.RESPONSE_MASK: "[B, R] bool"}

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from datasets import Dataset
 
-__all__ = ["Task", "BUILTIN_TASKS", "get_task", "task_dataset", "task_reward", "preference_dataset",
-           "exact_match", "answer_reward"]
+__all__ = ["Task", "BUILTIN_TASKS", "get_task", "task_dataset", "task_reward", "preference_dataset", "exact_match",
+           "answer_reward"]
 
 LETTERS = "abcdefghij"
 

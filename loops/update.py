@@ -60,18 +60,8 @@ from rlcore.loops.scale.dist_sync import GradSync, accumulation_context, grad_sy
 from rlcore.loops.scale.distributed import agree, all_reduce_sum
 from rlcore.loops.state import TrainState, copy_generator
 
-__all__ = [
-    "update",
-    "global_denominators",
-    "make_optimizer",
-    "make_scheduler",
-    "SCHEDULES",
-    "linear_schedule",
-    "cosine_schedule",
-    "constant_schedule",
-    "enable_gradient_checkpointing",
-    "NONFINITE_MODES",
-]
+__all__ = ["update", "global_denominators", "make_optimizer", "make_scheduler", "SCHEDULES", "linear_schedule",
+           "cosine_schedule", "constant_schedule", "enable_gradient_checkpointing", "NONFINITE_MODES"]
 
 NONFINITE_MODES = ("skip", "raise")
 EARLY_STOP_CHECKS = ("minibatch", "epoch")

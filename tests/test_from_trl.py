@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from rlcore.loops.recipes import dpo, grpo
-from rlcore.loops.recipe import load_config
+from rlcore.loops.config import load_config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "from_trl.md"
 TINY = {"model": "tiny-llama", "hidden_size": 16, "num_layers": 1, "num_heads": 2, "steps": 2}

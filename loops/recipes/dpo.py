@@ -47,8 +47,9 @@ from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.data import (collate_mismatched, collate_preference, collate_unpaired, iterate_batches,
                                preference_format, tokenize_dataset)
 from rlcore.loops.models import mix_into_reference, model_device, pad_token_id
-from rlcore.loops.recipe import (ModelLoading, autocast_dtype, batch_source, build_policy, build_reference,
-                                 init_train_state, load_splits, mean_metrics, policy_tokenizer, run)
+from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
+                                 mean_metrics, policy_tokenizer, run)
+from rlcore.loops.config import ModelLoading, autocast_dtype
 from rlcore.loops.score import concatenated_forward, precompute_reference_logps, score_sequences
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import preference_dataset

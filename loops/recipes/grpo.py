@@ -41,7 +41,8 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES
 from rlcore.checks import lookup
 from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, build_online_state, collect_rollout,
-                                 evaluate_policy, policy_update, rollout_metrics, train_online)
+                                 policy_update, rollout_metrics, train_online)
+from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.state import TrainState
 
 __all__ = ["Config", "check", "build_state", "learn", "step", "train", "evaluate", "grpo_loss_fn"]

@@ -40,9 +40,10 @@ from rlcore import keys as K
 from rlcore.algorithms.online import online_preference_batch
 from rlcore.loops.recipes.dpo import (UNPAIRED, bind_loss, check_reference_sync, needs_reference, preference_loss_fn,
                               reference_models, sync_reference, with_reference)
-from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, evaluate_policy, rollout_metrics,
-                                 train_online, update_sizes)
-from rlcore.loops.recipe import autocast_dtype
+from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, rollout_metrics, train_online,
+                                 update_sizes)
+from rlcore.loops.evaluate import evaluate_policy
+from rlcore.loops.config import autocast_dtype
 from rlcore.loops.state import TrainState
 from rlcore.loops.update import update
 

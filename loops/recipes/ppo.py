@@ -52,9 +52,11 @@ from rlcore.kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
 from rlcore.logprobs import token_logprobs
 from rlcore.loops.scale.distributed import all_gather_moments, all_reduce_sum, dist_info
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
-from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, collect_rollout, evaluate_policy,
-                                 rollout_metrics, train_online, update_sizes, with_policy_logprobs)
-from rlcore.loops.recipe import autocast_dtype, build_policy
+from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, collect_rollout, rollout_metrics,
+                                 train_online, update_sizes, with_policy_logprobs)
+from rlcore.loops.evaluate import evaluate_policy
+from rlcore.loops.recipe import build_policy
+from rlcore.loops.config import autocast_dtype
 from rlcore.loops.score import full_kl_from_models
 from rlcore.loops.state import TrainState, with_transforms
 from rlcore.loops.update import EARLY_STOP_CHECKS, update

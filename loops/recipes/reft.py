@@ -46,10 +46,10 @@ from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import collect_rollout, train_online
 from rlcore.loops.checkpoint import load_checkpoint
-from rlcore.loops.recipe import (ModelLoading, batch_source, build_policy, init_train_state, load_splits,
-                                 policy_tokenizer, run)
-from rlcore.loops.recipe import autocast_dtype as recipe_autocast
-from rlcore.loops.recipe import load_config as load_recipe_config
+from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
+from rlcore.loops.config import ModelLoading
+from rlcore.loops.config import autocast_dtype as recipe_autocast
+from rlcore.loops.config import load_config as load_recipe_config
 from rlcore.loops.reft_data import ReftSpec, collate_reft, with_intervention_locations
 from rlcore.loops.reft_model import (ReftInterventions, ReftModel, intervention_dtype, make_interventions,
                                      with_interventions)
@@ -249,7 +249,7 @@ def reft_spec(config: Any) -> ReftSpec:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> ReftConfig:
-    """``rlcore.loops.recipe.load_config(ReftConfig, path, overrides)``: YAML, then overrides."""
+    """``rlcore.loops.config.load_config(ReftConfig, path, overrides)``: YAML, then overrides."""
     return load_recipe_config(ReftConfig, path, overrides)
 
 

@@ -37,8 +37,9 @@ from rlcore import keys as K
 from rlcore.algorithms.reward import reward_loss
 from rlcore.loops.data import collate_preference, preference_format, tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
-from rlcore.loops.recipe import (ModelLoading, autocast_dtype, batch_source, build_policy, init_train_state,
-                                 load_splits, mean_metrics, policy_tokenizer, run)
+from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
+                                 policy_tokenizer, run)
+from rlcore.loops.config import ModelLoading, autocast_dtype
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import update

@@ -37,8 +37,8 @@ from rlcore.loops.collect import generate_rollout
 from rlcore.loops.data import collate_sequences, pack_sequences, tokenize_dataset
 from rlcore.loops.fold import to_floats
 from rlcore.loops.models import pad_token_id, position_ids_from_mask
-from rlcore.loops.recipe import (ModelLoading, autocast_dtype, batch_source, build_policy, init_train_state,
-                                 load_splits, policy_tokenizer, run)
+from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
+from rlcore.loops.config import ModelLoading, autocast_dtype
 from rlcore.loops.score import score_sequences, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import exact_match, task_dataset

@@ -53,8 +53,9 @@ from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.scale.distributed import process_context
 from rlcore.loops.recipes.dpo import reference_models
-from rlcore.loops.online import (check_prompt_data, check_prompt_lengths, evaluate_policy, generate_kwargs,
-                                 make_reward_fn, prompt_source)
+from rlcore.loops.online import check_prompt_data, check_prompt_lengths, generate_kwargs, prompt_source
+from rlcore.loops.reward_fns import make_reward_fn
+from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset

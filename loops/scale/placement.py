@@ -67,8 +67,9 @@ from rlcore.loops.checkpoint import resume
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import disable_dropout
-from rlcore.loops.online import (build_online_state, evaluate_policy, generate_kwargs, make_reward_fn,
-                                 prompt_source, repeat_columns)
+from rlcore.loops.online import build_online_state, generate_kwargs, prompt_source
+from rlcore.loops.reward_fns import make_reward_fn, repeat_columns
+from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import build_policy, load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset

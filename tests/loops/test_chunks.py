@@ -11,7 +11,7 @@ from rlcore.loops.recipes import grpo, ppo
 from rlcore.loops.chunks import cat_rollouts, chunk_seed, generate_in_chunks
 from rlcore.loops.collect import _prompts, generate_rollout
 from rlcore.loops.models import build_model, build_reward_model, build_tokenizer, pad_token_id, token_values
-from rlcore.loops.recipe import check_config
+from rlcore.loops.config import check_config
 from rlcore.loops.score import score_rollout
 from tests.loops.online_helpers import TINY, digit_fraction
 

@@ -18,7 +18,7 @@ from rlcore.loops.recipes.ddpo import Config, build_state, collect, evaluate, sc
 from rlcore.loops.diffusion import (ddim_schedule, jpeg_compressibility, latents_to_images, step_logprobs,  # noqa: E402
                                     timestep_rows)
 from rlcore.loops.logging import read_jsonl  # noqa: E402
-from rlcore.loops.recipe import load_config  # noqa: E402
+from rlcore.loops.config import load_config  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ddpo.yaml"
 PROMPTS = ("stripes", "checkers", "blob")

@@ -15,7 +15,8 @@ from rlcore.loops.data import collate_mismatched, collate_preference, collate_un
 from rlcore.loops.recipes.dpo import (LOSSES, REFERENCE_FREE, UNPAIRED, Config, bind_loss, dpo_step, evaluate, kto_step,
                               needs_reference, preference_loss_fn, train, unpair, with_reference)
 from rlcore.loops.models import make_reference, mix_into_reference, pad_token_id
-from rlcore.loops.recipe import build_policy, init_train_state, load_config
+from rlcore.loops.recipe import build_policy, init_train_state
+from rlcore.loops.config import load_config
 from rlcore.loops.recipes.sft import Config as SFTConfig
 from rlcore.loops.recipes.sft import train as train_sft
 from rlcore.loops.tasks import preference_dataset

@@ -11,8 +11,10 @@ from rlcore import keys as K
 from rlcore.loops.recipes import grpo
 from rlcore.loops.logging import read_jsonl
 from rlcore.loops import online
-from rlcore.loops.online import build_online_state, evaluate_policy, policy_loss_fn, prompt_source
-from rlcore.loops.recipe import load_config, load_splits
+from rlcore.loops.online import build_online_state, policy_loss_fn, prompt_source
+from rlcore.loops.evaluate import evaluate_policy
+from rlcore.loops.recipe import load_splits
+from rlcore.loops.config import load_config
 from rlcore.loops.tasks import task_dataset
 from tests.loops.online_helpers import TINY, digit_fraction
 

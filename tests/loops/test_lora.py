@@ -1,4 +1,4 @@
-"""LoRA policies from a config (loops/lora.py, ``use_peft`` in loops.recipe.ModelLoading): the
+"""LoRA policies from a config (loops/lora.py, ``use_peft`` in loops.config.ModelLoading): the
 adapter-off reference, every recipe's step, exact resume, init_from and the merged export."""
 
 import copy
@@ -16,7 +16,8 @@ from rlcore.loops.collect import generate_rollout
 from rlcore.loops.fold import stop_when
 from rlcore.loops.lora import AdapterOff, adapter_off, is_adapter_dir, is_peft, load_adapter_weights
 from rlcore.loops.models import build_tokenizer, make_reference
-from rlcore.loops.recipe import build_policy, build_reference, check_config
+from rlcore.loops.recipe import build_policy, build_reference
+from rlcore.loops.config import check_config
 from rlcore.loops.score import token_logprobs_from_model
 
 peft = pytest.importorskip("peft")

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from rlcore.loops.models import (ARCHS, TOKENIZER_KINDS, ValueHead, build_model, build_reward_model, build_tokenizer,
-                                 build_value_model, call_reward_fn, combine_rewards, disable_dropout,
-                                 last_token_index, load_model, load_tokenizer, make_reference, missing_eos_penalty,
-                                 pad_token_id, policy_and_values, position_ids_from_mask,
+                                 build_value_model, disable_dropout, last_token_index, load_model, load_tokenizer,
+                                 make_reference, pad_token_id, policy_and_values, position_ids_from_mask,
                                  reward_model_scores, token_values, trunk_hidden)
+from rlcore.loops.reward_fns import call_reward_fn, combine_rewards, missing_eos_penalty
 from rlcore.testing import assert_pure, left_padded_mask, right_padded_mask
 
 TEXTS = ["the cat sat on the mat", "2 + 2 = 4", "Hello, World!"]

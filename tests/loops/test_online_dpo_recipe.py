@@ -11,8 +11,10 @@ from rlcore import keys as K
 from rlcore.loops.recipes import online_dpo
 from rlcore.loops.recipes.dpo import preference_loss_fn
 from rlcore.loops.models import build_reward_model, build_tokenizer
-from rlcore.loops.online import build_online_state, evaluate_policy, prompt_source
-from rlcore.loops.recipe import load_config, load_splits
+from rlcore.loops.online import build_online_state, prompt_source
+from rlcore.loops.evaluate import evaluate_policy
+from rlcore.loops.recipe import load_splits
+from rlcore.loops.config import load_config
 from rlcore.loops.tasks import task_dataset
 from tests.loops.online_helpers import TINY, digit_fraction
 

@@ -12,9 +12,10 @@ from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import ValueHead
-from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, evaluate_policy,
-                                 generate_kwargs, make_reward_fn, policy_loss_fn, prompt_source,
-                                 repeat_columns, rollout_metrics, score_collected, with_policy_logprobs)
+from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, generate_kwargs, policy_loss_fn,
+                                 prompt_source, rollout_metrics, score_collected, with_policy_logprobs)
+from rlcore.loops.reward_fns import make_reward_fn, repeat_columns
+from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.state import copy_generator
 from rlcore.loops.recipe import load_splits
 from rlcore.loops.score import token_logprobs_from_model
@@ -245,7 +246,7 @@ def test_length_sampler_from_the_config_sets_each_steps_budget(setup):
     """Each step's budget comes from its sampling seed, so the async generator and resume draw the same."""
     import dataclasses
     from rlcore.loops.collect import draw_seed
-    from rlcore.loops.recipe import check_config
+    from rlcore.loops.config import check_config
     from rlcore.loops.state import copy_generator
     config, state, tokenizer, rows = setup
     config = dataclasses.replace(config, length_sampler=(1, 4), max_new_tokens=30)

@@ -11,8 +11,9 @@ import torch
 from rlcore.loops.recipes import ppo
 from rlcore.loops.fold import stop_when
 from rlcore.loops.models import ValueHead
-from rlcore.loops.online import build_online_state, evaluate_policy
-from rlcore.loops.recipe import load_config
+from rlcore.loops.online import build_online_state
+from rlcore.loops.evaluate import evaluate_policy
+from rlcore.loops.config import load_config
 from rlcore.transforms import KLControllerState, RunningMoments
 from tests.loops.online_helpers import TINY, digit_fraction
 

@@ -11,9 +11,10 @@ from torch import nn
 
 from rlcore.loops.checkpoint import list_checkpoints, save_checkpoint
 from rlcore.loops.logging import read_jsonl
-from rlcore.loops.recipe import (TINY_MODELS, batch_source, build_policy, build_reference, checkpoint_model_dir,
-                                 config_dict, init_train_state, load_config, load_splits, mean_metrics, policy_tokenizer,
-                                 run)
+from rlcore.loops.recipe import (batch_source, build_policy, build_reference, checkpoint_model_dir, init_train_state,
+                                 load_splits, mean_metrics, policy_tokenizer, run)
+from rlcore.loops.config import TINY_MODELS
+from rlcore.loops.config import config_dict, load_config
 from rlcore.loops.state import init_state
 from rlcore.loops.tasks import preference_dataset, task_dataset
 from rlcore.loops.update import make_optimizer, update

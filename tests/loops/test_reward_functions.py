@@ -12,8 +12,8 @@ import torch
 from rlcore.loops import cli
 
 from rlcore.loops.recipes import grpo
-from rlcore.loops.models import call_reward_fn, import_reward_fn
-from rlcore.loops.online import make_reward_fn
+from rlcore.loops.reward_fns import call_reward_fn, import_reward_fn
+from rlcore.loops.reward_fns import make_reward_fn
 from tests.loops.online_helpers import TINY
 
 PROMPTS, COMPLETIONS, ANSWERS = ["1+1=", "2+2=", "3+3="], ["2", "5", " 6"], ["2", "4", "6"]
@@ -150,7 +150,7 @@ def test_none_is_no_opinion_and_leaves_the_group_statistics():
 
 def test_datasets_are_checked_for_the_columns_the_run_reads_before_any_model(tmp_path, monkeypatch):
     from rlcore.loops import online
-    from rlcore.loops.models import reward_columns
+    from rlcore.loops.reward_fns import reward_columns
     built = []
     monkeypatch.setattr(online, "build_online_state", lambda *a, **k: built.append(1))
     rows = tmp_path / "rows.jsonl"

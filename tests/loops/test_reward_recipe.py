@@ -12,7 +12,8 @@ import torch
 from rlcore import keys as K
 from rlcore.loops.data import tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
-from rlcore.loops.recipe import build_policy, init_train_state, load_config
+from rlcore.loops.recipe import build_policy, init_train_state
+from rlcore.loops.config import load_config
 from rlcore.loops.recipes.reward import Config, collate_pairs, evaluate, reward_loss_fn, reward_step, train, with_rewards
 from rlcore.loops.tasks import preference_dataset
 from rlcore.testing import assert_pure

@@ -92,7 +92,7 @@ def test_a_checkpoints_policy_folder_loads_with_from_pretrained_model_and_tokeni
 
 def test_report_to_from_the_config_reaches_tensorboard_and_is_checked_at_load(tmp_path):
     pytest.importorskip("tensorboard")
-    from rlcore.loops.recipe import load_config
+    from rlcore.loops.config import load_config
     from tests.loops.test_logging import tensorboard_scalars
     state, history = sft.train(sft.Config(**TINY, steps=2, run_dir=str(tmp_path), report_to=("tensorboard",)))
     scalars = tensorboard_scalars(tmp_path / "tensorboard")

@@ -15,7 +15,8 @@ from rlcore.loops.data import collate_sequences, load_local, pack_sequences, tok
 from rlcore.loops.fold import stop_when
 from rlcore.loops.logging import read_jsonl
 from rlcore.loops.models import build_tokenizer, pad_token_id
-from rlcore.loops.recipe import build_policy, init_train_state, load_config
+from rlcore.loops.recipe import build_policy, init_train_state
+from rlcore.loops.config import load_config
 from rlcore.loops.recipes.sft import Config, evaluate, scoring_mask, sft_loss_fn, sft_step, train
 from rlcore.loops.tasks import task_dataset
 from rlcore.testing import assert_padding_invariant, assert_pure

@@ -63,7 +63,7 @@ def test_missing_vllm_names_the_packages(lm, tokenizer):
 
 
 def test_config_reads_engine_options():
-    from rlcore.loops.recipe import load_config
+    from rlcore.loops.config import load_config
     config = load_config(grpo.Config, overrides={"sampler": "vllm", "engine_options": "{max_model_len: 128}"})
     assert config.engine_options == {"max_model_len": 128}
     assert grpo.Config().engine_options == {}

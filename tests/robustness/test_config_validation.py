@@ -9,7 +9,7 @@ from rlcore.loops import cli
 
 from rlcore.loops.recipes import dpo, grpo, sft
 from rlcore.loops.cli import RECIPES, recipe_module
-from rlcore.loops.recipe import FIELD_RULES, check_config, load_config
+from rlcore.loops.config import FIELD_RULES, check_config, load_config
 
 
 @pytest.mark.parametrize("recipe,flag,value,message", [

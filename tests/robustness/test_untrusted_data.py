@@ -12,7 +12,8 @@ import torch
 from rlcore.logprobs import hidden_logprobs, token_logprobs
 from rlcore.loops.recipes import grpo, sft
 from rlcore.loops.data import load_local, max_token_chars, text_window, tokenize_example
-from rlcore.loops.models import MAX_ABS_REWARD, build_tokenizer, call_reward_fn
+from rlcore.loops.models import build_tokenizer
+from rlcore.loops.reward_fns import MAX_ABS_REWARD, call_reward_fn
 from tests.loops.online_helpers import TINY
 
 SFT_TINY = dict(hidden_size=16, num_layers=1, num_heads=2, num_eval=4, batch_size=4, max_length=24, log_every=100,
