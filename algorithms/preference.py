@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.algorithms.dpo import (chosen_nll, completion_lengths, dpo, preference_metrics,
-                                   smoothed_sigmoid_loss)
+from rlcore.algorithms.dpo import chosen_nll, completion_lengths, dpo, preference_metrics, smoothed_sigmoid_loss
 from rlcore.checks import check_float, check_mask, check_same_shape, require_keys
 from rlcore.masked import masked_mean
 

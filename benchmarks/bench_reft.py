@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from rlcore.loops.data import tokenize_dataset
+from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.models import build_model, build_tokenizer
 from rlcore.loops.recipes.reft import init_reft_state, reft_sft_step, trainable_fraction
 from rlcore.loops.reft_data import ReftSpec, collate_reft

@@ -69,7 +69,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from rlcore import keys as K  # noqa: E402
 from rlcore.loops.recipes import dpo as dpo_recipe, grpo as grpo_recipe, rloo as rloo_recipe  # noqa: E402
 from rlcore.loops.collect import generate_rollout  # noqa: E402
-from rlcore.loops.data import collate_preference  # noqa: E402
+from rlcore.loops.collate import collate_preference  # noqa: E402
 from rlcore.loops.models import build_model, make_reference  # noqa: E402
 from rlcore.loops.state import TrainState, init_state  # noqa: E402
 from rlcore.loops.update import make_optimizer, update  # noqa: E402

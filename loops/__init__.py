@@ -6,8 +6,10 @@ Laid out by role:
   and ``chunks`` (generation), ``score``, ``update`` (the one impure step), ``online`` (what the
   online recipes share: collect → score), ``evaluate`` (their held-out metrics),
   ``reward_fns`` (calling, checking and combining reward functions), ``config`` (the run-config
-  base: shared fields, YAML, checks), ``recipe`` (models, data splits, the run), ``data``,
-  ``tasks``, ``models``, ``lora``, ``shapes``, ``checkpoint``, ``logging``, ``diffusion``,
+  base: shared fields, YAML, checks), ``recipe`` (models, data splits, the run), ``data`` →
+  ``tokenization`` → ``collate`` (datasets to batches),
+  ``tasks``, ``models``, ``lora``, ``shapes``, ``checkpoint`` (with ``checkpoint_codec``, its
+  pickle-free storage, and ``run_dir``, one run per folder), ``logging``, ``diffusion``,
   ``reft_data`` / ``reft_model``; the ``cli`` and the ``demo``;
 - ``rlcore.loops.recipes``: one module per trainer (``sft``, ``reward``, ``dpo``, ``ppo``,
   ``rloo``, ``grpo``, ``online_dpo``, ``ddpo``, ``reft``), each with a ``Config``,
@@ -23,7 +25,9 @@ name (``from rlcore.loops.recipes import grpo``)."""
 from importlib import import_module as _import_module
 
 from rlcore.loops.checkpoint import *  # noqa: F401,F403
+from rlcore.loops.checkpoint_codec import *  # noqa: F401,F403
 from rlcore.loops.chunks import *  # noqa: F401,F403
+from rlcore.loops.collate import *  # noqa: F401,F403
 from rlcore.loops.collect import *  # noqa: F401,F403
 from rlcore.loops.config import *  # noqa: F401,F403
 from rlcore.loops.data import *  # noqa: F401,F403
@@ -38,6 +42,7 @@ from rlcore.loops.recipe import *  # noqa: F401,F403
 from rlcore.loops.reft_data import *  # noqa: F401,F403
 from rlcore.loops.reft_model import *  # noqa: F401,F403
 from rlcore.loops.reward_fns import *  # noqa: F401,F403
+from rlcore.loops.run_dir import *  # noqa: F401,F403
 from rlcore.loops.scale.async_learners import *  # noqa: F401,F403
 from rlcore.loops.scale.async_rl import *  # noqa: F401,F403
 from rlcore.loops.scale.distributed import *  # noqa: F401,F403
@@ -48,9 +53,11 @@ from rlcore.loops.score import *  # noqa: F401,F403
 from rlcore.loops.shapes import *  # noqa: F401,F403
 from rlcore.loops.state import *  # noqa: F401,F403
 from rlcore.loops.tasks import *  # noqa: F401,F403
+from rlcore.loops.tokenization import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
 
-_MODULES = ("checkpoint", "chunks", "collect", "config", "data", "diffusion", "evaluate", "fold", "logging", "lora", "models", "online",
-            "recipe", "reft_data", "reft_model", "reward_fns", "scale.async_learners", "scale.async_rl", "scale.distributed",
-            "scale.placement", "scale.vllm_engine", "scale.workers", "score", "shapes", "state", "tasks", "update")
+_MODULES = ("checkpoint", "checkpoint_codec", "chunks", "collate", "collect", "config", "data", "diffusion", "evaluate",
+            "fold", "logging", "lora", "models", "online", "recipe", "reft_data", "reft_model", "reward_fns", "run_dir",
+            "scale.async_learners", "scale.async_rl", "scale.distributed", "scale.placement", "scale.vllm_engine",
+            "scale.workers", "score", "shapes", "state", "tasks", "tokenization", "update")
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

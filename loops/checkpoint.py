@@ -24,13 +24,13 @@ tensors are gathered, rank 0 writes, and the others wait for it (and fail with i
 weights and optimiser state are those of one process, whatever the world size.
 
 No pickle anywhere: tensors go to safetensors, everything else to JSON; loading never executes
-stored code (a NamedTuple type is rebuilt from the template, or imported by its recorded name
-and checked to be a NamedTuple).
+stored code (``loops.checkpoint_codec``: a stored type is rebuilt from the template, or is one of
+rlcore's own loaded NamedTuples or dataclasses). The run folder's lock and the resume checks are
+``loops.run_dir``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -39,140 +39,33 @@ import random
 import re
 import secrets
 import shutil
-import sys
 import time
-import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
-from filelock import FileLock, Timeout
-from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import save_file, save_model
 from torch import nn
 
-from rlcore.loops.scale.dist_sync import (all_ranks_ok, drop_tied, full_optimizer_state, full_weights,
-                                    load_full_weights, shard_optimizer_state)
-from rlcore.loops.scale.distributed import dist_info, is_fsdp2, unwrap_model
+from rlcore.loops.checkpoint_codec import CheckpointError, load_tensors, read_json, read_pair, write_pair
 from rlcore.loops.lora import is_peft, load_adapter_weights
+from rlcore.loops.scale.dist_sync import (all_ranks_ok, drop_tied, full_optimizer_state, full_weights,
+                                          load_full_weights, shard_optimizer_state)
+from rlcore.loops.scale.distributed import dist_info, is_fsdp2, unwrap_model
 from rlcore.loops.state import TrainState
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_info", "resume",
-           "Checkpointer", "CheckpointError", "verify_checkpoint", "run_dir_lock", "check_resume", "RESUMABLE_CHANGES"]
+           "Checkpointer", "verify_checkpoint"]
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^checkpoint-(?P<step>\d+)$")
 _OLD = re.compile(r"^\.old-(?P<name>checkpoint-(?P<step>\d+))-[0-9a-f]+$")  # set aside by a re-save
 _SCRATCH = (".tmp-", ".old-", ".del-")
-LOCK_NAME = ".rlcore.lock"  # held by the run writing the folder (run_dir_lock)
 _SPECIAL = ("models", "optimizer", "scheduler")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, truncated, corrupted, or does not fit the state it is loaded into."""
-
-
 # --- nested values <-> (JSON tree, flat dict of tensors) -------------------------------------
-def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, torch.Tensor):
-        tensors[path] = obj.detach().to("cpu", copy=True).contiguous()  # a copy: no shared storage
-        return {"__tensor__": path, "device": str(obj.device)}
-    if isinstance(obj, torch.Generator):
-        return {"__generator__": str(obj.device), "state": _flatten(obj.get_state(), path, tensors)}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        cls = type(obj)
-        return {"__namedtuple__": f"{cls.__module__}:{cls.__qualname__}",
-                "fields": {f: _flatten(v, f"{path}.{f}", tensors) for f, v in zip(obj._fields, obj)}}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {"__dataclass__": f"{type(obj).__module__}:{type(obj).__qualname__}",
-                "fields": {f.name: _flatten(getattr(obj, f.name), f"{path}.{f.name}", tensors)
-                           for f in dataclasses.fields(obj)}}
-    if isinstance(obj, (tuple, list)):
-        items = [_flatten(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]
-        return {"__tuple__": items} if isinstance(obj, tuple) else items
-    if isinstance(obj, Mapping):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: _flatten(v, f"{path}.{k}", tensors) for k, v in obj.items()}
-        return {"__items__": [[_flatten(k, f"{path}.k{i}", tensors), _flatten(v, f"{path}.{k}", tensors)]
-                              for i, (k, v) in enumerate(obj.items())]}
-    raise TypeError(f"checkpoint: cannot store {path or 'value'} of type {type(obj).__name__} "
-                    f"(tensors, numbers, strings, lists, dicts, NamedTuples and dataclasses only)")
-
-
-def _stored_type(name: str, where: str) -> type:
-    """The class a checkpoint names for a value with no template: one of rlcore's own NamedTuples or
-    dataclasses, in a module already loaded. Nothing is imported or executed on a checkpoint's word;
-    for any other type, load with a template value (``state_template``)."""
-    module_name, _, qualname = name.partition(":")
-    module = sys.modules.get(module_name) if module_name.split(".")[0] == "rlcore" else None
-    obj: Any = module
-    for part in qualname.split(".") if module is not None else ():
-        obj = vars(obj).get(part) if isinstance(obj, (types.ModuleType, type)) else None
-    if module is None or not isinstance(obj, type):
-        raise CheckpointError(f"{where}: the stored type {name!r} is not one of rlcore's loaded types; a checkpoint "
-                              "never makes the loader import anything (give a template value for other types)")
-    return obj
-
-
-def _unflatten(tree: Any, tensors: Mapping[str, torch.Tensor], like: Any = None, where: str = "") -> Any:
-    if isinstance(tree, list):
-        return [_unflatten(v, tensors, None, f"{where}[{i}]") for i, v in enumerate(tree)]
-    if not isinstance(tree, dict):
-        return tree
-    if "__tensor__" in tree:
-        device = like.device if isinstance(like, torch.Tensor) else torch.device(tree["device"])
-        if device.type == "cuda" and not torch.cuda.is_available():
-            device = torch.device("cpu")
-        return tensors[tree["__tensor__"]].to(device)
-    if "__generator__" in tree:
-        device = like.device if isinstance(like, torch.Generator) else tree["__generator__"]
-        g = torch.Generator(device=device)
-        g.set_state(_unflatten(tree["state"], tensors, None, where).cpu())
-        return g
-    if "__namedtuple__" in tree or "__dataclass__" in tree:
-        is_nt = "__namedtuple__" in tree
-        name = tree.get("__namedtuple__") or tree["__dataclass__"]
-        cls = type(like) if like is not None else _stored_type(name, where)
-        if (is_nt and not (issubclass(cls, tuple) and hasattr(cls, "_fields"))) or \
-                (not is_nt and not dataclasses.is_dataclass(cls)):
-            raise CheckpointError(f"{where}: stored type does not match {cls.__name__}")
-        fields = {k: _unflatten(v, tensors, getattr(like, k, None), f"{where}.{k}") for k, v in tree["fields"].items()}
-        return cls(**fields)
-    if "__tuple__" in tree:
-        return tuple(_unflatten(v, tensors, None, f"{where}[{i}]") for i, v in enumerate(tree["__tuple__"]))
-    if "__items__" in tree:
-        return {_unflatten(k, tensors): _unflatten(v, tensors, None, where) for k, v in tree["__items__"]}
-    like = like if isinstance(like, Mapping) else {}
-    return {k: _unflatten(v, tensors, like.get(k), f"{where}[{k!r}]") for k, v in tree.items()}
-
-
-def _write_pair(directory: Path, stem: str, obj: Any) -> None:
-    tensors: dict[str, torch.Tensor] = {}
-    tree = _flatten(obj, stem, tensors)
-    save_file(tensors, directory / f"{stem}.safetensors")
-    (directory / f"{stem}.json").write_text(json.dumps(tree))
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({type(e).__name__}: {e})") from e
-
-
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(path)
-    except Exception as e:  # safetensors raises its own error types for bad headers and truncation
-        raise CheckpointError(f"{path}: unreadable safetensors file, corrupted or truncated "
-                              f"({type(e).__name__}: {e})") from e
-
-
-def _read_pair(directory: Path, stem: str, like: Any = None) -> Any:
-    tree = _read_json(directory / f"{stem}.json")
-    return _unflatten(tree, _load_tensors(directory / f"{stem}.safetensors"), like, stem)
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -200,7 +93,7 @@ def _load_model(model: nn.Module, directory: Path) -> None:
         raise CheckpointError(f"{directory}: no safetensors weights")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(_load_tensors(f))
+        weights.update(load_tensors(f))
     model = unwrap_model(model)
     if is_peft(model):  # a LoRA policy: the folder holds its adapter (peft's names), the base is rebuilt
         try:
@@ -299,7 +192,7 @@ def verify_checkpoint(path: str | Path) -> None:
     path = Path(path)
     if path.is_symlink() or not (path / "manifest.json").is_file():
         raise CheckpointError(f"{path}: not a complete checkpoint (no manifest.json, or a symbolic link)")
-    manifest = _read_json(path / "manifest.json")
+    manifest = read_json(path / "manifest.json")
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         raise CheckpointError(f"{path / 'manifest.json'}: expected {{'files': {{name: {{size, sha256}}}}}}")
@@ -439,12 +332,12 @@ def _write_contents(tmp: Path, state: TrainState, step: int, config: dict, model
     if tokenizer is not None and "policy" in models:  # the policy folder loads with from_pretrained, both halves
         tokenizer.save_pretrained(tmp / "models" / "policy")
     if optimizer_state is not None:
-        _write_pair(tmp, "optimizer", optimizer_state)
+        write_pair(tmp, "optimizer", optimizer_state)
     if state.scheduler is not None:
-        _write_pair(tmp, "scheduler", state.scheduler.state_dict())
+        write_pair(tmp, "scheduler", state.scheduler.state_dict())
     rest = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name not in _SPECIAL}
-    _write_pair(tmp, "state", rest)
-    _write_pair(tmp, "rng", _global_rng())
+    write_pair(tmp, "state", rest)
+    write_pair(tmp, "rng", _global_rng())
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
     meta = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "models": sorted(models),
             "metrics": dict(metrics), "extra": extra_json}
@@ -533,7 +426,7 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
     """
     path = Path(path)
     verify_checkpoint(path)
-    meta = _read_json(path / "trainer_state.json")
+    meta = read_json(path / "trainer_state.json")
     absent = sorted(set(meta["models"]) - set(state_template.models))
     if absent:
         raise CheckpointError(f"{path}: models {absent} are stored but not in the template "
@@ -546,85 +439,28 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
             if not (path / f"{name}.json").is_file():
                 raise CheckpointError(f"{path}: the template has a {name} but the checkpoint stores none")
             try:
-                stored = _read_pair(path, name)
+                stored = read_pair(path, name)
                 target.load_state_dict(shard_optimizer_state(stored, target) if name == "optimizer" else stored)
             except (ValueError, KeyError, RuntimeError) as e:
                 raise CheckpointError(f"{path / name}.json: does not fit the template's {name}: {e}") from e
     rest = {f.name: getattr(state_template, f.name) for f in dataclasses.fields(state_template)
             if f.name not in _SPECIAL}
-    restored = _read_pair(path, "state", like=rest)
+    restored = read_pair(path, "state", like=rest)
     if restore_global_rng:
-        _set_global_rng(_read_pair(path, "rng"))
+        _set_global_rng(read_pair(path, "rng"))
     return dataclasses.replace(state_template, **{k: v for k, v in restored.items() if k in rest})
 
 
 def checkpoint_info(path: str | Path) -> dict[str, Any]:
     """``trainer_state.json`` of a checkpoint (step, time, models, metrics, extra) plus its ``config``."""
     path = Path(path)
-    return {**_read_json(path / "trainer_state.json"), "config": _read_json(path / "config.json")}
+    return {**read_json(path / "trainer_state.json"), "config": read_json(path / "config.json")}
 
 
 def resume(run_dir: str | Path, state: TrainState, **kwargs: Any) -> TrainState:
     """``state`` restored from the latest checkpoint of ``run_dir``, or ``state`` itself if none."""
     latest = latest_checkpoint(run_dir)
     return state if latest is None else load_checkpoint(latest, state, **kwargs)
-
-
-@contextlib.contextmanager
-def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
-    """Hold ``run_dir/.rlcore.lock`` while a run writes there: a second writer gets a clear error.
-
-    An operating-system lock (``filelock``): released on any exit, a killed run included, so a
-    crashed run never leaves a stale lock behind (a killed run may leave the unlocked file; a normal
-    exit removes it). Yields the lock file's path.
-
-    Raises:
-        RuntimeError: another process (or another run in this one) holds the folder.
-    """
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(run_dir / LOCK_NAME))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise RuntimeError(f"run_dir: {run_dir} is in use by another run (its lock {lock.lock_file} is held); "
-                           "wait for that run to end, or pick another run_dir") from None
-    try:
-        yield Path(lock.lock_file)
-    finally:
-        with contextlib.suppress(OSError):  # removed while still held: the folder holds only the run's files
-            os.unlink(lock.lock_file)
-        lock.release()
-
-
-# Fields a resumed run may change: how long it runs, where and how often it logs, saves and evaluates.
-RESUMABLE_CHANGES = frozenset({"steps", "num_epochs", "resume", "run_dir", "save_every", "keep_last", "eval_every",
-                               "log_every", "report_to", "log_completions", "eval_batch_size", "num_eval_images", "eval_seed",
-                               "device", "init_from", "gradient_checkpointing"})
-
-
-def check_resume(checkpoint: str | Path, config: Mapping[str, Any], recipe: str) -> None:
-    """Refuse to resume ``checkpoint`` under another recipe, or with settings that change the run.
-
-    ``config`` (a plain dict) must match the one stored with the checkpoint in every field but
-    ``RESUMABLE_CHANGES`` (fields the stored config lacks are not compared).
-
-    Raises:
-        ValueError: naming the stored recipe, or every differing field with both values, and how
-            to proceed.
-    """
-    stored = checkpoint_info(checkpoint)["config"]
-    if not isinstance(stored, dict):
-        raise CheckpointError(f"{checkpoint}/config.json: expected a mapping, got {type(stored).__name__}")
-    if stored.get("recipe", recipe) != recipe:
-        raise ValueError(f"resume: {checkpoint} belongs to a {stored['recipe']!r} run, not {recipe!r}; pick another "
-                         f"run_dir (init_from={str(checkpoint)!r} starts a new run from its weights)")
-    changed = {k: (stored[k], v) for k, v in config.items()
-               if k in stored and k not in RESUMABLE_CHANGES and k != "recipe" and stored[k] != v}
-    if changed:
-        listed = ", ".join(f"{k}={old!r} (now {new!r})" for k, (old, new) in sorted(changed.items()))
-        raise ValueError(f"resume: {checkpoint} was written with {listed}; resume with the run's values, or pick "
-                         f"another run_dir (init_from={str(checkpoint)!r} starts a new run from its weights)")
 
 
 class Checkpointer:

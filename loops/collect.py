@@ -50,7 +50,8 @@ from transformers import DynamicCache
 from rlcore import keys as K
 from rlcore.checks import check_mask, lookup, require_keys
 from rlcore.logprobs import token_logprobs
-from rlcore.loops.data import collate_prompts, tokenize_example
+from rlcore.loops.collate import collate_prompts
+from rlcore.loops.tokenization import tokenize_example
 from rlcore.loops.models import cache_keyword, model_device, pad_token_id, position_ids_from_mask
 from rlcore.loops.score import score_rollout
 

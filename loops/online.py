@@ -49,7 +49,7 @@ from rlcore.kl import kl_estimate
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.config import ModelLoading, autocast_dtype, loading_kwargs
-from rlcore.loops.data import check_text, text_window, tokenize_example
+from rlcore.loops.tokenization import check_text, text_window, tokenize_example
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_values
 from rlcore.loops.recipe import batch_source, build_policy, build_reference, init_train_state, load_splits, run
@@ -144,7 +144,7 @@ def check_prompt_data(reward: RewardFn | None, **splits: Dataset) -> None:
     """Fail before training when a prompt dataset cannot feed the run: every split needs a ``prompt``
     column, and the columns the reward function reads (``reward_columns``: ``answer`` for the
     built-in task reward), and every prompt must be non-empty text or a conversation
-    (``loops.data.check_text``). The error names the split, its columns and what is missing, or
+    (``loops.tokenization.check_text``). The error names the split, its columns and what is missing, or
     the row and what it holds."""
     wanted = ("prompt", *(reward_columns(reward) if reward is not None else ()))
     for where, data in splits.items():

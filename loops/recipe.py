@@ -43,8 +43,8 @@ import torch
 from datasets import Dataset
 from torch import nn
 
-from rlcore.loops.checkpoint import (Checkpointer, check_resume, latest_checkpoint, resume, run_dir_lock,
-                                     verify_checkpoint)
+from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, verify_checkpoint
+from rlcore.loops.run_dir import check_resume, run_dir_lock
 from rlcore.loops.config import (FIELD_RULES, TINY_MODELS, _get, check_config, config_dict, loading_kwargs,
                                  quantization_kwargs)
 from rlcore.loops.data import load_source

@@ -37,7 +37,7 @@ from tensordict import TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.reft import REFT_INTERVENTIONS
 from rlcore.checks import check_mask, check_ndim
-from rlcore.loops.data import collate
+from rlcore.loops.collate import collate
 
 __all__ = ["ReftSpec", "REFT_COMPONENTS", "REFT_ACTIVATIONS", "parse_positions", "reft_locations",
            "with_intervention_locations", "collate_reft"]
@@ -237,5 +237,5 @@ def with_intervention_locations(batch: TensorDictBase, spec: ReftSpec) -> Tensor
 
 
 def collate_reft(format: str, rows, *, pad_id: int, spec: ReftSpec) -> TensorDictBase:
-    """``rlcore.loops.data.collate`` then ``with_intervention_locations``: positions after padding."""
+    """``rlcore.loops.collate.collate`` then ``with_intervention_locations``: positions after padding."""
     return with_intervention_locations(collate(format, rows, pad_id=pad_id), spec)

@@ -44,8 +44,8 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.dpo import DPO_LOSSES, dpo
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
-from rlcore.loops.data import (collate_mismatched, collate_preference, collate_unpaired, iterate_batches,
-                               preference_format, tokenize_dataset)
+from rlcore.loops.collate import collate_mismatched, collate_preference, collate_unpaired, iterate_batches
+from rlcore.loops.tokenization import preference_format, tokenize_dataset
 from rlcore.loops.models import mix_into_reference, model_device, pad_token_id
 from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
                                  mean_metrics, policy_tokenizer, run)
@@ -88,7 +88,7 @@ class Config(ModelLoading):
     init_from: str | None = None           # start from this checkpoint (or run) directory, e.g. an SFT run
     disable_dropout: bool = True       # dropout set to 0 in policy and reference (TRL DPOConfig.disable_dropout)
     device: str = "cpu"
-    # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
+    # data (loops.recipe.load_splits, loops.tokenization.tokenize_dataset)
     task: str | None = "add"               # a built-in task (preference pairs with near-miss rejections)
     dataset: str | None = None             # local file or folder, or hub name[:split], with prompt / chosen / rejected
     eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`

@@ -39,7 +39,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.online import online_preference_batch
 from rlcore.loops.recipes.dpo import (UNPAIRED, bind_loss, check_reference_sync, needs_reference, preference_loss_fn,
-                              reference_models, sync_reference, with_reference)
+                                      reference_models, sync_reference, with_reference)
 from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, rollout_metrics, train_online,
                                  update_sizes)
 from rlcore.loops.evaluate import evaluate_policy

@@ -41,7 +41,7 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.algorithms.reft import trainable_parameters
 from rlcore.loops.recipes.dpo import preference_loss_fn, with_reference
-from rlcore.loops.data import tokenize_dataset
+from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import collect_rollout, train_online

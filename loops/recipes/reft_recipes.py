@@ -39,8 +39,8 @@ from rlcore.loops.online import build_online_state
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
                                  policy_tokenizer, run)
 from rlcore.loops.config import autocast_dtype
-from rlcore.loops.recipes.reft import (ReftFields, new_interventions, reft_dpo_step, reft_grpo_step,
-                               reft_online_models, reft_rloo_step, reft_spec, train_reft_online)
+from rlcore.loops.recipes.reft import (ReftFields, new_interventions, reft_dpo_step, reft_grpo_step, reft_online_models,
+                                       reft_rloo_step, reft_spec, train_reft_online)
 from rlcore.loops.reft_data import collate_reft, with_intervention_locations
 from rlcore.loops.reft_model import with_interventions
 from rlcore.loops.state import TrainState

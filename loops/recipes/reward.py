@@ -35,7 +35,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.reward import reward_loss
-from rlcore.loops.data import collate_preference, preference_format, tokenize_dataset
+from rlcore.loops.collate import collate_preference
+from rlcore.loops.tokenization import preference_format, tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
                                  policy_tokenizer, run)
@@ -62,7 +63,7 @@ class Config(ModelLoading):
     init_from: str | None = None           # start from this checkpoint (or run) directory (e.g. an SFT policy)
     disable_dropout: bool = False      # True sets dropout to 0; False trains with it (TRL's RewardTrainer)
     device: str = "cpu"
-    # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
+    # data (loops.recipe.load_splits, loops.tokenization.tokenize_dataset)
     task: str | None = "add"               # a built-in task (preference pairs with near-miss rejections)
     dataset: str | None = None             # local file or folder, or hub name[:split], with prompt / chosen / rejected (+ margin)
     eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`

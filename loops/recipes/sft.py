@@ -34,7 +34,8 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.sft import sft_loss
 from rlcore.loops.collect import generate_rollout
-from rlcore.loops.data import collate_sequences, pack_sequences, tokenize_dataset
+from rlcore.loops.collate import collate_sequences, pack_sequences
+from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.fold import to_floats
 from rlcore.loops.models import pad_token_id, position_ids_from_mask
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
@@ -60,7 +61,7 @@ class Config(ModelLoading):
     init_from: str | None = None           # a checkpoint (or run) directory to start from
     disable_dropout: bool = False      # True sets dropout to 0; False trains with it (TRL's SFTTrainer)
     device: str = "cpu"
-    # data (loops.recipe.load_splits, loops.data.tokenize_dataset)
+    # data (loops.recipe.load_splits, loops.tokenization.tokenize_dataset)
     task: str | None = "add"               # a built-in task (loops.tasks) when `dataset` is None
     dataset: str | None = None             # local file or folder, or hub name[:split] (prompt/completion, messages or text)
     eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`

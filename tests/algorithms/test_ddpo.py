@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from rlcore import keys as K
-from rlcore.algorithms.ddpo import (DDIM_PREDICTIONS, PromptStats, batch_advantages, ddim_step,
-                                    ddim_step_logprob, ddpo_loss, ddpo_ratio_loss, prompt_stats_init,
-                                    prompt_stats_update)
+from rlcore.algorithms.ddpo import (DDIM_PREDICTIONS, PromptStats, batch_advantages, ddim_step, ddim_step_logprob,
+                                    ddpo_loss, ddpo_ratio_loss, prompt_stats_init, prompt_stats_update)
 from rlcore.testing import assert_pure
 from tests.algorithms.conformance import check_compiles, check_dtypes, check_gradients, check_outputs
 

@@ -12,8 +12,8 @@ from tensordict import TensorDict
 
 import rlcore.algorithms.policy_gradient as pg
 from rlcore import keys as K
-from rlcore.algorithms.policy_gradient import (POLICY_LOSSES, cispo_loss, dapo_loss, dr_grpo_loss, grpo_loss,
-                                               gspo_loss, policy_loss, rloo_loss)
+from rlcore.algorithms.policy_gradient import (POLICY_LOSSES, cispo_loss, dapo_loss, dr_grpo_loss, grpo_loss, gspo_loss,
+                                               policy_loss, rloo_loss)
 from rlcore.algorithms.ppo import ppo_loss
 from rlcore.checks import lookup
 from rlcore.masked import masked_sum

@@ -13,8 +13,8 @@ from tensordict import TensorDict
 
 from rlcore import keys as K
 from rlcore.algorithms.dpo import dpo_loss
-from rlcore.algorithms.preference import (PREFERENCE_LOSSES, alphapo_reward, cpo, cpo_loss, kto, kto_loss,
-                                          log1mexp, odds_ratio_loss, orpo, simpo, simpo_loss)
+from rlcore.algorithms.preference import (PREFERENCE_LOSSES, alphapo_reward, cpo, cpo_loss, kto, kto_loss, log1mexp,
+                                          odds_ratio_loss, orpo, simpo, simpo_loss)
 from rlcore.testing import assert_padding_invariant, assert_pure, make_preference_batch, right_padded_mask
 from tests.algorithms.conformance import check_loss_conformance
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from rlcore.algorithms.reft import (CONSTANT_SOURCE, REFT_INTERVENTIONS, ReftIntervention, consreft, direft,
-                                    lobireft, loreft, nodireft, noreft, trainable_parameters)
+from rlcore.algorithms.reft import (CONSTANT_SOURCE, REFT_INTERVENTIONS, ReftIntervention, consreft, direft, lobireft,
+                                    loreft, nodireft, noreft, trainable_parameters)
 
 LINEAR_SOURCE = sorted(set(REFT_INTERVENTIONS) - set(CONSTANT_SOURCE))
 from rlcore.testing import MockLM, assert_pure

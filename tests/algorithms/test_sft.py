@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from rlcore import keys as K
-from rlcore.algorithms.sft import (packed_position_ids, segment_causal_mask, sft_loss, sft_token_nll,
-                                   shift_for_causal_lm)
+from rlcore.algorithms.sft import packed_position_ids, segment_causal_mask, sft_loss, sft_token_nll, shift_for_causal_lm
 from rlcore.testing import MockLM, assert_padding_invariant, assert_pure, right_padded_mask
 from tests.algorithms.conformance import check_loss_conformance
 

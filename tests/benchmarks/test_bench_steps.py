@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import harness as H  # noqa: E402
 
 from rlcore import keys as K  # noqa: E402
-from rlcore.loops.data import collate_preference  # noqa: E402
+from rlcore.loops.collate import collate_preference  # noqa: E402
 
 B = H.load(ROOT / "benchmarks" / "bench_steps.py")
 

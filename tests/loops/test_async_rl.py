@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from rlcore import keys as K
 from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo, sft
 from rlcore.loops.scale import async_rl
-from rlcore.loops.scale.async_learners import (check_learner, importance_correction, learn_off_policy, off_policy_metrics,
-                                         recipe_of, truncated_importance_weights, with_importance_correction)
+from rlcore.loops.scale.async_learners import (check_learner, importance_correction, learn_off_policy,
+                                               off_policy_metrics, recipe_of, truncated_importance_weights,
+                                               with_importance_correction)
 from rlcore.loops.scale.async_rl import check_max_lag, train_async
 from rlcore.loops.checkpoint import list_checkpoints, load_checkpoint
 from rlcore.loops.recipes.reft_recipes import ReftGrpoConfig

@@ -16,8 +16,9 @@ from torch import nn
 import rlcore.loops
 from rlcore import keys as K
 from rlcore.loops import checkpoint as ckpt
-from rlcore.loops.checkpoint import (CheckpointError, Checkpointer, checkpoint_info, latest_checkpoint,
-                                     list_checkpoints, load_checkpoint, resume, save_checkpoint)
+from rlcore.loops.checkpoint import (Checkpointer, checkpoint_info, latest_checkpoint, list_checkpoints,
+                                     load_checkpoint, resume, save_checkpoint)
+from rlcore.loops.checkpoint_codec import CheckpointError
 from rlcore.loops.fold import fold
 from rlcore.loops.state import advance, init_state, with_transforms
 from rlcore.loops.update import make_optimizer, make_scheduler, update

@@ -9,7 +9,8 @@ from tensordict import TensorDict
 from rlcore import keys as K
 from rlcore.loops.collect import (BEHAVIOUR_LOGPROBS, SAMPLERS, generate_rollout, gumbel_max_sample, left_align,
                                   response_mask_from_ids, sample_responses, truncate_logits, uniform_length_sampler)
-from rlcore.loops.data import collate_prompts, tokenize_example
+from rlcore.loops.collate import collate_prompts
+from rlcore.loops.tokenization import tokenize_example
 from rlcore.loops.models import build_model
 from rlcore.loops.score import score_rollout
 from rlcore.testing import assert_pure

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlcore import keys as K
-from rlcore.loops.data import (COLLATORS, FORMATS, TRUNCATIONS, collate, collate_mismatched, collate_preference,
-                               collate_prompts, collate_sequences, detect_format, iterate_batches, load_local,
-                               load_source, pack_sequences, pad_sequences, split_implicit_prompt, tokenize_dataset,
-                               tokenize_example)
+from rlcore.loops.data import FORMATS, detect_format, load_local, load_source
+from rlcore.loops.collate import (COLLATORS, collate, collate_mismatched, collate_preference, collate_prompts,
+                                  collate_sequences, iterate_batches, pack_sequences, pad_sequences)
+from rlcore.loops.tokenization import TRUNCATIONS, split_implicit_prompt, tokenize_dataset, tokenize_example
 from rlcore.loops.models import build_model, build_tokenizer
 from rlcore.loops.score import token_logprobs_from_model
 

@@ -18,10 +18,11 @@ from tensordict import TensorDict
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import grpo_loss
 from rlcore.loops.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from rlcore.loops.scale.dist_sync import (accumulation_context, all_ranks_ok, drop_tied, full_optimizer_state, full_weights,
-                                    grad_sync, reduce_gradients, shard_optimizer_state, total_grad_norm)
+from rlcore.loops.scale.dist_sync import (accumulation_context, all_ranks_ok, drop_tied, full_optimizer_state,
+                                          full_weights, grad_sync, reduce_gradients, shard_optimizer_state,
+                                          total_grad_norm)
 from rlcore.loops.scale.distributed import (STRATEGIES, DistInfo, agree, dist_info, init_distributed, is_main,
-                                      reduce_metrics, shard_batch, shard_source, spawn, unwrap_model, wrap_model)
+                                            reduce_metrics, shard_batch, shard_source, spawn, unwrap_model, wrap_model)
 from rlcore.loops.recipes import ppo
 from rlcore.loops.fold import fold
 from rlcore.loops.models import build_model

@@ -11,9 +11,10 @@ from datasets import Dataset
 from rlcore import keys as K
 from rlcore.algorithms.dpo import DPO_LOSSES
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
-from rlcore.loops.data import collate_mismatched, collate_preference, collate_unpaired, tokenize_dataset
+from rlcore.loops.collate import collate_mismatched, collate_preference, collate_unpaired
+from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.recipes.dpo import (LOSSES, REFERENCE_FREE, UNPAIRED, Config, bind_loss, dpo_step, evaluate, kto_step,
-                              needs_reference, preference_loss_fn, train, unpair, with_reference)
+                                      needs_reference, preference_loss_fn, train, unpair, with_reference)
 from rlcore.loops.models import make_reference, mix_into_reference, pad_token_id
 from rlcore.loops.recipe import build_policy, init_train_state
 from rlcore.loops.config import load_config

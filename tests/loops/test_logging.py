@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlcore.loops.fold import fold
-from rlcore.loops.logging import (CompletionsToTrackers, JsonlLogger, PeakMemory, ProgressDisplay, SampleTable, TensorBoardLogger,
-                                  WandbLogger, check_trackers, make_loggers, read_jsonl)
+from rlcore.loops.logging import (CompletionsToTrackers, JsonlLogger, PeakMemory, ProgressDisplay, SampleTable,
+                                  TensorBoardLogger, WandbLogger, check_trackers, make_loggers, read_jsonl)
 
 
 @dataclasses.dataclass(frozen=True)

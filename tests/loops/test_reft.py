@@ -16,14 +16,15 @@ from tensordict import TensorDict
 
 from rlcore import keys as K
 from rlcore.loops.checkpoint import load_checkpoint, save_checkpoint
-from rlcore.loops.data import collate, tokenize_example
+from rlcore.loops.collate import collate
+from rlcore.loops.tokenization import tokenize_example
 from rlcore.loops.models import build_model
 from rlcore.algorithms.dpo import dpo
 from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.collect import generate_rollout
-from rlcore.loops.recipes.reft import (ReftConfig, evaluate, init_reft_state, load_config, reft_dpo_step, reft_grpo_step,
-                               reft_rloo_step, reft_sft_step, reft_spec, trainable_fraction, train_reft_online,
-                               train_reft_sft)
+from rlcore.loops.recipes.reft import (ReftConfig, evaluate, init_reft_state, load_config, reft_dpo_step,
+                                       reft_grpo_step, reft_rloo_step, reft_sft_step, reft_spec, trainable_fraction,
+                                       train_reft_online, train_reft_sft)
 from rlcore.loops import reft_data, reft_model
 from rlcore.loops.reft_data import (REFT_COMPONENTS, ReftSpec, collate_reft, parse_positions, reft_locations,
                                     with_intervention_locations)

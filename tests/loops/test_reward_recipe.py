@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlcore import keys as K
-from rlcore.loops.data import tokenize_dataset
+from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import build_policy, init_train_state
 from rlcore.loops.config import load_config

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from rlcore.loops.recipes import sft
-from rlcore.loops.checkpoint import LOCK_NAME, run_dir_lock
+from rlcore.loops.run_dir import LOCK_NAME, run_dir_lock
 from rlcore.loops.logging import read_jsonl
 from tests.robustness.test_untrusted_checkpoints import rewrite
 

@@ -7,7 +7,9 @@ import torch
 from tensordict import TensorDict
 
 from rlcore import keys as K
-from rlcore.loops.data import iterate_batches, load_local, tokenize_dataset
+from rlcore.loops.data import load_local
+from rlcore.loops.collate import iterate_batches
+from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.models import (ValueHead, build_model, build_reward_model, build_value_model, reward_model_scores,
                                  token_values)
 from rlcore.loops.score import (concatenated_forward, precompute_reference_logps, score_rollout, score_sequences,
@@ -293,7 +295,7 @@ def test_concatenated_forward_errors(lm, tokenizer):
 @pytest.mark.parametrize("packed", [False, True])
 def test_score_sequences_unpaired_and_mismatched(tokenizer, packed):
     """The KTO scoring: a sequence batch and its mismatched pairs, each against the formula."""
-    from rlcore.loops.data import collate_mismatched
+    from rlcore.loops.collate import collate_mismatched
     model = build_model(tokenizer=tokenizer, hidden_size=16, num_layers=1, num_heads=2)
     rows = [{"prompt": "1+1=", "completion": "2", "label": True},
             {"prompt": "hi", "completion": "bye!", "label": False},

@@ -11,7 +11,9 @@ import torch
 from tensordict import TensorDict
 
 from rlcore import keys as K
-from rlcore.loops.data import collate_sequences, load_local, pack_sequences, tokenize_dataset
+from rlcore.loops.data import load_local
+from rlcore.loops.collate import collate_sequences, pack_sequences
+from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.fold import stop_when
 from rlcore.loops.logging import read_jsonl
 from rlcore.loops.models import build_tokenizer, pad_token_id

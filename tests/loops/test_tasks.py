@@ -2,8 +2,8 @@
 
 import pytest
 
-from rlcore.loops.tasks import (BUILTIN_TASKS, answer_reward, exact_match, get_task,
-                                preference_dataset, task_dataset, task_reward)
+from rlcore.loops.tasks import (BUILTIN_TASKS, answer_reward, exact_match, get_task, preference_dataset, task_dataset,
+                                task_reward)
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_TASKS))

@@ -8,9 +8,10 @@ from tensordict import TensorDict
 
 from rlcore import keys as K
 from rlcore.baselines import (ADVANTAGE_ESTIMATORS, GRPO_SCALES, broadcast_to_tokens, dr_grpo_advantage, group_mean,
-                              grpo_advantage, opo_advantage, with_opo_advantage, reinforce_pp_advantage, reinforce_pp_baseline_advantage, remax_advantage,
-                              rloo_advantage, with_dr_grpo_advantage, with_grpo_advantage,
-                              with_reinforce_pp_advantage, with_remax_advantage, with_rloo_advantage)
+                              grpo_advantage, opo_advantage, with_opo_advantage, reinforce_pp_advantage,
+                              reinforce_pp_baseline_advantage, remax_advantage, rloo_advantage, with_dr_grpo_advantage,
+                              with_grpo_advantage, with_reinforce_pp_advantage, with_remax_advantage,
+                              with_rloo_advantage)
 from rlcore.masked import masked_mean, masked_sum, masked_var
 from rlcore.returns import discounted_returns
 from rlcore.testing import assert_padding_invariant, assert_pure, make_rollout, right_padded_mask

@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcore.masked import (AGGREGATIONS, aggregate, masked_mean, masked_sum, masked_var,
-                           masked_whiten)
+from rlcore.masked import AGGREGATIONS, aggregate, masked_mean, masked_sum, masked_var, masked_whiten
 from rlcore.testing import assert_padding_invariant, assert_pure, make_rollout, right_padded_mask
 
 

@@ -6,8 +6,8 @@ from tensordict import TensorDict
 
 from rlcore import keys as K
 from rlcore.masked import masked_mean
-from rlcore.testing import (MockLM, assert_padding_invariant, assert_pure, left_padded_mask,
-                            make_preference_batch, make_rollout, right_padded_mask)
+from rlcore.testing import (MockLM, assert_padding_invariant, assert_pure, left_padded_mask, make_preference_batch,
+                            make_rollout, right_padded_mask)
 
 
 def test_assert_pure_catches_in_place_write_even_if_values_restored():

@@ -12,23 +12,10 @@ from hypothesis import strategies as st
 
 from rlcore import keys as K
 from rlcore.testing import assert_padding_invariant, assert_pure, make_rollout
-from rlcore.transforms import (
-    KL_CONTROLLERS,
-    KL_REDUCTIONS,
-    KLControllerState,
-    RunningMoments,
-    adaptive_kl_init,
-    adaptive_kl_update,
-    fixed_kl_init,
-    fixed_kl_update,
-    kl_controller,
-    observed_kl,
-    running_moments_init,
-    running_moments_merge,
-    running_moments_std,
-    running_moments_update,
-    running_moments_var,
-)
+from rlcore.transforms import (KL_CONTROLLERS, KL_REDUCTIONS, KLControllerState, RunningMoments, adaptive_kl_init,
+                               adaptive_kl_update, fixed_kl_init, fixed_kl_update, kl_controller, observed_kl,
+                               running_moments_init, running_moments_merge, running_moments_std, running_moments_update,
+                               running_moments_var)
 
 
 # --- KL controllers -------------------------------------------------------------------------

@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from rlcore.loops import checkpoint as ckpt
-from rlcore.loops.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, resume,
-                                     save_checkpoint)
+from rlcore.loops.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, resume, save_checkpoint
+from rlcore.loops.checkpoint_codec import CheckpointError
 from rlcore.loops.state import init_state
 from rlcore.loops.update import make_optimizer, make_scheduler
 from rlcore.testing import MockLM

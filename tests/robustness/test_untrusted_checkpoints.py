@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from rlcore.loops.checkpoint import (CheckpointError, Checkpointer, latest_checkpoint, load_checkpoint,
-                                     save_checkpoint, verify_checkpoint)
+from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
+from rlcore.loops.checkpoint_codec import CheckpointError
 from rlcore.loops.recipe import checkpoint_model_dir
 from tests.loops.test_checkpoint import make_state
 

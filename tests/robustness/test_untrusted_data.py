@@ -11,7 +11,8 @@ import torch
 
 from rlcore.logprobs import hidden_logprobs, token_logprobs
 from rlcore.loops.recipes import grpo, sft
-from rlcore.loops.data import load_local, max_token_chars, text_window, tokenize_example
+from rlcore.loops.data import load_local
+from rlcore.loops.tokenization import max_token_chars, text_window, tokenize_example
 from rlcore.loops.models import build_tokenizer
 from rlcore.loops.reward_fns import MAX_ABS_REWARD, call_reward_fn
 from tests.loops.online_helpers import TINY
