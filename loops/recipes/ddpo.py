@@ -37,8 +37,9 @@ from tensordict import TensorDict
 from rlcore import keys as K
 from rlcore.algorithms.ddpo import batch_advantages, ddpo_loss, prompt_stats_init, prompt_stats_update
 from rlcore.loops.checkpoint import latest_checkpoint, load_checkpoint
-from rlcore.loops.diffusion import (build_denoiser, ddim_schedule, get_reward_fn, latents_to_images, pretrain_denoiser,
-                                    sample_trajectories, save_image_grid, score_images, step_logprobs, timestep_rows)
+from rlcore.loops.diffusion import (build_denoiser, ddim_schedule, pretrain_denoiser, sample_trajectories,
+                                    step_logprobs, timestep_rows)
+from rlcore.loops.images import get_reward_fn, latents_to_images, save_image_grid, score_images
 from rlcore.loops.recipe import run
 from rlcore.loops.state import TrainState, advance, copy_generator, init_state, with_transforms
 from rlcore.loops.update import make_optimizer, update

@@ -15,8 +15,8 @@ pytest.importorskip("PIL")
 from rlcore import keys as K  # noqa: E402
 from rlcore.algorithms.ddpo import batch_advantages, prompt_stats_init, prompt_stats_update  # noqa: E402
 from rlcore.loops.recipes.ddpo import Config, build_state, collect, evaluate, score, train, train_epoch  # noqa: E402
-from rlcore.loops.diffusion import (ddim_schedule, jpeg_compressibility, latents_to_images, step_logprobs,  # noqa: E402
-                                    timestep_rows)
+from rlcore.loops.diffusion import ddim_schedule, step_logprobs, timestep_rows  # noqa: E402
+from rlcore.loops.images import jpeg_compressibility, latents_to_images  # noqa: E402
 from rlcore.loops.logging import read_jsonl  # noqa: E402
 from rlcore.loops.config import load_config  # noqa: E402
 

@@ -14,11 +14,12 @@ pytest.importorskip("PIL")
 
 from rlcore import keys as K  # noqa: E402
 from rlcore.algorithms.ddpo import ddim_step  # noqa: E402
-from rlcore.loops.diffusion import (BETA_SCHEDULES, REWARD_FUNCTIONS, SYNTHETIC_PATTERNS, build_denoiser,  # noqa: E402
-                                    ddim_schedule, get_reward_fn, image_grid, images_to_uint8, jpeg_compressibility,
-                                    jpeg_incompressibility, jpeg_sizes, latents_to_images, predict_noise,
-                                    pretrain_denoiser, sample_trajectories, save_image_grid, schedule_from_scheduler,
-                                    score_images, step_logprobs, synthetic_images, timestep_rows)
+from rlcore.loops.diffusion import (BETA_SCHEDULES, SYNTHETIC_PATTERNS, build_denoiser, ddim_schedule,  # noqa: E402
+                                    predict_noise, pretrain_denoiser, sample_trajectories, schedule_from_scheduler,
+                                    step_logprobs, synthetic_images, timestep_rows)
+from rlcore.loops.images import (REWARD_FUNCTIONS, get_reward_fn, image_grid, images_to_uint8,  # noqa: E402
+                                 jpeg_compressibility, jpeg_incompressibility, jpeg_sizes, latents_to_images,
+                                 save_image_grid, score_images)
 from rlcore.testing import assert_pure  # noqa: E402
 
 P = 3  # classes; id 3 is the null class
@@ -81,8 +82,9 @@ def test_schedule_bad_inputs():
 
 def test_missing_optional_packages_say_what_to_install(monkeypatch):
     import rlcore.loops.diffusion as diffusion
+    import rlcore.loops.images as images
     monkeypatch.setattr(diffusion, "UNet2DModel", None)
-    monkeypatch.setattr(diffusion, "Image", None)
+    monkeypatch.setattr(images, "Image", None)
     with pytest.raises(ImportError, match=r"build_denoiser needs diffusers: pip install 'rlcore\[diffusion\]'"):
         build_denoiser(P)
     with pytest.raises(ImportError, match="jpeg_sizes needs pillow"):
