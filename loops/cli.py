@@ -63,12 +63,10 @@ def recipe_module(name: str) -> ModuleType | Any:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``field -> the comment written after it`` in the dataclass source (and its bases'), else the
-    shared meaning of that field (``rlcore.loops.config.FIELD_DOCS``)."""
-    from rlcore.loops.config import FIELD_DOCS
-
+    """``field -> the comment written after it`` in the dataclass source: the recipe's own, else the
+    one of the base that declares it (``rlcore.loops.config.RunConfig`` for the shared fields)."""
     names = {f.name for f in dataclasses.fields(cls)}
-    docs: dict[str, str] = {k: v for k, v in FIELD_DOCS.items() if k in names}
+    docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue

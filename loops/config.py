@@ -1,10 +1,10 @@
 """Run configs: the shared model-loading fields, field documentation and ranges, YAML + overrides → a checked config.
 
-- :class:`ModelLoading`: the fields every language-model recipe shares for loading its model
-  (dtype, attention, revision, LoRA, quantization, gradient checkpointing, mixed precision);
-  each recipe's ``Config`` subclasses it;
-- :data:`FIELD_DOCS` / :data:`FIELD_RULES`: the meaning and the allowed range of the fields the
-  recipes share, by name (``check_config`` applies every rule whose field a config has);
+- :class:`RunConfig`: the one declaration of the fields every language-model recipe shares
+  (model and its loading, data, optimisation, evaluation, run); each recipe's ``Config``
+  subclasses it and adds its own;
+- :data:`FIELD_RULES`: the allowed range of fields by name (``check_config`` applies every rule
+  whose field a config has);
 - :func:`load_config` / :func:`config_dict`: configs from safe YAML plus overrides (unknown keys
   raise, naming the nearest field or TRL's name; values are coerced to the field types) and back
   to a plain dict."""
@@ -26,42 +26,28 @@ import yaml
 from rlcore.loops.collect import check_length_range
 from rlcore.loops.logging import check_trackers
 
-__all__ = ["ModelLoading", "DTYPES", "TINY_MODELS", "loading_kwargs", "quantization_kwargs", "check_quantization",
-           "autocast_dtype", "FIELD_DOCS", "FIELD_RULES", "check_config", "TRL_NAMES", "load_config", "config_dict"]
-
-
-# What the fields shared by the recipes' configs mean (a field's own comment, where written, wins).
-FIELD_DOCS: dict[str, str] = {
-    "model": '"tiny-llama" / "tiny-gpt2" (offline, char tokenizer) or a local path / hub name',
-    "hidden_size": "tiny models: width", "num_layers": "tiny models: decoder blocks",
-    "num_heads": "tiny models: attention heads", "max_position_embeddings": "tiny models: context length",
-    "init_from": "start from the policy weights of a checkpoint or run directory",
-    "device": "where models and batches live (cpu, cuda)",
-    "task": "a built-in task (loops.tasks) when no dataset is given",
-    "dataset": "a local jsonl / json / parquet / csv file or folder, or a hub name[:split]",
-    "eval_dataset": "held-out file or hub name[:split] (default: split off dataset)",
-    "num_train": "built-in task: training examples", "num_eval": "held-out examples",
-    "max_length": "tokens kept per sequence", "max_prompt_length": "prompt tokens kept",
-    "seed": "model init, data order, sampling", "steps": "fold steps", "batch_size": "examples per step",
-    "micro_batch_size": "rows per forward/backward (gradient accumulation); None: all",
-    "lr": "AdamW peak learning rate", "weight_decay": "AdamW decoupled weight decay (matrices only)",
-    "warmup_steps": "optimiser steps of linear warm-up", "schedule": "linear | cosine | constant (loops.update.SCHEDULES)",
-    "max_grad_norm": "global gradient-norm clip; None: off", "agg": "token aggregation (rlcore.masked.AGGREGATIONS)",
-    "eval_batch_size": "held-out examples per evaluation batch",
-    "run_dir": "checkpoints and metrics.jsonl; None writes nothing", "save_every": "checkpoint period in steps (0: at the end)",
-    "keep_last": "checkpoints kept (None: all)", "eval_every": "evaluation period in steps (0: never during training)",
-    "log_every": "progress line period in steps",
-    "resume": "continue from the latest checkpoint of run_dir",
-    "report_to": 'trackers besides metrics.jsonl: "tensorboard" (run_dir/tensorboard), "wandb" (TRL report_to)',
-}
+__all__ = ["RunConfig", "DTYPES", "TINY_MODELS", "loading_kwargs", "quantization_kwargs", "check_quantization",
+           "autocast_dtype", "FIELD_RULES", "check_config", "TRL_NAMES", "load_config", "config_dict"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelLoading:
-    """How a recipe loads its models: one declaration the recipes' configs share (TRL's
-    ``ModelConfig`` names). ``build_policy``, ``build_reference`` and the online recipes' reward
-    model read it."""
+class RunConfig:
+    """The one declaration of the fields every language-model recipe shares: the model and how it
+    is loaded (TRL's ``ModelConfig`` names), the data, the optimiser, evaluation and the run.
 
+    A recipe's ``Config`` subclasses it and adds only its own fields, redeclaring a shared one
+    only to change its default (DPO's ``lr``, the online recipes' ``batch_size``, each recipe's
+    ``run_dir``); the comment after each field is its ``--help`` text (``cli.field_docs``).
+    """
+
+    # --- model (loops.recipe.build_policy) ---
+    model: str = "tiny-llama"                 # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer) or a local path / hub name
+    hidden_size: int = 64                     # tiny models: width
+    num_layers: int = 2                       # tiny models: decoder blocks
+    num_heads: int = 4                        # tiny models: attention heads
+    max_position_embeddings: int = 256        # tiny models: context length
+    init_from: str | None = None              # start from the policy weights of a checkpoint or run directory (e.g. an SFT run)
+    device: str = "cpu"                       # where models and batches live (cpu, cuda)
     dtype: str = "float32"                    # the weights' dtype: float32 | bfloat16 | float16 | auto (TRL dtype)
     attn_implementation: str | None = None    # eager | sdpa | flash_attention_2 ... (None: transformers' choice)
     revision: str | None = None               # hub revision (branch, tag or commit) of `model`
@@ -76,17 +62,43 @@ class ModelLoading:
     lora_modules_to_save: tuple[str, ...] | None = None  # modules trained in full beside the adapter (e.g. lm_head)
     load_in_4bit: bool = False                # base weights quantised to 4 bits (bitsandbytes, CUDA; needs use_peft)
     load_in_8bit: bool = False                # base weights quantised to 8 bits (bitsandbytes, CUDA; needs use_peft)
+    # --- data (loops.recipe.load_splits) ---
+    task: str | None = "add"                  # a built-in task (loops.tasks) when `dataset` is None
+    dataset: str | None = None                # local jsonl / json / parquet / csv file or folder, or hub name[:split]
+    eval_dataset: str | None = None           # held-out file or hub name[:split]; None: `num_eval` rows split off `dataset`
+    num_train: int = 256                      # built-in task: training examples (pairs, prompts)
+    num_eval: int = 64                        # held-out examples
+    max_prompt_length: int | None = None      # prompt tokens kept: the last ones of a longer prompt
+    # --- optimisation (loops.recipe.init_train_state, loops.update.update) ---
+    seed: int = 0                             # model init, data order, sampling
+    steps: int = 100                          # fold steps (offline: one optimiser step each; online: prompt batches)
+    batch_size: int = 16                      # rows per step: examples, pairs, or prompts (online)
+    micro_batch_size: int | None = None       # rows per forward/backward (gradient accumulation); None: all
+    lr: float = 1e-3                          # AdamW peak learning rate
+    weight_decay: float = 0.0                 # AdamW decoupled weight decay (matrices only)
+    warmup_steps: int = 0                     # optimiser steps of linear warm-up
+    schedule: str = "constant"                # learning-rate schedule after warm-up: linear | cosine | constant (loops.update.SCHEDULES)
+    max_grad_norm: float | None = 1.0         # global gradient-norm clip; None: off
+    # --- evaluation and the run (loops.recipe.run) ---
+    eval_batch_size: int = 32                 # held-out rows per evaluation batch
+    run_dir: str | None = None                # checkpoints and metrics.jsonl; None writes nothing
+    save_every: int = 0                       # checkpoint period in steps (0: only at the end)
+    keep_last: int | None = 2                 # checkpoints kept (None: all)
+    eval_every: int = 0                       # evaluation period in steps (0: never during training)
+    log_every: int = 10                       # progress line period in steps
+    report_to: tuple[str, ...] = ()           # trackers besides metrics.jsonl: tensorboard (run_dir/tensorboard), wandb (TRL report_to)
+    resume: bool = False                      # continue from the latest checkpoint of run_dir
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 def loading_kwargs(config: Any) -> dict[str, Any]:
-    """The ``from_pretrained`` keywords of ``config``'s ``ModelLoading`` fields (those it has)."""
-    kwargs = {"dtype": _get(config, "dtype", "float32"), "trust_remote_code": _get(config, "trust_remote_code", False)}
+    """The ``from_pretrained`` keywords of ``config``'s loading fields (``RunConfig``)."""
+    kwargs = {"dtype": config.dtype, "trust_remote_code": config.trust_remote_code}
     for name in ("attn_implementation", "revision"):
-        if _get(config, name) is not None:
-            kwargs[name] = _get(config, name)
+        if getattr(config, name) is not None:
+            kwargs[name] = getattr(config, name)
     return kwargs
 
 
@@ -94,11 +106,11 @@ def quantization_kwargs(config: Any) -> dict[str, Any]:
     """The ``from_pretrained`` ``quantization_config`` of ``load_in_4bit`` / ``load_in_8bit``
     (bitsandbytes; 4 bits as NF4 with the compute in ``dtype``, bfloat16 for float32 / auto), or
     ``{}``. ``check_config`` has refused the cases bitsandbytes cannot serve."""
-    if not (_get(config, "load_in_4bit", False) or _get(config, "load_in_8bit", False)):
+    if not (config.load_in_4bit or config.load_in_8bit):
         return {}
     from transformers import BitsAndBytesConfig
 
-    dtype = _get(config, "dtype", "float32")
+    dtype = config.dtype
     compute = getattr(torch, dtype) if dtype in ("bfloat16", "float16") else torch.bfloat16
     return {"quantization_config": BitsAndBytesConfig(
         load_in_4bit=config.load_in_4bit, load_in_8bit=config.load_in_8bit, bnb_4bit_quant_type="nf4",
@@ -109,18 +121,18 @@ def check_quantization(config: Any) -> None:
     """Refuse ``load_in_4bit`` / ``load_in_8bit`` where they cannot work, before any model is built:
     both at once, without ``use_peft`` (quantised weights do not train), on a model built from a
     config (``TINY_MODELS``: nothing to quantise on load), off CUDA, or without bitsandbytes."""
-    four, eight = _get(config, "load_in_4bit", False), _get(config, "load_in_8bit", False)
+    four, eight = config.load_in_4bit, config.load_in_8bit
     if not (four or eight):
         return
     where = f"{type(config).__name__}: load_in_{4 if four else 8}bit"
     if four and eight:
         raise ValueError(f"{type(config).__name__}: load_in_4bit and load_in_8bit: choose one")
-    if not _get(config, "use_peft", False):
+    if not config.use_peft:
         raise ValueError(f"{where}: quantised weights do not train; set use_peft to train a LoRA adapter on them")
-    if _get(config, "model", "tiny-llama") in TINY_MODELS:
+    if config.model in TINY_MODELS:
         raise ValueError(f"{where}: {config.model!r} is built from a config, not loaded; quantisation applies to a "
                          "model folder or hub name")
-    if not str(_get(config, "device", "cpu")).startswith("cuda"):
+    if not str(config.device).startswith("cuda"):
         raise ValueError(f"{where}: bitsandbytes quantisation runs on CUDA here; device is {config.device!r}")
     try:
         import bitsandbytes  # noqa: F401
@@ -131,7 +143,7 @@ def check_quantization(config: Any) -> None:
 def autocast_dtype(config: Any) -> torch.dtype | None:
     """The ``update(autocast_dtype=)`` of ``config.mixed_precision``: ``torch.bfloat16`` for ``"bf16"``,
     else ``None``. (float16 autocast without loss scaling underflows gradients: not offered.)"""
-    return torch.bfloat16 if _get(config, "mixed_precision") == "bf16" else None
+    return torch.bfloat16 if config.mixed_precision == "bf16" else None
 
 
 _TRUE, _FALSE, _NONE = ("true", "yes", "on", "1"), ("false", "no", "off", "0"), ("none", "null", "~", "")
@@ -275,7 +287,8 @@ def check_config(config: Any) -> Any:
     if getattr(config, "dtype", "float32") not in DTYPES:
         raise ValueError(f"{type(config).__name__}: dtype: expected one of {list(DTYPES)}, got {config.dtype!r}")
     check_trackers(getattr(config, "report_to", ()))
-    check_quantization(config)
+    if isinstance(config, RunConfig):  # a language-model recipe's (DDPO's config loads no such model)
+        check_quantization(config)
     return config
 
 
@@ -344,7 +357,3 @@ def config_dict(config: Any) -> dict[str, Any]:
 
 # Offline model names -> architecture of ``build_model`` (with the character tokenizer).
 TINY_MODELS: dict[str, str] = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}
-
-
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    return getattr(config, name, default)

@@ -1,6 +1,6 @@
 """LoRA policies: a trainable low-rank adapter on a frozen base model, the base as the reference.
 
-A recipe whose config sets ``use_peft`` (``loops.config.ModelLoading``) trains a LoRA adapter
+A recipe whose config sets ``use_peft`` (``loops.config.RunConfig``) trains a LoRA adapter
 (``peft``) instead of every weight:
 
 - :func:`apply_lora`: ``peft.get_peft_model`` from the config's ``lora_*`` fields (TRL's

@@ -48,7 +48,7 @@ from rlcore.checks import bind_keywords, lookup
 from rlcore.kl import kl_estimate
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
-from rlcore.loops.config import ModelLoading, autocast_dtype, loading_kwargs
+from rlcore.loops.config import RunConfig, autocast_dtype, loading_kwargs
 from rlcore.loops.tokenization import check_text, text_window, tokenize_example
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_values
@@ -71,32 +71,20 @@ Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineConfig(ModelLoading):
-    """Fields shared by every online recipe (a recipe's ``Config`` subclasses this and adds its own)."""
+class OnlineConfig(RunConfig):
+    """Fields shared by every online recipe beyond ``RunConfig``'s (a recipe's ``Config`` subclasses
+    this and adds its own)."""
 
     # whether scoring adds the rollout's per-token reference log-probs (online DPO's pairs get theirs)
     rollout_ref_logprobs: ClassVar[bool] = True
 
-    # --- model ---
-    model: str = "tiny-llama"        # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer), or a local path / hub name
-    hidden_size: int = 64            # tiny models: width
-    num_layers: int = 2              # tiny models: decoder blocks
-    num_heads: int = 4               # tiny models: attention heads
-    max_position_embeddings: int = 256  # tiny models: context length
-    init_from: str | None = None     # start from the policy weights of a checkpoint / run dir (e.g. an SFT run)
+    # --- models ---
     reward_model: str | None = None  # local path of a sequence-classification reward model (same tokenizer)
     ref_model: str | None = None     # the KL reference: a model folder or checkpoint (default: a copy of the initial policy; TRL ref_model)
     ref_device: str | None = None    # where the reference lives (None: device; e.g. cpu beside a policy on cuda)
     reward_device: str | None = None  # where the reward model lives (None: device)
     reward_funcs: tuple[str, ...] = ()  # "package.module:function" reward functions to import (TRL reward_funcs)
     reward_weights: tuple[float, ...] | None = None  # one weight per reward function (TRL reward_weights; None: all 1)
-    device: str = "cpu"              # where models and rollouts live
-    # --- data ---
-    task: str = "add"                # built-in task (loops.tasks): prompts, and the reward when no reward_model
-    dataset: str | None = None       # local file or folder, or hub name[:split], with a `prompt` column (and `answer` for the task reward)
-    eval_dataset: str | None = None  # held-out file (default: num_eval rows split off `dataset`)
-    num_train: int = 256             # built-in task: training prompts
-    num_eval: int = 64               # held-out prompts
     # --- generation (collect) ---
     num_samples: int = 1             # G samples per prompt (TRL num_generations)
     max_new_tokens: int = 16         # response budget (TRL max_completion_length / response_length)
@@ -104,7 +92,6 @@ class OnlineConfig(ModelLoading):
     temperature: float = 1.0         # sampling temperature; log-probs are of softmax(logits / temperature)
     top_k: int | None = None         # truncation (None: off)
     top_p: float | None = None       # nucleus truncation (None: off)
-    max_prompt_length: int | None = None  # keep the last tokens of longer prompts
     stop_token_ids: tuple[int, ...] = ()  # token ids that also end a response (EOS always does; TRL stop_token_id)
     missing_eos_penalty: float | None = None  # subtracted from the score of a response cut at max_new_tokens (TRL missing_eos_penalty)
     overlong_buffer: int | None = None  # DAPO soft overlong punishment: responses in the last N tokens of max_new_tokens lose up to overlong_penalty_factor (None: off; verl overlong_buffer.len)
@@ -112,29 +99,13 @@ class OnlineConfig(ModelLoading):
     sampler: str | None = "gumbel"   # decode loop's sampler (loops.collect.SAMPLERS); None: Hugging Face generate; "vllm": a vLLM engine
     engine_options: dict = dataclasses.field(default_factory=dict)  # vllm.LLM keywords when sampler="vllm"
     # --- optimisation (update) ---
-    seed: int = 0                    # model init, data order, sampling
-    steps: int = 100                 # fold steps: batches of prompts
     batch_size: int = 8              # prompts per step (the rollout has batch_size * num_samples rows)
     epochs: int = 1                  # passes over each rollout (TRL ppo_epochs / num_iterations)
     minibatch_size: int | None = None  # rollout rows per optimiser step (None: the whole rollout)
-    micro_batch_size: int | None = None  # rows per forward/backward (gradient accumulation; None: minibatch)
     generation_batch_size: int | None = None  # rollout rows sampled per call, a multiple of num_samples (None: all; TRL generation_batch_size)
     forward_batch_size: int | None = None  # rows per no-grad scoring forward: reference, values, reward model (None: all)
-    lr: float = 1e-5                 # AdamW peak learning rate
-    weight_decay: float = 0.0        # AdamW decoupled weight decay
-    warmup_steps: int = 0            # optimiser steps of linear warm-up
-    schedule: str = "constant"       # learning-rate schedule after warm-up (loops.update.SCHEDULES)
-    max_grad_norm: float | None = 1.0  # global gradient-norm clip (None: off)
-    # --- run ---
-    run_dir: str | None = None       # checkpoints + metrics.jsonl (None: write nothing)
-    save_every: int = 0              # checkpoint every N steps (0: never; the last step is saved when > 0)
-    keep_last: int | None = 2        # checkpoints kept (None: all)
-    eval_every: int = 0              # evaluate on the held-out split every N steps (0: never)
-    eval_batch_size: int = 32        # held-out prompts per generation batch in evaluation
+    lr: float = 1e-5
     log_completions: int = 0         # held-out prompts whose greedy completions and rewards each evaluation writes to run_dir/completions.jsonl (TRL num_sample_generations / log_completions)
-    log_every: int = 10              # progress line every N steps
-    report_to: tuple[str, ...] = ()  # trackers besides metrics.jsonl: "tensorboard" (run_dir/tensorboard), "wandb" (TRL report_to)
-    resume: bool = False             # continue from the latest checkpoint of run_dir
 
 
 # --- building -----------------------------------------------------------------------------------

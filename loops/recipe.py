@@ -17,15 +17,8 @@ A recipe module (``loops/recipes/sft.py``, ``loops/recipes/dpo.py``, ...) is a f
   ``save_every`` steps keeping ``keep_last``, JSONL + progress logging, and a resume from the
   latest checkpoint of ``run_dir`` when ``resume``.
 
-The config side (the shared ``ModelLoading`` fields, ``load_config``, the field rules) is
-``rlcore.loops.config``.
-
-Fields read from a config, with the defaults used when a recipe's ``Config`` lacks them:
-``model``, ``hidden_size`` (64), ``num_layers`` (2), ``num_heads`` (4),
-``max_position_embeddings`` (256), ``init_from`` (None), ``device`` ("cpu"), ``seed``, ``lr``,
-``weight_decay`` (0), ``warmup_steps`` (0), ``schedule`` ("constant"), ``task``, ``dataset``,
-``eval_dataset`` (None), ``num_train`` (256), ``num_eval`` (64), ``run_dir``, ``save_every``,
-``keep_last``, ``eval_every``, ``log_every``, ``resume``.
+Each reads the fields of ``rlcore.loops.config.RunConfig``, the base of every language-model
+recipe's ``Config`` (``run`` only its run fields, which the DDPO config has too).
 """
 
 from __future__ import annotations
@@ -45,8 +38,7 @@ from torch import nn
 
 from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, verify_checkpoint
 from rlcore.loops.run_dir import check_resume, run_dir_lock
-from rlcore.loops.config import (FIELD_RULES, TINY_MODELS, _get, check_config, config_dict, loading_kwargs,
-                                 quantization_kwargs)
+from rlcore.loops.config import FIELD_RULES, TINY_MODELS, check_config, config_dict, loading_kwargs, quantization_kwargs
 from rlcore.loops.data import load_source
 from rlcore.loops.fold import every, fold, to_floats
 from rlcore.loops.logging import make_loggers
@@ -64,10 +56,10 @@ __all__ = ["build_reference", "build_policy", "policy_tokenizer", "checkpoint_mo
 def _as_loaded(model: nn.Module, config: Any) -> nn.Module:
     """A model built from a config (the tiny ones) given the loading fields a checkpoint folder
     would get from ``from_pretrained``: dtype, attention implementation, gradient checkpointing."""
-    dtype = _get(config, "dtype", "float32")
+    dtype = config.dtype
     if dtype not in ("float32", "auto"):
         model = model.to(getattr(torch, dtype))
-    if _get(config, "attn_implementation") is not None:
+    if config.attn_implementation is not None:
         model.set_attn_implementation(config.attn_implementation)
     return model
 
@@ -102,7 +94,7 @@ def build_reference(config: Any, policy: nn.Module) -> nn.Module:
         ValueError: a reference whose vocabulary differs from the policy's (their log-probs
             would not be of the same tokens).
     """
-    path, device = _get(config, "ref_model"), _get(config, "ref_device")
+    path, device = getattr(config, "ref_model", None), getattr(config, "ref_device", None)
     if not path:
         if is_peft(policy):
             if device is not None and torch.device(device) != next(policy.parameters()).device:
@@ -125,11 +117,11 @@ def build_reference(config: Any, policy: nn.Module) -> nn.Module:
 def policy_tokenizer(config: Any) -> Any:
     """The tokenizer of ``config.model``: the character tokenizer for ``TINY_MODELS``, else
     ``load_tokenizer(config.model)`` (pad token set)."""
-    name = _get(config, "model", "tiny-llama")
+    name = config.model
     if name in TINY_MODELS:
         return build_tokenizer()
-    revision = _get(config, "revision")
-    return load_tokenizer(name, trust_remote_code=_get(config, "trust_remote_code", False),
+    revision = config.revision
+    return load_tokenizer(name, trust_remote_code=config.trust_remote_code,
                           **({"revision": revision} if revision else {}))
 
 
@@ -161,30 +153,30 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0) -> tup
     if dataclasses.is_dataclass(config):
         check_config(config)  # before any model is built
     task = task or getattr(type(config), "MODEL_TASK", "causal_lm")
-    name = _get(config, "model", "tiny-llama")
-    init_from = _get(config, "init_from")
+    name = config.model
+    init_from = config.init_from
     tokenizer = policy_tokenizer(config)
     loading = loading_kwargs(config)
     if init_from:
         model = _checkpoint_policy(config, checkpoint_model_dir(init_from), task, depth)
     elif name in TINY_MODELS:
-        model = build_model(TINY_MODELS[name], tokenizer=tokenizer, hidden_size=_get(config, "hidden_size", 64),
-                            num_layers=_get(config, "num_layers", 2), num_heads=_get(config, "num_heads", 4),
-                            max_position_embeddings=_get(config, "max_position_embeddings", 256),
-                            seed=_get(config, "seed", 0), task=task, tie_word_embeddings=task == "causal_lm")
+        model = build_model(TINY_MODELS[name], tokenizer=tokenizer, hidden_size=config.hidden_size,
+                            num_layers=config.num_layers, num_heads=config.num_heads,
+                            max_position_embeddings=config.max_position_embeddings,
+                            seed=config.seed, task=task, tie_word_embeddings=task == "causal_lm")
         model = _as_loaded(model, config)
     else:
         model = load_model(name, task=task, **_head_kwargs(task), **loading, **quantization_kwargs(config))
     if task != "causal_lm" and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    if _get(config, "gradient_checkpointing", False) and not enable_gradient_checkpointing(model):
+    if config.gradient_checkpointing and not enable_gradient_checkpointing(model):
         raise ValueError(f"gradient_checkpointing: {type(model).__name__} offers no gradient checkpointing "
                          "(gradient_checkpointing_enable)")
-    if _get(config, "use_peft", False) and task in _LORA_TASKS:
+    if config.use_peft and task in _LORA_TASKS:
         model = apply_lora(model, config, task=task)
-    if _get(config, "disable_dropout", True):
+    if getattr(config, "disable_dropout", True):
         disable_dropout(model)  # after the adapter: its dropout too
-    return model.to(_get(config, "device", "cpu")), tokenizer
+    return model.to(config.device), tokenizer
 
 
 def _head_kwargs(task: str) -> dict[str, Any]:
@@ -263,10 +255,10 @@ def init_train_state(models: Mapping[str, nn.Module], config: Any, *, trainable:
     Models not in ``trainable`` (a frozen reference) are stored as they are.
     """
     optimizer = make_optimizer({n: models[n] for n in trainable}, lr=config.lr,
-                               weight_decay=_get(config, "weight_decay", 0.0))
+                               weight_decay=config.weight_decay)
     scheduler = make_scheduler(optimizer, total_steps=total_steps or config.steps,
-                               warmup_steps=_get(config, "warmup_steps", 0), kind=_get(config, "schedule", "constant"))
-    return init_state(dict(models), optimizer=optimizer, scheduler=scheduler, seed=_get(config, "seed", 0))
+                               warmup_steps=config.warmup_steps, kind=config.schedule)
+    return init_state(dict(models), optimizer=optimizer, scheduler=scheduler, seed=config.seed)
 
 
 # --- data --------------------------------------------------------------------------------------
@@ -280,20 +272,20 @@ def load_splits(config: Any, make_task: Callable[..., Dataset]) -> tuple[Dataset
     - otherwise ``make_task(config.task, n, seed=config.seed, split=...)`` (``task_dataset`` or
       ``preference_dataset``) with ``n = num_train`` / ``num_eval``: disjoint prompts.
     """
-    seed, n_eval = _get(config, "seed", 0), _get(config, "num_eval", 64)
-    if _get(config, "dataset"):
+    seed, n_eval = config.seed, config.num_eval
+    if config.dataset:
         data = load_source(config.dataset)
-        if _get(config, "eval_dataset"):
+        if config.eval_dataset:
             return data, load_source(config.eval_dataset)
         if not 0 < n_eval < len(data):
             raise ValueError(f"num_eval: expected 0 < num_eval < {len(data)} (rows of {config.dataset}) to hold "
                              f"rows out, got {n_eval}; or pass eval_dataset")
         parts = data.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
         return parts["train"], parts["test"]
-    task = _get(config, "task")
+    task = config.task
     if not task:
         raise ValueError("config: set `task` (a built-in task name) or `dataset` (a local jsonl/json/parquet/csv)")
-    return (make_task(task, _get(config, "num_train", 256), seed=seed, split="train"),
+    return (make_task(task, config.num_train, seed=seed, split="train"),
             make_task(task, n_eval, seed=seed, split="eval"))
 
 
@@ -386,31 +378,31 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     if dataclasses.is_dataclass(config):
         check_config(config)
     name = name or type(config).__module__.rsplit(".", 1)[-1]
-    run_dir = _get(config, "run_dir")
+    run_dir = config.run_dir
     settings = {**config_dict(config), "recipe": name} if dataclasses.is_dataclass(config) else {"recipe": name}
     with run_dir_lock(run_dir) if run_dir and is_main() else contextlib.nullcontext():
-        latest = latest_checkpoint(run_dir) if run_dir and _get(config, "resume", False) else None
+        latest = latest_checkpoint(run_dir) if run_dir and config.resume else None
         if latest is not None:
             check_resume(latest, settings, name)
             state = resume(run_dir, state)
         cbs = list(callbacks)
-        eval_every = _get(config, "eval_every", 0)
+        eval_every = config.eval_every
         if eval_fn is not None and eval_every:
             cbs.append(every(eval_every, lambda s, m: {f"eval/{k}": v for k, v in eval_fn(s).items()}))
         if run_dir:
             if is_main():  # under torchrun, rank 0 logs (checkpoints handle ranks themselves)
                 cbs += make_loggers(run_dir, total=num_steps, stage=name,
-                                    progress_every=_get(config, "log_every", 10) or 10,
-                                    report_to=_get(config, "report_to", ()), config=settings,
-                                    device=_get(config, "device", "cpu"))
+                                    progress_every=config.log_every or 10,
+                                    report_to=config.report_to, config=settings,
+                                    device=config.device)
             # after the loggers: a step's line is written before its checkpoint, so a run killed between
             # the two resumes from the previous checkpoint and logs that step once
             saved = None
             if save_models:
                 trainable = [n for n, m in state.models.items() if any(p.requires_grad for p in m.parameters())]
                 saved = {n: state.models[n] for n in dict.fromkeys([*trainable, *save_models])}
-            cbs.append(Checkpointer(run_dir, every=_get(config, "save_every", 0) or max(num_steps, 1),
-                                    keep_last=_get(config, "keep_last"), config=settings, tokenizer=tokenizer,
+            cbs.append(Checkpointer(run_dir, every=config.save_every or max(num_steps, 1),
+                                    keep_last=config.keep_last, config=settings, tokenizer=tokenizer,
                                     models=saved))
         # Under torchrun each item of the source is the global batch and every rank takes its share.
         return fold(step, state, shard_source(source), num_steps=num_steps, callbacks=cbs)

@@ -98,7 +98,7 @@ class Config:
     keep_last: int | None = 5              # checkpoints kept (DDPO num_checkpoint_limit)
     eval_every: int = 1                    # evaluate (and save an image grid) every N epochs (0: never)
     log_every: int = 1                     # progress line every N epochs
-    report_to: tuple[str, ...] = ()
+    report_to: tuple[str, ...] = ()           # trackers besides metrics.jsonl: tensorboard, wandb (TRL report_to)
     resume: bool = False                   # continue from the latest checkpoint of run_dir
 
     def __post_init__(self):

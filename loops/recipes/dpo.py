@@ -49,7 +49,7 @@ from rlcore.loops.tokenization import preference_format, tokenize_dataset
 from rlcore.loops.models import mix_into_reference, model_device, pad_token_id
 from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
                                  mean_metrics, policy_tokenizer, run)
-from rlcore.loops.config import ModelLoading, autocast_dtype
+from rlcore.loops.config import RunConfig, autocast_dtype
 from rlcore.loops.score import concatenated_forward, precompute_reference_logps, score_sequences
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import preference_dataset
@@ -75,27 +75,12 @@ HYPERPARAMETERS = ("beta", "label_smoothing", "reference_free", "divergence", "a
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ModelLoading):
-    """Every setting of the preference recipe (``configs/dpo.yaml``); each feeds the keyword of
-    that name. Loss hyper-parameters left at ``None`` take the selected loss's default."""
+class Config(RunConfig):
+    """The preference recipe's settings (``configs/dpo.yaml``): the shared ``RunConfig`` fields and
+    these; each feeds the keyword of that name. Loss hyper-parameters left at ``None`` take the selected loss's default."""
 
-    # model (loops.recipe.build_policy)
-    model: str = "tiny-llama"              # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer) or a path / hub name
-    hidden_size: int = 64                  # tiny models only
-    num_layers: int = 2                    # tiny models only
-    num_heads: int = 4                     # tiny models only
-    max_position_embeddings: int = 256     # tiny models only
-    init_from: str | None = None           # start from this checkpoint (or run) directory, e.g. an SFT run
-    disable_dropout: bool = True       # dropout set to 0 in policy and reference (TRL DPOConfig.disable_dropout)
-    device: str = "cpu"
-    # data (loops.recipe.load_splits, loops.tokenization.tokenize_dataset)
-    task: str | None = "add"               # a built-in task (preference pairs with near-miss rejections)
-    dataset: str | None = None             # local file or folder, or hub name[:split], with prompt / chosen / rejected
-    eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`
-    num_train: int = 256                   # task pairs for training
-    num_eval: int = 64                     # held-out pairs
+    disable_dropout: bool = True           # dropout set to 0 in policy and reference (TRL DPOConfig.disable_dropout)
     max_length: int | None = 64            # prompt + completion tokens kept per side
-    max_prompt_length: int | None = None   # prompt tokens kept when prompt + the longer answer exceed max_length (TRL)
     truncation_mode: str = "keep_end"      # which end of a cut prompt is kept: keep_end | keep_start (TRL truncation_mode)
     # loss (LOSSES) and reference
     loss_type: str = "dpo"                 # a key of LOSSES
@@ -117,25 +102,8 @@ class Config(ModelLoading):
     desirable_weight: float | None = None  # kto: λ_D
     undesirable_weight: float | None = None  # kto: λ_U
     chunked: bool = True                   # log-probs from hidden states in vocabulary chunks
-    # optimisation (loops.recipe.init_train_state, loops.update.update)
-    seed: int = 0
-    steps: int = 100                       # fold steps (one optimiser step each)
-    batch_size: int = 16                   # pairs per step
-    micro_batch_size: int | None = None    # pairs per forward/backward; None: all
     lr: float = 5e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "constant"             # linear | cosine | constant
-    max_grad_norm: float | None = 1.0
-    eval_batch_size: int = 32              # pairs per forward in evaluation and reference precomputation
-    # run (loops.recipe.run)
     run_dir: str | None = "runs/dpo"
-    save_every: int = 0
-    keep_last: int | None = 2
-    eval_every: int = 0
-    log_every: int = 10
-    report_to: tuple[str, ...] = ()
-    resume: bool = False
 
 
 # --- the loss ------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import collect_rollout, train_online
 from rlcore.loops.checkpoint import load_checkpoint
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
-from rlcore.loops.config import ModelLoading
+from rlcore.loops.config import RunConfig
 from rlcore.loops.config import autocast_dtype as recipe_autocast
 from rlcore.loops.config import load_config as load_recipe_config
 from rlcore.loops.reft_data import ReftSpec, collate_reft, with_intervention_locations
@@ -197,46 +197,22 @@ class ReftFields:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReftConfig(ReftFields, ModelLoading):
-    """Every setting of ``train_reft_sft`` (the keys of ``configs/reft_sft.yaml``).
-
-    Model, data, optimisation and run fields are those of ``rlcore.loops.recipe`` (``model``:
-    ``"tiny-llama"`` / ``"tiny-gpt2"`` or a path; ``task`` or ``dataset``; ``run_dir``, ``resume``
-    ...); the intervention fields are ``ReftFields``'.
-    """
+class ReftConfig(ReftFields, RunConfig):
+    """Every setting of ``train_reft_sft`` (the keys of ``configs/reft_sft.yaml``): the shared
+    ``RunConfig`` fields (some with other defaults), the intervention fields of ``ReftFields`` and
+    the loss's."""
 
     layers: tuple[int, ...] = (1, 2)            # decoder blocks intervened on
     zero_init: bool = False                     # interventions start as the identity (the paper draws W, b at random)
-    model: str = "tiny-llama"
-    hidden_size: int = 64
     num_layers: int = 4
-    num_heads: int = 4
-    max_position_embeddings: int = 256
-    init_from: str | None = None
-    device: str = "cpu"
     task: str | None = "sort"
-    dataset: str | None = None
-    eval_dataset: str | None = None
-    num_train: int = 256
     num_eval: int = 32
-    max_length: int = 64
+    max_length: int = 64                        # prompt + completion tokens kept
     lr: float = 4e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    max_grad_norm: float | None = 1.0
     batch_size: int = 8
-    micro_batch_size: int | None = None
     steps: int = 60
-    agg: str = "token_mean"
-    seed: int = 0
-    run_dir: str | None = None
-    save_every: int = 0
+    agg: str = "token_mean"                     # token aggregation of the loss (rlcore.masked.AGGREGATIONS)
     keep_last: int | None = None
-    eval_every: int = 0
-    log_every: int = 10
-    report_to: tuple[str, ...] = ()
-    resume: bool = False
 
 
 def reft_spec(config: Any) -> ReftSpec:

@@ -40,7 +40,7 @@ from rlcore.loops.tokenization import preference_format, tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
                                  policy_tokenizer, run)
-from rlcore.loops.config import ModelLoading, autocast_dtype
+from rlcore.loops.config import RunConfig, autocast_dtype
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import update
@@ -49,50 +49,17 @@ __all__ = ["Config", "collate_pairs", "with_rewards", "reward_loss_fn", "reward_
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ModelLoading):
-    """Every setting of the reward-modelling recipe (``configs/reward.yaml``); each feeds the
-    keyword of that name. ``MODEL_TASK`` (not a field) makes ``build_policy`` build a reward model."""
+class Config(RunConfig):
+    """The reward-modelling recipe's settings (``configs/reward.yaml``): the shared ``RunConfig``
+    fields and these; each feeds the keyword of that name. ``MODEL_TASK`` (not a field) makes ``build_policy`` build a reward model."""
 
     MODEL_TASK: ClassVar[str] = "reward"
-    # model (loops.recipe.build_policy: a one-label sequence classifier)
-    model: str = "tiny-llama"              # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer) or a path / hub name
-    hidden_size: int = 64                  # tiny models only
-    num_layers: int = 2                    # tiny models only
-    num_heads: int = 4                     # tiny models only
-    max_position_embeddings: int = 256     # tiny models only
-    init_from: str | None = None           # start from this checkpoint (or run) directory (e.g. an SFT policy)
-    disable_dropout: bool = False      # True sets dropout to 0; False trains with it (TRL's RewardTrainer)
-    device: str = "cpu"
-    # data (loops.recipe.load_splits, loops.tokenization.tokenize_dataset)
-    task: str | None = "add"               # a built-in task (preference pairs with near-miss rejections)
-    dataset: str | None = None             # local file or folder, or hub name[:split], with prompt / chosen / rejected (+ margin)
-    eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`
-    num_train: int = 256                   # task pairs for training
-    num_eval: int = 64                     # held-out pairs
+    disable_dropout: bool = False          # True sets dropout to 0; False trains with it (TRL's RewardTrainer)
     max_length: int | None = 64            # prompt + completion tokens kept per side
-    max_prompt_length: int | None = None   # prompt tokens kept (its start is cut)
     # loss (algorithms.reward.reward_loss)
     margin_key: str | None = None          # dataset column of per-pair margins m (Llama 2); None: no margin
     center_rewards_coefficient: float | None = None  # c of c·mean((r_w + r_l)²); None: no centring
-    # optimisation (loops.recipe.init_train_state, loops.update.update)
-    seed: int = 0
-    steps: int = 100                       # fold steps (one optimiser step each)
-    batch_size: int = 16                   # pairs per step
-    micro_batch_size: int | None = None    # pairs per forward/backward; None: all
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "constant"             # linear | cosine | constant
-    max_grad_norm: float | None = 1.0
-    eval_batch_size: int = 32
-    # run (loops.recipe.run)
     run_dir: str | None = "runs/reward"
-    save_every: int = 0
-    keep_last: int | None = 2
-    eval_every: int = 0
-    log_every: int = 10
-    report_to: tuple[str, ...] = ()
-    resume: bool = False
 
 
 # --- data ----------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.fold import to_floats
 from rlcore.loops.models import pad_token_id, position_ids_from_mask
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
-from rlcore.loops.config import ModelLoading, autocast_dtype
+from rlcore.loops.config import RunConfig, autocast_dtype
 from rlcore.loops.score import score_sequences, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import exact_match, task_dataset
@@ -49,26 +49,13 @@ __all__ = ["Config", "scoring_mask", "sft_loss_fn", "sft_step", "evaluate", "tra
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ModelLoading):
-    """Every setting of the SFT recipe (``configs/sft.yaml``); each feeds the keyword of that name."""
+class Config(RunConfig):
+    """The SFT recipe's settings (``configs/sft.yaml``): the shared ``RunConfig`` fields and these;
+    each feeds the keyword of that name."""
 
-    # model (loops.recipe.build_policy)
-    model: str = "tiny-llama"              # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer) or a path / hub name
-    hidden_size: int = 64                  # tiny models only
-    num_layers: int = 2                    # tiny models only
-    num_heads: int = 4                     # tiny models only
-    max_position_embeddings: int = 256     # tiny models only
-    init_from: str | None = None           # a checkpoint (or run) directory to start from
-    disable_dropout: bool = False      # True sets dropout to 0; False trains with it (TRL's SFTTrainer)
-    device: str = "cpu"
-    # data (loops.recipe.load_splits, loops.tokenization.tokenize_dataset)
-    task: str | None = "add"               # a built-in task (loops.tasks) when `dataset` is None
-    dataset: str | None = None             # local file or folder, or hub name[:split] (prompt/completion, messages or text)
-    eval_dataset: str | None = None        # held-out file; None: `num_eval` rows split off `dataset`
-    num_train: int = 256                   # task examples for training
-    num_eval: int = 64                     # held-out examples
+    disable_dropout: bool = False          # True sets dropout to 0; False trains with it (TRL's SFTTrainer)
+    # data (loops.tokenization.tokenize_dataset)
     max_length: int | None = 64            # prompt + completion tokens kept (the packed row length with packing)
-    max_prompt_length: int | None = None   # prompt tokens kept (its start is cut)
     packing: bool = False                  # pack examples into rows of max_length (pack_sequences)
     dataset_text_field: str = "text"       # the column of plain text to model (TRL dataset_text_field)
     completion_only_loss: bool = True      # loss on completion tokens only; False: on the prompt too (TRL completion_only_loss)
@@ -76,27 +63,8 @@ class Config(ModelLoading):
     # loss and forward (algorithms.sft.sft_loss, loops.score)
     agg: str = "token_mean"                # rlcore.masked.AGGREGATIONS (with packing, a "sequence" is a packed row)
     chunked: bool = True                   # log-probs from hidden states in vocabulary chunks
-    # optimisation (loops.recipe.init_train_state, loops.update.update)
-    seed: int = 0                          # model init, data order
-    steps: int = 100                       # fold steps (one optimiser step each)
-    batch_size: int = 16                   # examples per step
-    micro_batch_size: int | None = None    # rows per forward/backward (gradient accumulation); None: all
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "constant"             # linear | cosine | constant (loops.update.SCHEDULES)
-    max_grad_norm: float | None = 1.0
-    # evaluation (evaluate)
-    max_new_tokens: int = 8                # greedy generation budget for exact match
-    eval_batch_size: int = 32
-    # run (loops.recipe.run)
-    run_dir: str | None = "runs/sft"       # checkpoints and metrics.jsonl; None writes nothing
-    save_every: int = 0                    # checkpoint period in steps (0: only at the end)
-    keep_last: int | None = 2              # checkpoints kept
-    eval_every: int = 0                    # evaluation period in steps (0: never during training)
-    log_every: int = 10                    # progress line period
-    report_to: tuple[str, ...] = ()
-    resume: bool = False                   # continue from the latest checkpoint of run_dir
+    max_new_tokens: int = 8                # evaluation: greedy generation budget for exact match
+    run_dir: str | None = "runs/sft"
 
 
 # --- score and update --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""LoRA policies from a config (loops/lora.py, ``use_peft`` in loops.config.ModelLoading): the
+"""LoRA policies from a config (loops/lora.py, ``use_peft`` in loops.config.RunConfig): the
 adapter-off reference, every recipe's step, exact resume, init_from and the merged export."""
 
 import copy

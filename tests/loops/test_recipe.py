@@ -13,16 +13,14 @@ from rlcore.loops.checkpoint import list_checkpoints, save_checkpoint
 from rlcore.loops.logging import read_jsonl
 from rlcore.loops.recipe import (batch_source, build_policy, build_reference, checkpoint_model_dir, init_train_state,
                                  load_splits, mean_metrics, policy_tokenizer, run)
-from rlcore.loops.config import TINY_MODELS
-from rlcore.loops.config import config_dict, load_config
+from rlcore.loops.config import TINY_MODELS, RunConfig, config_dict, load_config
 from rlcore.loops.state import init_state
 from rlcore.loops.tasks import preference_dataset, task_dataset
 from rlcore.loops.update import make_optimizer, update
 
 
 @dataclasses.dataclass(frozen=True)
-class Cfg:
-    model: str = "tiny-llama"
+class Cfg(RunConfig):  # a recipe's Config: the shared fields, some other defaults, two of its own
     hidden_size: int = 16
     num_layers: int = 1
     num_heads: int = 2
@@ -301,7 +299,7 @@ def test_a_reference_model_from_a_folder_or_a_checkpoint(tmp_path):
     assert "ref" not in precomputed.models
 
 
-# --- model loading fields (ModelLoading) ----------------------------------------------------------
+# --- model loading fields (RunConfig) ----------------------------------------------------------
 def _sft(**kw):
     from rlcore.loops.recipes import sft
     return sft.Config(**{**dict(hidden_size=16, num_layers=1, num_heads=2, num_train=16, num_eval=4, batch_size=4,

@@ -30,8 +30,8 @@ def test_the_cli_refuses_out_of_range_values_before_building_anything(recipe, fl
 
 
 def test_every_fault_is_named_at_once_and_none_is_allowed():
-    with pytest.raises(ValueError, match=r"Config: max_new_tokens: expected >= 1, got 0; "
-                                         r"batch_size: expected >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"Config: batch_size: expected >= 1, got 0; "
+                                         r"max_new_tokens: expected >= 1, got 0"):
         check_config(grpo.Config(batch_size=0, max_new_tokens=0))
     config = grpo.Config(top_k=None, top_p=None, minibatch_size=None, keep_last=None)
     assert check_config(config) is config
