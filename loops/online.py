@@ -371,21 +371,27 @@ def policy_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable[.
     return loss(with_policy_logprobs(state.model("policy"), batch, temperature=temperature), **denominators)
 
 
-def policy_update(state: TrainState, rollout: TensorDictBase, loss: Callable[..., tuple], *, config: Any,
+def policy_update(state: TrainState, batch: TensorDictBase, loss: Callable[..., tuple], *, config: Any,
+                  correction: Correction | None = None,
                   wrap_loss: Callable[[Callable], Callable] | None = None) -> tuple[TrainState, TensorDict]:
-    """``update`` of the policy on a scored rollout with a policy-gradient ``loss`` (impure: trains).
+    """``update`` of the policy on a scored batch with advantages, with a policy-gradient ``loss``
+    (impure: trains).
 
-    The minibatch sizes, epochs and gradient clipping come from ``config``; the step's metrics
-    gain the rollout's (``rollout_metrics``). ``wrap_loss`` maps the ``update`` loss closure
+    The minibatch sizes, epochs and gradient clipping come from ``config``. ``correction`` (the
+    asynchronous learners' importance correction) maps the batch to the one the loss sees and adds
+    its metrics; the step's metrics gain the batch's (``rollout_metrics``, taken before the
+    correction: those of the behaviour policy). ``wrap_loss`` maps the ``update`` loss closure
     (:func:`policy_loss_fn` bound to ``loss``) to the one used, e.g.
     ``loops.reft_model.with_interventions`` (``None``: as is).
     """
+    info = rollout_metrics(batch)
+    batch, extra = (batch, {}) if correction is None else correction(batch)
     loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature)
     loss_fn = loss_fn if wrap_loss is None else wrap_loss(loss_fn)
-    state, metrics = update(state, rollout, loss_fn, **update_sizes(config, rollout.batch_size[0]),
+    state, metrics = update(state, batch, loss_fn, **update_sizes(config, batch.batch_size[0]),
                             autocast_dtype=autocast_dtype(config),
                             epochs=config.epochs, mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
-    return state, metrics
+    return state, metrics.update(info).update(extra)
 
 
 def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
@@ -410,16 +416,17 @@ def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
 
 
 # --- the run -------------------------------------------------------------------------------------
-def train_online(config: Any, step: Callable[..., tuple[TrainState, Any]], *, reward_fn: RewardFn | None = None,
-                 name: str | None = None, callbacks: Sequence[Callable] = (), save_models: Sequence[str] | None = None,
-                 **state_kwargs) -> tuple[TrainState, list[dict[str, float]]]:
+def train_online(config: Any, build_state: Callable[[Any], tuple[TrainState, Any]],
+                 step: Callable[..., tuple[TrainState, Any]], *, reward_fn: RewardFn | None = None,
+                 name: str | None = None, callbacks: Sequence[Callable] = (),
+                 save_models: Sequence[str] | None = None) -> tuple[TrainState, list[dict[str, float]]]:
     """Run an online recipe: ``run(step, state, prompt_source(train), eval_fn=evaluate_policy)``.
 
-    ``step(state, rows, *, config, tokenizer, reward_fn) -> (state, metrics)`` is the recipe's
-    step; it is bound here with ``functools.partial``. ``state_kwargs`` go to
-    :func:`build_online_state` (``extra_models``, ``trainable``, ``transforms``, ``rows_per_step``);
-    ``callbacks`` run first after each step (``run``'s extra callbacks); ``save_models`` names the
-    frozen models a checkpoint keeps too (``run``).
+    The data are loaded and checked first, then ``build_state(config) -> (state, tokenizer)`` (the
+    recipe's: it checks the config, then builds its models); ``step(state, rows, *, config,
+    tokenizer, reward_fn) -> (state, metrics)`` is the recipe's step, bound here with
+    ``functools.partial``. ``callbacks`` run first after each step (``run``'s extra callbacks);
+    ``save_models`` names the frozen models a checkpoint keeps too (``run``).
 
     Returns:
         ``(state, history)`` of ``rlcore.loops.recipe.run`` (checkpoints, logs and resume from
@@ -428,7 +435,7 @@ def train_online(config: Any, step: Callable[..., tuple[TrainState, Any]], *, re
     train_ds, eval_ds = load_splits(config, task_dataset)
     reward = make_reward_fn(config, reward_fn)
     check_prompt_data(reward, train=train_ds, held_out=eval_ds)  # before any model is built
-    state, tokenizer = build_online_state(config, **state_kwargs)
+    state, tokenizer = build_state(config)
     check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)
     bound = functools.partial(step, config=config, tokenizer=tokenizer, reward_fn=reward)
     eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,

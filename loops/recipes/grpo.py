@@ -41,7 +41,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES
 from rlcore.checks import lookup
 from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, build_online_state, collect_rollout,
-                                 policy_update, rollout_metrics, train_online)
+                                 policy_update, train_online)
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.state import TrainState
 
@@ -68,6 +68,20 @@ class Config(OnlineConfig):
         seen through nested partials), which the asynchronous importance correction weights at."""
         return inspect.signature(grpo_loss_fn(self)).parameters["ratio_level"].default
 
+    def __post_init__(self):
+        check(self)  # a Config that exists is one the recipe can run
+
+
+def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Train with GRPO from ``config``; ``reward_fn`` overrides the task reward. Returns ``(state, history)``."""
+    return train_online(config, build_state, step, reward_fn=reward_fn, name="grpo", callbacks=callbacks)
+
+
+evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
+
+
+build_state = build_online_state  # policy, frozen reference, AdamW (the config checked itself when made)
+
 
 def grpo_loss_fn(config: Any):
     """The loss of a GRPO update: ``POLICY_LOSSES[loss_type]`` bound to the config's keywords."""
@@ -83,12 +97,6 @@ def check(config: Config) -> None:
     advantage_fn(config)
 
 
-def build_state(config: Config) -> tuple[TrainState, Any]:
-    """``(state, tokenizer)`` of a GRPO run: ``build_online_state`` (policy, reference, optimiser)."""
-    check(config)
-    return build_online_state(config)
-
-
 def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
           correction: Correction | None = None, wrap_loss: Callable | None = None) -> tuple[TrainState, TensorDict]:
     """A scored rollout → advantages (``advantage``) → the policy update (impure: trains).
@@ -97,21 +105,10 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
     advantages to the one the loss sees; ``wrap_loss`` the loss closure (``loops.recipes.reft``'s interventions).
     """
     batch = advantage_fn(config)(rollout)
-    batch, info = (batch, {}) if correction is None else correction(batch)
-    state, metrics = policy_update(state, batch, grpo_loss_fn(config), config=config, wrap_loss=wrap_loss)
-    return state, metrics.update(rollout_metrics(rollout)).update(info)
+    return policy_update(state, batch, grpo_loss_fn(config), config=config, correction=correction, wrap_loss=wrap_loss)
 
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
     """One GRPO step on a batch of prompts: collect → :func:`learn` (impure: trains)."""
     state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
     return learn(state, rollout, config)
-
-
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
-
-
-def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
-    """Train with GRPO from ``config``; ``reward_fn`` overrides the task reward. Returns ``(state, history)``."""
-    check(config)
-    return train_online(config, step, reward_fn=reward_fn, name="grpo", callbacks=callbacks)

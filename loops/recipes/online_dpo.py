@@ -77,6 +77,19 @@ class Config(OnlineConfig):
     rollout_ref_logprobs: ClassVar[bool] = False  # the pairs get their reference log-probs (at temperature 1)
     ratio_level: ClassVar[str | None] = None  # no importance ratio: the asynchronous correction is refused
 
+    def __post_init__(self):
+        check(self)  # a Config that exists is one the recipe can run
+
+
+evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
+
+
+def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Train with online DPO from ``config``; ``reward_fn`` overrides the task reward (the judge).
+    Returns ``(state, history)``."""
+    return train_online(config, build_state, step, reward_fn=reward_fn, name="online_dpo", callbacks=callbacks,
+                        save_models=reference_models(config))
+
 
 def check(config: Config) -> None:
     """Fail on a bad config before any model is built: an unpaired loss, fewer than 2 samples per
@@ -95,7 +108,6 @@ def check(config: Config) -> None:
 def build_state(config: Config) -> tuple[TrainState, Any]:
     """``(state, tokenizer)`` of an online DPO run: ``build_online_state`` with the schedule counted
     in pairs (at most ``batch_size`` rows per step)."""
-    check(config)
     return build_online_state(config, rows_per_step=config.batch_size)
 
 
@@ -121,14 +133,3 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn)
     """One online DPO step on a batch of prompts: collect → :func:`learn` (impure: trains)."""
     state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
     return learn(state, rollout, config)
-
-
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
-
-
-def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
-    """Train with online DPO from ``config``; ``reward_fn`` overrides the task reward (the judge).
-    Returns ``(state, history)``."""
-    check(config)
-    return train_online(config, step, reward_fn=reward_fn, name="online_dpo", callbacks=callbacks,
-                        rows_per_step=config.batch_size, save_models=reference_models(config))

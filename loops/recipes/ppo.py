@@ -99,6 +99,17 @@ class Config(OnlineConfig):
 
     ratio_level: ClassVar[str] = "token"  # ppo_loss's per-token ratio, for the importance correction
 
+    def __post_init__(self):
+        check(self)  # a Config that exists is one the recipe can run
+
+
+evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
+
+
+def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Train with PPO from ``config``; ``reward_fn`` overrides the task reward. Returns ``(state, history)``."""
+    return train_online(config, build_state, step, reward_fn=reward_fn, name="ppo", callbacks=callbacks)
+
 
 # --- the critic ----------------------------------------------------------------------------------
 class Critic(NamedTuple):
@@ -167,18 +178,14 @@ def check(config: Config) -> None:
     lookup(dict.fromkeys(EARLY_STOP_CHECKS), config.early_stopping_check, what="early_stopping_check")
 
 
-def _state_options(config: Config) -> dict[str, Any]:
-    critic = lookup(CRITICS, config.value_model, what="value_model")
-    kl_init = kl_controller(config.kl_controller)[0]
-    return dict(extra_models=lambda policy: {"value": critic.build(policy, config)}, trainable=("policy", "value"),
-                transforms={"kl": kl_init(config.kl_coef), "score_moments": running_moments_init()})
-
-
 def build_state(config: Config) -> tuple[TrainState, Any]:
     """``(state, tokenizer)`` of a PPO run: ``build_online_state`` with the critic (``models["value"]``,
     trained with the policy) and the transform states ``kl`` (controller) and ``score_moments``."""
-    check(config)
-    return build_online_state(config, **_state_options(config))
+    critic = lookup(CRITICS, config.value_model, what="value_model")
+    return build_online_state(config, extra_models=lambda policy: {"value": critic.build(policy, config)},
+                              trainable=("policy", "value"),
+                              transforms={"kl": kl_controller(config.kl_controller)[0](config.kl_coef),
+                                          "score_moments": running_moments_init()})
 
 
 def _global_kl(kl: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -250,12 +257,3 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn)
     """One PPO step on a batch of prompts: collect (with the critic's values) → :func:`learn` (impure)."""
     state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
     return learn(state, rollout, config)
-
-
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
-
-
-def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
-    """Train with PPO from ``config``; ``reward_fn`` overrides the task reward. Returns ``(state, history)``."""
-    check(config)
-    return train_online(config, step, reward_fn=reward_fn, name="ppo", callbacks=callbacks, **_state_options(config))

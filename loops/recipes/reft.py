@@ -44,7 +44,7 @@ from rlcore.loops.recipes.dpo import preference_loss_fn, with_reference
 from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.models import pad_token_id
-from rlcore.loops.online import collect_rollout, train_online
+from rlcore.loops.online import build_online_state, collect_rollout, train_online
 from rlcore.loops.checkpoint import load_checkpoint
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
 from rlcore.loops.config import RunConfig
@@ -172,9 +172,10 @@ def train_reft_online(config: Any, step: Callable, spec: ReftSpec, *, zero_init:
 
     ``build_online_state`` still makes (and drops) a copy of the policy for its default reference.
     """
-    return train_online(config, step, reward_fn=reward_fn, name=f"reft_{step.__name__.split('_')[1]}",
-                        callbacks=callbacks, extra_models=reft_online_models(spec, zero_init=zero_init,
-                                                                             seed=config.seed))
+    build = functools.partial(build_online_state,
+                              extra_models=reft_online_models(spec, zero_init=zero_init, seed=config.seed))
+    return train_online(config, build, step, reward_fn=reward_fn, name=f"reft_{step.__name__.split('_')[1]}",
+                        callbacks=callbacks)
 
 
 # --- configs -----------------------------------------------------------------------------------

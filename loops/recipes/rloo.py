@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore.algorithms.policy_gradient import rloo_loss
 from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, build_online_state, collect_rollout,
-                                 policy_update, rollout_metrics, train_online)
+                                 policy_update, train_online)
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.state import TrainState
 from rlcore.rewards import with_rewards
@@ -55,6 +55,20 @@ class Config(OnlineConfig):
 
     ratio_level: ClassVar[str] = "sequence_sum"  # the loss's ratio exp(Σ_t lp − Σ_t old), for the importance correction
 
+    def __post_init__(self):
+        check(self)  # a Config that exists is one the recipe can run
+
+
+def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Train with RLOO from ``config``; ``reward_fn`` overrides the task reward. Returns ``(state, history)``."""
+    return train_online(config, build_state, step, reward_fn=reward_fn, name="rloo", callbacks=callbacks)
+
+
+evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
+
+
+build_state = build_online_state  # policy, frozen reference, AdamW (the config checked itself when made)
+
 
 def rloo_loss_fn(config: Config):
     """``rloo_loss`` (sequence-level ratio) with the config's clip range bound."""
@@ -70,12 +84,6 @@ def check(config: Config) -> None:
     advantage_fn(config)
 
 
-def build_state(config: Config) -> tuple[TrainState, Any]:
-    """``(state, tokenizer)`` of an RLOO run: ``build_online_state`` (policy, reference, optimiser)."""
-    check(config)
-    return build_online_state(config)
-
-
 def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
           correction: Correction | None = None, wrap_loss: Callable | None = None) -> tuple[TrainState, TensorDict]:
     """A scored rollout → KL-penalised rewards → advantages (``advantage``: leave-one-out by default) →
@@ -84,21 +92,10 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
     ``correction`` and ``wrap_loss`` as in ``loops.recipes.grpo.learn``.
     """
     batch = advantage_fn(config)(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
-    batch, info = (batch, {}) if correction is None else correction(batch)
-    state, metrics = policy_update(state, batch, rloo_loss_fn(config), config=config, wrap_loss=wrap_loss)
-    return state, metrics.update(rollout_metrics(rollout)).update(info)
+    return policy_update(state, batch, rloo_loss_fn(config), config=config, correction=correction, wrap_loss=wrap_loss)
 
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
     """One RLOO step on a batch of prompts: collect → :func:`learn` (impure: trains)."""
     state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
     return learn(state, rollout, config)
-
-
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
-
-
-def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
-    """Train with RLOO from ``config``; ``reward_fn`` overrides the task reward. Returns ``(state, history)``."""
-    check(config)
-    return train_online(config, step, reward_fn=reward_fn, name="rloo", callbacks=callbacks)
