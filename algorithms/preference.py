@@ -1,5 +1,7 @@
 """Preference losses beyond DPO: ORPO, SimPO, CPO (with AlphaPO rewards), KTO; and the registry
-``PREFERENCE_LOSSES`` of every TensorDict-level preference loss, ``(batch, **hyper) -> (loss, metrics)``.
+``PREFERENCE_LOSSES`` of every TensorDict-level preference loss, ``(batch, **hyper) -> (loss, metrics)``,
+one name each: the DPO family by TRL's ``loss_type`` (``sigmoid``, ``ipo``, ``hinge``, ...: the
+keys of ``rlcore.algorithms.dpo.DPO_LOSSES``), then ``orpo``, ``simpo``, ``cpo`` and ``kto``.
 
 ORPO, SimPO and CPO need no reference model; KTO is unpaired (one completion per row, labelled
 desirable or not). Log-prob inputs are summed over completion tokens (``keys.LOGPS``); the
@@ -22,7 +24,8 @@ import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.algorithms.dpo import chosen_nll, completion_lengths, dpo, preference_metrics, smoothed_sigmoid_loss
+from rlcore.algorithms.dpo import (DPO_LOSSES, chosen_nll, completion_lengths, dpo, preference_metrics,
+                                   smoothed_sigmoid_loss)
 from rlcore.checks import check_float, check_mask, check_same_shape, require_keys
 from rlcore.masked import masked_mean
 
@@ -336,22 +339,8 @@ def kto(batch: TensorDictBase, *, beta: float = 0.1, desirable_weight: float = 1
 
 
 PREFERENCE_LOSSES: dict[str, Callable[..., tuple[Tensor, TensorDict]]] = {
-    "dpo": dpo,
-    "dpo_sigmoid": partial(dpo, loss_type="sigmoid"),
-    "dpo_hinge": partial(dpo, loss_type="hinge"),
-    "dpo_ipo": partial(dpo, loss_type="ipo"),
-    "dpo_ipo_sum": partial(dpo, loss_type="ipo_sum"),
-    "dpo_robust": partial(dpo, loss_type="robust"),
-    "dpo_exo_pair": partial(dpo, loss_type="exo_pair", label_smoothing=1e-3),  # EXO needs ε > 0
-    "dpo_nca_pair": partial(dpo, loss_type="nca_pair"),
-    "dpo_bco_pair": partial(dpo, loss_type="bco_pair"),
-    "dpo_sppo_hard": partial(dpo, loss_type="sppo_hard"),
-    "dpo_aot": partial(dpo, loss_type="aot"),
-    "dpo_aot_unpaired": partial(dpo, loss_type="aot_unpaired"),
-    "dpo_apo_zero": partial(dpo, loss_type="apo_zero"),
-    "dpo_apo_down": partial(dpo, loss_type="apo_down"),
-    "dpo_discopop": partial(dpo, loss_type="discopop"),
-    "dpo_sigmoid_norm": partial(dpo, loss_type="sigmoid_norm"),
+    **{name: partial(dpo, loss_type=name) for name in DPO_LOSSES},  # the DPO family, by TRL's loss_type
+    "exo_pair": partial(dpo, loss_type="exo_pair", label_smoothing=1e-3),  # EXO needs ε > 0
     "orpo": orpo,
     "simpo": simpo,
     "cpo": cpo,

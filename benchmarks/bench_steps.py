@@ -188,7 +188,7 @@ def _dpo_rlcore(s: Sizes, autocast: bool):
     model = _model(s)
     state = init_state({"policy": model, "ref": make_reference(model)}, optimizer=make_optimizer(model, lr=LR))
     batch = collate_preference(preference_rows(s), pad_id=PAD)
-    loss = dpo_recipe.bind_loss(dpo_recipe.Config(loss_type="dpo", beta=BETA_DPO))
+    loss = dpo_recipe.bind_loss(dpo_recipe.Config(loss_type="sigmoid", beta=BETA_DPO))
     if not autocast:
         return _stateful(lambda st: dpo_recipe.dpo_step(st, batch, loss=loss), state)
     bf16 = torch.bfloat16

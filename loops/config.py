@@ -229,7 +229,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     **dict.fromkeys(["steps", "num_eval", "save_every", "eval_every", "log_every", "log_completions", "warmup_steps",
                      "pretrain_steps", "lr", "weight_decay", "kl_coef", "vf_coef", "clip_eps_low", "clip_eps_high", "cliprange_value",
                      "ratio_threshold", "train_learning_rate", "pretrain_learning_rate", "train_clip_range",
-                     "train_adv_clip_max", "train_adam_weight_decay", "sample_eta", "rpo_alpha", "cpo_alpha",
+                     "train_adv_clip_max", "train_adam_weight_decay", "sample_eta", "eps", "rpo_alpha", "cpo_alpha",
                      "missing_eos_penalty", "overlong_penalty_factor",
                      "center_rewards_coefficient", "per_prompt_stat_tracking_buffer_size",
                      "per_prompt_stat_tracking_min_count"], _AT_LEAST_0),
@@ -246,20 +246,26 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 def check_config(config: Any) -> Any:
-    """``config`` itself when every field it shares with ``FIELD_RULES`` is in range; else a
-    ``ValueError`` naming each field at fault, its value and what is allowed (all of them at once).
+    """``config`` itself when every field it shares with ``FIELD_RULES`` is in range, and every entry
+    of its ``loss_kwargs`` / ``advantage_kwargs`` that a rule names; else a ``ValueError`` naming
+    each field (or ``loss_kwargs.<name>``) at fault, its value and what is allowed (all at once).
 
     ``load_config`` runs it on every config it builds and ``run`` on the config of every recipe it
     starts, so a bad value fails before any model is built (CLI, YAML) or any step is taken (Python).
     """
     faults = []
-    for f in dataclasses.fields(config):
-        rule, value = FIELD_RULES.get(f.name), getattr(config, f.name)
+    values = [(f.name, f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    for kwargs in ("loss_kwargs", "advantage_kwargs"):  # a loss's or an estimator's keywords by their names
+        given = getattr(config, kwargs, None)
+        if isinstance(given, Mapping):
+            values += [(str(k), f"{kwargs}.{k}", v) for k, v in given.items()]
+    for name, where, value in values:
+        rule = FIELD_RULES.get(name)
         if rule is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         allowed, what = rule
         if not (math.isfinite(value) and allowed(value)):
-            faults.append(f"{f.name}: expected {what}, got {value!r}")
+            faults.append(f"{where}: expected {what}, got {value!r}")
     for name in ("device", "ref_device", "reward_device"):
         value = getattr(config, name, None)
         if value is not None:

@@ -58,7 +58,7 @@ ALGOS: dict[str, tuple[Any, dict[str, Any]]] = {
     "rloo": (rloo, {"num_samples": 8}),
     "ppo": (ppo, {"batch_size": 32, "num_samples": 2, "epochs": 2, "minibatch_size": 32}),
     "online_dpo": (online_dpo, {"num_samples": 4}),
-    "dpo": (dpo, {"rpo_alpha": 1.0}),  # + NLL of the chosen answer: plain DPO's accuracy fades (docs/demo.md)
+    "dpo": (dpo, {"loss_kwargs": {"rpo_alpha": 1.0}}),  # + NLL of the chosen answer: plain DPO's accuracy fades (docs/demo.md)
 }
 CURVE_KEYS = ("loss", "rollout/score", "rollout/kl_ref")  # per-step metrics kept in results.json, besides eval/*
 # task -> SFT steps that leave a partial skill (20-50 % held-out exact match) with the default model

@@ -1,11 +1,11 @@
 """Offline preference optimisation recipe: DPO and every pairwise / unpaired variant, by name.
 
-``state, history = train(Config(loss_type="dpo"))``. ``loss_type`` is a key of :data:`LOSSES`:
-the DPO kernels of ``rlcore.algorithms.dpo.DPO_LOSSES`` (``"sigmoid"``, ``"ipo"``, ...) and the
-TensorDict losses of ``rlcore.algorithms.preference.PREFERENCE_LOSSES`` (``"dpo"``,
-``"dpo_hinge"``, ``"orpo"``, ``"simpo"``, ``"cpo"``, ``"kto"``, ...). The hyper-parameter fields
-left at ``None`` keep the selected loss's own default (SimPO's ``beta`` is 2, DPO's 0.1); a
-field set for a loss that does not take it raises ``ValueError``.
+``state, history = train(Config(loss_type="sigmoid"))``. ``loss_type`` is a key of
+``rlcore.algorithms.preference.PREFERENCE_LOSSES``, one name per loss: the DPO family by TRL's
+names (``"sigmoid"``, ``"ipo"``, ``"hinge"``, ...), ``"orpo"``, ``"simpo"``, ``"cpo"``, ``"kto"``.
+``beta`` left at ``None`` keeps the loss's own default (SimPO's is 2, DPO's 0.1); the loss's
+other hyper-parameters go in ``loss_kwargs`` (``{label_smoothing: 0.1}``, ``{rpo_alpha: 1.0}``,
+...), each checked against the loss's signature (a ``ValueError`` names the loss's parameters).
 
 One fold step, read top to bottom:
 
@@ -42,7 +42,7 @@ from datasets import Dataset
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.algorithms.dpo import DPO_LOSSES, dpo
+from rlcore.algorithms.dpo import dpo
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.collate import collate_mismatched, collate_preference, collate_unpaired, iterate_batches
 from rlcore.loops.tokenization import preference_format, tokenize_dataset
@@ -56,51 +56,32 @@ from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import update
 from rlcore.checks import bind_keywords, lookup
 
-__all__ = ["Config", "LOSSES", "REFERENCE_FREE", "UNPAIRED", "HYPERPARAMETERS", "bind_loss", "needs_reference",
+__all__ = ["Config", "REFERENCE_FREE", "UNPAIRED", "bind_loss", "needs_reference",
            "check_reference_sync", "sync_reference", "reference_models", "unpair", "with_reference",
            "preference_loss_fn", "dpo_step", "kto_step", "evaluate", "train"]
 
-# Every selectable loss, ``(batch, **hyper) -> (loss, metrics)``: the DPO kernels by their
-# ``loss_type`` and the TensorDict losses of ``PREFERENCE_LOSSES`` by their own names.
-# A kernel name reuses the ``dpo_<name>`` entry of ``PREFERENCE_LOSSES`` where there is one, so
-# both names bind the same defaults (``exo_pair`` needs ``label_smoothing > 0``: 1e-3 there).
-LOSSES: dict[str, Callable[..., tuple[torch.Tensor, TensorDict]]] = {
-    **{name: PREFERENCE_LOSSES.get(f"dpo_{name}", functools.partial(dpo, loss_type=name)) for name in DPO_LOSSES},
-    **PREFERENCE_LOSSES,
-}
 REFERENCE_FREE = ("orpo", "simpo", "cpo")  # losses that read no reference log-probs
 UNPAIRED = ("kto",)                        # losses on the unpaired layout
-HYPERPARAMETERS = ("beta", "label_smoothing", "reference_free", "divergence", "alpha", "discopop_tau",
-                   "rpo_alpha", "gamma", "cpo_alpha", "desirable_weight", "undesirable_weight")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(RunConfig):
     """The preference recipe's settings (``configs/dpo.yaml``): the shared ``RunConfig`` fields and
-    these; each feeds the keyword of that name. Loss hyper-parameters left at ``None`` take the selected loss's default."""
+    these; each feeds the keyword of that name."""
 
     disable_dropout: bool = True           # dropout set to 0 in policy and reference (TRL DPOConfig.disable_dropout)
     max_length: int | None = 64            # prompt + completion tokens kept per side
     truncation_mode: str = "keep_end"      # which end of a cut prompt is kept: keep_end | keep_start (TRL truncation_mode)
-    # loss (LOSSES) and reference
-    loss_type: str = "dpo"                 # a key of LOSSES
+    # loss (rlcore.algorithms.preference.PREFERENCE_LOSSES) and reference
+    loss_type: str = "sigmoid"             # a key of PREFERENCE_LOSSES (TRL loss_type): sigmoid, ipo, hinge, ..., orpo, simpo, cpo, kto
     precompute_ref: bool = False           # reference log-probs computed once before training, no ref model kept
     ref_model: str | None = None           # the reference: a model folder or checkpoint (default: a copy of the initial policy; TRL ref_model)
     ref_device: str | None = None          # where the reference lives (None: device; e.g. cpu beside a policy on cuda)
     sync_ref_model: bool = False           # TR-DPO: every ref_model_sync_steps steps, ref ← α·policy + (1 − α)·ref (TRL sync_ref_model)
     ref_model_mixup_alpha: float = 0.6     # α of that update (TRL ref_model_mixup_alpha)
     ref_model_sync_steps: int = 512        # steps between updates (TRL ref_model_sync_steps)
-    beta: float | None = None              # β (all losses)
-    label_smoothing: float | None = None   # ε (dpo family, simpo, cpo)
-    reference_free: bool | None = None     # dpo family: π_ref ≡ 1
-    divergence: str | None = None          # dpo family: f-divergence of the scores
-    alpha: float | None = None             # dpo f-divergence α; AlphaPO α for simpo / cpo
-    discopop_tau: float | None = None      # dpo discopop τ
-    rpo_alpha: float | None = None         # dpo family: weight of the chosen NLL (RPO)
-    gamma: float | None = None             # simpo: target margin
-    cpo_alpha: float | None = None         # simpo / cpo: weight of the chosen NLL
-    desirable_weight: float | None = None  # kto: λ_D
-    undesirable_weight: float | None = None  # kto: λ_U
+    beta: float | None = None              # β of every preference loss (None: the loss's default, 0.1 for the DPO family)
+    loss_kwargs: dict = dataclasses.field(default_factory=dict)  # the loss's other keywords, e.g. {label_smoothing: 0.1} (cDPO), {rpo_alpha: 1.0} (RPO), {gamma: 0.5} (SimPO)
     chunked: bool = True                   # log-probs from hidden states in vocabulary chunks
     lr: float = 5e-4
     run_dir: str | None = "runs/dpo"
@@ -108,19 +89,21 @@ class Config(RunConfig):
 
 # --- the loss ------------------------------------------------------------------------------------
 def bind_loss(config: Config) -> Callable[[TensorDictBase], tuple[torch.Tensor, TensorDict]]:
-    """``LOSSES[config.loss_type]`` with the hyper-parameter fields that are set (not ``None``).
+    """``PREFERENCE_LOSSES[config.loss_type]`` with ``beta`` (when set) and ``loss_kwargs`` bound.
 
-    Raises ``ValueError`` for an unknown ``loss_type`` (listing the valid ones) or a field set
-    for a loss that does not take it (naming the loss's parameters).
+    Raises ``ValueError`` for an unknown ``loss_type`` (listing the valid ones), a keyword the loss
+    does not take (naming the loss's parameters) or ``beta`` given twice.
     """
-    fn = lookup(LOSSES, config.loss_type, what="loss_type")
-    chosen = {k: getattr(config, k) for k in HYPERPARAMETERS if getattr(config, k) is not None}
-    return bind_keywords(fn, chosen, what="loss_type", name=config.loss_type, positional=("batch", "loss_type"))
+    fn = lookup(PREFERENCE_LOSSES, config.loss_type, what="loss_type")
+    if "beta" in config.loss_kwargs:
+        raise ValueError("loss_kwargs: beta is a field of its own (beta: ...), not a loss keyword")
+    chosen = {**({"beta": config.beta} if config.beta is not None else {}), **config.loss_kwargs}
+    return bind_keywords(fn, chosen, what="loss_kwargs", name=config.loss_type, positional=("batch", "loss_type"))
 
 
 def needs_reference(config: Config) -> bool:
-    """Whether the selected loss reads reference log-probs."""
-    return config.loss_type not in REFERENCE_FREE and not config.reference_free
+    """Whether the selected loss reads reference log-probs (not ORPO, SimPO, CPO, nor ``reference_free``)."""
+    return config.loss_type not in REFERENCE_FREE and not config.loss_kwargs.get("reference_free", False)
 
 
 def check_reference_sync(config) -> None:
@@ -131,7 +114,8 @@ def check_reference_sync(config) -> None:
         return
     if not needs_reference(config):
         raise ValueError(f"sync_ref_model: loss_type {config.loss_type!r} (reference_free="
-                         f"{config.reference_free}) reads no reference, so there is none to sync")
+                         f"{config.loss_kwargs.get('reference_free', False)}) reads no reference, so there is none "
+                         "to sync")
     if getattr(config, "precompute_ref", False):
         raise ValueError("sync_ref_model: the reference log-probs are computed once before training with "
                          "precompute_ref=True, so a moving reference cannot be used; set one of the two to false")

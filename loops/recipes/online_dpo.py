@@ -8,7 +8,7 @@ One step reads top to bottom (:func:`step`: collect, then :func:`learn`)::
               (algorithms.online.online_preference_batch; prompts whose samples all tie are dropped),
               then the reference log-probs of both sides (frozen copy of the initial policy,
               loops.recipes.dpo.with_reference)
-              then the selected loss (loops.recipes.dpo.LOSSES: sigmoid, ipo, hinge, ... of algorithms.dpo, and
+              then the selected loss (algorithms.preference.PREFERENCE_LOSSES: sigmoid, ipo, hinge, ... and
               the reference-free simpo / orpo / cpo) on the policy's log-probs of the pairs
 
 Choices: the pairs' log-probs (policy and reference) are of the policy itself, at temperature 1,
@@ -52,22 +52,13 @@ __all__ = ["Config", "check", "build_state", "learn", "step", "train", "evaluate
 
 @dataclasses.dataclass(frozen=True)
 class Config(OnlineConfig):
-    """Online DPO recipe settings (shared fields: ``loops.online.OnlineConfig``). Loss
-    hyper-parameters left at ``None`` keep the selected loss's own default (``loops.recipes.dpo.bind_loss``)."""
+    """Online DPO recipe settings (shared fields: ``loops.online.OnlineConfig``). The loss is bound as
+    the DPO recipe binds it (``loops.recipes.dpo.bind_loss``: ``beta``, then ``loss_kwargs``)."""
 
     num_samples: int = 2             # G ≥ 2 samples per prompt (TRL num_generations: 2)
-    loss_type: str = "sigmoid"       # a key of loops.recipes.dpo.LOSSES but kto (TRL loss_type)
+    loss_type: str = "sigmoid"       # a pairwise key of rlcore.algorithms.preference.PREFERENCE_LOSSES (TRL loss_type)
     beta: float | None = None        # β (None: the loss's default, 0.1 for the DPO family; TRL beta)
-    label_smoothing: float | None = None   # ε (cDPO sigmoid, robust, exo_pair, aot; simpo, cpo)
-    reference_free: bool | None = None     # DPO family: π_ref ≡ 1
-    divergence: str | None = None    # DPO family: f-divergence of the scores (algorithms.dpo.F_DIVERGENCES)
-    alpha: float | None = None       # f-divergence α; AlphaPO α for simpo / cpo
-    discopop_tau: float | None = None  # discopop τ
-    rpo_alpha: float | None = None   # weight of the chosen NLL (RPO)
-    gamma: float | None = None       # simpo target margin
-    cpo_alpha: float | None = None   # simpo / cpo: weight of the chosen NLL
-    desirable_weight: float | None = None    # kto only (not offered online); kept for bind_loss
-    undesirable_weight: float | None = None  # kto only (not offered online); kept for bind_loss
+    loss_kwargs: dict = dataclasses.field(default_factory=dict)  # the loss's other keywords, e.g. {label_smoothing: 0.1}, {rpo_alpha: 1.0}
     chunked: bool = True             # pairs' log-probs from hidden states in vocabulary chunks
     sync_ref_model: bool = False     # TR-DPO: every ref_model_sync_steps steps, ref ← α·policy + (1 − α)·ref (TRL sync_ref_model)
     ref_model_mixup_alpha: float = 0.6  # α of that update (TRL ref_model_mixup_alpha)
@@ -97,7 +88,7 @@ def check(config: Config) -> None:
     ``sync_ref_model`` with a reference-free loss."""
     if config.loss_type in UNPAIRED:
         raise ValueError(f"loss_type: {config.loss_type!r} trains on unpaired rows; online DPO forms pairs "
-                         "(choose a pairwise loss of loops.recipes.dpo.LOSSES)")
+                         "(choose a pairwise loss of rlcore.algorithms.preference.PREFERENCE_LOSSES)")
     if config.num_samples < 2:
         raise ValueError(f"num_samples: online DPO pairs samples of one prompt, so it needs at least 2, "
                          f"got {config.num_samples}")

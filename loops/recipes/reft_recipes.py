@@ -7,7 +7,7 @@ Each is the recipe of ``rlcore.loops`` it names, with the intervention fields of
 - ``GRPO`` / ``RLOO`` (``rlcore train reft_grpo`` / ``reft_rloo``): ``train_reft_online`` with the
   policy a ``ReftModel`` and the base model the reference;
 - ``DPO`` (``reft_dpo``): ``reft_dpo_step`` on pairs with intervention locations, the base model as
-  the reference (no copy), any pairwise loss of ``loops.recipes.dpo.LOSSES``;
+  the reference (no copy), any pairwise loss of ``rlcore.algorithms.preference.PREFERENCE_LOSSES``;
 - ``REWARD`` (``reft_reward``, pyreft's reward example): ``loops.recipes.reward.reward_step`` with the
   interventions at the pairs' prompt positions and the classifier's score head trained with them.
 

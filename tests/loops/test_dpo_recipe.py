@@ -13,7 +13,7 @@ from rlcore.algorithms.dpo import DPO_LOSSES
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.collate import collate_mismatched, collate_preference, collate_unpaired
 from rlcore.loops.tokenization import tokenize_dataset
-from rlcore.loops.recipes.dpo import (LOSSES, REFERENCE_FREE, UNPAIRED, Config, bind_loss, dpo_step, evaluate, kto_step,
+from rlcore.loops.recipes.dpo import (REFERENCE_FREE, UNPAIRED, Config, bind_loss, dpo_step, evaluate, kto_step,
                                       needs_reference, preference_loss_fn, train, unpair, with_reference)
 from rlcore.loops.models import make_reference, mix_into_reference, pad_token_id
 from rlcore.loops.recipe import build_policy, init_train_state
@@ -59,12 +59,16 @@ def test_dpo_raises_the_margins_and_accuracy():
     assert evaluate(state, config) == pytest.approx({k[5:]: v for k, v in after.items() if k.startswith("eval/")})
 
 
-def test_registry_covers_both_families():
-    assert set(DPO_LOSSES) <= set(LOSSES) and set(PREFERENCE_LOSSES) <= set(LOSSES)
-    assert LOSSES["ipo"].keywords == {"loss_type": "ipo"}
+def test_one_registry_one_name_per_loss():
+    """Every DPO kernel by TRL's loss_type and the four other losses, each under one name only."""
+    assert set(PREFERENCE_LOSSES) == set(DPO_LOSSES) | {"orpo", "simpo", "cpo", "kto"}
+    assert PREFERENCE_LOSSES["ipo"].keywords == {"loss_type": "ipo"}
+    assert PREFERENCE_LOSSES["exo_pair"].keywords == {"loss_type": "exo_pair", "label_smoothing": 1e-3}
+    with pytest.raises(ValueError, match=r"loss_type: unknown 'dpo_ipo'"):
+        bind_loss(Config(loss_type="dpo_ipo"))
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name", sorted(PREFERENCE_LOSSES))
 def test_every_loss_takes_a_training_step(pairs, name):
     model, tok, rows = pairs
     config = Config(loss_type=name, **TINY)
@@ -84,16 +88,19 @@ def test_every_loss_takes_a_training_step(pairs, name):
 
 def test_bind_loss_defaults_and_errors():
     assert bind_loss(Config(loss_type="simpo")).keywords == {}  # SimPO keeps its own β = 2
-    assert bind_loss(Config(loss_type="dpo", beta=0.3, rpo_alpha=1.0)).keywords == {"beta": 0.3, "rpo_alpha": 1.0}
+    assert bind_loss(Config(loss_type="sigmoid", beta=0.3, loss_kwargs={"rpo_alpha": 1.0})).keywords == \
+        {"loss_type": "sigmoid", "beta": 0.3, "rpo_alpha": 1.0}
     assert bind_loss(Config(loss_type="hinge", beta=0.2)).keywords == {"loss_type": "hinge", "beta": 0.2}
     with pytest.raises(ValueError, match=r"loss_type: unknown 'nope'; valid: .*'orpo'"):
         bind_loss(Config(loss_type="nope"))
-    with pytest.raises(ValueError, match=r"'dpo' takes no \['gamma'\]"):
-        bind_loss(Config(loss_type="dpo", gamma=1.0))
+    with pytest.raises(ValueError, match=r"loss_kwargs: 'sigmoid' takes no \['gamma'\]; its parameters: \[.*'rpo_alpha'"):
+        bind_loss(Config(loss_type="sigmoid", loss_kwargs={"gamma": 1.0}))
+    with pytest.raises(ValueError, match=r"loss_kwargs: beta is a field of its own"):
+        bind_loss(Config(loss_kwargs={"beta": 0.2}))
     with pytest.raises(ValueError, match="precompute_ref"):
         train(Config(loss_type="kto", precompute_ref=True, **TINY))
-    assert not needs_reference(Config(loss_type="orpo")) and not needs_reference(Config(reference_free=True))
-    assert needs_reference(Config(loss_type="kto")) and set(REFERENCE_FREE) <= set(LOSSES)
+    assert not needs_reference(Config(loss_type="orpo")) and not needs_reference(Config(loss_kwargs={"reference_free": True}))
+    assert needs_reference(Config(loss_type="kto")) and set(REFERENCE_FREE) <= set(PREFERENCE_LOSSES)
 
 
 @pytest.mark.slow
@@ -111,7 +118,7 @@ def test_precomputed_reference_equals_the_frozen_copy():
 def test_reference_free_losses_keep_no_reference():
     state, hist = train(Config(loss_type="simpo", steps=2, **TINY))
     assert set(state.models) == {"policy"} and "loss_simpo" in hist[-1]
-    state, _ = train(Config(loss_type="dpo", reference_free=True, steps=1, **TINY))
+    state, _ = train(Config(loss_type="sigmoid", loss_kwargs={"reference_free": True}, steps=1, **TINY))
     assert set(state.models) == {"policy"}
 
 

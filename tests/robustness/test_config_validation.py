@@ -49,12 +49,28 @@ def test_python_api_fails_before_a_model_is_built(monkeypatch):
 
 
 def test_every_recipe_default_passes_and_every_rule_names_a_real_field():
+    import inspect
+
+    from rlcore.algorithms.preference import PREFERENCE_LOSSES
+    from rlcore.baselines import ADVANTAGE_ESTIMATORS
+
     fields = set()
     for name in RECIPES:
         config_cls = recipe_module(name).Config
         check_config(config_cls())
         fields |= {f.name for f in dataclasses.fields(config_cls)}
-    assert set(FIELD_RULES) <= fields, sorted(set(FIELD_RULES) - fields)
+    keywords = {p for fn in [*PREFERENCE_LOSSES.values(), *ADVANTAGE_ESTIMATORS.values()]
+                for p in inspect.signature(fn).parameters}  # loss_kwargs / advantage_kwargs entries
+    assert set(FIELD_RULES) <= fields | keywords, sorted(set(FIELD_RULES) - fields - keywords)
+
+
+def test_the_rules_reach_the_keywords_of_a_loss_or_an_estimator():
+    with pytest.raises(ValueError, match=r"loss_kwargs.label_smoothing: expected in \[0, 1\], got 1.5; "
+                                         r"loss_kwargs.rpo_alpha: expected >= 0, got -1"):
+        check_config(dpo.Config(loss_kwargs={"label_smoothing": 1.5, "rpo_alpha": -1}))
+    with pytest.raises(ValueError, match=r"advantage_kwargs.eps: expected >= 0, got -0.5"):
+        check_config(grpo.Config(advantage_kwargs={"eps": -0.5}))
+    assert check_config(dpo.Config(loss_kwargs={"label_smoothing": 0.1})).loss_kwargs == {"label_smoothing": 0.1}
 
 
 @pytest.mark.parametrize("text", ["- steps: 3\n- lr: 0.1\n", "3\n", "just a string\n"])
