@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import difflib
 import math
 import types
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import yaml
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from rlcore.loops.collect import check_length_range
 from rlcore.loops.logging import check_trackers
@@ -146,62 +148,42 @@ def autocast_dtype(config: Any) -> torch.dtype | None:
     return torch.bfloat16 if config.mixed_precision == "bf16" else None
 
 
-_TRUE, _FALSE, _NONE = ("true", "yes", "on", "1"), ("false", "no", "off", "0"), ("none", "null", "~", "")
+_NONE = ("none", "null", "~", "")
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(tp: Any) -> TypeAdapter:
+    return TypeAdapter(tp, config=ConfigDict(coerce_numbers_to_str=True))
+
+
+def _from_text(value: Any, tp: Any) -> Any:
+    """The command line's conventions pydantic lacks: ``none`` / ``null`` / ``~`` / an empty string
+    for ``None`` of an optional field, comma-separated items for a tuple or list, YAML text for a
+    mapping."""
+    if not isinstance(value, str):
+        return value
+    origin = typing.get_origin(tp)
+    parts = typing.get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
+    if type(None) in parts and value.strip().lower() in _NONE:
+        return None
+    kinds = {typing.get_origin(p) or p for p in parts}
+    if kinds & {tuple, list}:
+        return [item.strip() for item in value.split(",")]
+    return yaml.safe_load(value) if dict in kinds else value
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """``value`` as type ``tp`` (int, float, bool, str, Optional / unions, tuples, lists, dicts: a
-    mapping, or its YAML text)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if type(None) in args and (value is None or (isinstance(value, str) and value.strip().lower() in _NONE)):
-            return None
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, where)
-            except (TypeError, ValueError) as e:
-                errors.append(str(e))
-        raise ValueError(f"{where}: cannot read {value!r} as {tp}: {'; '.join(errors)}")
-    if origin in (tuple, list):
-        items = [s.strip() for s in value.split(",")] if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise ValueError(f"{where}: expected a list for {tp}, got {value!r}")
-        fixed = origin is tuple and args and args[-1] is not Ellipsis
-        item_types = args if fixed else (args[:1] or (Any,)) * len(items)
-        if len(item_types) != len(items):
-            raise ValueError(f"{where}: expected {len(item_types)} items for {tp}, got {len(items)}")
-        return origin(_coerce(v, t, where) for v, t in zip(items, item_types))
-    if tp is Any or tp is None:
-        return value
-    if value is None:
-        raise ValueError(f"{where}: None is not a valid {getattr(tp, '__name__', tp)}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in _TRUE or text in _FALSE:
-            return text in _TRUE
-        raise ValueError(f"{where}: expected a bool (true/false), got {value!r}")
-    if tp in (int, float):
-        try:
-            if isinstance(value, bool):
-                raise ValueError("a bool")
-            number = float(value) if tp is float or (isinstance(value, str) and any(c in value for c in ".eE")) \
-                else int(value)
-            if tp is int and isinstance(number, float) and not number.is_integer():
-                raise ValueError("not integral")
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}: expected {'an int' if tp is int else 'a float'}, got {value!r}") from None
-        return tp(number)
-    if tp is str:
-        return value if isinstance(value, str) else str(value)
-    if tp is dict or origin is dict:
-        loaded = yaml.safe_load(value) if isinstance(value, str) else value
-        if not isinstance(loaded, Mapping):
-            raise ValueError(f"{where}: expected a mapping (e.g. '{{key: value}}'), got {value!r}")
-        return dict(loaded)
-    return value
+    """``value`` as type ``tp``: pydantic's lax validation (numbers from text, ``true`` / ``no`` as
+    bools, lists as tuples, numbers as text) after :func:`_from_text`; a bool is no number."""
+    value = _from_text(value, tp)
+    origin = typing.get_origin(tp)
+    parts = typing.get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
+    if isinstance(value, bool) and bool not in parts and {int, float} & set(parts):
+        raise ValueError(f"{where}: expected a number, got {value!r}")
+    try:
+        return _adapter(tp).validate_python(value)
+    except ValidationError as e:
+        raise ValueError(f"{where}: cannot read {value!r} as {tp}: {e.errors()[0]['msg']}") from None
 
 
 # The ranges of the fields recipes share, by name: ``(allowed?, what is allowed)``. ``None`` of an
