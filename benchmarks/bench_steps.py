@@ -21,10 +21,10 @@ Cases (full size; ``--tiny`` shrinks every dimension):
 - ``rloo step`` / ``grpo step``: one prompt of 64 tokens × 8 samples × 64 new tokens (EOS is
   ~1/32,000 per token: responses run to the budget), a Python reward function, one optimiser
   epoch. ``rlcore``: the recipe's ``step`` with its default generation, the KV-cached sampling loop
-  (``sampler="gumbel"``), then reference log-probs and the reward (``score_rollout``),
+  (``engine="loop"``), then reference log-probs and the reward (``score_rollout``),
   advantages, ``update`` (RLOO: k1 KL β = 0.05 in the reward; GRPO: β = 0, as
   TRL's defaults; the GRPO recipe still computes reference log-probs, for its ``kl_ref`` metric).
-  ``rlcore_generate``: the same step with ``sampler=None`` (HF ``generate``).
+  ``rlcore_generate``: the same step with ``engine="hf"`` (HF ``generate``).
   ``plain_generate``: HF ``generate``, full-logits forward + backward, AdamW. ``trl``:
   ``RLOOTrainer`` / ``GRPOTrainer.training_step`` (``use_vllm=False``, defaults but ``bf16``;
   generation, scoring, loss, backward). Samples/s = 8 / median.
@@ -33,7 +33,7 @@ Cases (full size; ``--tiny`` shrinks every dimension):
   (``generate_rollout`` through HF ``generate``), ``hf_generate`` (bare ``model.generate``).
   The share of a step spent generating is ``collect / step``.
 - ``rlcore_vllm`` rows (collect, RLOO, GRPO), where vLLM is installed (``.venv-vllm``, from
-  ``make test-vllm``): the same with ``sampler="vllm"``, the engine given the same cores
+  ``make test-vllm``): the same with ``engine="vllm"``, the engine given the same cores
   (``VLLM_CPU_OMP_THREADS_BIND``, none reserved). Its processes' memory is not in the peak column.
 
 Every builder runs one untimed step (optimiser state and lazy initialisations exist before the
@@ -276,13 +276,13 @@ def _online_state(s: Sizes, config) -> TrainState:
                       seed=config.seed)
 
 
-def _online_rlcore(s: Sizes, kind: str, sampler: str | None):
-    """The recipe's own ``step``: ``sampler="gumbel"`` (the recipes' default), ``None`` (HF generate)
-    or ``"vllm"``."""
-    _engine_cores(sampler)
+def _online_rlcore(s: Sizes, kind: str, engine: str):
+    """The recipe's own ``step`` with the ``engine``: ``"loop"`` (the recipes' default), ``"hf"`` (HF
+    generate) or ``"vllm"``."""
+    _engine_cores(engine)
     config, tok, prompts = _online_config(s, kind), word_tokenizer(s.vocab), online_prompts(s)
     recipe = rloo_recipe if kind == "rloo" else grpo_recipe
-    step = functools.partial(recipe.step, rows={"prompt": prompts}, config=dataclasses.replace(config, sampler=sampler),
+    step = functools.partial(recipe.step, rows={"prompt": prompts}, config=dataclasses.replace(config, engine=engine),
                              tokenizer=tok, reward_fn=reward)
     return _stateful(step, _online_state(s, config))
 
@@ -349,19 +349,19 @@ def _online_trl(s: Sizes, kind: str):
         return _stateful(step, None)
 
 
-def _engine_cores(sampler: str | None) -> None:
-    """For ``sampler="vllm"``: vLLM installed, its CPU workers bound to this process's thread count."""
-    if sampler == "vllm":
+def _engine_cores(engine: str) -> None:
+    """For ``engine="vllm"``: vLLM installed, its CPU workers bound to this process's thread count."""
+    if engine == "vllm":
         _require(importlib.util.find_spec("vllm"), "vllm")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{torch.get_num_threads() - 1}")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def _collect(s: Sizes, sampler: str | None):
-    _engine_cores(sampler)
+def _collect(s: Sizes, engine: str, sampler: str = "gumbel"):
+    _engine_cores(engine)
     model, tok, prompts = _model(s), word_tokenizer(s.vocab), online_prompts(s)
     g = torch.Generator().manual_seed(0)
-    kw = dict(max_new_tokens=s.new_tokens, num_samples=s.samples, generator=g, sampler=sampler)
+    kw = dict(max_new_tokens=s.new_tokens, num_samples=s.samples, generator=g, engine=engine, sampler=sampler)
     generate_rollout(model, tok, prompts, **kw)
     return lambda: generate_rollout(model, tok, prompts, **kw)
 
@@ -397,12 +397,12 @@ def cases(tiny: bool) -> dict[str, dict]:
                         "trl": b(_dpo_trl, s, True)},
     }
     for kind in ("rloo", "grpo"):
-        out[n[kind]] = {"rlcore": b(_online_rlcore, s, kind, "gumbel"),
-                        "rlcore_generate": b(_online_rlcore, s, kind, None),
+        out[n[kind]] = {"rlcore": b(_online_rlcore, s, kind, "loop"),
+                        "rlcore_generate": b(_online_rlcore, s, kind, "hf"),
                         "rlcore_vllm": b(_online_rlcore, s, kind, "vllm"),
                         "plain_generate": b(_online_plain, s, kind), "trl": b(_online_trl, s, kind)}
-    out[n["collect"]] = {"rlcore": b(_collect, s, "gumbel"), "rlcore_multinomial": b(_collect, s, "multinomial"),
-                         "rlcore_generate": b(_collect, s, None), "hf_generate": b(_collect_hf, s),
+    out[n["collect"]] = {"rlcore": b(_collect, s, "loop"), "rlcore_multinomial": b(_collect, s, "loop", "multinomial"),
+                         "rlcore_generate": b(_collect, s, "hf"), "hf_generate": b(_collect_hf, s),
                          "rlcore_vllm": b(_collect, s, "vllm")}
     return out
 

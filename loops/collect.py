@@ -25,16 +25,23 @@ rounding of the KV-cached forward. Recording costs ``generate`` keeping one ``[B
 step; at large ``B·R·V`` pass ``behaviour=None`` and recompute them with
 ``score_rollout(rollout, policy=model)`` instead.
 
-Generation engines. ``sampler=None`` (default) runs Hugging Face ``generate``: every logits
-processor it offers (``generate_kwargs``). ``sampler="gumbel"`` (or any key of ``SAMPLERS``) runs
-``sample_responses`` instead, a decode loop over the model's own KV cache that prefills each
-prompt once for its ``G`` samples, draws with the chosen sampler (Gumbel-max: ``argmax(z + g)``
-with Gumbel noise from uniforms, exact and ~4x cheaper on CPU than ``softmax`` + ``multinomial``,
-whose exponential draws over ``V`` dominate a small model's decode step) and reads both behaviour
-log-probs from the same logits, with no ``[B, V]`` copies kept. It supports temperature, top-k
-and top-p, greedy decoding and stop tokens; not ``generate_kwargs``. ``sampler="vllm"`` runs a
-vLLM engine kept in step with the model's weights (``loops.scale.vllm_engine``; optional). All engines
-give the same rollout layout and log-probs that match a recomputation through ``loops.score``.
+Generation engines (``ENGINES``, one signature, chosen by name with ``engine=``), separate from the
+sampling rule (``SAMPLERS``, chosen with ``sampler=``, which only the decode loop takes):
+
+- ``"hf"`` (``generate_rollout``'s default): Hugging Face ``generate``, every logits processor it
+  offers (``generate_kwargs``);
+- ``"loop"`` (the online recipes' default): ``sample_responses``, a decode loop over the model's
+  own KV cache that prefills each prompt once for its ``G`` samples, draws with the sampler
+  (Gumbel-max: ``argmax(z + g)`` with Gumbel noise from uniforms, exact and ~4x cheaper on CPU
+  than ``softmax`` + ``multinomial``, whose exponential draws over ``V`` dominate a small model's
+  decode step) and reads both behaviour log-probs from the same logits, with no ``[B, V]`` copies
+  kept. It supports temperature, top-k and top-p, greedy decoding and stop tokens; not
+  ``generate_kwargs``;
+- ``"vllm"``: a vLLM engine kept in step with the model's weights (``loops.scale.vllm_engine``;
+  optional), configured by ``engine_options``.
+
+All engines give the same rollout layout and log-probs that match a recomputation through
+``loops.score``.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from rlcore.loops.models import cache_keyword, model_device, pad_token_id, posit
 from rlcore.loops.score import score_rollout
 
 __all__ = ["generate_rollout", "draw_seed", "response_budget", "BEHAVIOUR_LOGPROBS", "response_mask_from_ids",
-           "left_align", "check_length_range", "uniform_length_sampler", "SAMPLERS", "VLLM", "multinomial_sample",
+           "left_align", "check_length_range", "uniform_length_sampler", "SAMPLERS", "ENGINES", "multinomial_sample",
            "gumbel_max_sample", "truncate_logits", "sample_responses"]
 
 
@@ -174,7 +181,6 @@ SAMPLERS: dict[str, Callable[..., torch.Tensor]] = {
     "multinomial": multinomial_sample,
     "gumbel": gumbel_max_sample,
 }
-VLLM = "vllm"  # the sampler name of the vLLM engine (loops.scale.vllm_engine)
 
 
 def truncate_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -312,20 +318,58 @@ def _prompts(prompts, tokenizer, pad: int, max_prompt_length: int | None) -> Ten
     return collate_prompts(rows, pad_id=pad)
 
 
-def _generate_hf(model: nn.Module, batch: TensorDict, *, record: Callable | None, max_new_tokens: int,
-                 num_samples: int, stops: list[int], pad: int, do_sample: bool, temperature: float,
-                 top_k: int | None, top_p: float | None, use_cache: bool, generate_kwargs: dict):
-    """``(response_ids [B, R], behaviour log-probs [B, R] or None)`` from Hugging Face ``generate``."""
+# --- engines: (model, batch, *, ...) -> (response_ids [B, R], behaviour log-probs [B, R] or None) ---------
+def _engine_hf(model: nn.Module, batch: TensorDict, *, behaviour: str | None, max_new_tokens: int, num_samples: int,
+               stops: list[int], pad: int, greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
+               seed: int | None, sampler: str, options: Mapping[str, Any]):
+    """Hugging Face ``generate`` (its sampling draws from the global RNG, which ``generate_rollout``
+    seeds inside ``fork_rng``); ``options``: ``generate_kwargs`` and ``use_cache``."""
+    record = None if behaviour is None else BEHAVIOUR_LOGPROBS[behaviour]
     # Sampling settings are passed only when sampling (greedy decoding warns about them).
     sampling = dict(temperature=temperature, top_k=0 if top_k is None else top_k,
-                    top_p=1.0 if top_p is None else top_p) if do_sample else {}
+                    top_p=1.0 if top_p is None else top_p) if not greedy else {}
     out = model.generate(
         input_ids=batch[K.PROMPT_IDS], attention_mask=batch[K.PROMPT_MASK].long(), max_new_tokens=max_new_tokens,
-        do_sample=do_sample, **sampling, num_return_sequences=num_samples, eos_token_id=stops,
-        pad_token_id=pad, use_cache=use_cache, return_dict_in_generate=True,
-        output_scores=record is _sampled_logprobs, output_logits=record is _tempered_logprobs, **generate_kwargs)
+        do_sample=not greedy, **sampling, num_return_sequences=num_samples, eos_token_id=stops,
+        pad_token_id=pad, return_dict_in_generate=True, output_scores=record is _sampled_logprobs,
+        output_logits=record is _tempered_logprobs, **options)
     response = out.sequences[:, batch[K.PROMPT_IDS].shape[-1]:]
-    return response, None if record is None else record(out, response, temperature if do_sample else 1.0)
+    return response, None if record is None else record(out, response, 1.0 if greedy else temperature)
+
+
+def _engine_loop(model: nn.Module, batch: TensorDict, *, behaviour: str | None, max_new_tokens: int, num_samples: int,
+                 stops: list[int], pad: int, greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
+                 seed: int | None, sampler: str, options: Mapping[str, Any]):
+    """``sample_responses`` with the ``sampler`` rule (greedy: argmax), drawing from its own generator
+    seeded with ``seed``; both behaviour log-probs come from the same logits."""
+    g = None if seed is None else torch.Generator(model_device(model)).manual_seed(seed)
+    response, *lps = sample_responses(model, batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
+                                      max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
+                                      num_samples=num_samples, temperature=temperature, top_k=top_k,
+                                      top_p=top_p, sampler=None if greedy else sampler, generator=g)
+    return response, None if behaviour is None else dict(zip(("sampled", "tempered"), lps))[behaviour]
+
+
+def _engine_vllm(model: nn.Module, batch: TensorDict, *, behaviour: str | None, max_new_tokens: int, num_samples: int,
+                 stops: list[int], pad: int, greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
+                 seed: int | None, sampler: str, options: Mapping[str, Any]):
+    """A vLLM engine for ``model`` (``options``: ``vllm.LLM`` keywords). It records the truncated
+    distribution's log-probs ("sampled"); "tempered" ones under top-k / top-p are left to one forward
+    of the policy (``None`` here)."""
+    from rlcore.loops.scale.vllm_engine import engine_for, vllm_generate
+    response, old = vllm_generate(engine_for(model, options), batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
+                                  max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
+                                  num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  greedy=greedy, seed=seed)
+    truncating = bool(top_k) or (top_p is not None and top_p < 1.0)
+    return response, None if behaviour is None or (behaviour == "tempered" and not greedy and truncating) else old
+
+
+ENGINES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
+    "hf": _engine_hf,      # Hugging Face generate: every logits processor (generate_kwargs)
+    "loop": _engine_loop,  # the KV-cache decode loop with a SAMPLERS rule: the fast one
+    "vllm": _engine_vllm,  # a vLLM engine (loops.scale.vllm_engine; the vllm extra)
+}
 
 
 def _check_context(model: nn.Module, prompt_mask: torch.Tensor, max_new_tokens: int) -> None:
@@ -364,15 +408,16 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
                      stop_token_ids: Sequence[int] = (), do_sample: bool = True, seed: int | None = None,
                      generator: torch.Generator | None = None, behaviour: str | None = "tempered",
                      max_prompt_length: int | None = None, policy_version: int | None = None,
-                     use_cache: bool = True, sampler: str | None = None, engine_options: Mapping[str, Any] | None = None,
-                     **generate_kwargs) -> TensorDict:
+                     use_cache: bool = True, engine: str = "hf", sampler: str = "gumbel",
+                     engine_options: Mapping[str, Any] | None = None, **generate_kwargs) -> TensorDict:
     """Sample ``G = num_samples`` responses per prompt (KV cache) into a rollout.
 
     Prompts are tokenised (conversations through the chat template) and left padded; a prompt
-    TensorDict is re-aligned to left padding. With ``sampler=None`` the model's ``generate`` runs,
-    expanding each prompt to ``G`` rows by ``num_return_sequences``; with a ``SAMPLERS`` key,
-    ``sample_responses`` runs, prefilling each prompt once for its ``G`` samples. Generation stops
-    at ``eos_token_id`` (default the tokenizer's) or any of ``stop_token_ids``.
+    TensorDict is re-aligned to left padding. ``ENGINES[engine]`` generates: ``"hf"`` the model's
+    ``generate`` (each prompt expanded to ``G`` rows by ``num_return_sequences``), ``"loop"``
+    ``sample_responses`` (each prompt prefilled once for its ``G`` samples, drawn with
+    ``SAMPLERS[sampler]``), ``"vllm"`` a vLLM engine. Generation stops at ``eos_token_id`` (default
+    the tokenizer's) or any of ``stop_token_ids``.
 
     Args:
         model: a Hugging Face causal LM (dropout should be off: ``disable_dropout`` or ``eval()``).
@@ -395,13 +440,14 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
             none (no ``old_logprobs``; recompute them with ``score_rollout``).
         max_prompt_length: keep the last tokens of longer text prompts (default: no limit).
         policy_version: stamped on every row as ``policy_version [B]`` when given.
-        sampler: ``None`` (``generate``), a key of ``SAMPLERS`` (``"gumbel"``: the fast loop), or
-            ``"vllm"``: a vLLM engine for ``model`` (``loops.scale.vllm_engine``; ``vllm`` installed),
-            which records the truncated distribution's log-probs; with top-k / top-p and
-            ``behaviour="tempered"`` the log-probs come from one forward of ``model`` instead.
-        engine_options: ``vllm.LLM`` keywords for ``sampler="vllm"`` (``engine_for``).
-        generate_kwargs: passed to ``generate`` (e.g. ``repetition_penalty``, ``min_new_tokens``);
-            the sampling loop takes none.
+        engine: a key of ``ENGINES``: ``"hf"``, ``"loop"`` (the fast one), or ``"vllm"`` (a vLLM
+            engine for ``model``, ``loops.scale.vllm_engine``; ``vllm`` installed), which records
+            the truncated distribution's log-probs; with top-k / top-p and ``behaviour="tempered"``
+            the log-probs then come from one forward of ``model``.
+        sampler: the ``"loop"`` engine's sampling rule, a key of ``SAMPLERS`` (``"gumbel"``).
+        engine_options: ``vllm.LLM`` keywords for ``engine="vllm"`` (``engine_for``).
+        generate_kwargs: passed to ``generate`` (e.g. ``repetition_penalty``, ``min_new_tokens``),
+            and ``use_cache``: the ``"hf"`` engine's only.
     Returns:
         TensorDict ``[B = P·G]`` on the model's device: ``prompt_ids``, ``prompt_mask`` ``[B, P]``,
         ``response_ids``, ``response_mask``, ``old_logprobs`` ``[B, R]`` (float32, 0 after the
@@ -416,26 +462,20 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
 
     Gradient: none (generation runs under ``torch.no_grad()``).
     """
-    try:
-        record = None if behaviour is None else BEHAVIOUR_LOGPROBS[behaviour]
-    except KeyError:
-        raise ValueError(f"behaviour: unknown {behaviour!r}; valid: {sorted(BEHAVIOUR_LOGPROBS)} "
-                         "or None") from None
+    if behaviour is not None and behaviour not in BEHAVIOUR_LOGPROBS:
+        raise ValueError(f"behaviour: unknown {behaviour!r}; valid: {sorted(BEHAVIOUR_LOGPROBS)} or None")
     if not temperature > 0:
         raise ValueError(f"temperature: expected > 0, got {temperature} (use do_sample=False for greedy)")
-    if engine_options and sampler != VLLM:
-        raise ValueError(f"engine_options: only for sampler={VLLM!r}, got sampler={sampler!r}")
-    if sampler == VLLM and callable(getattr(model, "prompt_kwargs", None)):
-        raise ValueError(f"sampler={VLLM!r}: {type(model).__name__} edits its forwards (prompt_kwargs), which a vLLM "
-                         "engine cannot run; use sampler='gumbel' or None")
-    if sampler is not None:
-        lookup({**SAMPLERS, VLLM: None}, sampler, what="sampler")
-        if generate_kwargs or not use_cache:
-            raise ValueError(f"sampler={sampler!r}: the sampling loop takes no generate_kwargs and always uses the "
-                             f"KV cache (got {sorted(generate_kwargs) + ([] if use_cache else ['use_cache=False'])}); "
-                             "use sampler=None for generate")
-    truncating = bool(top_k) or (top_p is not None and top_p < 1.0)
-    rescore = False
+    run = lookup(ENGINES, engine, what="engine")
+    lookup(SAMPLERS, sampler, what="sampler")
+    if engine_options and engine != "vllm":
+        raise ValueError(f"engine_options: only for engine='vllm', got engine={engine!r}")
+    if engine == "vllm" and callable(getattr(model, "prompt_kwargs", None)):
+        raise ValueError(f"engine='vllm': {type(model).__name__} edits its forwards (prompt_kwargs), which a vLLM "
+                         "engine cannot run; use engine='loop' or 'hf'")
+    if engine != "hf" and (generate_kwargs or not use_cache):
+        raise ValueError(f"engine={engine!r}: takes no generate_kwargs and always uses the KV cache (got "
+                         f"{sorted(generate_kwargs) + ([] if use_cache else ['use_cache=False'])}); use engine='hf'")
     pad = pad_token_id(tokenizer)
     eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
     stops = [*([] if eos is None else torch.as_tensor(eos).reshape(-1).tolist()), *stop_token_ids]
@@ -453,28 +493,10 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
     with torch.random.fork_rng(devices=devices, enabled=seed is not None), torch.no_grad():
         if seed is not None:
             torch.manual_seed(seed)
-        if sampler is None:
-            response, old = _generate_hf(model, batch, record=record, max_new_tokens=max_new_tokens,
-                                         num_samples=num_samples, stops=stops, pad=pad, do_sample=do_sample,
-                                         temperature=temperature, top_k=top_k, top_p=top_p, use_cache=use_cache,
-                                         generate_kwargs=generate_kwargs)
-        elif sampler == VLLM:
-            from rlcore.loops.scale.vllm_engine import engine_for, vllm_generate
-            response, old = vllm_generate(engine_for(model, engine_options), batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
-                                          max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
-                                          num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p,
-                                          greedy=not do_sample, seed=seed)
-            # the engine records the truncated distribution's log-probs ("sampled"); with truncation on,
-            # "tempered" ones come from a forward of the policy below
-            rescore = behaviour == "tempered" and do_sample and truncating
-            old = None if record is None or rescore else old
-        else:
-            g = None if seed is None else torch.Generator(device).manual_seed(seed)
-            response, *lps = sample_responses(model, batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
-                                              max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
-                                              num_samples=num_samples, temperature=temperature, top_k=top_k,
-                                              top_p=top_p, sampler=sampler if do_sample else None, generator=g)
-            old = None if record is None else dict(zip(("sampled", "tempered"), lps))[behaviour]
+        options = {**generate_kwargs, "use_cache": use_cache} if engine == "hf" else dict(engine_options or {})
+        response, old = run(model, batch, behaviour=behaviour, max_new_tokens=max_new_tokens, num_samples=num_samples,
+                            stops=stops, pad=pad, greedy=not do_sample, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed, sampler=sampler, options=options)
         mask = response_mask_from_ids(response, stops)
         new = {K.RESPONSE_IDS: response, K.RESPONSE_MASK: mask,
                K.GROUP_ID: torch.arange(batch.batch_size[0], device=device).repeat_interleave(num_samples)}
@@ -483,7 +505,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
             new[K.OLD_LOGPROBS] = torch.where(mask, old, torch.zeros((), dtype=old.dtype, device=old.device))
     rows = response.shape[0]
     rollout = batch.apply(lambda x: x.repeat_interleave(num_samples, dim=0), batch_size=[rows]).update(new)
-    if rescore:
+    if behaviour is not None and old is None:  # an engine that could not record them: one forward of the policy
         rollout = score_rollout(rollout, policy=model, temperature=temperature)
     if policy_version is not None:
         rollout[K.POLICY_VERSION] = torch.full((rows,), policy_version, dtype=torch.long, device=device)

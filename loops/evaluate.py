@@ -36,7 +36,7 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     columns, prompts = repeat_columns(rows, 1), list(rows["prompt"])
     policy = state.model("policy")
     gen = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length, seed=seed,
-               sampler=config.sampler, engine_options=config.engine_options)
+               engine=config.engine, sampler=config.sampler, engine_options=config.engine_options)
     scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                    reward_columns=columns)
     greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)

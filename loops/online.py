@@ -96,8 +96,9 @@ class OnlineConfig(RunConfig):
     missing_eos_penalty: float | None = None  # subtracted from the score of a response cut at max_new_tokens (TRL missing_eos_penalty)
     overlong_buffer: int | None = None  # DAPO soft overlong punishment: responses in the last N tokens of max_new_tokens lose up to overlong_penalty_factor (None: off; verl overlong_buffer.len)
     overlong_penalty_factor: float = 1.0  # the soft overlong penalty at max_new_tokens (verl overlong_buffer.penalty_factor)
-    sampler: str | None = "gumbel"   # decode loop's sampler (loops.collect.SAMPLERS); None: Hugging Face generate; "vllm": a vLLM engine
-    engine_options: dict = dataclasses.field(default_factory=dict)  # vllm.LLM keywords when sampler="vllm"
+    engine: str = "loop"             # generation engine (loops.collect.ENGINES): loop (the KV-cache decode loop), hf (Hugging Face generate), vllm
+    sampler: str = "gumbel"          # the loop engine's sampling rule (loops.collect.SAMPLERS)
+    engine_options: dict = dataclasses.field(default_factory=dict)  # vllm.LLM keywords when engine=vllm
     # --- optimisation (update) ---
     batch_size: int = 8              # prompts per step (the rollout has batch_size * num_samples rows)
     epochs: int = 1                  # passes over each rollout (TRL ppo_epochs / num_iterations)
@@ -203,13 +204,13 @@ def update_sizes(config: Any, rows: int) -> dict[str, int]:
 def generate_kwargs(config: Any) -> dict[str, Any]:
     """The sampling keywords of ``generate_in_chunks`` for ``config`` (everything but prompts, seed and
     version): ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``num_samples``,
-    ``max_prompt_length``, ``sampler``, ``engine_options``, ``stop_token_ids``, ``length_sampler``,
+    ``max_prompt_length``, ``engine``, ``sampler``, ``engine_options``, ``stop_token_ids``, ``length_sampler``,
     ``rows_per_call`` (``generation_batch_size``). The
     synchronous recipes, the generator process of
     ``loops.scale.async_rl`` and the generator actor of ``loops.scale.placement`` all sample with these."""
     return dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
                 top_p=config.top_p, num_samples=config.num_samples, max_prompt_length=config.max_prompt_length,
-                sampler=config.sampler, engine_options=config.engine_options,
+                engine=config.engine, sampler=config.sampler, engine_options=config.engine_options,
                 stop_token_ids=tuple(getattr(config, "stop_token_ids", ())),
                 length_sampler=getattr(config, "length_sampler", None),
                 rows_per_call=getattr(config, "generation_batch_size", None))

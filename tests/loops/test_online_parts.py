@@ -99,9 +99,10 @@ def test_collect_rollout_without_reference(setup):
 
 def test_generate_kwargs_and_draw_seed():
     config = OnlineConfig(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4, max_prompt_length=9,
-                          sampler=None, stop_token_ids=(7,), length_sampler=(2, 4))
+                          engine="hf", stop_token_ids=(7,), length_sampler=(2, 4))
     assert generate_kwargs(config) == dict(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4,
-                                           max_prompt_length=9, sampler=None, engine_options={}, stop_token_ids=(7,),
+                                           max_prompt_length=9, engine="hf", sampler="gumbel", engine_options={},
+                                           stop_token_ids=(7,),
                                            length_sampler=(2, 4), rows_per_call=None)
     g, expected = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     seeds = [draw_seed(g) for _ in range(3)]

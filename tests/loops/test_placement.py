@@ -110,7 +110,8 @@ def test_learn_after_the_scorer_equals_learn_with_every_model(one_thread, recipe
     rows = {"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]}
     full, tokenizer = recipe.build_state(config)
     rollout = generate_rollout(full.model("policy"), tokenizer, rows["prompt"], max_new_tokens=6, num_samples=2,
-                               seed=3, policy_version=0, sampler=config.sampler)
+                               seed=3, policy_version=0, engine=config.engine,
+                               sampler=config.sampler)
     want_state, want = learn_off_policy(full, rows, rollout, config=config, tokenizer=tokenizer,
                                         reward_fn=LENGTH_REWARD)
     lean, _ = recipe.build_state(config)

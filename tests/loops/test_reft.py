@@ -509,16 +509,16 @@ def test_decoding_steps_are_not_edited(tokenizer, arch, monkeypatch):
         calls.append((hidden.shape[1], bool((out != hidden).any())))
         return out
     monkeypatch.setattr(reft_model, "intervene", spy)
-    for sampler in (None, "gumbel"):
+    for engine in ("hf", "loop"):
         calls.clear()
         generate_rollout(policy, tokenizer, ["abc\n", "hello\n"], num_samples=2, max_new_tokens=4, seed=0,
-                         sampler=sampler, **({"min_new_tokens": 4} if sampler is None else {}))
+                         engine=engine, **({"min_new_tokens": 4} if engine == "hf" else {}))
         (prefill_width, prefill_edited), *decoding = calls
         assert prefill_width > 1 and prefill_edited, calls
         # generate keeps the hooks on while decoding (they must edit nothing); the decode loop installs them
         # for its prefill only
-        assert all(width == 1 and not edited for width, edited in decoding), (sampler, calls)
-        assert (len(decoding) == 3) if sampler is None else not decoding, (sampler, calls)
+        assert all(width == 1 and not edited for width, edited in decoding), (engine, calls)
+        assert (len(decoding) == 3) if engine == "hf" else not decoding, (engine, calls)
 
 
 def test_forward_offset_finds_the_cache_under_any_name():
@@ -543,7 +543,7 @@ def test_forward_offset_finds_the_cache_under_any_name():
 def test_vllm_sampler_refuses_a_reft_policy(tokenizer):
     policy = ReftModel(tiny(tokenizer), ReftSpec(layers=(0,), positions="f1", rank=2))
     with pytest.raises(ValueError, match="vLLM engine cannot run"):
-        generate_rollout(policy, tokenizer, ["abc"], max_new_tokens=2, sampler="vllm")
+        generate_rollout(policy, tokenizer, ["abc"], max_new_tokens=2, engine="vllm")
 
 
 @pytest.mark.parametrize("recipe,step", [(grpo, reft_grpo_step), (rloo, reft_rloo_step)])

@@ -181,8 +181,8 @@ def test_prompts_past_the_models_context_are_refused_with_the_fix():
                             max_position_embeddings=32).eval()
         with pytest.raises(ValueError, match=r"prompts: the longest has 40 tokens, which with max_new_tokens=4 exceeds "
                                              r"the model's context of 32 .* set max_prompt_length <= 28"):
-            generate_rollout(model, tokenizer, ["x" * 40], max_new_tokens=4, sampler="gumbel")
-        kept = generate_rollout(model, tokenizer, ["x" * 40], max_new_tokens=4, max_prompt_length=28, sampler="gumbel")
+            generate_rollout(model, tokenizer, ["x" * 40], max_new_tokens=4, engine="loop")
+        kept = generate_rollout(model, tokenizer, ["x" * 40], max_new_tokens=4, max_prompt_length=28, engine="loop")
         assert kept[K.PROMPT_IDS].shape[1] == 28
 
 

