@@ -296,7 +296,7 @@ def test_truncate_logits_golden_and_hf_warpers():
 @pytest.mark.parametrize("behaviour", sorted(BEHAVIOUR_LOGPROBS))
 def test_sampling_loop_logprobs_match_recomputation(lm, tokenizer, sampler, behaviour):
     rollout = generate_rollout(lm, tokenizer, PROMPTS, max_new_tokens=6, num_samples=3, temperature=0.7, seed=3,
-                               behaviour=behaviour, sampler=sampler)
+                               behaviour=behaviour, engine="loop", sampler=sampler)
     assert rollout.batch_size == (9,) and rollout[K.GROUP_ID].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert rollout[K.OLD_LOGPROBS].dtype == torch.float32
     samples = rollout[K.RESPONSE_IDS].view(3, 3, -1)

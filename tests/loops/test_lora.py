@@ -146,8 +146,8 @@ def test_adapter_off_generates_the_base_s_answers():
     model = _perturbed(_lora_policy())
     tokenizer = build_tokenizer()
     prompts = ["12+34=", "abc"]
-    for sampler in (None, "multinomial"):  # Hugging Face generate and the KV-cache loop
-        kw = dict(max_new_tokens=5, do_sample=False, behaviour=None, sampler=sampler)
+    for engine in ("hf", "loop"):  # Hugging Face generate and the KV-cache loop
+        kw = dict(max_new_tokens=5, do_sample=False, behaviour=None, engine=engine)
         ours = generate_rollout(adapter_off(model), tokenizer, prompts, **kw)[K.RESPONSE_IDS]
         base = generate_rollout(_frozen_base(model), tokenizer, prompts, **kw)[K.RESPONSE_IDS]
         assert torch.equal(ours, base)

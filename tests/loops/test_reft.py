@@ -464,9 +464,9 @@ def test_reft_dpo_reference_is_base_and_loss_decreases(tokenizer):
     assert not torch.allclose(pol["chosen", K.LOGPS], ref["chosen", K.REF_LOGPS])
 
 
-@pytest.mark.parametrize("sampler", [None, "gumbel"])
+@pytest.mark.parametrize("engine", ["hf", "loop"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_generation_with_interventions_matches_rescoring(tokenizer, arch, sampler):
+def test_generation_with_interventions_matches_rescoring(tokenizer, arch, engine):
     """Both KV-cached paths (``generate`` and the decode loop) against a full forward inside ``intervened``.
 
     Guards the cache offset on every transformers version (the cache argument was renamed
@@ -478,7 +478,7 @@ def test_generation_with_interventions_matches_rescoring(tokenizer, arch, sample
     state = init_state({"policy": policy, "ref": model})
     prompts = ["spell: abc\n", "hi\n", "a longer prompt\n"]
     generate = functools.partial(generate_rollout, policy, tokenizer, prompts, num_samples=2, max_new_tokens=6, seed=3,
-                                 sampler=sampler)
+                                 engine=engine)
     rollout = with_intervention_locations(generate(), spec)
     assert rollout[K.INTERVENTION_LOCATIONS].shape == (6, 4)
     assert torch.equal(rollout[K.INTERVENTION_LOCATIONS][::2], rollout[K.INTERVENTION_LOCATIONS][1::2])
@@ -490,7 +490,7 @@ def test_generation_with_interventions_matches_rescoring(tokenizer, arch, sample
     torch.testing.assert_close(rescored[K.OLD_LOGPROBS][mask], rollout[K.OLD_LOGPROBS][mask], rtol=1e-4, atol=1e-4)
     base = score_rollout(rollout, policy=model)  # interventions off: the base model differs
     assert (base[K.OLD_LOGPROBS][mask] - rollout[K.OLD_LOGPROBS][mask]).abs().max() > 1e-3
-    if sampler is None:  # generate without a KV cache: every step is a full forward over [prompt | response so far]
+    if engine == "hf":  # generate without a KV cache: every step is a full forward over [prompt | response so far]
         no_cache = generate(use_cache=False)
         # the same seeded draws; a flip would need two log-probs within float rounding of a sampling boundary
         assert torch.equal(no_cache[K.RESPONSE_IDS], rollout[K.RESPONSE_IDS])
@@ -540,7 +540,7 @@ def test_forward_offset_finds_the_cache_under_any_name():
     assert forward_offset(signature, (ids,), {}) == 0
 
 
-def test_vllm_sampler_refuses_a_reft_policy(tokenizer):
+def test_the_vllm_engine_refuses_a_reft_policy(tokenizer):
     policy = ReftModel(tiny(tokenizer), ReftSpec(layers=(0,), positions="f1", rank=2))
     with pytest.raises(ValueError, match="vLLM engine cannot run"):
         generate_rollout(policy, tokenizer, ["abc"], max_new_tokens=2, engine="vllm")
