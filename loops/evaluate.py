@@ -31,8 +31,9 @@ def _exact_match_reward(prompts, completions, *, answer, **_):
 
 
 def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any, *, tokenizer, reward_fn,
-                   seed: int) -> dict[str, torch.Tensor]:
-    """Per-prompt ``[b]`` evaluation quantities of one chunk of held-out rows."""
+                   seed: int, reference_scores: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-prompt ``[b]`` evaluation quantities of one chunk of held-out rows (``reference_scores``:
+    the reference's greedy scores of this chunk when already known; ``_reference_scores`` in the result)."""
     columns, prompts = repeat_columns(rows, 1), list(rows["prompt"])
     policy = state.model("policy")
     gen = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length, seed=seed,
@@ -40,12 +41,15 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                    reward_columns=columns)
     greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)
-    reference = generate_rollout(state.model("ref"), tokenizer, prompts, do_sample=False, behaviour=None,
-                                 **gen).to(greedy.device)  # a reference on ref_device answers there
-    reward, ref_reward = score_rollout(greedy, **scoring)[K.SCORE], score_rollout(reference, **scoring)[K.SCORE]
+    reward, ref_reward = score_rollout(greedy, **scoring)[K.SCORE], reference_scores
+    if ref_reward is None:
+        reference = generate_rollout(state.model("ref"), tokenizer, prompts, do_sample=False, behaviour=None,
+                                     **gen).to(greedy.device)  # a reference on ref_device answers there
+        ref_reward = score_rollout(reference, **scoring)[K.SCORE]
     texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(greedy[K.RESPONSE_IDS], greedy[K.RESPONSE_MASK])],
                                    skip_special_tokens=True)
     out = {"reward": reward, "response_length": greedy[K.RESPONSE_MASK].sum(-1).float(), "_completions": texts,
+           "_reference_scores": ref_reward,
            # win-rate against the reference policy, greedy both: 1 per win, ½ per tie; NaN (left out) unscored
            "win_rate": torch.where(reward.isnan() | ref_reward.isnan(), math.nan,
                                    (reward > ref_reward).float() + 0.5 * (reward == ref_reward).float())}
@@ -62,7 +66,8 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
 
 
 def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: Dataset | None = None,
-                    reward_fn: RewardFn | None = None) -> dict[str, float]:
+                    reward_fn: RewardFn | None = None,
+                    reference_cache: dict[int, torch.Tensor] | None = None) -> dict[str, float]:
     """Held-out metrics, means over the prompts (those the reward function scored, for the rewards):
     ``reward``, ``exact_match`` and ``response_length``
     of greedy responses; ``win_rate`` of those against the reference policy's greedy responses
@@ -80,6 +85,10 @@ def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: 
     Args:
         dataset: the held-out split (default: ``load_splits(config, task_dataset)[1]``).
         tokenizer, reward_fn: as in training (defaults from ``config``).
+        reference_cache: a dict kept across the evaluations of one run whose reference is frozen
+            (``train_online`` passes one unless TR-DPO moves the reference): the reference's
+            greedy scores of each chunk are computed at the first evaluation only (its answers
+            are the same every time: greedy, fixed weights). ``None``: computed every time.
     Returns:
         ``dict[str, float]``.
     """
@@ -87,8 +96,11 @@ def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: 
     dataset = dataset if dataset is not None else load_splits(config, task_dataset)[1]
     reward_fn = make_reward_fn(config, reward_fn)
     n, size = len(dataset), config.eval_batch_size
+    cache = {} if reference_cache is None else reference_cache
     chunks = [_evaluate_rows(state, dataset[i:i + size], config, tokenizer=tokenizer, reward_fn=reward_fn,
-                             seed=config.seed + i // size) for i in range(0, n, size)]
+                             seed=config.seed + i // size, reference_scores=cache.get(i)) for i in range(0, n, size)]
+    for i, chunk in zip(range(0, n, size), chunks):
+        cache[i] = chunk.pop("_reference_scores")
     texts = [t for c in chunks for t in c.pop("_completions")]
     if config.run_dir and getattr(config, "log_completions", 0) > 0:
         _write_completions(Path(config.run_dir), state.step, dataset, texts, torch.cat([c["reward"] for c in chunks]),

@@ -439,8 +439,9 @@ def train_online(config: Any, build_state: Callable[[Any], tuple[TrainState, Any
     state, tokenizer = build_state(config)
     check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)
     bound = functools.partial(step, config=config, tokenizer=tokenizer, reward_fn=reward)
+    frozen = not getattr(config, "sync_ref_model", False)  # TR-DPO moves the reference: its answers change
     eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
-                                reward_fn=reward)
+                                reward_fn=reward, reference_cache={} if frozen else None)
     return run(bound, state, prompt_source(train_ds, config), config=config, num_steps=config.steps,
                eval_fn=eval_fn, name=name, callbacks=callbacks, tokenizer=tokenizer,
                save_models=save_models)

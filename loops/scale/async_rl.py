@@ -311,7 +311,8 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
         step = functools.partial(_async_step, handle=handle, config=config, tokenizer=tokenizer, reward_fn=reward,
                                  is_clip=is_clip)
         eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
-                                    reward_fn=reward)
+                                    reward_fn=reward,
+                                    reference_cache=None if getattr(config, "sync_ref_model", False) else {})
         source = rollout_source(handle, prompt_source(train_ds, config), state.rng)
         return run(step, state, source, config=dataclasses.replace(config, resume=False), num_steps=config.steps,
                    eval_fn=eval_fn, name=f"async-{recipe.__name__.rsplit('.', 1)[-1]}", callbacks=callbacks,

@@ -159,6 +159,7 @@ class ScorerWorker:
         self.config = config
         self.reward_fn = make_reward_fn(config, reward_fn)
         self.eval_ds = None
+        self.reference_cache = None if getattr(config, "sync_ref_model", False) else {}  # a frozen reference
 
     def score(self, rollout: TensorDictBase, rows: Mapping[str, Sequence], *, reference: bool = True) -> TensorDict:
         """``ref_logprobs [B, R]`` (with ``reference``) then ``score [B]`` (reward model and/or function)."""
@@ -176,7 +177,7 @@ class ScorerWorker:
         if self.eval_ds is None:
             self.eval_ds = load_splits(self.config, task_dataset)[1]
         return evaluate_policy(self.state, self.config, tokenizer=self.tokenizer, dataset=self.eval_ds,
-                               reward_fn=self.reward_fn)
+                               reward_fn=self.reward_fn, reference_cache=self.reference_cache)
 
 
 def placed_source(generator, scorer, prompts: Callable[[int], Any], seeds: torch.Generator, *, max_lag: int,

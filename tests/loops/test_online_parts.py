@@ -228,6 +228,29 @@ def test_evaluate_is_deterministic_and_leaves_rng_alone(setup):
     assert 0.0 <= first["exact_match"] <= 1.0
 
 
+def test_the_frozen_reference_answers_once_per_run(setup, monkeypatch):
+    """With a reference cache the reference's greedy answers are generated at the first evaluation
+    only, and every evaluation gives the numbers an uncached one gives."""
+    from rlcore.loops import evaluate as evaluation
+    config, state, tokenizer, _ = setup
+    config = dataclasses.replace(config, eval_batch_size=4)
+    calls, real = [], evaluation.generate_rollout
+
+    def counting(model, *args, **kwargs):
+        calls.append(model is state.model("ref"))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "generate_rollout", counting)
+    cache = {}
+    first = evaluate_policy(state, config, tokenizer=tokenizer, reward_fn=digit_fraction, reference_cache=cache)
+    by_reference = sum(calls)
+    calls.clear()
+    again = evaluate_policy(state, config, tokenizer=tokenizer, reward_fn=digit_fraction, reference_cache=cache)
+    assert by_reference == 2 and sum(calls) == 0 and len(calls) == 4  # 6 held-out prompts, 4 per chunk: 2 chunks
+    uncached = evaluate_policy(state, config, tokenizer=tokenizer, reward_fn=digit_fraction)
+    assert first == again == uncached and sorted(cache) == [0, 4]
+
+
 def test_make_reward_fn_defaults():
     assert make_reward_fn(OnlineConfig(task="add"))(["1+1="], ["2"], answer=["2"]) == [1.0]
     assert make_reward_fn(OnlineConfig(reward_model="some/dir")) is None
