@@ -6,7 +6,8 @@ a PPO-style clipped ratio loss to the log-density of every step.
 
 - ``ddim_step`` / ``ddim_step_logprob``: the DDIM update and the log-density of the step taken.
 - ``ddpo_ratio_loss`` / ``ddpo_loss``: the clipped surrogate for one timestep's batch.
-- ``batch_advantages`` and the ``(prompt_stats_init, prompt_stats_update)`` pair: advantages.
+- ``batch_advantages`` and the ``(prompt_stats_init, prompt_stats_update)`` pair (``prompt_stats``:
+  the pair with its hyper-parameters bound): advantages.
 
 References:
     Black et al., "Training Diffusion Models with Reinforcement Learning",
@@ -16,6 +17,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -26,6 +28,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.checks import check_float, check_ndim, check_same_shape, require_keys
 from rlcore.masked import masked_mean, masked_var
+from rlcore.transforms import StateTransform
 
 __all__ = [
     "ddim_step_logprob",
@@ -35,6 +38,7 @@ __all__ = [
     "ddpo_loss",
     "batch_advantages",
     "PromptStats",
+    "prompt_stats",
     "prompt_stats_init",
     "prompt_stats_update",
 ]
@@ -307,6 +311,15 @@ class PromptStats(NamedTuple):
     rewards: torch.Tensor
     counts: torch.Tensor
     min_count: int
+
+
+def prompt_stats(buffer_size: int = 16, min_count: int = 16, *, dtype: torch.dtype = torch.float64) -> StateTransform:
+    """The per-prompt statistics as a ``rlcore.transforms.StateTransform``, its hyper-parameters
+    bound: ``init() -> PromptStats`` (:func:`prompt_stats_init`) and ``update(state, prompts,
+    rewards) -> (state, advantages)`` (:func:`prompt_stats_update`)."""
+    prompt_stats_init(buffer_size, min_count, dtype=dtype)  # the hyper-parameters checked now
+    return StateTransform(functools.partial(prompt_stats_init, buffer_size, min_count, dtype=dtype),
+                          prompt_stats_update)
 
 
 def prompt_stats_init(buffer_size: int = 16, min_count: int = 16, *,

@@ -4,6 +4,11 @@ and running moments.
 A state is a NamedTuple of tensors; an update returns a new state and never writes into the
 old one, so a loop threads it explicitly (``state = update(state, ...)``), checkpoints it as a
 plain tuple of tensors, and can replay it. Nothing calls ``.item()``.
+
+:class:`StateTransform` is the pair as optax makes it: the hyper-parameters are bound when the
+pair is made (``kl_controller("adaptive", coef=0.2, target=6.0, horizon=10000)``,
+``running_moments()``; ``rlcore.algorithms.ddpo.prompt_stats``), so ``init()`` takes none and
+``update(state, *observations)`` only what the step observed.
 """
 
 from __future__ import annotations
@@ -11,12 +16,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import functools
+from typing import Any
+
 import torch
 
-from rlcore.checks import check_float, check_mask, check_ndim
+from rlcore.checks import check_float, check_mask, check_ndim, lookup
 from rlcore.masked import masked_mean, masked_sum, seq_mean_token_mean, seq_mean_token_sum
 
 __all__ = [
+    "StateTransform",
     "KLControllerState",
     "fixed_kl_init",
     "fixed_kl_update",
@@ -27,12 +36,22 @@ __all__ = [
     "observed_kl",
     "KL_REDUCTIONS",
     "RunningMoments",
+    "running_moments",
     "running_moments_init",
     "running_moments_update",
     "running_moments_merge",
     "running_moments_var",
     "running_moments_std",
 ]
+
+
+class StateTransform(NamedTuple):
+    """An ``(init, update)`` pair with its hyper-parameters bound: ``init() -> state`` and
+    ``update(state, *observations) -> state``, both pure (optax's ``GradientTransformation`` shape).
+    A NamedTuple, so ``init, update = transform`` unpacks it."""
+
+    init: Callable[..., Any]
+    update: Callable[..., Any]
 
 
 # --- KL-coefficient controllers ----------------------------------------------------------------
@@ -109,18 +128,19 @@ KL_CONTROLLERS: dict[str, tuple[Callable[..., KLControllerState], Callable[..., 
 }
 
 
-def kl_controller(name: str) -> tuple[Callable[..., KLControllerState], Callable[..., KLControllerState]]:
-    """The ``(init, update)`` pair registered as ``name`` in ``KL_CONTROLLERS``.
+def kl_controller(name: str, *, coef: float | torch.Tensor = 0.2, target: float = 6.0,
+                  horizon: float = 10000) -> StateTransform:
+    """The controller registered as ``name`` in ``KL_CONTROLLERS``, its hyper-parameters bound:
+    ``init() -> KLControllerState`` (``β₀ = coef``) and ``update(state, observed_kl, n_steps)``
+    (``target`` and ``horizon``: see :func:`adaptive_kl_update`; the fixed controller ignores them).
 
     Raises ``ValueError`` listing the valid names for an unknown one.
 
-    >>> init, update = kl_controller("adaptive"); update(init(0.2), torch.tensor(6.0), 64).coef
+    >>> init, update = kl_controller("adaptive", coef=0.2, target=6.0); update(init(), torch.tensor(6.0), 64).coef
     tensor(0.2000, dtype=torch.float64)
     """
-    try:
-        return KL_CONTROLLERS[name]
-    except KeyError:
-        raise ValueError(f"name: unknown KL controller {name!r}; valid: {sorted(KL_CONTROLLERS)}") from None
+    init, update = lookup(KL_CONTROLLERS, name, what="kl_controller")
+    return StateTransform(functools.partial(init, coef), functools.partial(update, target=target, horizon=horizon))
 
 
 #: Reductions of a per-token KL ``[..., T]`` to the controller's scalar, one signature.
@@ -172,6 +192,16 @@ class RunningMoments(NamedTuple):
     count: torch.Tensor  # type: ignore[assignment]  # the field shadows tuple.count
     mean: torch.Tensor
     m2: torch.Tensor
+
+
+def running_moments(*, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None) -> StateTransform:
+    """Running moments as a :class:`StateTransform`: ``init() -> RunningMoments`` (empty, in
+    ``dtype`` on ``device``) and ``update(state, x, mask=None)`` (:func:`running_moments_update`).
+
+    >>> init, update = running_moments(); update(init(), torch.tensor([1.0, 3.0])).mean
+    tensor(2., dtype=torch.float64)
+    """
+    return StateTransform(functools.partial(running_moments_init, dtype, device), running_moments_update)
 
 
 def running_moments_init(dtype: torch.dtype = torch.float64,

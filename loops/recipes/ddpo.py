@@ -35,7 +35,7 @@ import torch
 from tensordict import TensorDict
 
 from rlcore import keys as K
-from rlcore.algorithms.ddpo import batch_advantages, ddpo_loss, prompt_stats_init, prompt_stats_update
+from rlcore.algorithms.ddpo import batch_advantages, ddpo_loss, prompt_stats
 from rlcore.loops.checkpoint import latest_checkpoint, load_checkpoint
 from rlcore.loops.diffusion import (build_denoiser, ddim_schedule, pretrain_denoiser, sample_trajectories,
                                     step_logprobs, timestep_rows)
@@ -43,6 +43,7 @@ from rlcore.loops.images import get_reward_fn, latents_to_images, save_image_gri
 from rlcore.loops.recipe import run
 from rlcore.loops.state import TrainState, advance, copy_generator, init_state, with_transforms
 from rlcore.loops.update import make_optimizer, update
+from rlcore.transforms import StateTransform
 
 __all__ = ["Config", "build_state", "collect", "score", "train_epoch", "step", "evaluate", "train",
            "checkpoint_state"]
@@ -75,9 +76,9 @@ class Config:
     reward_fn: str = "jpeg_compressibility"  # get_reward_fn(): a REWARD_FUNCTIONS name
     async_reward_computation: bool = False  # rewards in a thread pool while the next batch samples
     max_workers: int = 2                   # threads of that pool
-    per_prompt_stat_tracking: bool = False  # prompt_stats_update instead of batch_advantages
-    per_prompt_stat_tracking_buffer_size: int = 16  # prompt_stats_init(buffer_size=)
-    per_prompt_stat_tracking_min_count: int = 16    # prompt_stats_init(min_count=)
+    per_prompt_stat_tracking: bool = False  # algorithms.ddpo.prompt_stats instead of batch_advantages
+    per_prompt_stat_tracking_buffer_size: int = 16  # algorithms.ddpo.prompt_stats(buffer_size=)
+    per_prompt_stat_tracking_min_count: int = 16    # algorithms.ddpo.prompt_stats(min_count=)
     train_batch_size: int = 1              # update(micro_batch_size=): rows per forward/backward
     train_learning_rate: float = 3e-4      # make_optimizer(lr=)
     train_adam_beta1: float = 0.9          # make_optimizer(betas=)
@@ -129,6 +130,11 @@ def _names(config: Config, labels: torch.Tensor) -> list[str]:
     return [config.prompts[i] for i in labels.tolist()]
 
 
+def _prompt_stats(config: Config) -> StateTransform:
+    """The per-prompt statistics of the run, hyper-parameters bound (``algorithms.ddpo.prompt_stats``)."""
+    return prompt_stats(config.per_prompt_stat_tracking_buffer_size, config.per_prompt_stat_tracking_min_count)
+
+
 def build_state(config: Config, *, pretrain: bool = True) -> TrainState:
     """The denoiser (pre-trained when ``pretrain_steps``), AdamW, empty prompt statistics, the rng."""
     model = build_denoiser(len(config.prompts), sample_size=config.sample_size,
@@ -138,7 +144,7 @@ def build_state(config: Config, *, pretrain: bool = True) -> TrainState:
                           lr=config.pretrain_learning_rate, seed=config.seed)
     optimizer = make_optimizer(model, lr=config.train_learning_rate, weight_decay=config.train_adam_weight_decay,
                                betas=(config.train_adam_beta1, config.train_adam_beta2), eps=config.train_adam_epsilon)
-    stats = prompt_stats_init(config.per_prompt_stat_tracking_buffer_size, config.per_prompt_stat_tracking_min_count)
+    stats = _prompt_stats(config).init()
     return init_state(model, optimizer=optimizer, transforms={"prompt_stats": stats}, seed=config.seed,
                       device=config.device)
 
@@ -173,7 +179,7 @@ def score(state: TrainState, rollout, config: Config):
     rewards = rollout.get(K.SCORE)
     if config.per_prompt_stat_tracking:
         names = _names(config, rollout.get(K.CLASS_LABELS))
-        stats, advantages = prompt_stats_update(state.transforms["prompt_stats"], names, rewards)
+        stats, advantages = _prompt_stats(config).update(state.transforms["prompt_stats"], names, rewards)
         state = with_transforms(state, prompt_stats=stats)
     else:
         advantages = batch_advantages(rewards)

@@ -63,7 +63,7 @@ from rlcore.loops.update import EARLY_STOP_CHECKS, update
 from rlcore.masked import masked_whiten
 from rlcore.returns import with_gae
 from rlcore.rewards import process_scores, with_rewards
-from rlcore.transforms import (kl_controller, observed_kl, running_moments_init, running_moments_merge,
+from rlcore.transforms import (StateTransform, kl_controller, observed_kl, running_moments_init, running_moments_merge,
                                running_moments_update)
 
 __all__ = ["Config", "Critic", "CRITICS", "check", "build_state", "rewards_and_advantages", "learn", "step", "train", "evaluate", "ppo_loss_fn"]
@@ -168,6 +168,11 @@ def ppo_loss_fn(state: TrainState, batch: TensorDictBase, *, config: Config,
 
 
 # --- the step ------------------------------------------------------------------------------------
+def _controller(config: Config) -> StateTransform:
+    """The run's KL controller, its hyper-parameters bound (``rlcore.transforms.kl_controller``)."""
+    return kl_controller(config.kl_controller, coef=config.kl_coef, target=config.target, horizon=config.horizon)
+
+
 def check(config: Config) -> None:
     """Fail on a bad config before any model is built (an unknown ``value_model``, ``kl_controller``
     or ``kl``)."""
@@ -184,8 +189,7 @@ def build_state(config: Config) -> tuple[TrainState, Any]:
     critic = lookup(CRITICS, config.value_model, what="value_model")
     return build_online_state(config, extra_models=lambda policy: {"value": critic.build(policy, config)},
                               trainable=("policy", "value"),
-                              transforms={"kl": kl_controller(config.kl_controller)[0](config.kl_coef),
-                                          "score_moments": running_moments_init()})
+                              transforms={"kl": _controller(config).init(), "score_moments": running_moments_init()})
 
 
 def _global_kl(kl: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -233,8 +237,7 @@ def rewards_and_advantages(state: TrainState, rollout: TensorDictBase,
     # the controller sees the k1 KL of whole responses, mean_b Σ_t (old − ref), whatever estimator `kl`
     # puts in the reward (TRL's PPOTrainer feeds it the same)
     k1 = observed_kl(kl_estimate(batch[K.OLD_LOGPROBS], batch[K.REF_LOGPROBS], "k1"), mask)
-    new_kl = kl_controller(config.kl_controller)[1](kl_state, *_global_kl(k1, mask), target=config.target,
-                                                   horizon=config.horizon)
+    new_kl = _controller(config).update(kl_state, *_global_kl(k1, mask))
     info = {**rollout_metrics(rollout), "kl_coef": kl_state.coef, "rollout/score_processed": score.mean()}
     return with_transforms(state, kl=new_kl, score_moments=moments), batch, info
 

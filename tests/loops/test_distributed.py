@@ -170,7 +170,8 @@ PPO_STATS = dict(normalize=True, kl_controller="adaptive", kl_coef=0.2, target=0
 def ppo_statistics(rollouts):
     """``ppo.rewards_and_advantages`` on each rollout in turn: the KL coefficient, score moments and processed scores."""
     config = ppo.Config(**PPO_STATS)
-    state = init_state({}, transforms={"kl": ppo.kl_controller("adaptive")[0](0.2), "score_moments": running_moments_init()})
+    state = init_state({}, transforms={"kl": ppo.kl_controller("adaptive", coef=0.2).init(),
+                                       "score_moments": running_moments_init()})
     seen = {}
     for i, rollout in enumerate(rollouts):
         state, prepared, _ = ppo.rewards_and_advantages(state, rollout, config)

@@ -142,12 +142,13 @@ def test_yaml_config_loads_and_runs(tmp_path):
 @pytest.mark.parametrize("kl", ["abs", "k2"])
 def test_the_kl_controller_sees_the_k1_kl_whatever_the_reward_estimator(kl, monkeypatch):
     """TRL feeds its controller mean_b Σ_t (logprob − ref) however kl_penalty shapes the reward."""
+    from rlcore.transforms import StateTransform
     seen = []
     real = ppo.kl_controller
 
-    def spy(name):
-        init, update = real(name)
-        return init, lambda state, current, n, **kw: seen.append(float(current)) or update(state, current, n, **kw)
+    def spy(name, **hyper):
+        init, update = real(name, **hyper)
+        return StateTransform(init, lambda state, current, n: seen.append(float(current)) or update(state, current, n))
     monkeypatch.setattr(ppo, "kl_controller", spy)
     config = ppo.Config(**TINY, steps=3, batch_size=4, num_samples=2, lr=5e-2, kl=kl)
     _, history = ppo.train(config, reward_fn=digit_fraction)

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from rlcore import keys as K
 from rlcore.testing import assert_padding_invariant, assert_pure, make_rollout
-from rlcore.transforms import (KL_CONTROLLERS, KL_REDUCTIONS, KLControllerState, RunningMoments, adaptive_kl_init,
-                               adaptive_kl_update, fixed_kl_init, fixed_kl_update, kl_controller, observed_kl,
-                               running_moments_init, running_moments_merge, running_moments_std, running_moments_update,
-                               running_moments_var)
+from rlcore.transforms import (KL_CONTROLLERS, KL_REDUCTIONS, KLControllerState, RunningMoments, StateTransform,
+                               adaptive_kl_init, adaptive_kl_update, fixed_kl_init, fixed_kl_update, kl_controller,
+                               observed_kl, running_moments, running_moments_init, running_moments_merge,
+                               running_moments_std, running_moments_update, running_moments_var)
 
 
 # --- KL controllers -------------------------------------------------------------------------
@@ -65,9 +65,30 @@ def test_registry_shares_one_signature():
         assert isinstance(s, KLControllerState) and s.coef.shape == ()
         params = list(inspect.signature(update).parameters)
         assert params[:3] == ["state", "observed_kl", "n_steps"]
-    assert kl_controller("adaptive") == (adaptive_kl_init, adaptive_kl_update)
-    with pytest.raises(ValueError, match=r"unknown KL controller 'pid'; valid: \['adaptive', 'fixed'\]"):
+    with pytest.raises(ValueError, match=r"kl_controller: unknown 'pid'; valid: \['adaptive', 'fixed'\]"):
         kl_controller("pid")
+
+
+@pytest.mark.parametrize("name", ["adaptive", "fixed"])
+def test_a_controller_binds_its_hyper_parameters_when_made(name):
+    """``kl_controller(name, coef=, target=, horizon=)`` is the registry's pair with those bound:
+    the same states as the unbound functions, step after step."""
+    init, update = KL_CONTROLLERS[name]
+    controller = kl_controller(name, coef=0.3, target=2.0, horizon=500)
+    assert isinstance(controller, StateTransform)
+    bound, free = controller.init(), init(0.3)
+    for kl in (torch.tensor(5.0), torch.tensor(0.5), torch.tensor(2.0)):
+        bound, free = controller.update(bound, kl, 64), update(free, kl, 64, target=2.0, horizon=500)
+        assert torch.equal(bound.coef, free.coef)
+    assert (name == "fixed") == bool(bound.coef == 0.3)
+
+
+def test_running_moments_as_a_transform():
+    init, update = running_moments(dtype=torch.float32)
+    x = torch.tensor([1.0, 2.0, 6.0])
+    state = update(init(), x)
+    want = running_moments_update(running_moments_init(torch.float32), x)
+    assert state.mean.dtype == torch.float32 and all(torch.equal(a, b) for a, b in zip(state, want))
 
 
 def test_controller_pure_and_compiles():

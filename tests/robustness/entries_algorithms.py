@@ -536,6 +536,16 @@ def prompt_stats_init(d: Draw, dtype):
     return Case(ddpo.prompt_stats_init, dict(buffer_size=d.int(1, 4, "S"), min_count=d.int(0, 5, "min"), dtype=dtype))
 
 
+def prompt_stats(d: Draw, dtype):
+    def run(buffer_size, min_count, prompts, rewards):
+        init, update = ddpo.prompt_stats(buffer_size, min_count)
+        return update(init(), prompts, rewards)
+    B = d.size()
+    kw = dict(buffer_size=d.int(1, 4, "S"), min_count=d.int(0, 5, "min"),
+              prompts=[d.choice("abcd", "prompt") for _ in range(B)], rewards=d.reals((B,), dtype))
+    return Case(run, kw)
+
+
 def prompt_stats_update(d: Draw, dtype):
     state = ddpo.prompt_stats_init(buffer_size=d.int(1, 4, "S"), min_count=d.int(0, 5, "min"))
     for _ in range(d.int(0, 2, "history")):
@@ -627,6 +637,7 @@ FUZZ = {
     "rlcore.algorithms.ddpo.ddpo_ratio_loss": Entry(ddpo_ratio),
     "rlcore.algorithms.ddpo.ddpo_loss": Entry(ddpo_loss),
     "rlcore.algorithms.ddpo.batch_advantages": Entry(batch_advantages),
+    "rlcore.algorithms.ddpo.prompt_stats": Entry(prompt_stats),
     "rlcore.algorithms.ddpo.prompt_stats_init": Entry(prompt_stats_init, dtypes=(F64, F32)),
     "rlcore.algorithms.ddpo.prompt_stats_update": Entry(prompt_stats_update),
     "rlcore.algorithms.reft.loreft": reft_kernel(reft.loreft),

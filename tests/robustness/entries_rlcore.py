@@ -364,8 +364,25 @@ def kl_controllers(d: Draw, dtype):
 
 
 def kl_controller(d: Draw, dtype):
-    init, update = transforms.kl_controller(d.choice(sorted(transforms.KL_CONTROLLERS), "name"))
-    return _controller_steps(init, update, d, dtype)
+    def run(name, coef, observed, n_steps, target, horizon):
+        init, update = transforms.kl_controller(name, coef=coef, target=target, horizon=horizon)
+        state = init()
+        for kl_value in observed:  # a sequence of controller updates
+            state = update(state, kl_value, n_steps)
+        return state
+    kw = dict(name=d.choice(sorted(transforms.KL_CONTROLLERS), "name"), coef=d.choice(_COEFS, "coef"),
+              observed=d.reals((d.int(1, 5, "n_updates"),), dtype), n_steps=d.choice([1, 256, 10000], "n_steps"),
+              target=d.choice([6.0, 0.1], "target"), horizon=d.choice([10000, 100], "horizon"))
+    return Case(run, kw)
+
+
+def running_moments(d: Draw, dtype):
+    def run(dtype_, xs, mask):
+        init, update = transforms.running_moments(dtype=dtype_)
+        return update(init(), xs, mask)
+    shape = (d.size(),)
+    return Case(run, dict(dtype_=d.choice([F64, F32], "moments_dtype"), xs=d.reals(shape, dtype), mask=d.mask(shape)),
+                masks={"mask": ("xs",)})
 
 
 def observed(fn=None):
@@ -481,6 +498,7 @@ FUZZ = {
     "rlcore.transforms.kl_controller": Entry(kl_controller),
     "rlcore.transforms.observed_kl": observed(),
     "rlcore.transforms.KL_REDUCTIONS": observed("registry"),
+    "rlcore.transforms.running_moments": Entry(running_moments),
     "rlcore.transforms.running_moments_init": Entry(moments_init, dtypes=(F64, F32)),
     "rlcore.transforms.running_moments_update": Entry(moments_update),
     "rlcore.transforms.running_moments_merge": Entry(moments_merge),
@@ -498,5 +516,7 @@ EXEMPT_MODULES = {
 EXEMPT = {
     "rlcore.kl.KL_ALIASES": "a dict of names (str -> str); every alias is fuzzed through kl_estimate",
     "rlcore.transforms.KLControllerState": "a NamedTuple type; built and read by the fuzzed controllers",
+    "rlcore.transforms.StateTransform": "a NamedTuple type of two functions; kl_controller and running_moments "
+                                        "return it and are fuzzed",
     "rlcore.transforms.RunningMoments": "a NamedTuple type; built and read by the fuzzed running-moments functions",
 }
