@@ -20,3 +20,24 @@ def flat_models(state):
     """Every model's parameters (policy, reference, critic), in name order."""
     return torch.cat([p.detach().reshape(-1) for name in sorted(state.models)
                       for p in state.models[name].parameters()])
+
+
+def step_and_trained_batch(recipe, config, monkeypatch):
+    """One ``recipe.step`` on the first prompt batch of ``config``'s task: ``(state, metrics, batch)``,
+    ``batch`` the rollout as the loss closure saw it (advantages, rewards, ...)."""
+    from rlcore.loops import online
+    from rlcore.loops.online import build_online_state, policy_loss_fn, prompt_source
+    from rlcore.loops.recipe import load_splits
+    from rlcore.loops.tasks import task_dataset
+
+    state, tokenizer = build_online_state(config)
+    rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
+    seen = []
+
+    def spy(state, batch, **kw):  # the loss closure's view of the rollout it trains on
+        seen.append(batch)
+        return policy_loss_fn(state, batch, **kw)
+
+    monkeypatch.setattr(online, "policy_loss_fn", spy)
+    state, metrics = recipe.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+    return state, metrics, seen[0]

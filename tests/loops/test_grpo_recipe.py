@@ -11,12 +11,10 @@ from rlcore import keys as K
 from rlcore.loops.recipes import grpo
 from rlcore.loops.logging import read_jsonl
 from rlcore.loops import online
-from rlcore.loops.online import build_online_state, policy_loss_fn, prompt_source
+from rlcore.loops.online import build_online_state
 from rlcore.loops.evaluate import evaluate_policy
-from rlcore.loops.recipe import load_splits
 from rlcore.loops.config import load_config
-from rlcore.loops.tasks import task_dataset
-from tests.loops.online_helpers import TINY, digit_fraction
+from tests.loops.online_helpers import TINY, digit_fraction, step_and_trained_batch
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "grpo.yaml"
 
@@ -67,17 +65,7 @@ def test_unknown_loss_type_fails_before_building():
 def test_advantages_are_group_relative(monkeypatch, scale):
     config = grpo.Config(**TINY, steps=1, batch_size=3, num_samples=4, lr=1e-3,
                          advantage_kwargs={"scale": scale, "eps": 0.0})
-    state, tokenizer = build_online_state(config)
-    rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
-    seen = []
-
-    def spy(state, batch, **kw):  # the loss closure's view of the rollout it trains on
-        seen.append(batch)
-        return policy_loss_fn(state, batch, **kw)
-
-    monkeypatch.setattr(online, "policy_loss_fn", spy)
-    state, metrics = grpo.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
-    batch = seen[0]
+    state, metrics, batch = step_and_trained_batch(grpo, config, monkeypatch)
     scores = batch[K.SCORE].view(3, 4).double()
     expected = scores - scores.mean(-1, keepdim=True)  # Dr. GRPO: r − μ_group
     if scale == "group":  # GRPO: divided by the group's unbiased σ (0 where the group ties)
@@ -93,17 +81,7 @@ def test_a_new_estimator_needs_no_loop_edit(monkeypatch):
     """``advantage: opo`` (an entry of ``rlcore.baselines.ADVANTAGE_ESTIMATORS``, nothing else): the
     step trains on r − Σ l·r / Σ l per group, l the response lengths."""
     config = grpo.Config(**TINY, steps=1, batch_size=3, num_samples=4, lr=1e-3, advantage="opo")
-    state, tokenizer = build_online_state(config)
-    rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
-    seen = []
-
-    def spy(state, batch, **kw):
-        seen.append(batch)
-        return policy_loss_fn(state, batch, **kw)
-
-    monkeypatch.setattr(online, "policy_loss_fn", spy)
-    state, metrics = grpo.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
-    batch = seen[0]
+    state, metrics, batch = step_and_trained_batch(grpo, config, monkeypatch)
     mask = batch[K.RESPONSE_MASK]
     r, n = batch[K.SCORE].view(3, 4).double(), mask.sum(-1).view(3, 4).double()
     expected = (r - (n * r).sum(-1, keepdim=True) / n.sum(-1, keepdim=True)).reshape(-1).float()

@@ -10,13 +10,10 @@ import torch
 from rlcore import keys as K
 from rlcore.baselines import rloo_advantage
 from rlcore.loops.recipes import rloo
-from rlcore.loops import online
-from rlcore.loops.online import build_online_state, policy_loss_fn, prompt_source
+from rlcore.loops.online import build_online_state
 from rlcore.loops.evaluate import evaluate_policy
-from rlcore.loops.recipe import load_splits
 from rlcore.loops.config import load_config
-from rlcore.loops.tasks import task_dataset
-from tests.loops.online_helpers import TINY, digit_fraction
+from tests.loops.online_helpers import TINY, digit_fraction, step_and_trained_batch
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "rloo.yaml"
 
@@ -38,17 +35,7 @@ def test_kl_penalty_is_in_the_reward_and_advantages_are_leave_one_out(monkeypatc
     same KL-penalised sequence rewards, with no other change to the step."""
     config = rloo.Config(**TINY, steps=1, batch_size=3, num_samples=3, lr=1e-3, kl_coef=0.5, advantage=advantage,
                          advantage_kwargs={"eps": 0.0} if advantage == "grpo" else {})
-    state, tokenizer = build_online_state(config)
-    rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
-    seen = []
-
-    def spy(state, batch, **kw):  # the loss closure's view of the rollout it trains on
-        seen.append(batch)
-        return policy_loss_fn(state, batch, **kw)
-
-    monkeypatch.setattr(online, "policy_loss_fn", spy)
-    state, metrics = rloo.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
-    batch = seen[0]
+    state, metrics, batch = step_and_trained_batch(rloo, config, monkeypatch)
     mask = batch[K.RESPONSE_MASK]
     kl = torch.where(mask, batch[K.OLD_LOGPROBS] - batch[K.REF_LOGPROBS], 0.0).sum(-1)
     sequence_reward = batch[K.SCORE] - 0.5 * kl  # TRL: r = score − β·Σ_t k1
