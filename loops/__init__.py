@@ -2,14 +2,15 @@
 
 Laid out by role:
 
-- the loop's pieces, here: ``fold`` and ``state`` (the fold and what it threads), ``collect``
-  and ``chunks`` (generation), ``score``, ``update`` (the one impure step), ``online`` (what the
-  online recipes share: collect → score), ``evaluate`` (their held-out metrics),
+- the loop's pieces, here: ``fold`` and ``state`` (the fold and what it threads), ``collect``,
+  ``engines`` and ``chunks`` (generation), ``score``, ``update`` (the one impure step),
+  ``online`` (what the online recipes share: collect → score), ``evaluate`` (their held-out metrics),
   ``reward_fns`` (calling, checking and combining reward functions), ``config`` (the run-config
   base: shared fields, YAML, checks), ``recipe`` (models, data splits, the run), ``data`` →
   ``tokenization`` → ``collate`` (datasets to batches),
   ``tasks``, ``models``, ``lora``, ``shapes``, ``checkpoint`` (with ``checkpoint_codec``, its
-  pickle-free storage, and ``run_dir``, one run per folder), ``logging``, ``diffusion`` (with ``images``: JPEG rewards, grids),
+  pickle-free storage, and ``run_dir``, one run per folder), ``logging``, ``diffusion`` (with
+  ``images``: JPEG rewards, grids),
   ``reft_data`` / ``reft_model``; the ``cli`` and the ``demo``;
 - ``rlcore.loops.recipes``: one module per trainer (``sft``, ``reward``, ``dpo``, ``ppo``,
   ``rloo``, ``grpo``, ``online_dpo``, ``ddpo``, ``reft``), each with a ``Config``,
@@ -32,6 +33,7 @@ from rlcore.loops.collect import *  # noqa: F401,F403
 from rlcore.loops.config import *  # noqa: F401,F403
 from rlcore.loops.data import *  # noqa: F401,F403
 from rlcore.loops.diffusion import *  # noqa: F401,F403
+from rlcore.loops.engines import *  # noqa: F401,F403
 from rlcore.loops.evaluate import *  # noqa: F401,F403
 from rlcore.loops.fold import *  # noqa: F401,F403
 from rlcore.loops.images import *  # noqa: F401,F403
@@ -57,8 +59,8 @@ from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.tokenization import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
 
-_MODULES = ("checkpoint", "checkpoint_codec", "chunks", "collate", "collect", "config", "data", "diffusion", "evaluate",
-            "fold", "images", "logging", "lora", "models", "online", "recipe", "reft_data", "reft_model", "reward_fns",
-            "run_dir", "scale.async_learners", "scale.async_rl", "scale.distributed", "scale.placement",
+_MODULES = ("checkpoint", "checkpoint_codec", "chunks", "collate", "collect", "config", "data", "diffusion", "engines",
+            "evaluate", "fold", "images", "logging", "lora", "models", "online", "recipe", "reft_data", "reft_model",
+            "reward_fns", "run_dir", "scale.async_learners", "scale.async_rl", "scale.distributed", "scale.placement",
             "scale.vllm_engine", "scale.workers", "score", "shapes", "state", "tasks", "tokenization", "update")
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

@@ -334,7 +334,7 @@ class ReftModel(nn.Module):
     def prompt_kwargs(self, prompt_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{"intervention_locations": loc}`` for a forward over prompts ``prompt_mask [B, P]``.
 
-        The decode loop (``loops.collect.sample_responses``) passes these to its prefill forward,
+        The decode loop (``loops.engines.sample_responses``) passes these to its prefill forward,
         so sampled responses see the interventions exactly as ``generate`` and a rescoring do.
         """
         first, last = self.spec.counts

@@ -7,8 +7,8 @@ import torch
 from tensordict import TensorDict
 
 from rlcore import keys as K
-from rlcore.loops.collect import (BEHAVIOUR_LOGPROBS, SAMPLERS, generate_rollout, gumbel_max_sample, left_align,
-                                  response_mask_from_ids, sample_responses, truncate_logits, uniform_length_sampler)
+from rlcore.loops.collect import generate_rollout, left_align, response_mask_from_ids, uniform_length_sampler
+from rlcore.loops.engines import BEHAVIOUR_LOGPROBS, SAMPLERS, gumbel_max_sample, sample_responses, truncate_logits
 from rlcore.loops.collate import collate_prompts
 from rlcore.loops.tokenization import tokenize_example
 from rlcore.loops.models import build_model

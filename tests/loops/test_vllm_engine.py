@@ -15,7 +15,8 @@ import torch
 
 from rlcore import keys as K
 from rlcore.loops.recipes import grpo
-from rlcore.loops.collect import generate_rollout, response_mask_from_ids, truncate_logits
+from rlcore.loops.collect import generate_rollout, response_mask_from_ids
+from rlcore.loops.engines import truncate_logits
 from rlcore.loops.models import build_model, pad_token_id
 from rlcore.loops.score import score_rollout
 from tests.loops.online_helpers import TINY, digit_fraction

@@ -1,0 +1,259 @@
+"""Generation engines and sampling rules: what turns prompts into responses.
+
+- ``ENGINES`` (one signature, chosen by name with ``engine=``): ``"hf"`` Hugging Face ``generate``,
+  ``"loop"`` the KV-cache decode loop (:func:`sample_responses`), ``"vllm``" a vLLM engine;
+- ``SAMPLERS`` (the loop's sampling rule, ``sampler=``): Gumbel-max and multinomial draws, after
+  temperature and top-k / top-p truncation (:func:`truncate_logits`);
+- ``BEHAVIOUR_LOGPROBS``: which log-probs of the sampling distribution a rollout records.
+
+``loops.collect.generate_rollout`` assembles a rollout around them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+from transformers import DynamicCache
+
+from rlcore import keys as K
+from rlcore.checks import check_mask, lookup
+from rlcore.logprobs import token_logprobs
+from rlcore.loops.models import cache_keyword, model_device, position_ids_from_mask
+
+__all__ = ["BEHAVIOUR_LOGPROBS", "multinomial_sample", "gumbel_max_sample", "SAMPLERS", "truncate_logits",
+           "sample_responses", "ENGINES"]
+
+
+# One [B, V] step at a time: no stacked [B, R, V] copy of what generate already holds.
+def _sampled_logprobs(out, response_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    # the processed scores: already divided by τ and truncated/renormalised by top-k/top-p
+    return torch.stack([token_logprobs(s, response_ids[:, t]) for t, s in enumerate(out.scores)], -1)
+
+
+def _tempered_logprobs(out, response_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.stack([token_logprobs(z, response_ids[:, t], temperature=temperature)
+                        for t, z in enumerate(out.logits)], -1)
+
+
+BEHAVIOUR_LOGPROBS: dict[str, Callable[..., torch.Tensor]] = {
+    "sampled": _sampled_logprobs,
+    "tempered": _tempered_logprobs,
+}
+
+
+def multinomial_sample(logits: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row from ``softmax(logits)`` with ``torch.multinomial`` (what ``generate`` does).
+
+    ``y_b ~ Categorical(softmax(z_b))``. On CPU ``multinomial`` draws ``V`` exponentials per row,
+    which makes it the slowest sampler here; it is the reference the others are tested against.
+
+    Args:
+        logits: ``[B, V]`` float (already divided by the temperature, truncated entries ``−inf``).
+        generator: the randomness (``None``: torch's global RNG).
+    Returns:
+        ``[B]`` long.
+    """
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def gumbel_max_sample(logits: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row from ``softmax(logits)`` by the Gumbel-max trick.
+
+    ``y_b = argmax_v (z_{b,v} + g_{b,v})``, ``g = −log(−log u)``, ``u ~ U[0, 1)`` i.i.d.: an exact
+    draw from ``softmax(z_b)`` (Gumbel 1954; Maddison et al. 2014) from ``V`` uniforms, one
+    ``argmax`` and no normalisation. Entries at ``−inf`` are never drawn; a uniform of exactly 0
+    (probability 2⁻²⁴ per entry in float32) gives ``g = −inf`` and removes that entry from that draw.
+
+    Args:
+        logits: ``[B, V]`` float (already divided by the temperature, truncated entries ``−inf``).
+        generator: the randomness (``None``: torch's global RNG).
+    Returns:
+        ``[B]`` long.
+
+    >>> gumbel_max_sample(torch.tensor([[0.0, -float("inf")]])).tolist()
+    [0]
+
+    References:
+        Maddison, Tarlow & Minka, "A* Sampling", https://arxiv.org/abs/1411.0030 (the Gumbel-max
+        trick); Gumbel, "Statistical theory of extreme values" (1954).
+    """
+    noise = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+    return (logits - noise.log_().neg_().log_()).argmax(-1)
+
+
+SAMPLERS: dict[str, Callable[..., torch.Tensor]] = {
+    "multinomial": multinomial_sample,
+    "gumbel": gumbel_max_sample,
+}
+
+
+def truncate_logits(logits: torch.Tensor, *, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+    """Logits with the entries outside the top-k, then outside the nucleus ``top_p``, set to ``−inf``.
+
+    Top-k keeps ``z_v ≥ z_(k)`` (the k-th largest; ties kept). Top-p keeps the smallest set of
+    largest entries whose probability reaches ``top_p``: sorted ascending, an entry is removed when
+    the cumulative probability up to and including it is ``≤ 1 − top_p``; the largest is always
+    kept. The order and rules of Hugging Face's ``TopKLogitsWarper`` / ``TopPLogitsWarper``.
+
+    Args:
+        logits: ``[B, V]`` float (after the temperature).
+        top_k: ``k ≥ 1`` or ``None`` / 0 (off).  top_p: ``0 < p ≤ 1`` or ``None`` (off).
+    Returns:
+        ``[B, V]``, a new tensor (or ``logits`` itself when both are off).
+
+    >>> truncate_logits(torch.tensor([[1.0, 3.0, 2.0]]), top_k=2).tolist()
+    [[-inf, 3.0, 2.0]]
+
+    References:
+        Fan et al., "Hierarchical Neural Story Generation", https://arxiv.org/abs/1805.04833;
+        Holtzman et al., "The Curious Case of Neural Text Degeneration", https://arxiv.org/abs/1904.09751
+    """
+    lowest = torch.full((), -float("inf"), dtype=logits.dtype, device=logits.device)
+    if top_k:
+        kth = logits.topk(min(int(top_k), logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = torch.where(logits < kth, lowest, logits)
+    if top_p is not None and top_p < 1.0:
+        ascending, order = logits.sort(dim=-1)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[..., -1] = False  # a fresh tensor: the largest entry always stays
+        logits = torch.where(drop.scatter(-1, order, drop), lowest, logits)
+    return logits
+
+
+def _prefill(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, num_samples: int):
+    """One forward over the ``P`` prompts; the KV cache and last logits repeated to ``B = P·G`` rows.
+
+    A model with ``prompt_kwargs(mask)`` (``ReftModel``: its intervention locations) gets those
+    keywords in this forward only: decoding steps come after the prompt.
+    """
+    cache = DynamicCache(config=model.config)
+    position = position_ids_from_mask(mask)
+    extra = model.prompt_kwargs(mask) if callable(getattr(model, "prompt_kwargs", None)) else {}
+    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=position, use_cache=True, logits_to_keep=1,
+                   **{cache_keyword(model): cache}, **extra).logits[:, -1]
+    cache.batch_repeat_interleave(num_samples)
+    rep = lambda x: x.repeat_interleave(num_samples, dim=0)  # noqa: E731
+    return cache, rep(logits), rep(mask.long()), rep(position[:, -1])
+
+
+def _draw(logits: torch.Tensor, *, pick: Callable | None, temperature: float, top_k: int | None,
+          top_p: float | None, generator: torch.Generator | None):
+    """``(token [B], sampled log-prob [B], tempered log-prob [B])`` of one decode step."""
+    z = logits.float() / temperature
+    truncated = z if pick is None else truncate_logits(z, top_k=top_k, top_p=top_p)
+    token = z.argmax(-1) if pick is None else pick(truncated, generator=generator)
+    z_y = z.gather(-1, token[:, None])[:, 0]
+    tempered = z_y - z.logsumexp(-1)
+    sampled = tempered if truncated is z else z_y - truncated.logsumexp(-1)
+    return token, sampled, tempered
+
+
+@torch.no_grad()
+def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+                     max_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int, num_samples: int = 1,
+                     temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                     sampler: str | None = "gumbel",
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode ``G`` responses per prompt over the model's KV cache, drawing with ``SAMPLERS[sampler]``.
+
+    Each prompt is prefilled once and its cache repeated for its ``G`` samples. Step ``t``:
+    ``z = logits/τ`` (float32), ``y_t = sampler(truncate_logits(z))`` (``argmax z`` at ``τ = 1``
+    when ``sampler`` is None: greedy), then the token is fed back with position ``p + 1``. A row
+    that has emitted a stop token gets ``pad_token_id`` afterwards; the loop ends when every row
+    has stopped or after ``max_new_tokens`` steps.
+
+    Args:
+        model: a Hugging Face causal LM (a KV cache, ``logits_to_keep``), dropout off.
+        prompt_ids: ``[P, L]`` long, left padded.  prompt_mask: ``[P, L]`` bool, ≥ 1 True per row.
+        max_new_tokens: the budget.  stop_token_ids: ids that end a response (EOS included).
+        num_samples: ``G``; rows are prompt-major (``B = P·G``).
+        temperature, top_k, top_p: as ``generate_rollout`` (ignored when greedy).
+        sampler: a key of ``SAMPLERS``, or ``None`` for greedy decoding.
+        generator: the sampling randomness (``None``: torch's global RNG).
+    Returns:
+        ``(response_ids [B, R], sampled [B, R], tempered [B, R])``, ``R ≤ max_new_tokens`` the steps
+        run: the tokens, their log-probs under the distribution drawn from (after truncation) and
+        under ``softmax(z/τ)``, float32 (values after a row's stop token are meaningless: mask them).
+
+    Gradient: none (``torch.no_grad()``).
+    """
+    pick = None if sampler is None else lookup(SAMPLERS, sampler, what="sampler")
+    tau = temperature if pick is not None else 1.0
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+    check_mask("prompt_mask", prompt_mask, like=prompt_ids, like_name="prompt_ids")
+    cache, logits, attention, position = _prefill(model, prompt_ids, prompt_mask, num_samples)
+    cached = {cache_keyword(model): cache}
+    stops = torch.as_tensor(list(stop_token_ids), device=prompt_ids.device)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    tokens, sampled, tempered = [], [], []
+    for step in range(max_new_tokens):
+        token, lp_s, lp_t = _draw(logits, pick=pick, temperature=tau, top_k=top_k, top_p=top_p, generator=generator)
+        token = torch.where(done, pad_token_id, token)
+        tokens.append(token)
+        sampled.append(lp_s)
+        tempered.append(lp_t)
+        done = done | torch.isin(token, stops)
+        if step + 1 == max_new_tokens or bool(done.all()):  # one host sync per step, as generate's criteria
+            break
+        attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], -1)
+        position = position + 1
+        logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None],
+                       use_cache=True, **cached).logits[:, -1]
+    return tuple(torch.stack(x, -1) for x in (tokens, sampled, tempered))
+
+
+def _engine_hf(model: nn.Module, batch: TensorDict, *, behaviour: str | None, max_new_tokens: int, num_samples: int,
+               stops: list[int], pad: int, greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
+               seed: int | None, sampler: str, options: Mapping[str, Any]):
+    """Hugging Face ``generate`` (its sampling draws from the global RNG, which ``generate_rollout``
+    seeds inside ``fork_rng``); ``options``: ``generate_kwargs`` and ``use_cache``."""
+    record = None if behaviour is None else BEHAVIOUR_LOGPROBS[behaviour]
+    # Sampling settings are passed only when sampling (greedy decoding warns about them).
+    sampling = dict(temperature=temperature, top_k=0 if top_k is None else top_k,
+                    top_p=1.0 if top_p is None else top_p) if not greedy else {}
+    out = model.generate(
+        input_ids=batch[K.PROMPT_IDS], attention_mask=batch[K.PROMPT_MASK].long(), max_new_tokens=max_new_tokens,
+        do_sample=not greedy, **sampling, num_return_sequences=num_samples, eos_token_id=stops,
+        pad_token_id=pad, return_dict_in_generate=True, output_scores=record is _sampled_logprobs,
+        output_logits=record is _tempered_logprobs, **options)
+    response = out.sequences[:, batch[K.PROMPT_IDS].shape[-1]:]
+    return response, None if record is None else record(out, response, 1.0 if greedy else temperature)
+
+
+def _engine_loop(model: nn.Module, batch: TensorDict, *, behaviour: str | None, max_new_tokens: int, num_samples: int,
+                 stops: list[int], pad: int, greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
+                 seed: int | None, sampler: str, options: Mapping[str, Any]):
+    """``sample_responses`` with the ``sampler`` rule (greedy: argmax), drawing from its own generator
+    seeded with ``seed``; both behaviour log-probs come from the same logits."""
+    g = None if seed is None else torch.Generator(model_device(model)).manual_seed(seed)
+    response, *lps = sample_responses(model, batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
+                                      max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
+                                      num_samples=num_samples, temperature=temperature, top_k=top_k,
+                                      top_p=top_p, sampler=None if greedy else sampler, generator=g)
+    return response, None if behaviour is None else dict(zip(("sampled", "tempered"), lps))[behaviour]
+
+
+def _engine_vllm(model: nn.Module, batch: TensorDict, *, behaviour: str | None, max_new_tokens: int, num_samples: int,
+                 stops: list[int], pad: int, greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
+                 seed: int | None, sampler: str, options: Mapping[str, Any]):
+    """A vLLM engine for ``model`` (``options``: ``vllm.LLM`` keywords). It records the truncated
+    distribution's log-probs ("sampled"); "tempered" ones under top-k / top-p are left to one forward
+    of the policy (``None`` here)."""
+    from rlcore.loops.scale.vllm_engine import engine_for, vllm_generate
+    response, old = vllm_generate(engine_for(model, options), batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
+                                  max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
+                                  num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  greedy=greedy, seed=seed)
+    truncating = bool(top_k) or (top_p is not None and top_p < 1.0)
+    return response, None if behaviour is None or (behaviour == "tempered" and not greedy and truncating) else old
+
+
+ENGINES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
+    "hf": _engine_hf,      # Hugging Face generate: every logits processor (generate_kwargs)
+    "loop": _engine_loop,  # the KV-cache decode loop with a SAMPLERS rule: the fast one
+    "vllm": _engine_vllm,  # a vLLM engine (loops.scale.vllm_engine; the vllm extra)
+}
