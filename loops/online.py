@@ -9,9 +9,10 @@ preference pairs) and the loss; what is the same lives here:
 - :func:`build_online_state`: policy + frozen reference (+ frozen reward model, + the recipe's own
   models such as a critic), AdamW, schedule, transform states;
 - :func:`prompt_source`: a resumable stream of prompt batches (dicts of dataset columns);
-- :func:`collect_rollout`: ``G`` samples per prompt from the policy, seeded from ``state.rng``
-  (:func:`generate_kwargs`, ``loops.collect.draw_seed``), then :func:`score_collected`: reference
-  log-probs, optional values, the task reward (or reward model), the seed draw and the counters;
+- :func:`collect_rollout`: the step's one seed draw from ``state.rng`` (``loops.collect.draw_seed``),
+  ``G`` samples per prompt from the policy (:func:`generate_kwargs`), then :func:`score_collected`:
+  reference log-probs, optional values, the task reward (or reward model) and the counters
+  (a rollout generated elsewhere: :func:`replay_seed_draw` first);
 - :func:`policy_loss_fn`: the ``update`` loss closure of the policy-gradient recipes (log-probs
   through the policy, then any ``(batch, **denominators) -> (loss, metrics)`` loss);
 - :func:`evaluate_policy`: held-out mean reward and exact match (greedy) and KL to the reference
@@ -63,8 +64,8 @@ from rlcore.transforms import observed_kl
 
 __all__ = ["OnlineConfig", "Correction", "advantage_fn", "exclude_unscored", "check_prompt_data",
            "check_prompt_lengths", "build_online_state", "prompt_source", "update_sizes", "generate_kwargs",
-           "collect_rollout", "critic_values", "score_collected", "with_policy_logprobs", "policy_loss_fn",
-           "policy_update", "rollout_metrics", "train_online"]
+           "collect_rollout", "replay_seed_draw", "critic_values", "score_collected", "with_policy_logprobs",
+           "policy_loss_fn", "policy_update", "rollout_metrics", "train_online"]
 
 # the asynchronous learners' importance correction: a batch with advantages -> (the batch the loss sees, metrics)
 Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
@@ -220,9 +221,9 @@ def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: 
                     reward_fn: RewardFn | None, num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
     """Sample ``G`` responses per prompt and score them: ``(state, rollout)``.
 
-    ``generate_rollout(policy, ..., seed=draw_seed(copy of state.rng))`` (``generate_kwargs``), then
-    :func:`score_collected`, which scores the rollout and carries the seed draw over to the
-    returned state. Behaviour log-probs (``old_logprobs``) come from generation itself.
+    The step's one seed draw (``draw_seed`` on a copy of ``state.rng``, which the returned state
+    carries on), ``generate_in_chunks(policy, ..., seed=)`` (``generate_kwargs``), then
+    :func:`score_collected`. Behaviour log-probs (``old_logprobs``) come from generation itself.
 
     Args:
         rows: a prompt batch, dict of columns with ``prompt`` (``P`` rows).
@@ -231,11 +232,22 @@ def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: 
         As :func:`score_collected`: the advanced state and the rollout TensorDict ``[B = P·G]``.
     """
     G = config.num_samples if num_samples is None else num_samples
+    rng = copy_generator(state.rng)
+    seed = draw_seed(rng)
     rollout = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]),
-                                 **{**generate_kwargs(config), "num_samples": G},
-                                 seed=draw_seed(copy_generator(state.rng)), policy_version=state.policy_version)
-    return score_collected(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                           num_samples=G)
+                                 **{**generate_kwargs(config), "num_samples": G}, seed=seed,
+                                 policy_version=state.policy_version)
+    return score_collected(dataclasses.replace(state, rng=rng), rows, rollout, config=config, tokenizer=tokenizer,
+                           reward_fn=reward_fn, num_samples=G)
+
+
+def replay_seed_draw(state: TrainState) -> TrainState:
+    """``state`` with its generator past one ``draw_seed``: the draw a rollout generated elsewhere
+    (``loops.scale.async_rl``'s generator process, ``loops.scale.placement``'s actor) was sampled
+    with, so the learner's state goes on as the synchronous ``collect_rollout`` leaves it."""
+    rng = copy_generator(state.rng)
+    draw_seed(rng)
+    return dataclasses.replace(state, rng=rng)
 
 
 def critic_values(state: TrainState) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
@@ -252,18 +264,18 @@ def critic_values(state: TrainState) -> Callable[[torch.Tensor, torch.Tensor], t
 
 def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any,
                     tokenizer, reward_fn: RewardFn | None, num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
-    """``collect_rollout`` after generation: score a rollout sampled from ``rows`` with a seed drawn
-    from ``state.rng``, and advance the state past that draw and those samples.
+    """``collect_rollout`` after generation: score a rollout sampled from ``rows`` and advance the
+    state's counters past those samples.
 
     ``score_rollout`` with the models the state holds: ``ref_logprobs`` from ``models["ref"]``
     (unless the recipe's config has ``rollout_ref_logprobs = False``: online DPO's pairs get
     theirs), ``values`` from a critic (:func:`critic_values`) and ``score`` from the reward
     (``reward_fn`` on the decoded texts with the other dataset columns repeated per sample, plus
-    ``models["reward"]``); then one ``draw_seed`` from a copy of ``state.rng`` (the seed the
-    rollout was sampled with) and the counters. A rollout generated elsewhere (``loops.scale.async_rl``,
-    ``loops.scale.placement``) with that seed therefore leaves the state exactly as the synchronous
-    ``collect_rollout`` does; a learner whose state holds no reference or reward model (the Ray
-    scorer added those) scores only what it holds.
+    ``models["reward"]``); then the counters. The seed draw is the caller's: ``collect_rollout``
+    draws it; a learner scoring a rollout generated elsewhere (``loops.scale.async_rl``,
+    ``loops.scale.placement``) first replays it (:func:`replay_seed_draw`), and is then left
+    exactly as the synchronous ``collect_rollout`` leaves it. A learner whose state holds no
+    reference or reward model (the Ray scorer added those) scores only what it holds.
 
     Args:
         rows: the prompt batch the rollout was sampled from (``P`` rows of columns).
@@ -271,9 +283,9 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
         reward_fn: ``None`` with no ``state.models["reward"]`` keeps the rollout's ``score`` (if any).
         num_samples: ``G`` (default ``config.num_samples``).
     Returns:
-        ``(state, rollout)``: the state with the generator advanced by one draw and ``samples_seen``,
-        ``episodes`` (``+B``), ``tokens_seen`` (``+Σ response_mask``) advanced (the input state is
-        untouched); a shallow copy of the rollout with the scores.
+        ``(state, rollout)``: the state with ``samples_seen``, ``episodes`` (``+B``) and
+        ``tokens_seen`` (``+Σ response_mask``) advanced (the input state is untouched); a shallow
+        copy of the rollout with the scores.
     """
     reference = state.models.get("ref") if getattr(config, "rollout_ref_logprobs", True) else None
     G = config.num_samples if num_samples is None else num_samples
@@ -292,12 +304,8 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
             rollout[K.RESPONSE_MASK], max_length=config.max_new_tokens, buffer=buffer,
             factor=config.overlong_penalty_factor).to(rollout[K.SCORE])
     rollout = exclude_unscored(rollout)
-    rng = copy_generator(state.rng)
-    draw_seed(rng)  # the seed the rollout was sampled with
     B = rollout.batch_size[0]
-    state = advance(dataclasses.replace(state, rng=rng), samples_seen=B, episodes=B,
-                    tokens_seen=rollout[K.RESPONSE_MASK].sum())
-    return state, rollout
+    return advance(state, samples_seen=B, episodes=B, tokens_seen=rollout[K.RESPONSE_MASK].sum()), rollout
 
 
 def exclude_unscored(rollout: TensorDictBase) -> TensorDictBase:

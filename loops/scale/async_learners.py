@@ -2,8 +2,8 @@
 
 A synchronous online recipe's ``step`` is ``collect_rollout → learn``. The asynchronous loops
 (``loops.scale.async_rl``'s generator process, ``loops.scale.placement``'s Ray actors) generate elsewhere and
-hand the rollout to :func:`learn_off_policy`: ``loops.online.score_collected`` (the scores the
-learner's state holds models for, the seed draw, the counters), then the recipe's own ``learn``
+hand the rollout to :func:`learn_off_policy`: the seed draw replayed, ``loops.online.score_collected``
+(the scores the learner's state holds models for, the counters), then the recipe's own ``learn``
 (:func:`recipe_of` finds it from the config's class: no recipe is imported here) with the
 optional importance correction.
 
@@ -43,7 +43,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.ppo import importance_log_ratio
 from rlcore.checks import check_mask, check_same_shape
-from rlcore.loops.online import Correction, score_collected, with_policy_logprobs
+from rlcore.loops.online import Correction, replay_seed_draw, score_collected, with_policy_logprobs
 from rlcore.loops.state import TrainState
 from rlcore.masked import masked_mean
 
@@ -162,10 +162,10 @@ def learn_off_policy(state: TrainState, rows: Mapping[str, Sequence], rollout: T
     """Score a generated rollout and update on it with the recipe's ``learn``, exactly as the
     synchronous recipe does after generating (impure: trains the policy).
 
+    ``loops.online.replay_seed_draw`` (the draw the generator sampled with), then
     ``loops.online.score_collected`` with the learner's current models (reference, reward model,
     the critic's values: those the state holds; the Ray learner's state holds no reference or
-    reward model, the scorer added theirs), which also replays the seed draw and advances the
-    counters; the learner's own log-probs ``π_prox`` (one no-grad forward: the ``async/*``
+    reward model, the scorer added theirs) and the counters; the learner's own log-probs ``π_prox`` (one no-grad forward: the ``async/*``
     metrics); then ``recipe_of(config).learn``, with :func:`importance_correction` at
     ``config.ratio_level`` when ``is_clip`` is set.
 
@@ -179,7 +179,8 @@ def learn_off_policy(state: TrainState, rows: Mapping[str, Sequence], rollout: T
         ``(state, metrics)`` as the recipe's ``step``, plus the ``async/*`` metrics.
     """
     recipe = check_learner(config, is_clip)
-    state, rollout = score_collected(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    state, rollout = score_collected(replay_seed_draw(state), rows, rollout, config=config, tokenizer=tokenizer,
+                                     reward_fn=reward_fn)
     with torch.no_grad():
         prox = with_policy_logprobs(state.model("policy"), rollout, temperature=config.temperature)[K.LOGPROBS]
     stats = off_policy_metrics(rollout, prox, state.policy_version)

@@ -181,7 +181,7 @@ def test_learn_off_policy_is_score_collected_then_the_recipes_learn():
     of the learner's own log-probs at PPO's ratio level."""
     from rlcore.loops.chunks import generate_in_chunks
     from rlcore.loops.collect import draw_seed
-    from rlcore.loops.online import generate_kwargs, score_collected, with_policy_logprobs
+    from rlcore.loops.online import generate_kwargs, replay_seed_draw, score_collected, with_policy_logprobs
     from rlcore.loops.state import copy_generator
 
     config = ppo.Config(**TINY, num_samples=2, steps=1, lr=1e-2)
@@ -193,7 +193,8 @@ def test_learn_off_policy_is_score_collected_then_the_recipes_learn():
         rollout = generate_in_chunks(state.model("policy"), tokenizer, rows["prompt"], **generate_kwargs(config),
                                      seed=draw_seed(copy_generator(state.rng)), policy_version=0)
         if split:
-            state, scored = score_collected(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=digits)
+            state, scored = score_collected(replay_seed_draw(state), rows, rollout, config=config, tokenizer=tokenizer,
+                                            reward_fn=digits)
             with torch.no_grad():
                 prox = with_policy_logprobs(state.model("policy"), scored)[K.LOGPROBS]
             stats = off_policy_metrics(scored, prox, state.policy_version)

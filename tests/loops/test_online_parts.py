@@ -13,7 +13,8 @@ from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import ValueHead
 from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, generate_kwargs, policy_loss_fn,
-                                 prompt_source, rollout_metrics, score_collected, with_policy_logprobs)
+                                 prompt_source, replay_seed_draw, rollout_metrics, score_collected,
+                                 with_policy_logprobs)
 from rlcore.loops.reward_fns import make_reward_fn, repeat_columns
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.state import copy_generator
@@ -113,12 +114,18 @@ def test_generate_kwargs_and_draw_seed():
 
 def test_collect_rollout_is_generation_then_score_collected(setup):
     """The split the asynchronous loops use: a rollout sampled elsewhere with ``draw_seed(state.rng)``,
-    then ``score_collected``, gives the rollout and state of ``collect_rollout`` exactly."""
+    then ``replay_seed_draw`` and ``score_collected``, gives the rollout and state of
+    ``collect_rollout`` exactly; ``score_collected`` itself leaves the generator alone."""
     config, state, tokenizer, rows = setup
     want_state, want = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
     generated = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]), **generate_kwargs(config),
                                    generator=copy_generator(state.rng), policy_version=state.policy_version)
-    got_state, got = assert_pure(score_collected, state, rows, generated, config=config, tokenizer=tokenizer,
+    unreplayed, _ = score_collected(state, rows, generated, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+    assert torch.equal(unreplayed.rng.get_state(), state.rng.get_state())
+    before = state.rng.get_state()
+    replayed = replay_seed_draw(state)
+    assert torch.equal(state.rng.get_state(), before) and not torch.equal(replayed.rng.get_state(), before)
+    got_state, got = assert_pure(score_collected, replayed, rows, generated, config=config, tokenizer=tokenizer,
                                  reward_fn=digit_fraction)
     assert set(got.keys()) == set(want.keys())
     for key in want.keys():
