@@ -26,6 +26,7 @@ import yaml
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from rlcore.loops.collect import check_length_range
+from rlcore.loops.engines import ENGINES, SAMPLERS
 from rlcore.loops.logging import check_trackers
 
 __all__ = ["RunConfig", "DTYPES", "TINY_MODELS", "loading_kwargs", "quantization_kwargs", "check_quantization",
@@ -267,6 +268,12 @@ def check_config(config: Any) -> Any:
             check_length_range(config.length_sampler)
         except ValueError as e:
             faults.append(str(e))
+    for name, registry in (("engine", ENGINES), ("sampler", SAMPLERS)):  # the generation engine and its rule
+        value = getattr(config, name, None)
+        if value is not None and value not in registry:
+            faults.append(f"{name}: expected one of {sorted(registry)}, got {value!r}")
+    if getattr(config, "engine_options", None) and getattr(config, "engine", None) != "vllm":
+        faults.append(f"engine_options: only for engine='vllm', got engine={config.engine!r}")
     if faults:
         raise ValueError(f"{type(config).__name__}: " + "; ".join(faults))
     if getattr(config, "mixed_precision", None) not in (None, "bf16"):
