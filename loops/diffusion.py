@@ -30,6 +30,7 @@ from rlcore import keys as K
 from rlcore.algorithms.ddpo import ddim_step
 from rlcore.checks import check_float, check_ndim, require_keys
 from rlcore.loops.fold import fold
+from rlcore.loops.images import require_extra
 from rlcore.loops.state import copy_generator, init_state
 from rlcore.loops.update import make_optimizer, update
 
@@ -41,11 +42,6 @@ except ImportError:  # optional extra
 __all__ = ["DDIMSchedule", "BETA_SCHEDULES", "ddim_schedule", "schedule_from_scheduler", "build_denoiser",
            "predict_noise", "sample_trajectories", "step_logprobs", "timestep_rows", "SYNTHETIC_PATTERNS",
            "synthetic_images", "pretrain_denoiser"]
-
-
-def _require(module: Any, what: str, package: str) -> None:
-    if module is None:
-        raise ImportError(f"{what} needs {package}: pip install 'rlcore[diffusion]'")
 
 
 # --- DDIM schedules ------------------------------------------------------------------------
@@ -156,7 +152,7 @@ def build_denoiser(num_classes: int, *, sample_size: int = 16, channels: int = 3
     ``num_classes`` the unconditional class of classifier-free guidance. The initialisation
     draws from a forked global RNG seeded with ``seed`` (the caller's global RNG is untouched).
     """
-    _require(UNet2DModel, "build_denoiser", "diffusers")
+    require_extra(UNet2DModel, "build_denoiser", "diffusers")
     n = len(block_out_channels)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -20,10 +20,11 @@ except ImportError:  # optional extra
     Image = None
 
 __all__ = ["latents_to_images", "images_to_uint8", "jpeg_sizes", "jpeg_compressibility", "jpeg_incompressibility",
-           "REWARD_FUNCTIONS", "get_reward_fn", "score_images", "image_grid", "save_image_grid"]
+           "REWARD_FUNCTIONS", "get_reward_fn", "score_images", "image_grid", "save_image_grid", "require_extra"]
 
 
-def _require(module: Any, what: str, package: str) -> None:
+def require_extra(module: Any, what: str, package: str) -> None:
+    """An ``ImportError`` naming the ``rlcore[diffusion]`` extra when an optional ``module`` is missing."""
     if module is None:
         raise ImportError(f"{what} needs {package}: pip install 'rlcore[diffusion]'")
 
@@ -56,7 +57,7 @@ def jpeg_sizes(images: torch.Tensor, *, quality: int = 95) -> torch.Tensor:
     Args: images ``[B, C, H, W]`` float in ``[0, 1]``, ``C`` = 1 or 3.  Returns: ``[B]`` float32.
     References: Black et al., https://arxiv.org/abs/2305.13301 (DDPO's compressibility reward).
     """
-    _require(Image, "jpeg_sizes", "pillow")
+    require_extra(Image, "jpeg_sizes", "pillow")
     sizes = []
     for arr in images_to_uint8(images):
         buffer = io.BytesIO()
@@ -105,7 +106,7 @@ def score_images(reward_fn: Callable, images: torch.Tensor, prompts: Sequence[st
 def image_grid(images: torch.Tensor, *, nrow: int | None = None, scale: int = 4, padding: int = 2) -> Any:
     """A PIL image of ``images [B, C, H, W]`` (in ``[0, 1]``) in a grid of ``nrow`` per row,
     each upscaled ``scale`` times (nearest), on a white background."""
-    _require(Image, "image_grid", "pillow")
+    require_extra(Image, "image_grid", "pillow")
     tiles = images_to_uint8(images.repeat_interleave(scale, -1).repeat_interleave(scale, -2))
     b, h, w, c = tiles.shape
     nrow = nrow or math.ceil(math.sqrt(b))
