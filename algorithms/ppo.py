@@ -1,8 +1,8 @@
-"""PPO: importance ratios, the clipped surrogate and its variants, the clipped value loss, metrics.
+"""PPO: the clipped surrogate and its variants, the clipped value loss, metrics.
 
-Tensor kernels (unreduced, ``[..., T]`` in and out) and one loss on a rollout TensorDict::
+Tensor kernels (unreduced, ``[..., T]`` in and out) and one loss on a rollout TensorDict, on the
+importance ratios of ``algorithms.ratios``::
 
-    importance_log_ratio   log ρ per token: token, sequence (GSPO) or sequence-sum (RLOO) level
     clipped_surrogate      max(−Aρ, −A·clip(ρ, 1−ε_lo, 1+ε_hi)), optional dual clip
     cispo_surrogate        −sg(clip(ρ, 1−ε_lo, 1+ε_hi))·A·log π
     clipped_value_loss     ½·max((V̂−R)², (clip(V̂, V−c, V+c)−R)²)
@@ -34,16 +34,12 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_mask, check_same_shape, lookup, require_keys
+from rlcore.algorithms.ratios import importance_log_ratio
+from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, lookup, require_keys, validated
 from rlcore.kl import kl_estimate
-from rlcore.masked import aggregate, masked_mean, masked_sum, masked_var
+from rlcore.masked import aggregate, masked_mean, masked_var, zero_outside
 
 __all__ = [
-    "importance_log_ratio",
-    "token_log_ratio",
-    "sequence_log_ratio",
-    "sequence_sum_log_ratio",
-    "RATIO_LEVELS",
     "Surrogate",
     "clipped_surrogate",
     "cispo_surrogate",
@@ -59,95 +55,6 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
-
-
-def _zero(x: Tensor, mask: Tensor) -> Tensor:
-    # torch.where, never x * mask: padding may hold NaN, and 0·NaN is NaN (in backward too).
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-# --- importance ratios ------------------------------------------------------------------------
-def _check_ratio_inputs(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> None:
-    check_float("logprobs", logprobs)
-    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs)
-    check_mask("mask", mask, like=logprobs, like_name="logprobs")
-
-
-def token_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """``log ρ_t = lp_t − old_t`` per token, 0 outside ``mask`` (PPO)."""
-    _check_ratio_inputs(logprobs, old_logprobs, mask)
-    return _zero(logprobs - old_logprobs.detach(), mask)
-
-
-def sequence_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """GSPO: ``log s_t = lp_t − sg(lp_t) + sg(mean_t(lp − old))``, 0 outside ``mask``.
-
-    Each token's value is the sequence's length-normalised log-ratio and its gradient is
-    ``∇lp_t``. With a sequence-level advantage (the same ``A_i`` on every token, as GRPO/GSPO
-    estimators give) and any aggregation mode (all weigh the tokens of one sequence equally),
-    the aggregated loss has exactly the value and gradient of the sequence-level objective.
-    """
-    _check_ratio_inputs(logprobs, old_logprobs, mask)
-    mean = masked_mean(logprobs.detach() - old_logprobs.detach(), mask, dim=-1, keepdim=True)
-    return _zero(logprobs - logprobs.detach() + mean, mask)
-
-
-def sequence_sum_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """RLOO (TRL): ``S = Σ_t (lp_t − old_t)`` broadcast to every token, with its full gradient.
-
-    Every token carries the same function ``S`` of the whole sequence, so under
-    ``seq_mean_token_mean`` the loss is ``mean_i ℓ(S_i)`` in value and gradient, TRL's
-    sequence-level RLOO loss. The ratio is ``exp`` of the *sum* (not the mean, unlike GSPO).
-    """
-    _check_ratio_inputs(logprobs, old_logprobs, mask)
-    total = masked_sum(logprobs - old_logprobs.detach(), mask, dim=-1, keepdim=True)
-    return _zero(total.expand_as(logprobs), mask)
-
-
-RATIO_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
-    "token": token_log_ratio,
-    "sequence": sequence_log_ratio,
-    "sequence_sum": sequence_sum_log_ratio,
-}
-
-
-def importance_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *, level: str = "token",
-                         clamp: float | None = None) -> Tensor:
-    """Log importance ratio ``log ρ = log π_θ − log π_old``, per token or per sequence.
-
-    - ``"token"``: ``lp_t − old_t`` (PPO).
-    - ``"sequence"``: ``lp_t − sg(lp_t) + sg(Σ_t m(lp − old) / Σ_t m)`` (GSPO).
-    - ``"sequence_sum"``: ``Σ_t m(lp − old)`` on every token, full gradient (TRL's RLOO).
-
-    With ``clamp = c`` the result is clamped to ``[−c, c]`` (verl uses 20 for tokens); a clamped
-    token has no gradient.
-
-    Args:
-        logprobs: ``[..., T]`` float, current policy, differentiable.
-        old_logprobs: ``[..., T]`` float, behaviour policy (detached).
-        mask: ``[..., T]`` bool, True on response tokens.
-        level: a key of ``RATIO_LEVELS``.  clamp: ``None`` or a positive float.
-    Returns:
-        ``[..., T]`` log-ratio, 0 outside ``mask`` (ratio 1), so padding never reaches ``exp``.
-
-    >>> lp, old = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.5, -1.5, 9.0]])
-    >>> m = torch.tensor([[True, True, False]])
-    >>> importance_log_ratio(lp, old, m), importance_log_ratio(lp, old, m, level="sequence_sum")
-    (tensor([[ 0.5000, -0.5000,  0.0000]]), tensor([[0., 0., 0.]]))
-
-    References:
-        Schulman et al., "Proximal Policy Optimization Algorithms", https://arxiv.org/abs/1707.06347
-        Zheng et al., "Group Sequence Policy Optimization", https://arxiv.org/abs/2507.18071
-        Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
-        from Human Feedback in LLMs" (RLOO), https://arxiv.org/abs/2402.14740
-    """
-    check_float("logprobs", logprobs)
-    check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs)
-    check_mask("mask", mask, like=logprobs, like_name="logprobs")
-    log_ratio = lookup(RATIO_LEVELS, level, what="level")(logprobs, old_logprobs, mask)
-    if clamp is not None:
-        log_ratio = log_ratio.clamp(-clamp, clamp)
-    return log_ratio
 
 
 # --- policy surrogates ------------------------------------------------------------------------
@@ -346,9 +253,9 @@ def ratio_stats(log_ratio: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     (tensor(1.2500), tensor(1.5000))
     """
     check_mask("mask", mask, like=log_ratio, like_name="log_ratio")
-    ratio = torch.exp(_zero(log_ratio.detach(), mask))
+    ratio = torch.exp(zero_outside(log_ratio.detach(), mask))
     # max over the valid tokens (ratios are > 0, so the zeroed padding never wins); 0 when there are none
-    return masked_mean(ratio, mask), torch.cat([_zero(ratio, mask).flatten(), ratio.new_zeros(1)]).amax()
+    return masked_mean(ratio, mask), torch.cat([zero_outside(ratio, mask).flatten(), ratio.new_zeros(1)]).amax()
 
 
 def explained_variance(predictions: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
@@ -369,7 +276,7 @@ def explained_variance(predictions: Tensor, targets: Tensor, mask: Tensor) -> Te
     check_same_shape("targets", targets, predictions=predictions)
     targets, predictions = targets.detach(), predictions.detach()
     var_t = masked_var(targets, mask)
-    var_res = masked_var(_zero(targets, mask) - _zero(predictions, mask), mask)
+    var_res = masked_var(zero_outside(targets, mask) - zero_outside(predictions, mask), mask)
     tiny = torch.finfo(var_t.dtype).tiny
     return torch.where(var_t > 0, 1 - var_res / var_t.clamp(min=tiny), torch.zeros_like(var_t))
 
@@ -391,17 +298,39 @@ _LAYOUTS = dict.fromkeys((K.LOGPROBS, K.OLD_LOGPROBS, K.ADVANTAGES, K.RESPONSE_M
                           K.VALUE_PREDS, K.VALUES, K.RETURNS, K.ENTROPY), "[B, R]")
 
 
-def _is_zero(coef) -> bool:
+def _iszero_outside(coef) -> bool:
     # A tensor coefficient (an adaptive state) is never assumed to be 0: no branching on data.
     return isinstance(coef, (int, float)) and coef == 0
 
 
 def _token_entry(batch: TensorDictBase, key: str, mask: Tensor) -> Tensor:
-    """``batch[key]`` checked to be a float ``[B, R]`` like the mask, zeroed outside it."""
-    x = batch.get(key)
-    check_float(key, x)
-    check_same_shape(K.RESPONSE_MASK, mask, **{key: x})
-    return _zero(x, mask)
+    """``batch[key]`` (checked by ``_check_inputs``) zeroed outside the mask."""
+    return zero_outside(batch.get(key), mask)
+
+
+def _check_inputs(batch: TensorDictBase, *, entropy_coef, kl_coef, cliprange_value) -> Tensor:
+    """Every key ``ppo_loss`` will read, present and a float ``[B, R]`` like the bool mask: the one
+    validation of the loss (the kernels then run inside ``rlcore.checks.validated``). Returns the mask."""
+    required = [K.LOGPROBS, K.OLD_LOGPROBS, K.ADVANTAGES]
+    require_keys(batch, [*required, K.RESPONSE_MASK], where="ppo_loss", layouts=_LAYOUTS)
+    mask = batch.get(K.RESPONSE_MASK)
+    check_ndim(K.RESPONSE_MASK, mask, min_ndim=1, layout="[B, R]")
+    check_mask(K.RESPONSE_MASK, mask)
+    if not _iszero_outside(entropy_coef) or K.ENTROPY in batch.keys():
+        require_keys(batch, [K.ENTROPY], where="ppo_loss (entropy_coef != 0)", layouts=_LAYOUTS)
+        required.append(K.ENTROPY)
+    if not _iszero_outside(kl_coef):
+        require_keys(batch, [K.REF_LOGPROBS], where="ppo_loss (kl_coef != 0)", layouts=_LAYOUTS)
+        required.append(K.REF_LOGPROBS)
+    if K.VALUE_PREDS in batch.keys():
+        value_keys = [K.VALUE_PREDS, K.RETURNS] + ([] if cliprange_value is None else [K.VALUES])
+        require_keys(batch, value_keys, where="ppo_loss (value term)", layouts=_LAYOUTS)
+        required += value_keys
+    for key in required:
+        x = batch.get(key)
+        check_float(key, x)
+        check_same_shape(K.RESPONSE_MASK, mask, **{key: x})
+    return mask
 
 
 def _policy_terms(batch, mask, agg, *, surrogate, clip_eps_low, clip_eps_high, clip_ratio_c,
@@ -423,13 +352,11 @@ def _policy_terms(batch, mask, agg, *, surrogate, clip_eps_low, clip_eps_high, c
                "clipfrac_high": clip_fraction(sur.clipped_high, mask, dtype=lp.dtype),
                "clipfrac_dual": clip_fraction(sur.clipped_dual, mask, dtype=lp.dtype),
                "ratio_mean": ratio_mean, "ratio_max": ratio_max}
-    if not _is_zero(entropy_coef) or K.ENTROPY in batch.keys():
-        require_keys(batch, [K.ENTROPY], where="ppo_loss (entropy_coef != 0)", layouts=_LAYOUTS)
+    if K.ENTROPY in batch.keys():
         entropy = _token_entry(batch, K.ENTROPY, mask)
         losses["loss_entropy"] = -entropy_coef * agg(entropy)
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
-    if not _is_zero(kl_coef):
-        require_keys(batch, [K.REF_LOGPROBS], where="ppo_loss (kl_coef != 0)", layouts=_LAYOUTS)
+    if not _iszero_outside(kl_coef):
         kl_tok = kl_estimate(lp, _token_entry(batch, K.REF_LOGPROBS, mask).detach(), kind=kl)
         kl_agg = agg(kl_tok)
         losses["loss_kl"] = kl_coef * kl_agg
@@ -438,8 +365,6 @@ def _policy_terms(batch, mask, agg, *, surrogate, clip_eps_low, clip_eps_high, c
 
 
 def _value_terms(batch, mask, agg, *, vf_coef, cliprange_value):
-    needed = [K.RETURNS] + ([] if cliprange_value is None else [K.VALUES])
-    require_keys(batch, needed, where="ppo_loss (value term)", layouts=_LAYOUTS)
     preds = _token_entry(batch, K.VALUE_PREDS, mask)
     returns = _token_entry(batch, K.RETURNS, mask)
     values = None if cliprange_value is None else _token_entry(batch, K.VALUES, mask)
@@ -500,27 +425,24 @@ def ppo_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low: fl
     ``advantages``, ``ref_logprobs``, ``values`` and ``returns`` are detached. Positions outside
     the mask get exactly zero gradient.
     """
-    require_keys(batch, [K.LOGPROBS, K.OLD_LOGPROBS, K.ADVANTAGES, K.RESPONSE_MASK], where="ppo_loss",
-                 layouts=_LAYOUTS)
-    mask = batch.get(K.RESPONSE_MASK)
-    check_mask(K.RESPONSE_MASK, mask)
+    mask = _check_inputs(batch, entropy_coef=entropy_coef, kl_coef=kl_coef, cliprange_value=cliprange_value)
+    with validated():
+        def agg_fn(x: Tensor) -> Tensor:
+            return aggregate(x, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_length=max_length)
 
-    def agg_fn(x: Tensor) -> Tensor:
-        return aggregate(x, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_length=max_length)
-
-    losses, metrics = _policy_terms(
-        batch, mask, agg_fn, surrogate=surrogate, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
-        clip_ratio_c=clip_ratio_c, log_ratio_clamp=log_ratio_clamp, ratio_level=ratio_level,
-        entropy_coef=entropy_coef, kl_coef=kl_coef, kl=kl)
-    if K.VALUE_PREDS in batch.keys():
-        value_losses, value_metrics = _value_terms(batch, mask, agg_fn, vf_coef=vf_coef,
-                                                   cliprange_value=cliprange_value)
-        losses, metrics = {**losses, **value_losses}, {**metrics, **value_metrics}
-    skip = (torch.zeros((), dtype=torch.bool, device=mask.device) if ratio_threshold is None
-            else metrics["ratio_mean"] > ratio_threshold)
-    losses = {k: torch.where(skip, torch.zeros_like(v), v) for k, v in losses.items()}
-    loss = torch.stack(list(losses.values())).sum()
-    dtype = loss.dtype
-    metrics = {**{k: v.detach() for k, v in losses.items()}, **metrics,
-               "skipped_ratio_threshold": skip.to(dtype)}
-    return loss, TensorDict({k: v.detach().to(dtype) for k, v in metrics.items()}, batch_size=[])
+        losses, metrics = _policy_terms(
+            batch, mask, agg_fn, surrogate=surrogate, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+            clip_ratio_c=clip_ratio_c, log_ratio_clamp=log_ratio_clamp, ratio_level=ratio_level,
+            entropy_coef=entropy_coef, kl_coef=kl_coef, kl=kl)
+        if K.VALUE_PREDS in batch.keys():
+            value_losses, value_metrics = _value_terms(batch, mask, agg_fn, vf_coef=vf_coef,
+                                                       cliprange_value=cliprange_value)
+            losses, metrics = {**losses, **value_losses}, {**metrics, **value_metrics}
+        skip = (torch.zeros((), dtype=torch.bool, device=mask.device) if ratio_threshold is None
+                else metrics["ratio_mean"] > ratio_threshold)
+        losses = {k: torch.where(skip, torch.zeros_like(v), v) for k, v in losses.items()}
+        loss = torch.stack(list(losses.values())).sum()
+        dtype = loss.dtype
+        metrics = {**{k: v.detach() for k, v in losses.items()}, **metrics,
+                   "skipped_ratio_threshold": skip.to(dtype)}
+        return loss, TensorDict({k: v.detach().to(dtype) for k, v in metrics.items()}, batch_size=[])

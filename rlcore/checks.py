@@ -3,12 +3,19 @@
 All checks read only shapes and dtypes (never tensor values), so they cost nothing on the
 device, never synchronise, and trace cleanly under ``torch.compile``. ``check_finite`` is the one
 exception: it reads values, and is meant for the loop boundary (``loops/``), not inside kernels.
+
+Validation happens once, at the boundary: a TensorDict-level loss (``ppo_loss``, ``dpo_loss``, ...)
+checks every key it reads, then computes inside :func:`validated`, where the checks of the tensor
+kernels it calls (``clipped_surrogate``, ``masked_mean``, ...) return at once. Called directly, each
+kernel checks its own arguments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -24,7 +31,36 @@ __all__ = [
     "NonFiniteError",
     "lookup",
     "bind_keywords",
+    "validated",
 ]
+
+_scope = threading.local()  # depth of `validated()` scopes on this thread (torch.compile traces it)
+
+
+@contextlib.contextmanager
+def validated():
+    """A scope whose inputs are already checked: inside it ``check_ndim``, ``check_same_shape``,
+    ``check_mask`` and ``check_float`` return at once (``require_keys`` still checks: a key that
+    one branch needs is asked for where the branch is taken). A boundary function checks
+    what it was given, then computes inside it, so the kernels it calls do not check again.
+    Per thread; nests.
+
+    >>> with validated():
+    ...     check_mask("mask", torch.zeros(2))  # a float mask passes unseen inside the scope
+    >>> check_mask("mask", torch.zeros(2))
+    Traceback (most recent call last):
+    ...
+    TypeError: mask: expected a torch.bool mask, got dtype torch.float32 with shape [2] (convert with .bool())
+    """
+    _scope.depth = getattr(_scope, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _scope.depth -= 1
+
+
+def _trusted() -> bool:
+    return getattr(_scope, "depth", 0) > 0
 
 
 class NonFiniteError(FloatingPointError):
@@ -41,6 +77,8 @@ def check_ndim(name: str, x: torch.Tensor, *, ndim: int | None = None, min_ndim:
 
     ``layout`` is the documented shape (e.g. ``"[B, T]"``) quoted in the message.
     """
+    if _trusted():
+        return
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor {layout}, got {type(x).__name__}")
     if ndim is not None and x.ndim != ndim:
@@ -55,6 +93,8 @@ def check_same_shape(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | 
 
     ``None`` entries are skipped (optional arguments).
     """
+    if _trusted():
+        return
     check_ndim(ref_name, ref)
     for name, x in others.items():
         if x is None:
@@ -72,6 +112,8 @@ def check_mask(name: str, mask: torch.Tensor, *, like: torch.Tensor | None = Non
     Masks are never inferred from pad values and never cast silently: a float or integer mask
     is almost always a bug upstream (a 0/1 attention mask that should have been ``.bool()``).
     """
+    if _trusted():
+        return
     check_ndim(name, mask)
     if mask.dtype != torch.bool:
         raise TypeError(f"{name}: expected a torch.bool mask, got dtype {mask.dtype} "
@@ -83,6 +125,8 @@ def check_mask(name: str, mask: torch.Tensor, *, like: torch.Tensor | None = Non
 
 def check_float(name: str, x: torch.Tensor) -> None:
     """Raise ``TypeError`` unless ``x`` is a floating-point tensor."""
+    if _trusted():
+        return
     check_ndim(name, x)
     if not x.is_floating_point():
         raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype} "
@@ -94,10 +138,11 @@ def require_keys(batch: Any, keys: Sequence, *, where: str, layouts: Mapping | N
 
     ``layouts`` maps a key to its documented shape, quoted in the message.
     """
-    present = set(batch.keys(include_nested=True, leaves_only=False)) if hasattr(batch, "batch_size") \
-        else set(batch.keys())
-    missing = [k for k in keys if k not in present]
+    nested = hasattr(batch, "batch_size")
+    names = batch.keys(include_nested=True, leaves_only=False) if nested else batch.keys()
+    missing = [k for k in keys if k not in names]
     if missing:
+        present = set(names)
         layouts = layouts or {}
         described = ", ".join(f"{k!r}" + (f" {layouts[k]}" if k in layouts else "") for k in missing)
         raise KeyError(f"{where}: batch is missing {described}; it has {sorted(map(str, present))}")

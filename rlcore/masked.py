@@ -18,6 +18,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "zero_outside",
     "aggregate",
     "AGGREGATIONS",
     "token_mean",
@@ -34,8 +35,17 @@ def _check(x: torch.Tensor, mask: torch.Tensor, name: str = "values") -> None:
     check_mask("mask", mask, like=x, like_name=name)
 
 
-def _zeroed(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # torch.where, not x * mask: 0 * NaN is NaN, and padding must never leak into a result.
+def zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` where ``mask``, exactly 0 elsewhere (in value and gradient).
+
+    ``torch.where``, never ``x * mask``: padding may hold NaN or inf, and ``0 · NaN`` is NaN (in the
+    backward pass too). ``mask``: bool, the shape of ``x``.
+
+    >>> zero_outside(torch.tensor([1.0, float("nan")]), torch.tensor([True, False]))
+    tensor([1., 0.])
+    """
+    check_ndim("x", x)
+    check_mask("mask", mask, like=x, like_name="x")
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -57,7 +67,7 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: bo
     tensor(3.)
     """
     _check(x, mask)
-    z = _zeroed(x, mask)
+    z = zero_outside(x, mask)
     return z.sum() if dim is None else z.sum(dim=dim, keepdim=keepdim)
 
 
@@ -75,7 +85,7 @@ def _centred(x: torch.Tensor, mask: torch.Tensor, dim: Dim, unbiased: bool):
     """``(mean, x − mean under the mask (0 elsewhere), variance)`` with one masking of ``x`` and
     one count: the shared moments of :func:`masked_var` and :func:`masked_whiten` (keepdim)."""
     n = _count(mask, dim, keepdim=True)
-    z = _zeroed(x, mask)
+    z = zero_outside(x, mask)
     mean = (z.sum() if dim is None else z.sum(dim=dim, keepdim=True)) / n.clamp(min=1).to(x.dtype)
     centred = (z - mean) * mask  # z is finite off the mask (0): the product is an exact 0 there
     sq = centred.square()
