@@ -1,7 +1,7 @@
 """Preference losses beyond DPO: ORPO, SimPO, CPO (with AlphaPO rewards), KTO; and the registry
 ``PREFERENCE_LOSSES`` of every TensorDict-level preference loss, ``(batch, **hyper) -> (loss, metrics)``,
 one name each: the DPO family by TRL's ``loss_type`` (``sigmoid``, ``ipo``, ``hinge``, ...: the
-keys of ``rlcore.algorithms.dpo.DPO_LOSSES``), then ``orpo``, ``simpo``, ``cpo`` and ``kto``.
+keys of ``rlcore.algorithms.dpo_variants.DPO_LOSSES``), then ``orpo``, ``simpo``, ``cpo`` and ``kto``.
 
 ORPO, SimPO and CPO need no reference model; KTO is unpaired (one completion per row, labelled
 desirable or not). Log-prob inputs are summed over completion tokens (``keys.LOGPS``); the
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.algorithms.dpo import (DPO_LOSSES, chosen_nll, completion_lengths, dpo, preference_metrics,
-                                   smoothed_sigmoid_loss)
+from rlcore.algorithms.dpo import chosen_nll, completion_lengths, dpo, preference_metrics
+from rlcore.algorithms.dpo_variants import DPO_LOSSES, smoothed_sigmoid_loss
 from rlcore.checks import check_float, check_mask, check_same_shape, require_keys
 from rlcore.masked import masked_mean
 

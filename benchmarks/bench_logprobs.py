@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlcore.logprobs import hidden_logprobs, token_logprobs
+from rlcore.logprobs import token_logprobs
+from rlcore.lm_head import hidden_logprobs
 
 try:  # imported here, once, so that the memory server's forked children inherit it
     from trl.trainer.utils import selective_log_softmax as _trl_selective

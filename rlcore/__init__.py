@@ -11,6 +11,7 @@ from rlcore import keys
 from rlcore.checks import *  # noqa: F401,F403
 from rlcore.masked import *  # noqa: F401,F403
 from rlcore.logprobs import *  # noqa: F401,F403
+from rlcore.lm_head import *  # noqa: F401,F403
 from rlcore.kl import *  # noqa: F401,F403
 from rlcore.returns import *  # noqa: F401,F403
 from rlcore.baselines import *  # noqa: F401,F403
@@ -20,5 +21,5 @@ from rlcore.registry import *  # noqa: F401,F403
 from rlcore.seeding import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
-_MODULES = ('checks', 'masked', 'logprobs', 'kl', 'returns', 'baselines', 'rewards', 'transforms', 'registry', 'seeding')
+_MODULES = ('checks', 'masked', 'logprobs', 'lm_head', 'kl', 'returns', 'baselines', 'rewards', 'transforms', 'registry', 'seeding')
 __all__ = ["keys", *(name for m in _MODULES for name in _import_module(f"rlcore.{m}").__all__)]

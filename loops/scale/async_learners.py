@@ -41,7 +41,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.algorithms.ppo import importance_log_ratio
+from rlcore.algorithms.ratios import importance_log_ratio
 from rlcore.checks import check_mask, check_same_shape
 from rlcore.loops.online import Correction, replay_seed_draw, score_collected, with_policy_logprobs
 from rlcore.loops.state import TrainState
@@ -64,7 +64,7 @@ def truncated_importance_weights(proximal_logprobs: torch.Tensor, behaviour_logp
         proximal_logprobs: ``[..., T]`` float, the learner's log-probs before the update.
         behaviour_logprobs: ``[..., T]`` float, the generator's (``old_logprobs`` of a rollout).
         mask: ``[..., T]`` bool.  clip: ``C > 0`` (IMPALA's ``ρ̄``; 1 by default).
-        level: a key of ``algorithms.ppo.RATIO_LEVELS``.
+        level: a key of ``algorithms.ratios.RATIO_LEVELS``.
     Returns:
         ``[..., T]`` weights in ``[0, C]``, 0 outside ``mask``, detached.
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from rlcore import keys as K
-from rlcore.algorithms.dpo import (DPO_LOSSES, F_DIVERGENCES, chosen_nll, dpo, dpo_loss, preference_metrics,
-                                   smoothed_sigmoid_loss)
+from rlcore.algorithms.dpo import chosen_nll, dpo, dpo_loss, preference_metrics
+from rlcore.algorithms.dpo_variants import DPO_LOSSES, F_DIVERGENCES, smoothed_sigmoid_loss
 from rlcore.testing import assert_padding_invariant, assert_pure, make_preference_batch, right_padded_mask
 from tests.algorithms.conformance import check_loss_conformance
 

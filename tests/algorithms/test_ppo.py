@@ -14,9 +14,10 @@ from tensordict import TensorDict
 
 import rlcore.algorithms.ppo as ppo
 from rlcore import keys as K
-from rlcore.algorithms.ppo import (RATIO_LEVELS, SURROGATES, approx_kl_k1, approx_kl_k3, cispo_surrogate, clip_fraction,
-                                   clipped_surrogate, clipped_value_loss, early_stop, explained_variance,
-                                   importance_log_ratio, ppo_loss, ratio_stats)
+from rlcore.algorithms.ppo import (SURROGATES, approx_kl_k1, approx_kl_k3, cispo_surrogate, clip_fraction,
+                                   clipped_surrogate, clipped_value_loss, early_stop, explained_variance, ppo_loss,
+                                   ratio_stats)
+from rlcore.algorithms.ratios import RATIO_LEVELS, importance_log_ratio
 from rlcore.testing import assert_pure, make_rollout, right_padded_mask
 from tests.algorithms.conformance import check_compiles, check_loss_conformance
 

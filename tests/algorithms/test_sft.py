@@ -222,15 +222,16 @@ def test_with_mock_lm_matches_cross_entropy():
 
 
 def test_chunked_hidden_state_logprobs_plug_in():
-    """The loss takes log-probs, so rlcore.logprobs' logits-free path gives the same loss."""
-    lpmod = pytest.importorskip("rlcore.logprobs")
+    """The loss takes log-probs, so rlcore.lm_head's logits-free path gives the same loss."""
+    from rlcore.lm_head import hidden_logprobs
+    from rlcore.logprobs import token_logprobs
     model = MockLM(vocab_size=16, hidden_size=8).double()
     ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(1))
     attn = right_padded_mask(torch.tensor([6, 4]), 6)
     out = model(ids, attn)
     labels, label_mask = shift_for_causal_lm(ids, attn, attention_mask=attn)
-    via_logits = lpmod.token_logprobs(out.logits[:, :-1], labels)
-    via_hidden = lpmod.hidden_logprobs(out.hidden_states[:, :-1], model.lm_head.weight, labels, chunk_size=5)
+    via_logits = token_logprobs(out.logits[:, :-1], labels)
+    via_hidden = hidden_logprobs(out.hidden_states[:, :-1], model.lm_head.weight, labels, chunk_size=5)
     losses = [sft_loss(TensorDict({K.LOGPROBS: lp, K.LOSS_MASK: label_mask}, [2]))[0]
               for lp in (via_logits, via_hidden)]
     torch.testing.assert_close(losses[0], losses[1])

@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 
 from rlcore import keys as K
-from rlcore.algorithms.dpo import DPO_LOSSES
+from rlcore.algorithms.dpo_variants import DPO_LOSSES
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.collate import collate_mismatched, collate_preference, collate_unpaired
 from rlcore.loops.tokenization import tokenize_dataset

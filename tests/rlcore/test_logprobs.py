@@ -13,7 +13,8 @@ from tensordict import TensorDict
 from torch.utils._pytree import tree_leaves
 
 from rlcore import keys as K
-from rlcore.logprobs import entropy_from_logits, hidden_logprobs, sequence_logprobs, token_logprobs
+from rlcore.logprobs import entropy_from_logits, sequence_logprobs, token_logprobs
+from rlcore.lm_head import hidden_logprobs
 from rlcore.testing import assert_padding_invariant, assert_pure, right_padded_mask
 
 F64 = torch.float64

@@ -10,9 +10,10 @@ from tensordict import TensorDict
 from rlcore import keys as K
 
 # by module path: rlcore.algorithms re-exports functions named like some modules (dpo, ddpo, reward)
-ddpo, dpo, online, policy_gradient, ppo, preference, reft, reward, sft = (
+ddpo, dpo, dpo_variants, online, policy_gradient, ppo, preference, ratios, reft, reward, sft = (
     importlib.import_module(f"rlcore.algorithms.{m}")
-    for m in ("ddpo", "dpo", "online", "policy_gradient", "ppo", "preference", "reft", "reward", "sft"))
+    for m in ("ddpo", "dpo", "dpo_variants", "online", "policy_gradient", "ppo", "preference", "ratios", "reft",
+              "reward", "sft"))
 from tests.robustness.entries_rlcore import lead, rows
 from tests.robustness.fuzz import F32, F64, Case, Draw, Entry
 
@@ -118,7 +119,7 @@ _SMOOTHING = {"robust": (0.0, 0.1, 0.49), "exo_pair": (1e-3, 0.5, 0.999)}
 
 
 def _dpo_hyper(d: Draw, loss_type: str) -> dict:
-    divergences = ["reverse_kl"] if loss_type in _REVERSE_KL_ONLY else sorted(dpo.F_DIVERGENCES)
+    divergences = ["reverse_kl"] if loss_type in _REVERSE_KL_ONLY else sorted(dpo_variants.F_DIVERGENCES)
     return dict(beta=d.choice([0.1, 0.5, 1.0, 5.0], "beta"),
                 label_smoothing=d.choice(_SMOOTHING.get(loss_type, (0.0, 0.1, 0.5)), "eps"),
                 divergence=d.choice(divergences, "divergence"), alpha=d.choice([0.5, 1.0, 1.5], "alpha"),
@@ -139,16 +140,16 @@ def _four_logps(d: Draw, dtype, B: int) -> dict:
 
 def dpo_kernel(loss_type: str | None):
     def make(d: Draw, dtype):
-        name = loss_type or d.choice(sorted(dpo.DPO_LOSSES), "loss_type")
+        name = loss_type or d.choice(sorted(dpo_variants.DPO_LOSSES), "loss_type")
         B = d.size()
         kw = _four_logps(d, dtype, B) | _dpo_hyper(d, name) | dict(
             chosen_lengths=d.ints((B,), 0, 20), rejected_lengths=d.ints((B,), 0, 20))
-        return Case(dpo.DPO_LOSSES[name], kw, grad=("chosen_logps", "rejected_logps"), **_squared(kw, name))
+        return Case(dpo_variants.DPO_LOSSES[name], kw, grad=("chosen_logps", "rejected_logps"), **_squared(kw, name))
     return Entry(make)
 
 
 def dpo_loss(d: Draw, dtype):
-    name = d.choice(sorted(dpo.DPO_LOSSES), "loss_type")
+    name = d.choice(sorted(dpo_variants.DPO_LOSSES), "loss_type")
     B = d.size()
     kw = _four_logps(d, dtype, B) | _dpo_hyper(d, name) | dict(
         loss_type=name, reference_free=d.flag("reference_free"),
@@ -159,14 +160,14 @@ def dpo_loss(d: Draw, dtype):
 
 
 def f_divergence(d: Draw, dtype):
-    f = dpo.F_DIVERGENCES[d.choice(sorted(dpo.F_DIVERGENCES), "divergence")]
+    f = dpo_variants.F_DIVERGENCES[d.choice(sorted(dpo_variants.F_DIVERGENCES), "divergence")]
     kw = dict(logratio=d.logprobs((d.size(),), dtype) - d.logprobs((1,), dtype), alpha=d.choice([0.5, 1.0, 1.5], "a"))
     return Case(f, kw, grad=("logratio",))
 
 
 def smoothed_sigmoid(d: Draw, dtype):
     kw = dict(logits=d.reals(rows(d), dtype), label_smoothing=d.choice([0.0, 0.1, 0.5], "eps"))
-    return Case(dpo.smoothed_sigmoid_loss, kw, grad=("logits",))
+    return Case(dpo_variants.smoothed_sigmoid_loss, kw, grad=("logits",))
 
 
 def chosen_nll(d: Draw, dtype):
@@ -203,7 +204,7 @@ _PREF_GRAD = (("batch", K.CHOSEN, K.LOGPS), ("batch", K.REJECTED, K.LOGPS))
 
 
 def dpo_batch(d: Draw, dtype):
-    name = d.choice(sorted(dpo.DPO_LOSSES), "loss_type")
+    name = d.choice(sorted(dpo_variants.DPO_LOSSES), "loss_type")
     kw = dict(batch=preference_batch(d, dtype), loss_type=name, reference_free=d.flag("reference_free"),
               rpo_alpha=d.choice([None, 1.0], "rpo_alpha")) | _dpo_hyper(d, name)
     return Case(dpo.dpo, kw, grad=_PREF_GRAD, ok=_FREE_SEQUENCE_KEYS, **_squared(kw, name))
@@ -326,10 +327,10 @@ def log_ratio(fn):
         kw = dict(logprobs=lp, old_logprobs=old, mask=d.mask(shape))
         call = fn
         if fn == "registry":
-            call = ppo.RATIO_LEVELS[d.choice(sorted(ppo.RATIO_LEVELS), "level")]
-        elif fn is ppo.importance_log_ratio:
-            kw |= dict(level=d.choice(sorted(ppo.RATIO_LEVELS), "level"), clamp=d.choice([None, 20.0], "clamp"))
-        known = {} if call is ppo.importance_log_ratio else _RATIO_KNOWN  # the levels check no shapes
+            call = ratios.RATIO_LEVELS[d.choice(sorted(ratios.RATIO_LEVELS), "level")]
+        elif fn is ratios.importance_log_ratio:
+            kw |= dict(level=d.choice(sorted(ratios.RATIO_LEVELS), "level"), clamp=d.choice([None, 20.0], "clamp"))
+        known = {} if call is ratios.importance_log_ratio else _RATIO_KNOWN  # the levels check no shapes
         return Case(call, kw, grad=("logprobs",), masks={"mask": ("logprobs", "old_logprobs")}, known=known)
     return Entry(make)
 
@@ -442,7 +443,7 @@ def _rl_case(fn, d: Draw, dtype, *, critic: bool, hyper: dict) -> Case:
 
 def ppo_loss(d: Draw, dtype):
     surrogate = d.choice(sorted(ppo.SURROGATES), "surrogate")
-    hyper = dict(surrogate=surrogate, ratio_level=d.choice(sorted(ppo.RATIO_LEVELS), "level"),
+    hyper = dict(surrogate=surrogate, ratio_level=d.choice(sorted(ratios.RATIO_LEVELS), "level"),
                  clip_ratio_c=None if surrogate == "cispo" else d.choice([None, 3.0], "c"),
                  cliprange_value=d.choice([None, 0.2], "cliprange"), vf_coef=d.choice([0.1, 1.0], "vf_coef"),
                  agg=d.choice(_AGGS, "agg"), **_clip_hyper(d))
@@ -589,11 +590,11 @@ FUZZ = {
     "rlcore.algorithms.reward.reward_loss": Entry(reward_loss),
     "rlcore.algorithms.online.best_worst_pairs": Entry(best_worst),
     "rlcore.algorithms.online.online_preference_batch": Entry(online_batch),
-    **{f"rlcore.algorithms.dpo.dpo_{name}": dpo_kernel(name) for name in dpo.DPO_LOSSES},
-    "rlcore.algorithms.dpo.DPO_LOSSES": dpo_kernel(None),
+    **{f"rlcore.algorithms.dpo_variants.dpo_{name}": dpo_kernel(name) for name in dpo_variants.DPO_LOSSES},
+    "rlcore.algorithms.dpo_variants.DPO_LOSSES": dpo_kernel(None),
     "rlcore.algorithms.dpo.dpo_loss": Entry(dpo_loss),
-    "rlcore.algorithms.dpo.F_DIVERGENCES": Entry(f_divergence),
-    "rlcore.algorithms.dpo.smoothed_sigmoid_loss": Entry(smoothed_sigmoid),
+    "rlcore.algorithms.dpo_variants.F_DIVERGENCES": Entry(f_divergence),
+    "rlcore.algorithms.dpo_variants.smoothed_sigmoid_loss": Entry(smoothed_sigmoid),
     "rlcore.algorithms.dpo.chosen_nll": Entry(chosen_nll),
     "rlcore.algorithms.dpo.preference_metrics": Entry(preference_metrics),
     "rlcore.algorithms.dpo.completion_lengths": Entry(completion_lengths, dtypes=(F64,)),
@@ -609,11 +610,11 @@ FUZZ = {
     "rlcore.algorithms.preference.kto_loss": Entry(kto_loss),
     "rlcore.algorithms.preference.kto": Entry(kto),
     "rlcore.algorithms.preference.PREFERENCE_LOSSES": Entry(preference_losses),
-    "rlcore.algorithms.ppo.token_log_ratio": log_ratio(ppo.token_log_ratio),
-    "rlcore.algorithms.ppo.sequence_log_ratio": log_ratio(ppo.sequence_log_ratio),
-    "rlcore.algorithms.ppo.sequence_sum_log_ratio": log_ratio(ppo.sequence_sum_log_ratio),
-    "rlcore.algorithms.ppo.RATIO_LEVELS": log_ratio("registry"),
-    "rlcore.algorithms.ppo.importance_log_ratio": log_ratio(ppo.importance_log_ratio),
+    "rlcore.algorithms.ratios.token_log_ratio": log_ratio(ratios.token_log_ratio),
+    "rlcore.algorithms.ratios.sequence_log_ratio": log_ratio(ratios.sequence_log_ratio),
+    "rlcore.algorithms.ratios.sequence_sum_log_ratio": log_ratio(ratios.sequence_sum_log_ratio),
+    "rlcore.algorithms.ratios.RATIO_LEVELS": log_ratio("registry"),
+    "rlcore.algorithms.ratios.importance_log_ratio": log_ratio(ratios.importance_log_ratio),
     "rlcore.algorithms.ppo.clipped_surrogate": Entry(clipped_surrogate),
     "rlcore.algorithms.ppo.cispo_surrogate": Entry(cispo_surrogate),
     "rlcore.algorithms.ppo.SURROGATES": Entry(surrogates),

@@ -10,9 +10,9 @@ from tensordict import TensorDict
 from rlcore import keys as K
 from tests.robustness.fuzz import F32, F64, Case, Draw, Entry
 
-baselines, kl, logprobs, masked, returns, rewards, transforms = (
-    importlib.import_module(f"rlcore.{m}") for m in ("baselines", "kl", "logprobs", "masked", "returns", "rewards",
-                                                       "transforms"))
+baselines, kl, lm_head, logprobs, masked, returns, rewards, transforms = (
+    importlib.import_module(f"rlcore.{m}") for m in ("baselines", "kl", "lm_head", "logprobs", "masked", "returns",
+                                                       "rewards", "transforms"))
 
 SAFE_LOGP = ("typical", "near_zero", "zero")  # log-ratio gaps below ~20: e^gap stays finite
 _ANY = ("grow", "drop", "add")
@@ -47,6 +47,12 @@ def whiten(d: Draw, dtype):
     kw = dict(x=d.reals(shape, dtype), mask=d.mask(shape), dim=_dim(d, shape), shift_mean=d.flag("shift"),
               unbiased=d.flag("unbiased"), eps=d.choice([1e-8, 1e-5], "eps"))
     return Case(masked.masked_whiten, kw, grad=("x",), masks={"mask": ("x",)})
+
+
+def zero_outside(d: Draw, dtype):
+    shape = rows(d)
+    return Case(masked.zero_outside, dict(x=d.reals(shape, dtype), mask=d.mask(shape)), grad=("x",),
+                masks={"mask": ("x",)})
 
 
 def _aggregation_kwargs(d: Draw, shape):
@@ -136,7 +142,7 @@ def hidden_logprobs(d: Draw, dtype):
     if kw["bias"] is not None:
         kw["bias"] = d.reals((V,), dtype, regimes)
     grad = ("hidden", "weight") + (("bias",) if kw["bias"] is not None else ())
-    return Case(logprobs.hidden_logprobs, kw, grad=grad)
+    return Case(lm_head.hidden_logprobs, kw, grad=grad)
 
 
 def sequence_logprobs(d: Draw, dtype):
@@ -443,6 +449,7 @@ FUZZ = {
     "rlcore.masked.masked_mean": masked_reduction(masked.masked_mean),
     "rlcore.masked.masked_var": masked_reduction(masked.masked_var),
     "rlcore.masked.masked_whiten": Entry(whiten),
+    "rlcore.masked.zero_outside": Entry(zero_outside),
     "rlcore.masked.aggregate": aggregation(),
     "rlcore.masked.AGGREGATIONS": aggregation("registry"),
     "rlcore.masked.token_mean": aggregation(masked.token_mean),
@@ -458,7 +465,7 @@ FUZZ = {
     "rlcore.kl.kl_full": Entry(kl_full),
     "rlcore.logprobs.token_logprobs": Entry(token_logprobs),
     "rlcore.logprobs.entropy_from_logits": Entry(entropy),
-    "rlcore.logprobs.hidden_logprobs": Entry(hidden_logprobs),
+    "rlcore.lm_head.hidden_logprobs": Entry(hidden_logprobs),
     "rlcore.logprobs.sequence_logprobs": Entry(sequence_logprobs),
     "rlcore.returns.gae": Entry(gae),
     "rlcore.returns.discounted_returns": Entry(discounted_returns),

@@ -13,8 +13,10 @@ from tensordict import TensorDict
 from rlcore import keys as K
 
 ppo = importlib.import_module("rlcore.algorithms.ppo")
+ratios = importlib.import_module("rlcore.algorithms.ratios")
 baselines = importlib.import_module("rlcore.baselines")
 logprobs = importlib.import_module("rlcore.logprobs")
+lm_head = importlib.import_module("rlcore.lm_head")
 
 F32 = torch.float32
 
@@ -49,7 +51,7 @@ def test_ppo_loss_on_an_empty_rollout():
 
 @pytest.mark.parametrize("level", ["token", "sequence", "sequence_sum"])
 def test_ratio_levels_check_their_inputs(level):
-    fn = ppo.RATIO_LEVELS[level]
+    fn = ratios.RATIO_LEVELS[level]
     with pytest.raises(ValueError, match="old_logprobs"):
         fn(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match="mask"):
@@ -93,5 +95,5 @@ def test_token_logprobs_empty_vocabulary():
 
 
 def test_hidden_logprobs_zero_rows():
-    out = logprobs.hidden_logprobs(torch.zeros(0, 3), torch.zeros(4, 3), torch.zeros(0, dtype=torch.long))
+    out = lm_head.hidden_logprobs(torch.zeros(0, 3), torch.zeros(4, 3), torch.zeros(0, dtype=torch.long))
     assert out.shape == (0,)

@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from rlcore.logprobs import hidden_logprobs, token_logprobs
+from rlcore.logprobs import token_logprobs
+from rlcore.lm_head import hidden_logprobs
 from rlcore.loops.recipes import grpo, sft
 from rlcore.loops.data import load_local
 from rlcore.loops.tokenization import max_token_chars, text_window, tokenize_example
