@@ -55,7 +55,7 @@ from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_values
 from rlcore.loops.recipe import batch_source, build_policy, build_reference, init_train_state, load_splits, run
 from rlcore.loops.reward_fns import RewardFn, make_reward_fn, missing_eos_penalty, repeat_columns, reward_columns
-from rlcore.loops.score import score_rollout, token_logprobs_from_model
+from rlcore.loops.score import score_rollout, sequences, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
 from rlcore.loops.tasks import task_dataset
 from rlcore.loops.update import update
@@ -108,6 +108,13 @@ class OnlineConfig(RunConfig):
     forward_batch_size: int | None = None  # rows per no-grad scoring forward: reference, values, reward model (None: all)
     lr: float = 1e-5
     log_completions: int = 0         # held-out prompts whose greedy completions and rewards each evaluation writes to run_dir/completions.jsonl (TRL num_sample_generations / log_completions)
+
+    def __post_init__(self):
+        self.check()  # a Config that exists is one the recipe can run
+
+    def check(self) -> None:
+        """Raise on a setting the recipe cannot run, naming the field, before any model is built
+        (run when the config is made); a recipe's ``Config`` adds its own checks here."""
 
 
 # --- building -----------------------------------------------------------------------------------
@@ -322,10 +329,12 @@ def exclude_unscored(rollout: TensorDictBase) -> TensorDictBase:
         return rollout
     group = rollout[K.GROUP_ID]
     fresh = group.max() + 1 + torch.arange(group.shape[0], device=group.device)
-    return rollout.copy().update({
-        K.SCORE: torch.where(unscored, 0.0, rollout[K.SCORE]),
-        K.RESPONSE_MASK: rollout[K.RESPONSE_MASK] & ~unscored[:, None],
-        K.GROUP_ID: torch.where(unscored, fresh, group)})
+    new = {K.SCORE: torch.where(unscored, 0.0, rollout[K.SCORE]),
+           K.RESPONSE_MASK: rollout[K.RESPONSE_MASK] & ~unscored[:, None],
+           K.GROUP_ID: torch.where(unscored, fresh, group)}
+    if K.ATTENTION_MASK in rollout.keys():  # the stored sequences' mask follows the response mask
+        new[K.ATTENTION_MASK] = torch.cat([rollout[K.PROMPT_MASK], new[K.RESPONSE_MASK]], -1)
+    return rollout.copy().update(new)
 
 
 def advantage_fn(config: Any) -> Callable[[TensorDictBase], TensorDictBase]:
@@ -340,7 +349,8 @@ def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature
     """A shallow copy of a rollout with the policy's ``logprobs [B, R]`` of its own responses.
 
     ``lp[b, j] = log softmax(z_{b, P−1+j}/τ)[response_ids[b, j]]``, ``z`` the logits of
-    ``[prompt | response]`` (``loops.score.token_logprobs_from_model``, chunked: no ``[B, T, V]``).
+    ``[prompt | response]`` (``loops.score.sequences``; ``loops.score.token_logprobs_from_model``,
+    chunked: no ``[B, T, V]``).
 
     Args:
         model: the causal LM being trained.
@@ -353,8 +363,7 @@ def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature
 
     Gradient: flows to ``model``'s parameters.
     """
-    ids = torch.cat([batch[K.PROMPT_IDS], batch[K.RESPONSE_IDS]], -1)
-    mask = torch.cat([batch[K.PROMPT_MASK], batch[K.RESPONSE_MASK]], -1)
+    ids, mask = sequences(batch)
     lp = token_logprobs_from_model(model, ids, mask, response_length=batch[K.RESPONSE_IDS].shape[-1],
                                    temperature=temperature)
     return batch.copy().update({K.LOGPROBS: lp})

@@ -25,12 +25,13 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.checks import check_mask, check_ndim, require_keys
 from rlcore.kl import kl_full
-from rlcore.logprobs import hidden_logprobs, sequence_logprobs, token_logprobs
+from rlcore.logprobs import sequence_logprobs, token_logprobs
+from rlcore.lm_head import hidden_logprobs
 from rlcore.loops.lora import linear_weights
 from rlcore.loops.models import model_device, position_ids_from_mask, reward_model_scores, trunk_hidden
 from rlcore.loops.reward_fns import call_reward_fn, check_reward_range
 
-__all__ = ["token_logprobs_from_model", "full_kl_from_models", "score_rollout", "score_sequences",
+__all__ = ["token_logprobs_from_model", "full_kl_from_models", "sequences", "score_rollout", "score_sequences",
            "concatenated_forward", "precompute_reference_logps"]
 
 _ROLLOUT_LAYOUT = {K.PROMPT_IDS: "[B, P] long (left padded)", K.PROMPT_MASK: "[B, P] bool",
@@ -141,8 +142,7 @@ def full_kl_from_models(policy: nn.Module, ref: nn.Module, rollout: TensorDictBa
     0 where ``response_mask`` is False. Gradient: none.
     """
     require_keys(rollout, list(_ROLLOUT_LAYOUT), where="full_kl_from_models", layouts=_ROLLOUT_LAYOUT)
-    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
-    mask = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
+    ids, mask = sequences(rollout)
     R, B = rollout[K.RESPONSE_IDS].shape[-1], ids.shape[0]
     step = rows_per_forward or B
     if step < 1:
@@ -163,6 +163,18 @@ def full_kl_from_models(policy: nn.Module, ref: nn.Module, rollout: TensorDictBa
 
 
 # --- rollouts --------------------------------------------------------------------------------
+def sequences(rollout: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rollout as model input: ``[prompt (left padded) | response (right padded)]`` ids and bool
+    mask ``[B, P+R]``. ``score_rollout`` concatenates them once per step and stores them as
+    ``input_ids`` / ``attention_mask``; every later forward of the step (the policy's log-probs in
+    each micro-batch, the critic, the full KL) reads those. A rollout not yet scored gets the
+    concatenation."""
+    if K.INPUT_IDS in rollout.keys():
+        return rollout[K.INPUT_IDS], rollout[K.ATTENTION_MASK]
+    return (torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1),
+            torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1))
+
+
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
@@ -180,7 +192,9 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
     (``rows_per_forward`` rows at a time, ``None``: all).
 
     The forward input is the rollout layout concatenated, ``[prompt (left padded) | response
-    (right padded)]`` ``[B, P+R]`` with its mask; token quantities are sliced to the response:
+    (right padded)]`` ``[B, P+R]`` with its mask (:func:`sequences`; the result carries them as
+    ``input_ids`` / ``attention_mask`` for the step's later forwards); token quantities are sliced
+    to the response:
 
     - ``old_logprobs [B, R]`` with ``policy`` (recomputed by the learner: pass ``policy=None`` to
       keep the behaviour log-probs recorded by ``collect``);
@@ -216,8 +230,7 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
     check_mask(K.RESPONSE_MASK, response_mask, like=rollout[K.RESPONSE_IDS], like_name=K.RESPONSE_IDS)
     if reward_fn is not None and tokenizer is None:
         raise ValueError("tokenizer: reward_fn scores decoded text, so score_rollout needs the tokenizer")
-    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
-    mask = torch.cat([prompt_mask, response_mask], -1)
+    ids, mask = sequences(rollout)
     P, R = prompt_mask.shape[-1], response_mask.shape[-1]
     if rows_per_forward is not None and (isinstance(rows_per_forward, bool) or not isinstance(rows_per_forward, int)
                                          or rows_per_forward < 1):
@@ -232,7 +245,7 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
             return fn(ids, mask)
         return torch.cat([fn(ids[i:i + step], mask[i:i + step]) for i in range(0, ids.shape[0], step)])
 
-    new: dict = {}
+    new: dict = {K.INPUT_IDS: ids, K.ATTENTION_MASK: mask}
     with torch.no_grad():
         for key, model in ((K.OLD_LOGPROBS, policy), (K.REF_LOGPROBS, ref)):
             if model is not None:

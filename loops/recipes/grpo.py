@@ -45,7 +45,11 @@ from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, build_o
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.state import TrainState
 
-__all__ = ["Config", "check", "build_state", "learn", "step", "train", "evaluate", "grpo_loss_fn"]
+__all__ = ["Config", "build_state", "learn", "step", "train", "evaluate", "grpo_loss_fn"]
+
+# the shared parts this recipe uses as they are
+build_state = build_online_state  # policy, frozen reference, AdamW (the config checked itself when made)
+evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +68,15 @@ class Config(OnlineConfig):
 
     @property
     def ratio_level(self) -> str:
-        """The level of the loss's importance ratio (``algorithms.ppo.RATIO_LEVELS``; the preset's own,
+        """The level of the loss's importance ratio (``algorithms.ratios.RATIO_LEVELS``; the preset's own,
         seen through nested partials), which the asynchronous importance correction weights at."""
         return inspect.signature(grpo_loss_fn(self)).parameters["ratio_level"].default
 
-    def __post_init__(self):
-        check(self)  # a Config that exists is one the recipe can run
+    def check(self) -> None:
+        """Fail on a bad config before any model is built (an unknown ``loss_type`` or ``advantage``, a
+        keyword the estimator does not take)."""
+        grpo_loss_fn(self)
+        advantage_fn(self)
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
@@ -77,24 +84,11 @@ def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, 
     return train_online(config, build_state, step, reward_fn=reward_fn, name="grpo", callbacks=callbacks)
 
 
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
-
-
-build_state = build_online_state  # policy, frozen reference, AdamW (the config checked itself when made)
-
-
 def grpo_loss_fn(config: Any):
     """The loss of a GRPO update: ``POLICY_LOSSES[loss_type]`` bound to the config's keywords."""
     loss = lookup(POLICY_LOSSES, config.loss_type, what="loss_type")
     clip = {k: getattr(config, k) for k in ("clip_eps_low", "clip_eps_high") if getattr(config, k) is not None}
     return functools.partial(loss, kl_coef=config.kl_coef, kl=config.kl, max_length=config.max_new_tokens, **clip)
-
-
-def check(config: Config) -> None:
-    """Fail on a bad config before any model is built (an unknown ``loss_type`` or ``advantage``, a
-    keyword the estimator does not take)."""
-    grpo_loss_fn(config)
-    advantage_fn(config)
 
 
 def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,

@@ -47,7 +47,10 @@ from rlcore.loops.config import autocast_dtype
 from rlcore.loops.state import TrainState
 from rlcore.loops.update import update
 
-__all__ = ["Config", "check", "build_state", "learn", "step", "train", "evaluate"]
+__all__ = ["Config", "build_state", "learn", "step", "train", "evaluate"]
+
+# the shared parts this recipe uses as they are
+evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +71,18 @@ class Config(OnlineConfig):
     rollout_ref_logprobs: ClassVar[bool] = False  # the pairs get their reference log-probs (at temperature 1)
     ratio_level: ClassVar[str | None] = None  # no importance ratio: the asynchronous correction is refused
 
-    def __post_init__(self):
-        check(self)  # a Config that exists is one the recipe can run
-
-
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
+    def check(self) -> None:
+        """Fail on a bad config before any model is built: an unpaired loss, fewer than 2 samples per
+        prompt, an unknown ``loss_type``, a hyper-parameter the loss does not take, or
+        ``sync_ref_model`` with a reference-free loss."""
+        if self.loss_type in UNPAIRED:
+            raise ValueError(f"loss_type: {self.loss_type!r} trains on unpaired rows; online DPO forms pairs "
+                             "(choose a pairwise loss of rlcore.algorithms.preference.PREFERENCE_LOSSES)")
+        if self.num_samples < 2:
+            raise ValueError(f"num_samples: online DPO pairs samples of one prompt, so it needs at least 2, "
+                             f"got {self.num_samples}")
+        bind_loss(self)
+        check_reference_sync(self)
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
@@ -80,20 +90,6 @@ def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, 
     Returns ``(state, history)``."""
     return train_online(config, build_state, step, reward_fn=reward_fn, name="online_dpo", callbacks=callbacks,
                         save_models=reference_models(config))
-
-
-def check(config: Config) -> None:
-    """Fail on a bad config before any model is built: an unpaired loss, fewer than 2 samples per
-    prompt, an unknown ``loss_type``, a hyper-parameter the loss does not take, or
-    ``sync_ref_model`` with a reference-free loss."""
-    if config.loss_type in UNPAIRED:
-        raise ValueError(f"loss_type: {config.loss_type!r} trains on unpaired rows; online DPO forms pairs "
-                         "(choose a pairwise loss of rlcore.algorithms.preference.PREFERENCE_LOSSES)")
-    if config.num_samples < 2:
-        raise ValueError(f"num_samples: online DPO pairs samples of one prompt, so it needs at least 2, "
-                         f"got {config.num_samples}")
-    bind_loss(config)
-    check_reference_sync(config)
 
 
 def build_state(config: Config) -> tuple[TrainState, Any]:

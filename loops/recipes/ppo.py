@@ -57,7 +57,7 @@ from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, c
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import build_policy
 from rlcore.loops.config import autocast_dtype
-from rlcore.loops.score import full_kl_from_models
+from rlcore.loops.score import full_kl_from_models, sequences
 from rlcore.loops.state import TrainState, with_transforms
 from rlcore.loops.update import EARLY_STOP_CHECKS, update
 from rlcore.masked import masked_whiten
@@ -66,7 +66,10 @@ from rlcore.rewards import process_scores, with_rewards
 from rlcore.transforms import (StateTransform, kl_controller, observed_kl, running_moments_init, running_moments_merge,
                                running_moments_update)
 
-__all__ = ["Config", "Critic", "CRITICS", "check", "build_state", "rewards_and_advantages", "learn", "step", "train", "evaluate", "ppo_loss_fn"]
+__all__ = ["Config", "Critic", "CRITICS", "build_state", "rewards_and_advantages", "learn", "step", "train", "evaluate", "ppo_loss_fn"]
+
+# the shared parts this recipe uses as they are
+evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +102,14 @@ class Config(OnlineConfig):
 
     ratio_level: ClassVar[str] = "token"  # ppo_loss's per-token ratio, for the importance correction
 
-    def __post_init__(self):
-        check(self)  # a Config that exists is one the recipe can run
-
-
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
+    def check(self) -> None:
+        """Fail on a bad config before any model is built (an unknown ``value_model``, ``kl_controller``
+        or ``kl``)."""
+        lookup(CRITICS, self.value_model, what="value_model")
+        if self.kl not in ("full", *KL_ESTIMATORS, *KL_ALIASES):
+            raise ValueError(f"kl: expected one of {[*KL_ESTIMATORS, *KL_ALIASES, 'full']}, got {self.kl!r}")
+        kl_controller(self.kl_controller)
+        lookup(dict.fromkeys(EARLY_STOP_CHECKS), self.early_stopping_check, what="early_stopping_check")
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
@@ -155,8 +161,7 @@ def ppo_loss_fn(state: TrainState, batch: TensorDictBase, *, config: Config,
                 **denominators) -> tuple[torch.Tensor, Any]:
     """The ``update`` loss of PPO: ``ppo_loss`` on log-probs and values through the models, plus the
     ``early_stop`` flag (``approx_kl_k1 > 1.5·target_kl``) when ``early_stopping``."""
-    ids = torch.cat([batch[K.PROMPT_IDS], batch[K.RESPONSE_IDS]], -1)
-    mask = torch.cat([batch[K.PROMPT_MASK], batch[K.RESPONSE_MASK]], -1)
+    ids, mask = sequences(batch)
     critic = lookup(CRITICS, config.value_model, what="value_model")
     batch = critic.forward(state, batch, ids, mask, config.temperature)  # logprobs, value_preds: differentiable
     loss, metrics = ppo_loss(batch, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
@@ -171,16 +176,6 @@ def ppo_loss_fn(state: TrainState, batch: TensorDictBase, *, config: Config,
 def _controller(config: Config) -> StateTransform:
     """The run's KL controller, its hyper-parameters bound (``rlcore.transforms.kl_controller``)."""
     return kl_controller(config.kl_controller, coef=config.kl_coef, target=config.target, horizon=config.horizon)
-
-
-def check(config: Config) -> None:
-    """Fail on a bad config before any model is built (an unknown ``value_model``, ``kl_controller``
-    or ``kl``)."""
-    lookup(CRITICS, config.value_model, what="value_model")
-    if config.kl not in ("full", *KL_ESTIMATORS, *KL_ALIASES):
-        raise ValueError(f"kl: expected one of {[*KL_ESTIMATORS, *KL_ALIASES, 'full']}, got {config.kl!r}")
-    kl_controller(config.kl_controller)
-    lookup(dict.fromkeys(EARLY_STOP_CHECKS), config.early_stopping_check, what="early_stopping_check")
 
 
 def build_state(config: Config) -> tuple[TrainState, Any]:

@@ -85,15 +85,14 @@ class ReftRewardConfig(ReftFields, reward.Config):
 
 
 # --- the recipes ---------------------------------------------------------------------------------
-_ONLINE = {ReftGrpoConfig: (grpo, reft_grpo_step), ReftRlooConfig: (rloo, reft_rloo_step)}
+_ONLINE_STEPS = {ReftGrpoConfig: reft_grpo_step, ReftRlooConfig: reft_rloo_step}
 
 
 def train_reft_policy_gradient(config: ReftGrpoConfig | ReftRlooConfig, *, reward_fn=None,
                                callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
-    """GRPO (``ReftGrpoConfig``) or RLOO (``ReftRlooConfig``) with ReFT: the recipe's own checks, then
-    ``train_reft_online`` with the config's spec and ``zero_init``. Returns ``(state, history)``."""
-    recipe, step = _ONLINE[type(config)]
-    recipe.check(config)
+    """GRPO (``ReftGrpoConfig``) or RLOO (``ReftRlooConfig``) with ReFT: ``train_reft_online`` with the
+    recipe's step, the config's spec and ``zero_init``. Returns ``(state, history)``."""
+    step = _ONLINE_STEPS[type(config)]
     return train_reft_online(config, step, reft_spec(config), zero_init=config.zero_init, reward_fn=reward_fn,
                              callbacks=callbacks)
 

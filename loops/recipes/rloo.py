@@ -37,7 +37,11 @@ from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.state import TrainState
 from rlcore.rewards import with_rewards
 
-__all__ = ["Config", "rloo_loss_fn", "check", "build_state", "learn", "step", "train", "evaluate"]
+__all__ = ["Config", "rloo_loss_fn", "build_state", "learn", "step", "train", "evaluate"]
+
+# the shared parts this recipe uses as they are
+build_state = build_online_state  # policy, frozen reference, AdamW (the config checked itself when made)
+evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,13 @@ class Config(OnlineConfig):
 
     ratio_level: ClassVar[str] = "sequence_sum"  # the loss's ratio exp(Σ_t lp − Σ_t old), for the importance correction
 
-    def __post_init__(self):
-        check(self)  # a Config that exists is one the recipe can run
+    def check(self) -> None:
+        """Fail on a bad config before any model is built: RLOO needs ``num_samples ≥ 2``; an unknown
+        ``advantage`` or a keyword its estimator does not take."""
+        if self.num_samples < 2:
+            raise ValueError(f"num_samples: RLOO needs at least 2 samples per prompt (a leave-one-out baseline), "
+                             f"got {self.num_samples}")
+        advantage_fn(self)
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
@@ -64,24 +73,9 @@ def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, 
     return train_online(config, build_state, step, reward_fn=reward_fn, name="rloo", callbacks=callbacks)
 
 
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
-
-
-build_state = build_online_state  # policy, frozen reference, AdamW (the config checked itself when made)
-
-
 def rloo_loss_fn(config: Config):
     """``rloo_loss`` (sequence-level ratio) with the config's clip range bound."""
     return functools.partial(rloo_loss, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high)
-
-
-def check(config: Config) -> None:
-    """Fail on a bad config before any model is built: RLOO needs ``num_samples ≥ 2``; an unknown
-    ``advantage`` or a keyword its estimator does not take."""
-    if config.num_samples < 2:
-        raise ValueError(f"num_samples: RLOO needs at least 2 samples per prompt (a leave-one-out baseline), "
-                         f"got {config.num_samples}")
-    advantage_fn(config)
 
 
 def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,

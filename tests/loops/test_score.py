@@ -13,7 +13,7 @@ from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.models import (ValueHead, build_model, build_reward_model, build_value_model, reward_model_scores,
                                  token_values)
 from rlcore.loops.score import (concatenated_forward, precompute_reference_logps, score_rollout, score_sequences,
-                                token_logprobs_from_model)
+                                sequences, token_logprobs_from_model)
 from rlcore.testing import MockLM, assert_padding_invariant, assert_pure, left_padded_mask, right_padded_mask
 
 TEXTS = ["the cat sat", "2 + 2 = 4", "Hi!", "abcdefgh"]
@@ -330,3 +330,24 @@ def test_precompute_reference_logps_round_trip(tokenizer):
     torch.testing.assert_close(batch[K.REJECTED, K.REF_LOGPS], whole[K.REJECTED, K.REF_LOGPS], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="batches: empty"):
         precompute_reference_logps(ref, [])
+
+
+def test_the_rollout_is_concatenated_once_per_step(lm, tokenizer):
+    """score_rollout stores [prompt | response] as input_ids / attention_mask; the step's later
+    forwards (the policy's log-probs per micro-batch) read them instead of concatenating again, with
+    the same result; exclude_unscored keeps the stored mask in step with the response mask."""
+    from rlcore.loops.online import exclude_unscored, with_policy_logprobs
+    rollout = make_model_rollout(tokenizer)
+    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
+    mask = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
+    torch.testing.assert_close(sequences(rollout), (ids, mask), rtol=0, atol=0)
+    scored = score_rollout(rollout, reward_fn=lambda p, c: [1.0, None, 2.0, 3.0], tokenizer=tokenizer)
+    assert scored[K.INPUT_IDS].equal(ids) and scored[K.ATTENTION_MASK].equal(mask)
+    stored = sequences(scored)
+    assert stored[0] is scored[K.INPUT_IDS] and stored[1] is scored[K.ATTENTION_MASK]
+    with torch.no_grad():
+        torch.testing.assert_close(with_policy_logprobs(lm, scored)[K.LOGPROBS],
+                                   with_policy_logprobs(lm, rollout)[K.LOGPROBS], rtol=0, atol=0)
+    kept = exclude_unscored(scored.set(K.GROUP_ID, torch.tensor([0, 0, 1, 1])))
+    assert not kept[K.RESPONSE_MASK][1].any()
+    assert kept[K.ATTENTION_MASK].equal(torch.cat([kept[K.PROMPT_MASK], kept[K.RESPONSE_MASK]], -1))
