@@ -40,16 +40,12 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES
 from rlcore.checks import lookup
-from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, build_online_state, collect_rollout,
-                                 policy_update, train_online)
-from rlcore.loops.evaluate import evaluate_policy
+from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
+from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
+from rlcore.loops.online import Correction, OnlineConfig, advantage_fn, collect_rollout, policy_update, train_online
 from rlcore.loops.state import TrainState
 
 __all__ = ["Config", "build_state", "learn", "step", "train", "evaluate", "grpo_loss_fn"]
-
-# the shared parts this recipe uses as they are
-build_state = build_online_state  # policy, frozen reference, AdamW (the config checked itself when made)
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,15 +42,12 @@ from rlcore.loops.recipes.dpo import (UNPAIRED, bind_loss, check_reference_sync,
                                       reference_models, sync_reference, with_reference)
 from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, rollout_metrics, train_online,
                                  update_sizes)
-from rlcore.loops.evaluate import evaluate_policy
+from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.config import autocast_dtype
 from rlcore.loops.state import TrainState
 from rlcore.loops.update import update
 
 __all__ = ["Config", "build_state", "learn", "step", "train", "evaluate"]
-
-# the shared parts this recipe uses as they are
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,7 @@ from rlcore.loops.scale.distributed import all_gather_moments, all_reduce_sum, d
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
 from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, collect_rollout, rollout_metrics,
                                  train_online, update_sizes, with_policy_logprobs)
-from rlcore.loops.evaluate import evaluate_policy
+from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.recipe import build_policy
 from rlcore.loops.config import autocast_dtype
 from rlcore.loops.score import full_kl_from_models, sequences
@@ -67,9 +67,6 @@ from rlcore.transforms import (StateTransform, kl_controller, observed_kl, runni
                                running_moments_update)
 
 __all__ = ["Config", "Critic", "CRITICS", "build_state", "rewards_and_advantages", "learn", "step", "train", "evaluate", "ppo_loss_fn"]
-
-# the shared parts this recipe uses as they are
-evaluate = evaluate_policy  # held-out reward, exact match (greedy) and KL to the reference
 
 
 @dataclasses.dataclass(frozen=True)
