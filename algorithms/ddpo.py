@@ -27,7 +27,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.checks import check_float, check_ndim, check_same_shape, require_keys
-from rlcore.masked import masked_mean, masked_var
+from rlcore.masked import masked_mean, masked_var, saturate, wide
 from rlcore.transforms import StateTransform
 
 __all__ = [
@@ -96,21 +96,37 @@ def ddim_step_logprob(sample_prev: torch.Tensor, mean: torch.Tensor, std: torch.
     _event_shape("sample_prev", sample_prev, event_dims)
     check_same_shape("sample_prev", sample_prev, mean=mean)
     std = _broadcast_std(std, sample_prev, event_dims)
-    z = (sample_prev - mean) / std
-    logp = -0.5 * z.square() - torch.log(std) - _LOG_SQRT_2PI
-    return logp.mean(dim=tuple(range(-event_dims, 0)))
+    dtype = torch.promote_types(torch.promote_types(sample_prev.dtype, mean.dtype), std.dtype)
+    # float64, cast back saturating (rlcore.masked.saturate): samples far from the mean stay finite
+    z = (wide(sample_prev) - wide(mean)) / wide(std)
+    logp = -0.5 * z.square() - torch.log(wide(std)) - _LOG_SQRT_2PI
+    return saturate(logp.mean(dim=tuple(range(-event_dims, 0))), dtype)
 
 
 # --- DDIM ------------------------------------------------------------------------------------
 # Each entry turns the model output into (predicted x_0, predicted ε) given ᾱ_t; one signature.
+def _in_float64(prediction: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
+    """An entry computed in float64 (``rlcore.masked.wide``) and cast back saturating to the
+    inputs' promoted dtype: dividing by ``√ᾱ`` near the range's edge stays finite."""
+    @functools.wraps(prediction)
+    def run(model_output, sample, alpha_t):
+        dtype = torch.promote_types(torch.promote_types(model_output.dtype, sample.dtype), alpha_t.dtype)
+        x0, eps = prediction(wide(model_output), wide(sample), wide(alpha_t))
+        return saturate(x0, dtype), saturate(eps, dtype)
+    return run
+
+
+@_in_float64
 def _from_epsilon(model_output, sample, alpha_t):
     return (sample - (1 - alpha_t).sqrt() * model_output) / alpha_t.sqrt(), model_output
 
 
+@_in_float64
 def _from_sample(model_output, sample, alpha_t):
     return model_output, (sample - alpha_t.sqrt() * model_output) / (1 - alpha_t).sqrt()
 
 
+@_in_float64
 def _from_v(model_output, sample, alpha_t):
     a, s = alpha_t.sqrt(), (1 - alpha_t).sqrt()
     return a * sample - s * model_output, a * model_output + s * sample
@@ -201,14 +217,18 @@ def ddim_step(model_output: torch.Tensor, timestep, sample: torch.Tensor, *, alp
         raise ValueError(f"prediction_type: unknown {prediction_type!r}; valid: {sorted(DDIM_PREDICTIONS)}") from None
     a_t, a_prev = _alphas(timestep, sample, alphas_cumprod, final_alpha_cumprod,
                           num_train_timesteps // num_inference_steps, event_dims)
-    x0, eps = to_x0_eps(model_output, sample, a_t)
-    std = eta * ((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)).sqrt()
+    dtype = torch.promote_types(torch.promote_types(sample.dtype, model_output.dtype), a_t.dtype)
+    # float64, cast back saturating (rlcore.masked.saturate): outputs near the range's edge stay finite
+    x0, eps = to_x0_eps(wide(model_output), wide(sample), wide(a_t))
+    a_prev = wide(a_prev)
+    std = eta * ((1 - a_prev) / (1 - wide(a_t)) * (1 - wide(a_t) / a_prev)).sqrt()
     mean = a_prev.sqrt() * x0 + (1 - a_prev - std.square()).clamp(min=0).sqrt() * eps
     if prev_sample is None:
-        noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
-        prev_sample = (mean + std * noise).to(sample.dtype)
-    logprob = ddim_step_logprob(prev_sample.detach().to(mean.dtype), mean, std, event_dims=event_dims)
-    return prev_sample.to(sample.dtype), logprob, mean, std.reshape(std.shape[:-event_dims])
+        noise = torch.randn(mean.shape, generator=generator, dtype=dtype, device=mean.device)
+        prev_sample = saturate(mean + std * wide(noise), sample.dtype)
+    logprob = ddim_step_logprob(wide(prev_sample.detach()), mean, std, event_dims=event_dims)
+    return (prev_sample.to(sample.dtype), saturate(logprob, dtype), saturate(mean, dtype),
+            saturate(std.reshape(std.shape[:-event_dims]), dtype))
 
 
 # --- the clipped surrogate -------------------------------------------------------------------
@@ -293,8 +313,8 @@ def batch_advantages(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     References: Black et al., https://arxiv.org/abs/2305.13301.
     """
     check_float("rewards", rewards)
-    r = rewards.detach()
-    return (r - r.mean()) / (r.std(correction=0) + eps)
+    r = wide(rewards.detach())  # float64, cast back saturating: rewards near the range's edge stay finite
+    return saturate((r - r.mean()) / (r.std(correction=0) + eps), rewards.dtype)
 
 
 class PromptStats(NamedTuple):
@@ -394,8 +414,9 @@ def prompt_stats_update(state: PromptStats, prompts: Sequence[str], rewards: tor
     valid = torch.arange(size, device=r.device) < held[:, None]
     mean_p = masked_mean(state.rewards, valid, dim=-1)[row]
     std_p = masked_var(state.rewards, valid, dim=-1, unbiased=False).sqrt()[row]
-    rb = r.to(state.rewards.dtype)
+    # float64 (whatever the buffer's dtype), cast back saturating: rewards near the range's edge
+    rb, mean_p, std_p = wide(r), wide(mean_p), wide(std_p)
     own = held[row] >= state.min_count
     mean = torch.where(own, mean_p, rb.mean())
     std = torch.where(own, std_p, rb.std(correction=0))
-    return state, ((rb - mean) / (std + eps)).to(rewards.dtype)
+    return state, saturate((rb - mean) / (std + eps), rewards.dtype)

@@ -19,6 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.dpo_variants import DPO_LOSSES
 from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, lookup, require_keys
+from rlcore.masked import saturate, wide, wide_mean, wide_sum
 
 __all__ = ["dpo_loss", "dpo", "chosen_nll", "preference_metrics", "completion_lengths"]
 
@@ -70,8 +71,10 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
     losses = fn(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=beta,
                 label_smoothing=label_smoothing, divergence=divergence, alpha=alpha,
                 chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths, discopop_tau=discopop_tau)
-    chosen_rewards = beta * (chosen_logps - cast(Tensor, ref_chosen_logps)).detach()
-    rejected_rewards = beta * (rejected_logps - cast(Tensor, ref_rejected_logps)).detach()
+    chosen_rewards = saturate(beta * (wide(chosen_logps) - wide(cast(Tensor, ref_chosen_logps))).detach(),
+                              chosen_logps.dtype)
+    rejected_rewards = saturate(beta * (wide(rejected_logps) - wide(cast(Tensor, ref_rejected_logps))).detach(),
+                                rejected_logps.dtype)
     return losses, chosen_rewards, rejected_rewards
 
 
@@ -92,7 +95,7 @@ def chosen_nll(chosen_logps: Tensor, chosen_lengths: Tensor) -> Tensor:
     """
     check_float("chosen_logps", chosen_logps)
     check_same_shape("chosen_logps", chosen_logps, chosen_lengths=chosen_lengths)
-    return -chosen_logps.sum() / chosen_lengths.sum().clamp(min=1).to(chosen_logps.dtype)
+    return saturate(-wide(chosen_logps).sum() / chosen_lengths.sum().clamp(min=1), chosen_logps.dtype)
 
 
 def preference_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_logps: Tensor,
@@ -112,12 +115,12 @@ def preference_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor, chosen_
                      chosen_logps=chosen_logps, rejected_logps=rejected_logps)
     rw, rl = chosen_rewards.detach(), rejected_rewards.detach()
     return {
-        "rewards/chosen": rw.mean(),
-        "rewards/rejected": rl.mean(),
-        "rewards/margins": (rw - rl).mean(),
+        "rewards/chosen": wide_mean(rw),
+        "rewards/rejected": wide_mean(rl),
+        "rewards/margins": saturate((wide(rw) - wide(rl)).mean(), rw.dtype),
         "rewards/accuracies": (rw > rl).to(rw.dtype).mean(),
-        "logps/chosen": chosen_logps.detach().mean(),
-        "logps/rejected": rejected_logps.detach().mean(),
+        "logps/chosen": wide_mean(chosen_logps.detach()),
+        "logps/rejected": wide_mean(rejected_logps.detach()),
     }
 
 
@@ -173,9 +176,9 @@ def dpo(batch: TensorDictBase, *, beta: float = 0.1, loss_type: str = "sigmoid",
                                     label_smoothing=label_smoothing, reference_free=reference_free,
                                     divergence=divergence, alpha=alpha, chosen_lengths=nw,
                                     rejected_lengths=nl, discopop_tau=discopop_tau)
-    parts = {"loss_dpo": losses.mean()}
+    parts = {"loss_dpo": wide_mean(losses)}
     if rpo_alpha is not None:
-        parts["loss_rpo"] = rpo_alpha * chosen_nll(cw, nw)
-    loss = cast(Tensor, sum(parts.values()))
+        parts["loss_rpo"] = saturate(rpo_alpha * wide(chosen_nll(cw, nw)), cw.dtype)
+    loss = wide_sum(*parts.values())
     metrics = {k: v.detach() for k, v in parts.items()} | preference_metrics(rew_w, rew_l, cw, rw)
     return loss, TensorDict(metrics, batch_size=[])

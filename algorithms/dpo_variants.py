@@ -32,11 +32,12 @@ Choices where the peers differ (each tested):
       ``1 − e^{−ρ}``, ``log 2 + logσ(ρ)``, ``(e^{(α−1)ρ} − 1)/(α−1)`` (as TRL 1.x). The constants
       cancel in ``Δ`` but not in the length-normalised ``ipo`` / ``sigmoid_norm``, where a policy
       equal to its reference must score 0. The exponents of ``forward_kl`` and ``alpha`` are capped
-      (at 80, 11 for fp16, as TRL does for ``alpha``): past the cap the score is a huge finite
-      constant without gradient, where TRL's uncapped ``forward_kl`` gives −inf and a NaN loss.
-      ``ipo`` / ``ipo_sum`` square the score: with a score that large they overflow to ``+inf``
-      (loss and gradient) in float32 (``|s| > 1.8e19``, i.e. ``ρ < −44`` for ``forward_kl``): a
-      skipped step, never NaN.
+      at 80 (as TRL does for ``alpha``): past the cap the score is a huge finite constant without
+      gradient, where TRL's uncapped ``forward_kl`` gives −inf and a NaN loss.
+    - every kernel computes in float64 and casts its losses back saturating
+      (``rlcore.masked.saturate``): ``Δ`` of log-probs near ±3e38, or the square ``ipo`` /
+      ``ipo_sum`` take of a huge score, is the dtype's largest value (loss and gradient), never
+      inf or NaN (TRL: inf, or NaN).
     - nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down act on per-side
       rewards ``βρ``; the f-DPO reparameterisation only holds for the difference ``Δ``, so they
       accept ``divergence="reverse_kl"`` only (``ValueError`` otherwise, as TRL 1.x).
@@ -46,6 +47,7 @@ Choices where the peers differ (each tested):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -53,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcore.checks import check_float, check_same_shape, lookup
+from rlcore.masked import saturate, wide
 
 __all__ = [
     "F_DIVERGENCES",
@@ -83,15 +86,13 @@ def _reverse_kl(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
     return logratio
 
 
-def _exp_cap(logratio: Tensor) -> float:
-    # Largest exponent kept, so that e^t stays finite once cast back: 11 for fp16, 80 otherwise (as TRL).
-    return 11.0 if logratio.dtype == torch.float16 else 80.0
+_EXP_CAP = 80.0  # largest exponent kept (as TRL): e^80 is finite in float32
 
 
 def _forward_kl(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
     # 1 − e^{−ρ}, the exponent capped as for ``alpha``: a very unlikely completion (ρ < −80) gets a
     # huge finite score (and no gradient) rather than −inf, whose difference Δ would be NaN.
-    return -torch.expm1((-logratio).clamp(max=_exp_cap(logratio)))
+    return -torch.expm1((-logratio).clamp(max=_EXP_CAP))
 
 
 def _js(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
@@ -102,7 +103,7 @@ def _alpha(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
     if abs(alpha - 1.0) < 1e-6:  # the limit α → 1 is the reverse KL
         return logratio
     t = ((alpha - 1.0) * logratio).to(torch.promote_types(logratio.dtype, torch.float32))
-    return (torch.expm1(t.clamp(max=_exp_cap(logratio))) / (alpha - 1.0)).to(logratio.dtype)
+    return (torch.expm1(t.clamp(max=_EXP_CAP)) / (alpha - 1.0)).to(logratio.dtype)
 
 
 F_DIVERGENCES: dict[str, Callable[..., Tensor]] = {
@@ -115,11 +116,24 @@ F_DIVERGENCES: dict[str, Callable[..., Tensor]] = {
 
 # --- shared pieces ------------------------------------------------------------------------------
 def _logratios(cw: Tensor, rw: Tensor, rcw: Tensor, rrw: Tensor) -> tuple[Tensor, Tensor]:
-    for name, x in (("chosen_logps", cw), ("rejected_logps", rw), ("ref_chosen_logps", rcw),
-                    ("ref_rejected_logps", rrw)):
-        check_float(name, x)
-    check_same_shape("chosen_logps", cw, rejected_logps=rw, ref_chosen_logps=rcw, ref_rejected_logps=rrw)
     return cw - rcw.detach(), rw - rrw.detach()
+
+
+def _in_float64(kernel: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """A ``DPO_LOSSES`` kernel with its four log-prob arguments checked, computed in float64
+    (``rlcore.masked.wide``) and its losses cast back saturating to ``chosen_logps``' dtype: a
+    difference or a square of log-probs anywhere in the float32 / bfloat16 range stays finite, in
+    the loss and in its gradient."""
+    names = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
+
+    @functools.wraps(kernel)
+    def run(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, **kwargs) -> Tensor:
+        logps = (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+        for name, x in zip(names, logps):
+            check_float(name, x)
+        check_same_shape(names[0], chosen_logps, **dict(zip(names[1:], logps[1:])))
+        return saturate(kernel(*map(wide, logps), **kwargs), chosen_logps.dtype)
+    return run
 
 
 def _scores(cw, rw, rcw, rrw, divergence: str, alpha: float) -> tuple[Tensor, Tensor]:
@@ -166,6 +180,7 @@ def smoothed_sigmoid_loss(logits: Tensor, *, label_smoothing: float = 0.0) -> Te
 
 
 # --- the variants (one signature; see the module docstring for the arguments) --------------------
+@_in_float64
 def dpo_sigmoid(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -178,6 +193,7 @@ def dpo_sigmoid(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_log
     return smoothed_sigmoid_loss(beta * (sw - sl), label_smoothing=label_smoothing)
 
 
+@_in_float64
 def dpo_hinge(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
               label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
               rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -189,6 +205,7 @@ def dpo_hinge(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps
     return torch.relu(1.0 - beta * (sw - sl))
 
 
+@_in_float64
 def dpo_ipo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
             label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
             rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -205,6 +222,7 @@ def dpo_ipo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, 
     return (d - 1.0 / (2.0 * beta)).square()
 
 
+@_in_float64
 def dpo_ipo_sum(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -216,6 +234,7 @@ def dpo_ipo_sum(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_log
     return ((sw - sl) - 1.0 / (2.0 * beta)).square()
 
 
+@_in_float64
 def dpo_robust(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -233,6 +252,7 @@ def dpo_robust(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logp
     return (-(1.0 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1.0 - 2.0 * eps)
 
 
+@_in_float64
 def dpo_exo_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -253,6 +273,7 @@ def dpo_exo_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
             + torch.sigmoid(-x) * (log_ql - math.log(label_smoothing)))
 
 
+@_in_float64
 def dpo_nca_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -266,6 +287,7 @@ def dpo_nca_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return -F.logsigmoid(beta * lw) - 0.5 * F.logsigmoid(-beta * lw) - 0.5 * F.logsigmoid(-beta * ll)
 
 
+@_in_float64
 def dpo_bco_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -281,6 +303,7 @@ def dpo_bco_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return -F.logsigmoid(beta * lw) - F.logsigmoid(-beta * ll)
 
 
+@_in_float64
 def dpo_sppo_hard(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                   label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                   rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -297,6 +320,7 @@ def dpo_sppo_hard(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_l
     return (lw - half).square() + (ll + half).square()
 
 
+@_in_float64
 def dpo_aot(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
             label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
             rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -315,6 +339,7 @@ def dpo_aot(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, 
     return smoothed_sigmoid_loss(beta * (policy - ref), label_smoothing=label_smoothing)
 
 
+@_in_float64
 def dpo_aot_unpaired(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                      label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                      rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -328,6 +353,7 @@ def dpo_aot_unpaired(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejecte
     return smoothed_sigmoid_loss(beta * delta, label_smoothing=label_smoothing)
 
 
+@_in_float64
 def dpo_apo_zero(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -341,6 +367,7 @@ def dpo_apo_zero(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return (1.0 - torch.sigmoid(beta * lw)) + torch.sigmoid(beta * ll)
 
 
+@_in_float64
 def dpo_apo_down(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -353,6 +380,7 @@ def dpo_apo_down(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return torch.sigmoid(beta * lw) + (1.0 - torch.sigmoid(beta * (lw - ll)))
 
 
+@_in_float64
 def dpo_discopop(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -369,6 +397,7 @@ def dpo_discopop(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return torch.sigmoid(-z) * -F.logsigmoid(x) + torch.exp(F.logsigmoid(z) - x)
 
 
+@_in_float64
 def dpo_sigmoid_norm(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                      label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                      rejected_lengths=None, discopop_tau=0.05) -> Tensor:

@@ -37,7 +37,7 @@ from rlcore import keys as K
 from rlcore.algorithms.ratios import importance_log_ratio
 from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, lookup, require_keys, validated
 from rlcore.kl import kl_estimate
-from rlcore.masked import aggregate, masked_mean, masked_var, zero_outside
+from rlcore.masked import aggregate, masked_mean, masked_var, saturate, wide, zero_outside
 
 __all__ = [
     "Surrogate",
@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 Tensor = torch.Tensor
+_EXP_MAX = 700.0  # e^700 is finite in float64 and far past every float32 / bfloat16 value
 
 
 # --- policy surrogates ------------------------------------------------------------------------
@@ -107,17 +108,20 @@ def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, *, clip_eps_low: fl
     # max(−Aρ, −A·clip(ρ)) = −A·min(ρ, 1+ε_hi) for A ≥ 0 and −A·max(ρ, 1−ε_lo) for A < 0: each side
     # is evaluated on the log-ratio clamped to its active bound, so a huge ratio never meets 0·inf
     # (a tied GRPO group has A = 0) in the loss or in its gradient. Same values, same gradient.
+    # The product is taken in float64 and saturates (rlcore.masked.saturate): |A|·ρ past the
+    # dtype's range is its largest value, not inf.
     log_hi = math.log1p(clip_eps_high)
     log_lo = math.log1p(-clip_eps_low) if clip_eps_low < 1.0 else -math.inf
     active = torch.where(adv >= 0, log_ratio.clamp(max=log_hi), log_ratio.clamp(min=log_lo))
-    loss = -adv * torch.exp(active)
+    wide_adv = wide(adv)
+    loss = -wide_adv * torch.exp(wide(active).clamp(max=_EXP_MAX))
     low = (log_ratio < log_lo) & (adv < 0)
     high = (log_ratio > log_hi) & (adv > 0)
     if clip_ratio_c is None:
-        return Surrogate(loss, low, high, torch.zeros_like(low))
-    cap = -adv * clip_ratio_c
+        return Surrogate(saturate(loss, log_ratio.dtype), low, high, torch.zeros_like(low))
+    cap = -wide_adv * clip_ratio_c
     dual = (adv < 0) & (loss > cap)
-    return Surrogate(torch.where(dual, cap, loss), low, high, dual)
+    return Surrogate(saturate(torch.where(dual, cap, loss), log_ratio.dtype), low, high, dual)
 
 
 def cispo_surrogate(log_ratio: Tensor, logprobs: Tensor, advantages: Tensor, *, clip_eps_low: float = 1.0,
@@ -150,7 +154,7 @@ def cispo_surrogate(log_ratio: Tensor, logprobs: Tensor, advantages: Tensor, *, 
     check_same_shape("logprobs", logprobs, log_ratio=log_ratio, advantages=advantages)
     ratio = torch.exp(log_ratio.detach())
     weight = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    loss = -weight * advantages.detach() * logprobs
+    loss = saturate(-wide(weight) * wide(advantages.detach()) * wide(logprobs), logprobs.dtype)
     low, high = ratio < 1.0 - clip_eps_low, ratio > 1.0 + clip_eps_high
     return Surrogate(loss, low, high, torch.zeros_like(low))
 
@@ -198,15 +202,15 @@ def clipped_value_loss(value_preds: Tensor, values: Tensor | None, returns: Tens
     """
     check_float("value_preds", value_preds)
     check_same_shape("value_preds", value_preds, values=values, returns=returns)
-    returns = returns.detach()
-    unclipped = (value_preds - returns).square()
+    dtype, preds, returns = value_preds.dtype, wide(value_preds), wide(returns.detach())
+    unclipped = (preds - returns).square()
     if cliprange_value is None:
-        return 0.5 * unclipped
+        return saturate(0.5 * unclipped, dtype)
     if values is None:
         raise ValueError("values: required when cliprange_value is set (the clip is around them)")
-    values = values.detach()
-    clipped = values + (value_preds - values).clamp(-cliprange_value, cliprange_value)
-    return 0.5 * torch.maximum(unclipped, (clipped - returns).square())
+    values = wide(values.detach())
+    clipped = values + (preds - values).clamp(-cliprange_value, cliprange_value)
+    return saturate(0.5 * torch.maximum(unclipped, (clipped - returns).square()), dtype)
 
 
 # --- diagnostics: [..., T] values and bool mask in, detached [] out (0 for an empty mask) ----
@@ -274,11 +278,11 @@ def explained_variance(predictions: Tensor, targets: Tensor, mask: Tensor) -> Te
     tensor(0.6667)
     """
     check_same_shape("targets", targets, predictions=predictions)
-    targets, predictions = targets.detach(), predictions.detach()
-    var_t = masked_var(targets, mask)
+    dtype, targets, predictions = targets.dtype, wide(targets.detach()), wide(predictions.detach())
+    var_t = masked_var(targets, mask)  # float64: the residuals of targets near the range's edge stay finite
     var_res = masked_var(zero_outside(targets, mask) - zero_outside(predictions, mask), mask)
     tiny = torch.finfo(var_t.dtype).tiny
-    return torch.where(var_t > 0, 1 - var_res / var_t.clamp(min=tiny), torch.zeros_like(var_t))
+    return saturate(torch.where(var_t > 0, 1 - var_res / var_t.clamp(min=tiny), torch.zeros_like(var_t)), dtype)
 
 
 def early_stop(approx_kl: Tensor, *, target_kl: float, factor: float = 1.5) -> Tensor:

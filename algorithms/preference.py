@@ -27,7 +27,7 @@ from rlcore import keys as K
 from rlcore.algorithms.dpo import chosen_nll, completion_lengths, dpo, preference_metrics
 from rlcore.algorithms.dpo_variants import DPO_LOSSES, smoothed_sigmoid_loss
 from rlcore.checks import check_float, check_mask, check_same_shape, require_keys
-from rlcore.masked import masked_mean
+from rlcore.masked import masked_mean, saturate, wide, wide_mean, wide_sum
 
 __all__ = [
     "log1mexp",
@@ -99,12 +99,12 @@ def odds_ratio_loss(chosen_logps_avg: Tensor, rejected_logps_avg: Tensor, *,
     check_float("chosen_logps_avg", chosen_logps_avg)
     check_same_shape("chosen_logps_avg", chosen_logps_avg, rejected_logps_avg=rejected_logps_avg)
     dtype = chosen_logps_avg.dtype
-    work = torch.promote_types(dtype, torch.float32)
-    top = -torch.finfo(work).tiny  # p̄ = 0 (probability 1) has infinite odds: use the closest normal number
-    lw = chosen_logps_avg.to(work).clamp(max=top)
-    ll = rejected_logps_avg.to(work).clamp(max=top)
+    # float64 (rlcore.masked.wide), cast back saturating: log-probs anywhere in the range
+    top = -torch.finfo(torch.float32).tiny  # p̄ = 0 (probability 1) has infinite odds: the closest normal number
+    lw = wide(chosen_logps_avg).clamp(max=top)
+    ll = wide(rejected_logps_avg).clamp(max=top)
     log_odds = (lw - ll) - (log1mexp(lw) - log1mexp(ll))
-    return (-beta * F.logsigmoid(log_odds)).to(dtype), log_odds.to(dtype)
+    return saturate(-beta * F.logsigmoid(log_odds), dtype), saturate(log_odds, dtype)
 
 
 def _sides(batch: TensorDictBase, where: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -144,7 +144,7 @@ def orpo(batch: TensorDictBase, *, beta: float = 0.1) -> tuple[Tensor, TensorDic
     lo = log_odds.detach()
     metrics = ({k: v.detach() for k, v in parts.items()} | preference_metrics(beta * aw, beta * al, aw, al)
                | {"log_odds_ratio": masked_mean(F.logsigmoid(lo), valid), "log_odds_chosen": masked_mean(lo, valid)})
-    return parts["loss_nll"] + parts["loss_or"], TensorDict(metrics, batch_size=[])
+    return wide_sum(parts["loss_nll"], parts["loss_or"]), TensorDict(metrics, batch_size=[])
 
 
 def alphapo_reward(logps: Tensor, *, alpha: float = 0.0) -> Tensor:
@@ -167,15 +167,16 @@ def alphapo_reward(logps: Tensor, *, alpha: float = 0.0) -> Tensor:
     check_float("logps", logps)
     if alpha == 0.0:
         return logps
-    cap = 11.0 if logps.dtype == torch.float16 else 80.0  # e^cap stays finite, as the f-divergences of dpo
+    cap = 11.0 if logps.dtype == torch.float16 else 80.0  # e^cap stays finite, as the f-divergences of DPO
     return -torch.expm1((-alpha * logps).clamp(max=cap)) / alpha
 
 
 def _margin_loss(lw: Tensor, ll: Tensor, beta: float, gamma: float, label_smoothing: float,
                  alpha: float) -> Tensor:
     check_same_shape("chosen", lw, rejected=ll)
-    x = beta * (alphapo_reward(lw, alpha=alpha) - alphapo_reward(ll, alpha=alpha)) - gamma
-    return smoothed_sigmoid_loss(x, label_smoothing=label_smoothing)
+    # in float64, cast back saturating (rlcore.masked.saturate): log-probs anywhere in the range
+    x = beta * (alphapo_reward(wide(lw), alpha=alpha) - alphapo_reward(wide(ll), alpha=alpha)) - gamma
+    return saturate(smoothed_sigmoid_loss(x, label_smoothing=label_smoothing), lw.dtype)
 
 
 def simpo_loss(chosen_logps_avg: Tensor, rejected_logps_avg: Tensor, *, beta: float = 2.0,
@@ -228,12 +229,12 @@ def _ref_free_loss(batch, where, kernel, averaged: bool, beta: float, alpha: flo
                     **hyper) -> tuple[Tensor, TensorDict]:
     cw, rw, nw, nl = _sides(batch, where)
     lw, ll = (_avg(cw, nw), _avg(rw, nl)) if averaged else (cw, rw)
-    parts = {f"loss_{where}": kernel(lw, ll, beta=beta, alpha=alpha, **hyper).mean()}
+    parts = {f"loss_{where}": wide_mean(kernel(lw, ll, beta=beta, alpha=alpha, **hyper))}
     if cpo_alpha != 0.0:
-        parts["loss_nll"] = cpo_alpha * chosen_nll(cw, nw)
-    rewards = (beta * alphapo_reward(lw, alpha=alpha), beta * alphapo_reward(ll, alpha=alpha))
+        parts["loss_nll"] = saturate(cpo_alpha * wide(chosen_nll(cw, nw)), cw.dtype)
+    rewards = tuple(saturate(beta * wide(alphapo_reward(x, alpha=alpha)), x.dtype) for x in (lw, ll))
     metrics = {k: v.detach() for k, v in parts.items()} | preference_metrics(*rewards, lw, ll)
-    return sum(parts.values()), TensorDict(metrics, batch_size=[])
+    return wide_sum(*parts.values()), TensorDict(metrics, batch_size=[])
 
 
 def simpo(batch: TensorDictBase, *, beta: float = 2.0, gamma: float = 1.0, label_smoothing: float = 0.0,
@@ -302,11 +303,12 @@ def kto_loss(logps: Tensor, ref_logps: Tensor, kl_logps: Tensor, ref_kl_logps: T
     check_mask("labels", labels, like=logps, like_name="logps")
     check_float("kl_logps", kl_logps)
     check_same_shape("kl_logps", kl_logps, ref_kl_logps=ref_kl_logps)
-    z = (kl_logps - ref_kl_logps).detach().mean().clamp(min=0).to(logps.dtype)
-    rho = logps - ref_logps.detach()
+    # in float64, cast back saturating (rlcore.masked.saturate): log-probs anywhere in the range
+    z = (wide(kl_logps) - wide(ref_kl_logps)).detach().mean().clamp(min=0)
+    rho = wide(logps) - wide(ref_logps.detach())
     desirable = desirable_weight * torch.sigmoid(beta * (z - rho))  # 1 − σ(β(ρ − z))
     undesirable = undesirable_weight * torch.sigmoid(beta * (rho - z))  # 1 − σ(β(z − ρ))
-    return torch.where(labels, desirable, undesirable), z
+    return saturate(torch.where(labels, desirable, undesirable), logps.dtype), saturate(z, logps.dtype)
 
 
 def kto(batch: TensorDictBase, *, beta: float = 0.1, desirable_weight: float = 1.0,
@@ -329,12 +331,13 @@ def kto(batch: TensorDictBase, *, beta: float = 0.1, desirable_weight: float = 1
     lp, ref, labels = batch.get(K.LOGPS), batch.get(K.REF_LOGPS), batch.get(K.LABELS)
     losses, z = kto_loss(lp, ref, batch.get(K.KL_LOGPS), batch.get(K.REF_KL_LOGPS), labels, beta=beta,
                          desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
-    loss = losses.mean()
-    rewards, lpd = beta * (lp - ref).detach(), lp.detach()
+    loss = wide_mean(losses)
+    rewards, lpd = saturate(beta * (wide(lp) - wide(ref)).detach(), lp.dtype), lp.detach()
     metrics = {"loss_kto": loss.detach(), "kl": z,
                "rewards/chosen": masked_mean(rewards, labels), "rewards/rejected": masked_mean(rewards, ~labels),
                "logps/chosen": masked_mean(lpd, labels), "logps/rejected": masked_mean(lpd, ~labels)}
-    metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    metrics["rewards/margins"] = saturate(wide(metrics["rewards/chosen"]) - wide(metrics["rewards/rejected"]),
+                                          lp.dtype)
     return loss, TensorDict(metrics, batch_size=[])
 
 

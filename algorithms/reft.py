@@ -28,6 +28,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -37,6 +38,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
 from rlcore.checks import check_float, check_ndim
+from rlcore.masked import saturate, wide
 
 __all__ = [
     "loreft",
@@ -70,12 +72,28 @@ def _check(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor | None,
         raise ValueError(f"bias: expected shape [{r}] (r from rotation), got {list(bias.shape)}")
 
 
+def _in_float64(variant: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A variant computed in float64 (``rlcore.masked.wide``) and cast back saturating to ``h``'s
+    dtype: hidden states anywhere in the float32 / bfloat16 range give finite edits and gradients.
+    The edit touches only the intervened positions (``[N, H]`` against ``[r, H]``), so the cost is small."""
+    @functools.wraps(variant)
+    def run(h, *args, **kwargs):
+        tensors = [h, *args, *(v for k, v in kwargs.items() if k != "act")]
+        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
+            return variant(h, *args, **kwargs)  # its checks name the argument that is not a float tensor
+
+        out = variant(wide(h), *map(wide, args), **{k: v if k == "act" else wide(v) for k, v in kwargs.items()})
+        return saturate(out, h.dtype)
+    return run
+
+
 def _subspace_edit(h, rotation, weight, bias, act: Act) -> torch.Tensor:
     source = nn.functional.linear(h, weight, bias)
     source = source if act is None else act(source)
     return h + (source - nn.functional.linear(h, rotation)) @ rotation
 
 
+@_in_float64
 def loreft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,
            act: Act = None) -> torch.Tensor:
     """LoReFT: ``Φ(h) = h + Rᵀ(act(W h + b) − R h)``.
@@ -102,6 +120,7 @@ def loreft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: 
     return _subspace_edit(h, rotation, weight, bias, act)
 
 
+@_in_float64
 def noreft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,
            act: Act = None) -> torch.Tensor:
     """NoReFT: ``Φ(h) = h + Rᵀ(act(W h + b) − R h)`` with ``R`` not constrained orthonormal.
@@ -116,6 +135,7 @@ def noreft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: 
     return _subspace_edit(h, rotation, weight, bias, act)
 
 
+@_in_float64
 def direft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,
            act: Act = None) -> torch.Tensor:
     """DiReFT: ``Φ(h) = h + Rᵀ act(W h + b)``, ``R`` unconstrained and no ``− R h`` term.
@@ -138,6 +158,7 @@ def direft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: 
     return h + source @ rotation
 
 
+@_in_float64
 def nodireft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,
              act: Act = None) -> torch.Tensor:
     """NodiReFT: ``Φ(h) = h + Rᵀ act(W h + b)`` with ``R`` not constrained orthonormal.
@@ -151,6 +172,7 @@ def nodireft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias
     return direft(h, rotation, weight, bias, act=act)
 
 
+@_in_float64
 def consreft(h: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """ConsReFT: ``Φ(h) = h + Rᵀ(b − R h)``: the subspace coordinates set to a learned constant.
 
@@ -172,6 +194,7 @@ def consreft(h: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor) -> tor
     return h + (bias - nn.functional.linear(h, rotation)) @ rotation
 
 
+@_in_float64
 def lobireft(h: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """LobiReFT: ``Φ(h) = h + Rᵀ b``: a learned shift inside the subspace (low-rank BitFit).
 

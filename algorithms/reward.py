@@ -8,7 +8,6 @@ keeps rewards near zero (a reward model's offset is otherwise free).
 
 from __future__ import annotations
 
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +15,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.checks import check_float, check_same_shape, require_keys
+from rlcore.masked import saturate, wide, wide_mean, wide_sum
 
 __all__ = ["bradley_terry_loss", "reward_loss"]
 
@@ -45,10 +45,10 @@ def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, *,
     check_float("rejected_rewards", rejected_rewards)
     check_same_shape("chosen_rewards", chosen_rewards, rejected_rewards=rejected_rewards,
                      margin=margin if isinstance(margin, Tensor) else None)
-    diff = chosen_rewards - rejected_rewards
+    diff = wide(chosen_rewards) - wide(rejected_rewards)  # float64, cast back saturating
     if margin is not None:
-        diff = diff - margin
-    return -F.logsigmoid(diff)
+        diff = diff - (wide(margin) if isinstance(margin, Tensor) else margin)
+    return saturate(-F.logsigmoid(diff), chosen_rewards.dtype)
 
 
 def reward_loss(batch: TensorDictBase, *, margin_key=None,
@@ -81,11 +81,11 @@ def reward_loss(batch: TensorDictBase, *, margin_key=None,
     require_keys(batch, keys, where="reward_loss", layouts=dict.fromkeys(keys, "[B] float"))
     rw, rl = batch.get(keys[0]), batch.get(keys[1])
     margin = batch.get(margin_key) if margin_key is not None else None
-    parts = {"loss_bt": bradley_terry_loss(rw, rl, margin=margin).mean()}
+    parts = {"loss_bt": wide_mean(bradley_terry_loss(rw, rl, margin=margin))}
     if center_rewards_coefficient is not None:
-        parts["loss_center"] = center_rewards_coefficient * (rw + rl).square().mean()
+        parts["loss_center"] = saturate(center_rewards_coefficient * (wide(rw) + wide(rl)).square().mean(), rw.dtype)
     dw, dl = rw.detach(), rl.detach()
     metrics = {k: v.detach() for k, v in parts.items()} | {
-        "accuracy": (dw > dl).to(dw.dtype).mean(), "margin": (dw - dl).mean(),
-        "rewards/chosen": dw.mean(), "rewards/rejected": dl.mean()}
-    return cast(torch.Tensor, sum(parts.values())), TensorDict(metrics, batch_size=[])
+        "accuracy": (dw > dl).to(dw.dtype).mean(), "margin": saturate((wide(dw) - wide(dl)).mean(), dw.dtype),
+        "rewards/chosen": wide_mean(dw), "rewards/rejected": wide_mean(dl)}
+    return wide_sum(*parts.values()), TensorDict(metrics, batch_size=[])

@@ -27,7 +27,7 @@ from tensordict import TensorDictBase
 
 from rlcore import keys as K
 from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, require_keys
-from rlcore.masked import masked_sum, masked_whiten
+from rlcore.masked import masked_sum, masked_whiten, saturate, wide
 from rlcore.returns import _check_gamma_lam, discounted_returns, with_gae
 
 __all__ = [
@@ -89,18 +89,10 @@ def _centre(scores: torch.Tensor, group_id: torch.Tensor | None
 
 
 def _scores(scores: torch.Tensor) -> torch.Tensor:
-    """Scores for the group statistics, in float64 (where the device has it): sums and squares of
+    """Scores for the group statistics, in float64 (``rlcore.masked.wide``): sums and squares of
     scores anywhere in float32's or bfloat16's range stay finite."""
     check_float("scores", scores)
-    wide = torch.float32 if scores.device.type == "mps" else torch.float64
-    return scores.detach().to(torch.promote_types(scores.dtype, wide))
-
-
-def _back(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` in the scores' ``dtype``, saturated at its largest finite value (an advantage such as
-    RLOO's ``r_i − mean_{j≠i} r_j`` can exceed the range its inputs fill)."""
-    big = torch.finfo(dtype).max
-    return x.clamp(-big, big).to(dtype)
+    return wide(scores.detach())
 
 
 def group_mean(scores: torch.Tensor, *, group_id: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,7 +109,7 @@ def group_mean(scores: torch.Tensor, *, group_id: torch.Tensor | None = None) ->
     """
     s = _scores(scores)
     group_sum, count = _grouping(s, group_id)
-    return _back((group_sum(s) / count).expand_as(s).contiguous(), scores.dtype)
+    return saturate((group_sum(s) / count).expand_as(s).contiguous(), scores.dtype)
 
 
 # --- RLOO ------------------------------------------------------------------------------------
@@ -138,7 +130,7 @@ def rloo_advantage(scores: torch.Tensor, *, group_id: torch.Tensor | None = None
         from Human Feedback in LLMs", https://arxiv.org/abs/2402.14740
     """
     centred, count, _ = _centre(_scores(scores), group_id)
-    return _back(centred * (count / (count - 1).clamp(min=1)), scores.dtype)
+    return saturate(centred * (count / (count - 1).clamp(min=1)), scores.dtype)
 
 
 # --- GRPO ------------------------------------------------------------------------------------
@@ -206,7 +198,7 @@ def grpo_advantage(scores: torch.Tensor, *, group_id: torch.Tensor | None = None
         raise ValueError(f"eps: expected a finite number >= 0 (added to σ), got {eps!r}")
     s = _scores(scores)
     centred, count, group_sum = _centre(s, group_id)
-    return _back(rescale(s, centred, count, group_sum, eps), scores.dtype)
+    return saturate(rescale(s, centred, count, group_sum, eps), scores.dtype)
 
 
 dr_grpo_advantage = functools.partial(grpo_advantage, scale="none")
@@ -250,7 +242,7 @@ def opo_advantage(scores: torch.Tensor, lengths: torch.Tensor, *,
     group_sum, count = _grouping(s, group_id)
     total = group_sum(l)
     weighted = group_sum(l * s) / torch.where(total > 0, total, torch.ones_like(total))
-    return _back(s - torch.where(total > 0, weighted, group_sum(s) / count), scores.dtype)
+    return saturate(s - torch.where(total > 0, weighted, group_sum(s) / count), scores.dtype)
 
 
 # --- token-level estimators ------------------------------------------------------------------
@@ -304,12 +296,12 @@ def reinforce_pp_advantage(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: 
         https://arxiv.org/abs/2501.03262
     """
     check_float("rewards", rewards)
-    r = rewards.detach().to(torch.promote_types(rewards.dtype, torch.float32))  # bf16: stats in fp32
+    r = wide(rewards.detach())  # float64: returns and statistics of rewards near the range's edge stay finite
     returns = discounted_returns(r, mask, gamma=gamma)
     if group_baseline:
         check_ndim("rewards", rewards, min_ndim=2, layout="[..., G, T] or [B, T] with group_id")
         returns = returns - group_mean(masked_sum(r, mask, dim=-1), group_id=group_id)[..., None]
-    return masked_whiten(returns, mask, eps=eps).to(rewards.dtype)
+    return saturate(masked_whiten(returns, mask, eps=eps), rewards.dtype)
 
 
 reinforce_pp_baseline_advantage = functools.partial(reinforce_pp_advantage, group_baseline=True)
@@ -341,8 +333,8 @@ def remax_advantage(rewards: torch.Tensor, baseline_scores: torch.Tensor, mask: 
     if baseline_scores.shape != rewards.shape[:-1]:
         raise ValueError(f"baseline_scores: expected shape [{', '.join(map(str, rewards.shape[:-1]))}] (the shape "
                          f"of rewards without its time dim), got [{', '.join(map(str, baseline_scores.shape))}]")
-    returns = discounted_returns(rewards, mask, gamma=1.0)
-    return returns - broadcast_to_tokens(baseline_scores.detach().to(returns.dtype), mask)
+    returns = discounted_returns(wide(rewards), mask, gamma=1.0)  # float64, cast back saturating
+    return saturate(returns - broadcast_to_tokens(wide(baseline_scores.detach()), mask), rewards.dtype)
 
 
 # --- TensorDict adapters ---------------------------------------------------------------------

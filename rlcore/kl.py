@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 
 from rlcore.checks import check_float, check_ndim, check_same_shape
+from rlcore.masked import saturate, wide
 
 __all__ = [
     "kl_k1",
@@ -57,7 +58,9 @@ def _log_ratio(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: float 
     check_float("logprobs", logprobs)
     check_float("ref_logprobs", ref_logprobs)
     check_same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs)
-    d = logprobs - ref_logprobs
+    # float64: a difference of log-probs anywhere in the float32 / bfloat16 range (and its square,
+    # its exponential) stays finite; each estimator casts back saturating (rlcore.masked.saturate)
+    d = wide(logprobs) - wide(ref_logprobs)
     return d if clamp is None else d.clamp(-clamp, clamp)
 
 
@@ -79,7 +82,7 @@ def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, clamp: float | 
 
     References: Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
     """
-    return _log_ratio(logprobs, ref_logprobs, clamp)
+    return saturate(_log_ratio(logprobs, ref_logprobs, clamp), logprobs.dtype)
 
 
 def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, clamp: float | None = None) -> torch.Tensor:
@@ -92,7 +95,7 @@ def kl_abs(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, clamp: float |
 
     References: Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
     """
-    return _log_ratio(logprobs, ref_logprobs, clamp).abs()
+    return saturate(_log_ratio(logprobs, ref_logprobs, clamp).abs(), logprobs.dtype)
 
 
 def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, clamp: float | None = None) -> torch.Tensor:
@@ -108,7 +111,7 @@ def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, clamp: float | 
 
     References: Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
     """
-    return 0.5 * _log_ratio(logprobs, ref_logprobs, clamp).square()
+    return saturate(0.5 * _log_ratio(logprobs, ref_logprobs, clamp).square(), logprobs.dtype)
 
 
 def _expm1_minus_x(x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +121,9 @@ def _expm1_minus_x(x: torch.Tensor) -> torch.Tensor:
     small = x.abs() < 0.1
     s = torch.where(small, x, torch.zeros((), dtype=x.dtype, device=x.device))
     poly = 1 / 2 + s * (1 / 6 + s * (1 / 24 + s * (1 / 120 + s * (1 / 720 + s * (1 / 5040 + s / 40320)))))
-    return torch.where(small, s.square() * poly, torch.expm1(x) - x)
+    # e^700 is finite in float64 and past every float32 value: the exponent is capped there, so that
+    # neither the value nor its gradient (e^x) is inf before the caller saturates
+    return torch.where(small, s.square() * poly, torch.expm1(x.clamp(max=700.0)) - x)
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, clamp: float | None = None) -> torch.Tensor:
@@ -139,7 +144,7 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, clamp: float | 
     References: Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html;
     Shao et al., "DeepSeekMath", https://arxiv.org/abs/2402.03300
     """
-    return _expm1_minus_x(-_log_ratio(logprobs, ref_logprobs, clamp))
+    return saturate(_expm1_minus_x(-_log_ratio(logprobs, ref_logprobs, clamp)), logprobs.dtype)
 
 
 KL_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
@@ -204,15 +209,25 @@ def _chunk_bounds(n: int, chunk_size: int | None) -> list[tuple[int, int]]:
     return [(s, min(s + size, n)) for s in range(0, n, size)]
 
 
+def _log_softmax(x: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    # log softmax(x/τ) of the row maximum's shift: x − max ≤ 0, so dividing by τ < 1 cannot overflow
+    # for logits anywhere in the float range; a log-prob past the range is its largest negative value.
+    x = x.to(dtype)
+    shifted = (x - x.amax(dim=-1, keepdim=True)) / temperature
+    return torch.log_softmax(shifted, dim=-1).clamp(min=torch.finfo(dtype).min)
+
+
 def _kl_terms(z: torch.Tensor, r: torch.Tensor, temperature: float) -> tuple[torch.Tensor, ...]:
     # One chunk of rows, upcast: p = softmax(z/τ), a = log p − log q (0 where p = 0, so that
-    # logits at −inf, e.g. filtered tokens, contribute 0 rather than 0·(−inf) = NaN).
+    # logits at −inf, e.g. filtered tokens, contribute 0 rather than 0·(−inf) = NaN). Each term of
+    # p·a is finite (|a| ≤ the largest float once log p and log q are clamped); the sum saturates.
     dtype = _compute_dtype(z.dtype)
-    logp = torch.log_softmax(z.to(dtype) / temperature, dim=-1)
-    logq = torch.log_softmax(r.to(dtype) / temperature, dim=-1)
+    logp = _log_softmax(z, temperature, dtype)
+    logq = _log_softmax(r, temperature, dtype)
     p = logp.exp()
     a = torch.where(p > 0, logp - logq, torch.zeros((), dtype=dtype, device=z.device))
-    return p, a, (p * a).sum(-1)
+    big = torch.finfo(dtype).max
+    return p, a, (p * a).sum(-1).clamp(-big, big)
 
 
 class _FullKL(torch.autograd.Function):
@@ -225,7 +240,7 @@ class _FullKL(torch.autograd.Function):
         parts = [_kl_terms(logits[s:e], ref_logits[s:e], temperature)[2]
                  for s, e in _chunk_bounds(logits.shape[0], chunk_size)]
         out = torch.cat(parts) if parts else logits.new_zeros(0, dtype=_compute_dtype(logits.dtype))
-        return out.to(logits.dtype)
+        return saturate(out, logits.dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -235,13 +250,14 @@ class _FullKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        # ∂KL/∂z_j = p_j·(a_j − KL)/τ, one chunk of rows at a time.
+        # ∂KL/∂z_j = p_j·(a_j − KL)/τ, one chunk of rows at a time (as p·a − p·KL: each finite).
         logits, ref_logits = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for s, e in _chunk_bounds(logits.shape[0], ctx.chunk_size):
             p, a, kl = _kl_terms(logits[s:e], ref_logits[s:e], ctx.temperature)
-            g = grad_out[s:e, None].to(p.dtype) * p * (a - kl[:, None]) / ctx.temperature
-            grad[s:e] = g.to(grad.dtype)
+            big = torch.finfo(p.dtype).max
+            g = grad_out[s:e, None].to(p.dtype) * (p * a - p * kl[:, None]).clamp(-big, big) / ctx.temperature
+            grad[s:e] = saturate(g.clamp(-big, big), grad.dtype)
         return grad, None, None, None
 
 

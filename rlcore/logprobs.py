@@ -98,26 +98,44 @@ def _work(logits: torch.Tensor, rows: int, acc: torch.dtype, needed: bool) -> to
     return torch.empty(min(rows, n), logits.shape[-1], dtype=acc, device=logits.device) if needed else None
 
 
-def _scaled_log_softmax(chunk: torch.Tensor, temperature: float, work: torch.Tensor | None,
-                        out: torch.Tensor | None = None):
-    """``(x, log_softmax(x))`` with ``x = chunk / τ`` in float32 (``chunk`` itself, or in ``work``);
-    the log-softmax is written into ``out`` when given (a buffer reused across chunks: a fresh
-    multi-megabyte result per chunk would be fresh pages, and first-touch faults cost as much as
-    the arithmetic)."""
+def _scaled(chunk: torch.Tensor, temperature: float, work: torch.Tensor | None,
+            shift: torch.Tensor | None) -> torch.Tensor:
+    """``x = (chunk − shift)/τ`` in float32 (``chunk`` itself, or in ``work``); the one definition
+    of ``x`` that forward and backward share, so that they agree to the last bit.
+
+    ``shift`` (the row maxima, with ``τ < 1``): ``x ≤ 0``, so dividing by ``τ`` cannot overflow
+    for logits anywhere in the float range (``logits/τ`` would pass the largest float)."""
     if work is None:
-        x = chunk
-    elif chunk.dtype == work.dtype:
-        x = torch.div(chunk, temperature, out=work[:len(chunk)])
-    else:  # upcast first: a division by a Python number would run (and round) in half precision
-        x = work[:len(chunk)].copy_(chunk)
-        if temperature != 1.0:
-            x.div_(temperature)
+        return chunk
+    x = work[:len(chunk)]
+    if shift is not None:
+        if chunk.dtype != work.dtype:  # upcast first: the difference would round in half precision
+            return x.copy_(chunk).sub_(shift[:, None]).div_(temperature)
+        return torch.sub(chunk, shift[:, None], out=x).div_(temperature)
+    if chunk.dtype == work.dtype:
+        return torch.div(chunk, temperature, out=x)
+    x.copy_(chunk)  # upcast first: a division by a Python number would run (and round) in half precision
+    return x if temperature == 1.0 else x.div_(temperature)
+
+
+def _scaled_log_softmax(chunk: torch.Tensor, temperature: float, work: torch.Tensor | None,
+                        out: torch.Tensor | None = None, shift: torch.Tensor | None = None):
+    """``(x, log_softmax(x))`` with ``x = _scaled(chunk, ...)``; the log-softmax is written into
+    ``out`` when given (a buffer reused across chunks: a fresh multi-megabyte result per chunk would
+    be fresh pages, and first-touch faults cost as much as the arithmetic)."""
+    x = _scaled(chunk, temperature, work, shift)
     return x, (torch.log_softmax(x, dim=-1) if out is None else torch.log_softmax(x, dim=-1, out=out[:len(x)]))
 
 
-def _grad_chunks(logits, lse, rows, temperature, fill) -> torch.Tensor:
-    """Backward of a row-chunked function: ``work = logits/τ − lse`` (log p) per chunk, turned in
-    place into the chunk's gradient by ``fill(work, rows_slice)``, all in one gradient buffer.
+def _row_max(chunk: torch.Tensor, temperature: float) -> torch.Tensor | None:
+    """The shift of :func:`_scaled`: the row maxima when ``τ < 1`` (else ``None``, no shift)."""
+    return chunk.amax(dim=-1) if temperature < 1.0 else None
+
+
+def _grad_chunks(logits, lse, rows, temperature, fill, shifts=None) -> torch.Tensor:
+    """Backward of a row-chunked function: ``work = x − lse`` (log p, ``x`` as the forward made it,
+    :func:`_scaled`; clamped to ≤ 0 against the rounding of ``lse``) per chunk, turned in place into
+    the chunk's gradient by ``fill(work, rows_slice)``, all in one gradient buffer.
 
     ``work`` is the gradient's own rows when no cast is needed (no temporary at all), else one
     reusable float32 chunk copied into the half-precision gradient.
@@ -128,9 +146,12 @@ def _grad_chunks(logits, lse, rows, temperature, fill) -> torch.Tensor:
     for off, chunk in _row_chunks(logits, rows):
         sl = slice(off, off + len(chunk))
         dst = grad_rows[sl]
-        out = dst if buf is None else buf[:len(chunk)]
-        work = torch.add(-lse[sl, None], chunk, alpha=1.0 / temperature, out=out)  # half chunks promoted
-        fill(work, sl)
+        out = dst if buf is None else buf
+        if shifts is None and temperature == 1.0:
+            work = torch.sub(chunk, lse[sl, None], out=out[:len(chunk)])  # half chunks promoted
+        else:
+            work = _scaled(chunk, temperature, out, None if shifts is None else shifts[sl]).sub_(lse[sl, None])
+        fill(work.clamp_(max=0.0), sl)
         if work is not dst:
             dst.copy_(work)
     return grad
@@ -146,33 +167,41 @@ class _TokenLogprobs(torch.autograd.Function):
         n = labels.numel()
         flat_labels = labels.reshape(n, 1)
         out, lse = (torch.empty(n, dtype=acc, device=logits.device) for _ in range(2))
+        shifts = torch.empty(n, dtype=logits.dtype, device=logits.device) if temperature < 1.0 else None
         lowest = torch.finfo(acc).min
         work = _work(logits, rows, acc, logits.dtype != acc or temperature != 1.0)
         buf = _work(logits, rows, acc, True)
         for off, chunk in _row_chunks(logits, rows):
             sl = slice(off, off + len(chunk))
-            x, logp = _scaled_log_softmax(chunk, temperature, work, buf)
+            shift = _row_max(chunk, temperature)
+            x, logp = _scaled_log_softmax(chunk, temperature, work, buf, shift)
             lp = logp.gather(-1, flat_labels[sl])[:, 0]
-            out[sl] = lp
+            x_y = x.gather(-1, flat_labels[sl])[:, 0]
+            # A finite label logit further below the row's maximum than the float range reaches:
+            # the largest negative value, not −inf; a −inf logit (masked vocabulary) keeps its −inf.
+            masked = chunk.gather(-1, flat_labels[sl])[:, 0] == -math.inf
+            out[sl] = torch.where(masked, lp, lp.clamp(min=lowest))
             # lse = x_y − logp_y: exact to a few ulps of |logp_y|, and no extra pass over the
-            # chunk. A −inf label logit gives lse = +inf, i.e. a zero softmax in backward
-            # (finite gradients for a row whose log-prob is −inf), never NaN.
-            lse[sl] = x.gather(-1, flat_labels[sl])[:, 0].clamp(min=lowest) - lp
+            # chunk (the backward clamps log p ≤ 0 against that rounding). A −inf label logit
+            # gives lse = +inf, i.e. a zero softmax in backward, never NaN.
+            lse[sl] = x_y.clamp(min=lowest) - lp
+            if shifts is not None and shift is not None:
+                shifts[sl] = shift
             del x, logp  # free this chunk's temporaries before the next chunk allocates its own
-        ctx.save_for_backward(logits, flat_labels, lse)
+        ctx.save_for_backward(logits, flat_labels, lse, *(() if shifts is None else (shifts,)))
         ctx.temperature, ctx.rows = temperature, rows
         return out.view(labels.shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        logits, flat_labels, lse = ctx.saved_tensors
+        logits, flat_labels, lse, *shifts = ctx.saved_tensors
         g = grad_out.reshape(-1, 1).to(lse.dtype) / ctx.temperature   # [N, 1]
 
         def fill(logp, sl):  # log p → g·(onehot(y) − p)/τ, in place
             logp.exp_().mul_(-g[sl]).scatter_add_(-1, flat_labels[sl], g[sl])
 
-        return _grad_chunks(logits, lse, ctx.rows, ctx.temperature, fill), None, None, None
+        return _grad_chunks(logits, lse, ctx.rows, ctx.temperature, fill, *shifts), None, None, None
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
@@ -228,25 +257,29 @@ class _Entropy(torch.autograd.Function):
         acc = _acc(logits.dtype)
         n = math.prod(logits.shape[:-1])
         ent, lse = (torch.empty(n, dtype=acc, device=logits.device) for _ in range(2))
+        shifts = torch.empty(n, dtype=logits.dtype, device=logits.device) if temperature < 1.0 else None
         work = _work(logits, rows, acc, logits.dtype != acc or temperature != 1.0)
         buf = _work(logits, rows, acc, True)
         for off, chunk in _row_chunks(logits, rows):
             sl = slice(off, off + len(chunk))
-            x, logp = _scaled_log_softmax(chunk, temperature, work, buf)
+            shift = _row_max(chunk, temperature)
+            x, logp = _scaled_log_softmax(chunk, temperature, work, buf, shift)
+            if shifts is not None and shift is not None:
+                shifts[sl] = shift
             # lse = max_v x_v − max_v log p_v: read where log p ≈ 0, so exact and finite
             lse[sl] = x.amax(dim=-1) - logp.amax(dim=-1)
             p = logp.exp()
             # p = 0 where logits are −inf: clamp log p so that p·log p is 0, not NaN
             ent[sl] = -p.mul_(logp.clamp_(min=torch.finfo(acc).min)).sum(-1)
             del x, logp, p  # free this chunk's temporaries before the next chunk allocates its own
-        ctx.save_for_backward(logits, lse, ent)
+        ctx.save_for_backward(logits, lse, ent, *(() if shifts is None else (shifts,)))
         ctx.temperature, ctx.rows = temperature, rows
         return ent.view(logits.shape[:-1])
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        logits, lse, ent = ctx.saved_tensors
+        logits, lse, ent, *shifts = ctx.saved_tensors
         g = grad_out.reshape(-1, 1).to(lse.dtype) / ctx.temperature
         lowest = torch.finfo(lse.dtype).min
 
@@ -254,7 +287,7 @@ class _Entropy(torch.autograd.Function):
             p = logp.exp()
             logp.clamp_(min=lowest).add_(ent[sl, None]).mul_(p).mul_(-g[sl])
 
-        return _grad_chunks(logits, lse, ctx.rows, ctx.temperature, fill), None, None
+        return _grad_chunks(logits, lse, ctx.rows, ctx.temperature, fill, *shifts), None, None
 
 
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,

@@ -3,6 +3,10 @@
 Every function here reads a value only where its mask is True: positions outside the mask may
 hold anything (padding garbage, NaN, inf) without changing a result, and an empty mask gives a
 defined value (0), never NaN. Masks are ``torch.bool`` and shaped exactly like the values.
+
+Sums and moments accumulate in float64 and the result is cast back *saturating*
+(:func:`saturate`): finite inputs anywhere in the float32 / bfloat16 range give finite results
+(a sum past the dtype's largest value is that value, not inf; a mean of values near it is exact).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlcore.checks import check_float, check_mask, check_ndim, lookup
+from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, lookup
 
 __all__ = [
     "masked_sum",
@@ -19,6 +23,10 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "zero_outside",
+    "wide",
+    "saturate",
+    "wide_mean",
+    "wide_sum",
     "aggregate",
     "AGGREGATIONS",
     "token_mean",
@@ -49,6 +57,74 @@ def zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+class _Widen(torch.autograd.Function):
+    """float64 forward; the backward casts the gradient back saturating, so a gradient past the
+    input dtype's range (e.g. ``∂(a·b)/∂b = a`` times a large upstream factor) is its largest value."""
+
+    @staticmethod
+    def forward(ctx, x, target):
+        ctx.dtype = x.dtype
+        return x.to(target)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return saturate(grad, ctx.dtype), None
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float64 (``x`` itself when it already is; float32 on Apple's MPS, which has no
+    float64): the precision the statistics of this module, the returns and the preference losses
+    are computed in, so that no intermediate of
+    finite float32 / bfloat16 inputs overflows. Pair it with :func:`saturate` on the way out; the
+    gradient comes back to ``x``'s dtype saturating too."""
+    target = torch.float32 if x.device.type == "mps" else torch.float64  # MPS has no float64
+    if x.dtype == torch.float64 or x.dtype == target:
+        return x
+    return _Widen.apply(x, target) if x.requires_grad and torch.is_grad_enabled() else x.to(target)
+
+
+def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast to ``dtype``, values beyond its finite range (±inf included) clamped to
+    ``±finfo(dtype).max`` (where a plain cast gives ±inf); NaN stays NaN. Gradient: 1 inside the range, 0 where clamped.
+
+    >>> saturate(torch.tensor([1e39, -1e39, 2.0], dtype=torch.float64), torch.float32)
+    tensor([ 3.4028e+38, -3.4028e+38,  2.0000e+00])
+    """
+    big = torch.finfo(dtype).max
+    return x.clamp(-big, big).to(dtype)
+
+
+def wide_mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean of every element of ``x`` (``[]``), accumulated in float64 and cast back saturating:
+    finite for finite inputs anywhere in the dtype's range; NaN for an empty ``x``, as ``Tensor.mean``
+    (a batch-mean loss of no rows is 0/0: ``update``'s guard skips that step).
+
+    >>> wide_mean(torch.tensor([3e38, 3e38]))
+    tensor(3.0000e+38)
+    """
+    check_float("x", x)
+    return saturate(wide(x).mean(), x.dtype)
+
+
+def wide_sum(*terms: torch.Tensor) -> torch.Tensor:
+    """``Σ terms`` (same-shaped tensors, e.g. the ``[]`` terms of a loss) in float64, cast back
+    saturating to the first term's dtype: two terms near the largest value do not add to inf.
+
+    >>> wide_sum(torch.tensor(3e38), torch.tensor(3e38))
+    tensor(3.4028e+38)
+    """
+    for i, t in enumerate(terms):
+        check_float(f"terms[{i}]", t)
+    check_same_shape("terms[0]", terms[0], **{f"terms[{i}]": t for i, t in enumerate(terms[1:], 1)})
+    return saturate(torch.stack([wide(t) for t in terms]).sum(0), terms[0].dtype)
+
+
+def _wide_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim, keepdim: bool) -> torch.Tensor:
+    """``Σ_{mask} x`` over ``dim`` in float64, unchecked."""
+    z = wide(zero_outside(x, mask))
+    return z.sum() if dim is None else z.sum(dim=dim, keepdim=keepdim)
+
+
 def _count(mask: torch.Tensor, dim: Dim, keepdim: bool) -> torch.Tensor:
     return mask.sum() if dim is None else mask.sum(dim=dim, keepdim=keepdim)
 
@@ -67,8 +143,7 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: bo
     tensor(3.)
     """
     _check(x, mask)
-    z = zero_outside(x, mask)
-    return z.sum() if dim is None else z.sum(dim=dim, keepdim=keepdim)
+    return saturate(_wide_sum(x, mask, dim, keepdim), x.dtype)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: bool = False) -> torch.Tensor:
@@ -77,20 +152,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: b
     >>> masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[True, True], [False, False]]), dim=-1)
     tensor([2., 0.])
     """
-    total = masked_sum(x, mask, dim, keepdim)
-    return total / _count(mask, dim, keepdim).clamp(min=1).to(total.dtype)
+    _check(x, mask)
+    return saturate(_wide_sum(x, mask, dim, keepdim) / _count(mask, dim, keepdim).clamp(min=1), x.dtype)
 
 
 def _centred(x: torch.Tensor, mask: torch.Tensor, dim: Dim, unbiased: bool):
-    """``(mean, x − mean under the mask (0 elsewhere), variance)`` with one masking of ``x`` and
-    one count: the shared moments of :func:`masked_var` and :func:`masked_whiten` (keepdim)."""
+    """``(mean, x − mean under the mask (0 elsewhere), variance)``, float64, with one masking of
+    ``x`` and one count: the shared moments of :func:`masked_var` and :func:`masked_whiten` (keepdim)."""
     n = _count(mask, dim, keepdim=True)
-    z = zero_outside(x, mask)
-    mean = (z.sum() if dim is None else z.sum(dim=dim, keepdim=True)) / n.clamp(min=1).to(x.dtype)
+    z = wide(zero_outside(x, mask))
+    mean = (z.sum() if dim is None else z.sum(dim=dim, keepdim=True)) / n.clamp(min=1)
     centred = (z - mean) * mask  # z is finite off the mask (0): the product is an exact 0 there
     sq = centred.square()
-    var = (sq.sum() if dim is None else sq.sum(dim=dim, keepdim=True)) / (n - 1 if unbiased else n).clamp(min=1).to(
-        x.dtype)
+    var = (sq.sum() if dim is None else sq.sum(dim=dim, keepdim=True)) / (n - 1 if unbiased else n).clamp(min=1)
     return mean, centred, var
 
 
@@ -110,7 +184,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: bo
     tensor(2.)
     """
     _check(x, mask)  # before the first torch.where, which would broadcast a mis-shaped mask
-    var = _centred(x, mask, dim, unbiased)[2]
+    var = saturate(_centred(x, mask, dim, unbiased)[2], x.dtype)
     if keepdim or dim is None:
         return var
     dims = (dim,) if isinstance(dim, int) else dim
@@ -133,7 +207,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, dim: Dim = None, shift
     _check(x, mask)
     mean, centred, var = _centred(x, mask, dim, unbiased)
     out = centred * torch.rsqrt(var + eps)  # 0 outside the mask already
-    return out if shift_mean else torch.where(mask, out + mean, torch.zeros((), dtype=x.dtype, device=x.device))
+    return saturate(out if shift_mean else torch.where(mask, out + mean, torch.zeros_like(out)), x.dtype)
 
 
 # --- aggregation of per-token losses ---------------------------------------------------------
@@ -150,20 +224,24 @@ def _rows(mask: torch.Tensor, num_seqs) -> torch.Tensor | float:
 def token_mean(values: torch.Tensor, mask: torch.Tensor, *, num_tokens=None, num_seqs=None,
                max_length=None) -> torch.Tensor:
     """``Σ_{i,t} m·ℓ / N_tok``, ``N_tok = num_tokens`` or the tokens under ``mask`` (DAPO, verl)."""
+    _check(values, mask)
     denom = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    return masked_sum(values, mask) / denom
+    return saturate(_wide_sum(values, mask, None, False) / denom, values.dtype)
 
 
 def seq_mean_token_sum(values: torch.Tensor, mask: torch.Tensor, *, num_tokens=None, num_seqs=None,
                        max_length=None) -> torch.Tensor:
     """``Σ_i Σ_t m·ℓ / N_seq``: each sequence's summed loss, averaged over sequences."""
-    return masked_sum(values, mask) / _rows(mask, num_seqs)
+    _check(values, mask)
+    return saturate(_wide_sum(values, mask, None, False) / _rows(mask, num_seqs), values.dtype)
 
 
 def seq_mean_token_mean(values: torch.Tensor, mask: torch.Tensor, *, num_tokens=None, num_seqs=None,
                         max_length=None) -> torch.Tensor:
     """``Σ_i (Σ_t m·ℓ / Σ_t m) / N_seq``: per-sequence token means, averaged (original GRPO)."""
-    return masked_mean(values, mask, dim=-1).sum() / _rows(mask, num_seqs)
+    _check(values, mask)
+    row_means = _wide_sum(values, mask, -1, False) / mask.sum(dim=-1).clamp(min=1)
+    return saturate(row_means.sum() / _rows(mask, num_seqs), values.dtype)
 
 
 def seq_sum_norm(values: torch.Tensor, mask: torch.Tensor, *, num_tokens=None, num_seqs=None,
@@ -173,8 +251,9 @@ def seq_sum_norm(values: torch.Tensor, mask: torch.Tensor, *, num_tokens=None, n
     ``L = max_length``: pass the generation limit. Left ``None``, ``L`` is the padded width
     ``T`` (at least 1, so a width-0 batch gives 0), which makes the value depend on padding.
     """
+    _check(values, mask)
     length = max(values.shape[-1], 1) if max_length is None else max_length
-    return masked_sum(values, mask) / (_rows(mask, num_seqs) * length)
+    return saturate(_wide_sum(values, mask, None, False) / (_rows(mask, num_seqs) * length), values.dtype)
 
 
 AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {

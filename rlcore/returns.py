@@ -23,7 +23,7 @@ from tensordict import TensorDictBase
 
 from rlcore import keys as K
 from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, require_keys
-from rlcore.masked import masked_whiten
+from rlcore.masked import masked_whiten, saturate, wide
 
 __all__ = ["gae", "discounted_returns", "discounted_cumsum", "with_gae"]
 
@@ -74,8 +74,8 @@ def discounted_cumsum(x: torch.Tensor, *, coef: float, block: int = BLOCK) -> to
         coef: the discount, ``0 ≤ coef ≤ 1``.
         block: tokens per block, ``≥ 2``.
     Returns:
-        ``[..., T]``, dtype of ``x``. On GPUs with TF32 matmuls enabled the products run in TF32:
-        keep them off for exact float32 sums.
+        ``[..., T]``, dtype of ``x``, computed in float64 and cast back saturating (finite for
+        finite inputs anywhere in the float32 / bfloat16 range).
 
     >>> discounted_cumsum(torch.tensor([1.0, 1.0, 1.0]), coef=0.5)
     tensor([1.7500, 1.5000, 1.0000])
@@ -91,7 +91,7 @@ def discounted_cumsum(x: torch.Tensor, *, coef: float, block: int = BLOCK) -> to
         raise ValueError(f"coef: expected 0 <= coef <= 1, got {coef}")
     if block < 2:
         raise ValueError(f"block: expected at least 2, got {block}")
-    return _scan(x, float(coef), block)
+    return saturate(_scan(wide(x), float(coef), block), x.dtype)  # float64, cast back saturating
 
 
 def _scan(x: torch.Tensor, coef: float, block: int) -> torch.Tensor:
@@ -130,7 +130,8 @@ def _unpack(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)  # half / bf16 recurrences run in float32
+    # float64, cast back saturating: sums of rewards near the float32 / bf16 range stay finite
+    return torch.float64
 
 
 def _check_gamma_lam(gamma: float, lam: float) -> None:
@@ -161,7 +162,8 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
         gamma: discount ``γ ∈ [0, 1]``.  lam: GAE ``λ ∈ [0, 1]``.
     Returns:
         ``(advantages, returns)``, each ``[..., T]`` with the dtype of ``rewards``, 0 where the
-        mask is False. Half / bf16 inputs are computed in float32 and cast back.
+        mask is False. Computed in float64 and cast back saturating (``rlcore.masked.saturate``):
+        finite for finite inputs anywhere in the float32 / bfloat16 range.
 
     >>> r = torch.tensor([[0.0, 0.0, 1.0]]); v = torch.tensor([[0.5, 0.5, 0.5]])
     >>> adv, ret = gae(r, v, torch.ones(1, 3, dtype=torch.bool), gamma=1.0, lam=1.0)
@@ -189,7 +191,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamm
     delta = r_packed[..., :T].sub_(v_packed[..., :T]).add_(v_packed[..., 1:T + 1], alpha=gamma)  # fresh: in place
     adv = _unpack(_scan(delta, gamma * lam, BLOCK), index)
     returns = torch.where(mask, adv + v, torch.zeros((), dtype=work, device=v.device))
-    return adv.to(dtype), returns.to(dtype)
+    return saturate(adv, dtype), saturate(returns, dtype)
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0) -> torch.Tensor:
@@ -223,7 +225,7 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: floa
     T = rewards.shape[-1]
     index = _pack_index(mask)
     packed = _pack(rewards.detach().to(work), index)[..., :T]
-    return _unpack(_scan(packed, gamma, BLOCK), index).to(dtype)
+    return saturate(_unpack(_scan(packed, gamma, BLOCK), index), dtype)
 
 
 # --- TensorDict adapter ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from tensordict import TensorDictBase
 from rlcore import keys as K
 from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, require_keys
 from rlcore.kl import kl_estimate
+from rlcore.masked import saturate, wide
 from rlcore.transforms import RunningMoments, running_moments_std
 
 __all__ = ["compute_rewards", "process_scores", "with_rewards", "last_token_mask", "soft_overlong_penalty"]
@@ -175,10 +176,10 @@ def process_scores(scores: torch.Tensor, moments: RunningMoments, *, scale: bool
     std = running_moments_std(moments).detach()
     std = torch.where(moments.count > 1, std, torch.ones_like(std)).to(scores.dtype)
     mean = moments.mean.detach().to(scores.dtype)
-    if normalize:
-        scores = (scores - mean) / (std + eps)
+    if normalize:  # in float64, cast back saturating: a score near the range's edge stays finite
+        scores = saturate((wide(scores) - wide(mean)) / (wide(std) + eps), scores.dtype)
     elif scale:
-        scores = scores / (std + eps)
+        scores = saturate(wide(scores) / (wide(std) + eps), scores.dtype)
     return scores if clip is None else scores.clamp(-clip, clip)
 
 

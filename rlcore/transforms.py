@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rlcore.checks import check_float, check_mask, check_ndim, lookup
-from rlcore.masked import masked_mean, masked_sum, seq_mean_token_mean, seq_mean_token_sum
+from rlcore.masked import masked_mean, masked_sum, saturate, seq_mean_token_mean, seq_mean_token_sum, wide
 
 __all__ = [
     "StateTransform",
@@ -229,13 +229,13 @@ def running_moments_merge(a: RunningMoments, b: RunningMoments) -> RunningMoment
     """
     dtype, device = a.mean.dtype, a.mean.device
     nb_int = b.count.to(device)
-    mean_b, m2_b = b.mean.to(device=device, dtype=dtype), b.m2.to(device=device, dtype=dtype)
+    mean_b, m2_b = wide(b.mean.to(device)), wide(b.m2.to(device))
     count = a.count + nb_int
-    na, nb, n = a.count.to(dtype), nb_int.to(dtype), count.to(dtype).clamp(min=1)
-    delta = mean_b - a.mean
-    mean = a.mean + delta * (nb / n)
-    m2 = a.m2 + m2_b + delta.square() * (na * nb / n)
-    return RunningMoments(count, mean, m2)
+    na, nb, n = wide(a.count), wide(nb_int), wide(count).clamp(min=1)
+    delta = mean_b - wide(a.mean)  # float64, cast back saturating: moments near the range's edge stay finite
+    mean = wide(a.mean) + delta * (nb / n)
+    m2 = wide(a.m2) + m2_b + delta.square() * (na * nb / n)
+    return RunningMoments(count, saturate(mean, dtype), saturate(m2, dtype))
 
 
 def running_moments_update(state: RunningMoments, x: torch.Tensor,

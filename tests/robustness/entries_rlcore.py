@@ -55,6 +55,27 @@ def zero_outside(d: Draw, dtype):
                 masks={"mask": ("x",)})
 
 
+def wide_fn(fn, lo: int = 0):
+    def make(d: Draw, dtype):  # wide_mean of no values is NaN, as Tensor.mean: at least one value
+        shape = (d.time(lo=lo),) if lo else rows(d)
+        return Case(fn, dict(x=d.reals(shape, dtype)), grad=("x",))
+    return Entry(make)
+
+
+def saturate(d: Draw, dtype):
+    x = d.reals(rows(d), F64, regimes=("unit", "huge", "extreme", "mixed"))
+    return Case(masked.saturate, dict(x=x * d.choice([1.0, 1e10], "scale"), dtype=dtype), grad=("x",))
+
+
+def _two_terms(a, b):
+    return masked.wide_sum(a, b)
+
+
+def wide_sum(d: Draw, dtype):
+    shape = rows(d)
+    return Case(_two_terms, dict(a=d.reals(shape, dtype), b=d.reals(shape, dtype)), grad=("a", "b"))
+
+
 def _aggregation_kwargs(d: Draw, shape):
     n_tok = d.choice([None, 1, 7, "tensor"], "num_tokens")
     n_seq = d.choice([None, 1, 4, "tensor"], "num_seqs")
@@ -450,6 +471,10 @@ FUZZ = {
     "rlcore.masked.masked_var": masked_reduction(masked.masked_var),
     "rlcore.masked.masked_whiten": Entry(whiten),
     "rlcore.masked.zero_outside": Entry(zero_outside),
+    "rlcore.masked.wide": wide_fn(masked.wide),
+    "rlcore.masked.wide_mean": wide_fn(masked.wide_mean, lo=1),
+    "rlcore.masked.saturate": Entry(saturate),
+    "rlcore.masked.wide_sum": Entry(wide_sum),
     "rlcore.masked.aggregate": aggregation(),
     "rlcore.masked.AGGREGATIONS": aggregation("registry"),
     "rlcore.masked.token_mean": aggregation(masked.token_mean),

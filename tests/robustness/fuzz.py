@@ -53,12 +53,12 @@ def run_examples(test: Callable[..., None], n: int) -> None:
 
 
 # --- drawing inputs ---------------------------------------------------------------------------
-REAL_REGIMES = ("unit", "zero", "tiny", "huge", "mixed", "const", "ties")
-LOGP_REGIMES = ("typical", "near_zero", "zero", "very_negative", "mixed")
+# "extreme": magnitudes up to the edge of float32 / bfloat16's range (and the smallest normals):
+# every pure function is total there (finite outputs and gradients, saturating where a result
+# passes the dtype's largest value)
+REAL_REGIMES = ("unit", "zero", "tiny", "huge", "mixed", "const", "ties", "extreme")
+LOGP_REGIMES = ("typical", "near_zero", "zero", "very_negative", "mixed", "extreme")
 EDGE = 3.0e38  # below float32's (3.40e38) and bfloat16's (3.39e38) largest finite values
-if os.environ.get("ROBUSTNESS_EXTREMES"):  # opt-in: values up to the edge of float32 / bfloat16's range
-    REAL_REGIMES += ("extreme",)
-    LOGP_REGIMES += ("extreme",)
 MASK_KINDS = ("random", "all_true", "all_false", "right", "left", "gapped", "some_empty")
 SIZES = (0, 1, 1, 2, 3, 4, 5)
 
