@@ -18,7 +18,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.dpo_variants import DPO_LOSSES
-from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, lookup, require_keys
+from rlcore.checks import check_float, check_leaves, check_mask, check_ndim, check_same_shape, lookup, require_keys
 from rlcore.masked import saturate, wide, wide_mean, wide_sum
 
 __all__ = ["dpo_loss", "dpo", "chosen_nll", "preference_metrics", "completion_lengths"]
@@ -169,6 +169,7 @@ def dpo(batch: TensorDictBase, *, beta: float = 0.1, loss_type: str = "sigmoid",
         Preference Optimization" (RPO), https://arxiv.org/abs/2404.19733.
     """
     require_keys(batch, _SIDES + (() if reference_free else _REFS), where="dpo", layouts=_LAYOUTS)
+    check_leaves(batch, where="dpo", sequences=_SIDES[:2] + (() if reference_free else _REFS))  # naming the keys
     cw, rw = batch.get((K.CHOSEN, K.LOGPS)), batch.get((K.REJECTED, K.LOGPS))
     refs = (None, None) if reference_free else (batch.get(_REFS[0]), batch.get(_REFS[1]))
     nw, nl = completion_lengths(batch, K.CHOSEN), completion_lengths(batch, K.REJECTED)
@@ -179,6 +180,6 @@ def dpo(batch: TensorDictBase, *, beta: float = 0.1, loss_type: str = "sigmoid",
     parts = {"loss_dpo": wide_mean(losses)}
     if rpo_alpha is not None:
         parts["loss_rpo"] = saturate(rpo_alpha * wide(chosen_nll(cw, nw)), cw.dtype)
-    loss = wide_sum(*parts.values())
+    loss = wide_sum(parts)
     metrics = {k: v.detach() for k, v in parts.items()} | preference_metrics(rew_w, rew_l, cw, rw)
     return loss, TensorDict(metrics, batch_size=[])

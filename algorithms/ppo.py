@@ -37,7 +37,7 @@ from rlcore import keys as K
 from rlcore.algorithms.ratios import importance_log_ratio
 from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, lookup, require_keys, validated
 from rlcore.kl import kl_estimate
-from rlcore.masked import aggregate, masked_mean, masked_var, saturate, wide, zero_outside
+from rlcore.masked import aggregate, masked_mean, masked_var, saturate, wide, wide_sum, zero_outside
 
 __all__ = [
     "Surrogate",
@@ -224,6 +224,7 @@ def approx_kl_k1(log_ratio: Tensor, mask: Tensor) -> Tensor:
 
     Reference: J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
     """
+    check_mask("mask", mask, like=log_ratio, like_name="log_ratio")
     return masked_mean(-log_ratio.detach(), mask)
 
 
@@ -235,6 +236,7 @@ def approx_kl_k3(log_ratio: Tensor, mask: Tensor) -> Tensor:
 
     Reference: J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
     """
+    check_mask("mask", mask, like=log_ratio, like_name="log_ratio")
     lr = log_ratio.detach()
     return masked_mean(torch.expm1(lr) - lr, mask)
 
@@ -245,6 +247,7 @@ def clip_fraction(clipped: Tensor, mask: Tensor, *, dtype: torch.dtype = torch.f
     >>> clip_fraction(torch.tensor([True, False, True]), torch.tensor([True, True, False]))
     tensor(0.5000)
     """
+    check_mask("mask", mask, like=clipped, like_name="clipped")
     return masked_mean(clipped.to(dtype), mask)
 
 
@@ -445,7 +448,7 @@ def ppo_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low: fl
         skip = (torch.zeros((), dtype=torch.bool, device=mask.device) if ratio_threshold is None
                 else metrics["ratio_mean"] > ratio_threshold)
         losses = {k: torch.where(skip, torch.zeros_like(v), v) for k, v in losses.items()}
-        loss = torch.stack(list(losses.values())).sum()
+        loss = wide_sum(losses)  # terms near the largest value do not add to inf
         dtype = loss.dtype
         metrics = {**{k: v.detach() for k, v in losses.items()}, **metrics,
                    "skipped_ratio_threshold": skip.to(dtype)}

@@ -26,7 +26,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.dpo import chosen_nll, completion_lengths, dpo, preference_metrics
 from rlcore.algorithms.dpo_variants import DPO_LOSSES, smoothed_sigmoid_loss
-from rlcore.checks import check_float, check_mask, check_same_shape, require_keys
+from rlcore.checks import check_float, check_leaves, check_mask, check_same_shape, require_keys
 from rlcore.masked import masked_mean, saturate, wide, wide_mean, wide_sum
 
 __all__ = [
@@ -110,6 +110,7 @@ def odds_ratio_loss(chosen_logps_avg: Tensor, rejected_logps_avg: Tensor, *,
 def _sides(batch: TensorDictBase, where: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     keys = [(K.CHOSEN, K.LOGPS), (K.REJECTED, K.LOGPS), (K.CHOSEN, K.LOSS_MASK), (K.REJECTED, K.LOSS_MASK)]
     require_keys(batch, keys, where=where, layouts={k: "[B]" if k[1] == K.LOGPS else "[B, T] bool" for k in keys})
+    check_leaves(batch, where=where, sequences=keys[:2])  # each error names its batch key
     return (batch.get(keys[0]), batch.get(keys[1]), completion_lengths(batch, K.CHOSEN),
             completion_lengths(batch, K.REJECTED))
 
@@ -144,7 +145,7 @@ def orpo(batch: TensorDictBase, *, beta: float = 0.1) -> tuple[Tensor, TensorDic
     lo = log_odds.detach()
     metrics = ({k: v.detach() for k, v in parts.items()} | preference_metrics(beta * aw, beta * al, aw, al)
                | {"log_odds_ratio": masked_mean(F.logsigmoid(lo), valid), "log_odds_chosen": masked_mean(lo, valid)})
-    return wide_sum(parts["loss_nll"], parts["loss_or"]), TensorDict(metrics, batch_size=[])
+    return wide_sum(parts), TensorDict(metrics, batch_size=[])
 
 
 def alphapo_reward(logps: Tensor, *, alpha: float = 0.0) -> Tensor:
@@ -202,6 +203,7 @@ def simpo_loss(chosen_logps_avg: Tensor, rejected_logps_avg: Tensor, *, beta: fl
     """
     check_float("chosen_logps_avg", chosen_logps_avg)
     check_float("rejected_logps_avg", rejected_logps_avg)
+    check_same_shape("chosen_logps_avg", chosen_logps_avg, rejected_logps_avg=rejected_logps_avg)
     return _margin_loss(chosen_logps_avg, rejected_logps_avg, beta, gamma, label_smoothing, alpha)
 
 
@@ -222,6 +224,7 @@ def cpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, *, beta: float = 0.1,
     """
     check_float("chosen_logps", chosen_logps)
     check_float("rejected_logps", rejected_logps)
+    check_same_shape("chosen_logps", chosen_logps, rejected_logps=rejected_logps)
     return _margin_loss(chosen_logps, rejected_logps, beta, 0.0, label_smoothing, alpha)
 
 
@@ -234,7 +237,7 @@ def _ref_free_loss(batch, where, kernel, averaged: bool, beta: float, alpha: flo
         parts["loss_nll"] = saturate(cpo_alpha * wide(chosen_nll(cw, nw)), cw.dtype)
     rewards = tuple(saturate(beta * wide(alphapo_reward(x, alpha=alpha)), x.dtype) for x in (lw, ll))
     metrics = {k: v.detach() for k, v in parts.items()} | preference_metrics(*rewards, lw, ll)
-    return wide_sum(*parts.values()), TensorDict(metrics, batch_size=[])
+    return wide_sum(parts), TensorDict(metrics, batch_size=[])
 
 
 def simpo(batch: TensorDictBase, *, beta: float = 2.0, gamma: float = 1.0, label_smoothing: float = 0.0,

@@ -88,4 +88,4 @@ def reward_loss(batch: TensorDictBase, *, margin_key=None,
     metrics = {k: v.detach() for k, v in parts.items()} | {
         "accuracy": (dw > dl).to(dw.dtype).mean(), "margin": saturate((wide(dw) - wide(dl)).mean(), dw.dtype),
         "rewards/chosen": wide_mean(dw), "rewards/rejected": wide_mean(dl)}
-    return wide_sum(*parts.values()), TensorDict(metrics, batch_size=[])
+    return wide_sum(parts), TensorDict(metrics, batch_size=[])

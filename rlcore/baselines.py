@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, require_keys
+from rlcore.checks import check_float, check_leaves, check_mask, check_ndim, check_same_shape
 from rlcore.masked import masked_sum, masked_whiten, saturate, wide
 from rlcore.returns import _check_gamma_lam, discounted_returns, with_gae
 
@@ -341,10 +341,9 @@ def remax_advantage(rewards: torch.Tensor, baseline_scores: torch.Tensor, mask: 
 def _sequence_scores(batch: TensorDictBase, where: str) -> torch.Tensor:
     """Masked sum of ``rewards`` over ``response_mask`` when present (KL folded in), else ``score``."""
     if K.REWARDS in batch.keys():
-        require_keys(batch, [K.RESPONSE_MASK], where=where, layouts={K.RESPONSE_MASK: "[B, R]"})
+        check_leaves(batch, where=where, mask=K.RESPONSE_MASK, tokens=[K.REWARDS])
         return masked_sum(batch.get(K.REWARDS), batch.get(K.RESPONSE_MASK), dim=-1)
-    require_keys(batch, [K.SCORE, K.RESPONSE_MASK], where=where,
-                 layouts={K.SCORE: "[B]", K.RESPONSE_MASK: "[B, R]"})
+    check_leaves(batch, where=where, mask=K.RESPONSE_MASK, sequences=[K.SCORE])
     return batch.get(K.SCORE)
 
 
@@ -420,8 +419,6 @@ def with_opo_advantage(batch: TensorDictBase, *, group_size: int | None = None) 
     where = "with_opo_advantage"
     scores = _sequence_scores(batch, where)
     mask = batch.get(K.RESPONSE_MASK)
-    check_mask(K.RESPONSE_MASK, mask)
-    check_ndim(K.RESPONSE_MASK, mask, ndim=batch.batch_dims + 1, layout="[B, R]")
     lengths = mask.sum(-1).to(scores.dtype)
     adv = broadcast_to_tokens(_grouped(opo_advantage, (scores, lengths), batch, group_size, where), mask)
     return batch.copy().update({K.ADVANTAGES: adv, K.RETURNS: adv.clone()})
@@ -443,8 +440,7 @@ def with_reinforce_pp_advantage(batch: TensorDictBase, *, gamma: float = 1.0, gr
         mask is False; ``batch`` itself is not modified. Detached.
     """
     where = "with_reinforce_pp_advantage"
-    require_keys(batch, [K.REWARDS, K.RESPONSE_MASK], where=where,
-                 layouts={K.REWARDS: "[B, R]", K.RESPONSE_MASK: "[B, R]"})
+    check_leaves(batch, where=where, mask=K.RESPONSE_MASK, tokens=[K.REWARDS])
     _check_gamma_lam(gamma, 0.0)
     rewards, mask = batch.get(K.REWARDS), batch.get(K.RESPONSE_MASK)
     if group_baseline:
@@ -467,8 +463,8 @@ def with_remax_advantage(batch: TensorDictBase) -> TensorDictBase:
         A shallow copy of ``batch`` with ``advantages`` and ``returns`` ``[B, R]``, 0 where the
         mask is False; ``batch`` itself is not modified. Detached.
     """
-    require_keys(batch, [K.REWARDS, K.BASELINE_SCORE, K.RESPONSE_MASK], where="with_remax_advantage",
-                 layouts={K.REWARDS: "[B, R]", K.BASELINE_SCORE: "[B]", K.RESPONSE_MASK: "[B, R]"})
+    check_leaves(batch, where="with_remax_advantage", mask=K.RESPONSE_MASK, tokens=[K.REWARDS],
+                 sequences=[K.BASELINE_SCORE])
     rewards, mask = batch.get(K.REWARDS), batch.get(K.RESPONSE_MASK)
     adv = remax_advantage(rewards, batch.get(K.BASELINE_SCORE), mask)
     return batch.copy().update({K.ADVANTAGES: adv, K.RETURNS: discounted_returns(rewards, mask)})

@@ -32,6 +32,7 @@ __all__ = [
     "lookup",
     "bind_keywords",
     "validated",
+    "check_leaves",
 ]
 
 _scope = threading.local()  # depth of `validated()` scopes on this thread (torch.compile traces it)
@@ -146,6 +147,45 @@ def require_keys(batch: Any, keys: Sequence, *, where: str, layouts: Mapping | N
         layouts = layouts or {}
         described = ", ".join(f"{k!r}" + (f" {layouts[k]}" if k in layouts else "") for k in missing)
         raise KeyError(f"{where}: batch is missing {described}; it has {sorted(map(str, present))}")
+
+
+def _key_name(key: Any) -> str:
+    return ".".join(key) if isinstance(key, tuple) else str(key)
+
+
+def check_leaves(batch: Any, *, where: str, mask: Any = None, tokens: Sequence = (), sequences: Sequence = ()) -> None:
+    """Check the leaves a TensorDict adapter reads, each error naming the batch key (not the name
+    of the kernel argument it feeds): every key present; ``mask`` a ``torch.bool`` ``[B, R]`` (one dim
+    past the batch's); each of ``tokens`` a float tensor of the mask's shape; each of ``sequences``
+    a float tensor of the batch's shape ``[B]`` (the mask's without ``R``; with no mask, the first
+    one's). After it the kernel's own checks pass for these
+    leaves (an adapter may call it inside :func:`validated`).
+
+    >>> from tensordict import TensorDict
+    >>> td = TensorDict({"rewards": torch.zeros(2, 3), "response_mask": torch.ones(2, 4, dtype=torch.bool)}, [2])
+    >>> check_leaves(td, where="with_gae", mask="response_mask", tokens=["rewards"])
+    Traceback (most recent call last):
+    ...
+    ValueError: rewards: expected shape [2, 4] (the shape of response_mask), got [2, 3]
+    """
+    layouts = {**({} if mask is None else {mask: "[B, R] bool"}), **dict.fromkeys(tokens, "[B, R] float"),
+               **dict.fromkeys(sequences, "[B] float")}
+    require_keys(batch, list(layouts), where=where, layouts=layouts)
+    first = _key_name(sequences[0]) if sequences else ""
+    checks = [(sequences, tuple(batch.get(sequences[0]).shape) if sequences else (), f"the shape of {first}")]
+    if mask is not None:
+        m, mask_name = batch.get(mask), _key_name(mask)
+        check_mask(mask_name, m)
+        check_ndim(mask_name, m, ndim=len(batch.batch_size) + 1, layout="[B, R]")
+        checks = [(tokens, tuple(m.shape), f"the shape of {mask_name}"), (sequences, tuple(m.shape[:-1]), "the batch")]
+    elif tokens:
+        raise ValueError("tokens: token leaves are checked against a mask; pass mask")
+    for keys, shape, of in checks:
+        for key in keys:
+            x, name = batch.get(key), _key_name(key)
+            check_float(name, x)
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name}: expected shape {_fmt(shape)} ({of}), got {_fmt(x.shape)}")
 
 
 def check_finite(name: str, x: torch.Tensor) -> None:

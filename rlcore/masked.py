@@ -11,7 +11,7 @@ Sums and moments accumulate in float64 and the result is cast back *saturating*
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -106,17 +106,19 @@ def wide_mean(x: torch.Tensor) -> torch.Tensor:
     return saturate(wide(x).mean(), x.dtype)
 
 
-def wide_sum(*terms: torch.Tensor) -> torch.Tensor:
-    """``Σ terms`` (same-shaped tensors, e.g. the ``[]`` terms of a loss) in float64, cast back
-    saturating to the first term's dtype: two terms near the largest value do not add to inf.
+def wide_sum(terms: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The sum of named same-shaped ``terms`` (e.g. the ``[]`` parts of a loss, by name) in float64,
+    cast back saturating to the first term's dtype: two terms near the largest value do not add to
+    inf. Errors name the term.
 
-    >>> wide_sum(torch.tensor(3e38), torch.tensor(3e38))
+    >>> wide_sum({"loss_dpo": torch.tensor(3e38), "loss_rpo": torch.tensor(3e38)})
     tensor(3.4028e+38)
     """
-    for i, t in enumerate(terms):
-        check_float(f"terms[{i}]", t)
-    check_same_shape("terms[0]", terms[0], **{f"terms[{i}]": t for i, t in enumerate(terms[1:], 1)})
-    return saturate(torch.stack([wide(t) for t in terms]).sum(0), terms[0].dtype)
+    (first, ref), *rest = terms.items()
+    for name, t in terms.items():
+        check_float(name, t)
+    check_same_shape(first, ref, **dict(rest))
+    return saturate(torch.stack([wide(t) for t in terms.values()]).sum(0), ref.dtype)
 
 
 def _wide_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim, keepdim: bool) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tensordict import TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, require_keys
+from rlcore.checks import check_float, check_leaves, check_mask, check_ndim, check_same_shape
 from rlcore.masked import masked_whiten, saturate, wide
 
 __all__ = ["gae", "discounted_returns", "discounted_cumsum", "with_gae"]
@@ -245,8 +245,7 @@ def with_gae(batch: TensorDictBase, *, gamma: float = 1.0, lam: float = 0.95,
         A shallow copy of ``batch`` with ``advantages`` and ``returns`` ``[B, R]`` (0 where the mask
         is False); ``batch`` itself is not modified. Both are detached.
     """
-    require_keys(batch, [K.REWARDS, K.VALUES, K.RESPONSE_MASK], where="with_gae",
-                 layouts={K.REWARDS: "[B, R]", K.VALUES: "[B, R]", K.RESPONSE_MASK: "[B, R]"})
+    check_leaves(batch, where="with_gae", mask=K.RESPONSE_MASK, tokens=[K.REWARDS, K.VALUES])
     mask = batch.get(K.RESPONSE_MASK)
     adv, ret = gae(batch.get(K.REWARDS), batch.get(K.VALUES), mask, gamma=gamma, lam=lam)
     if whiten:

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, require_keys
+from rlcore.checks import check_float, check_leaves, check_mask, check_ndim, check_same_shape
 from rlcore.kl import kl_estimate
 from rlcore.masked import saturate, wide
 from rlcore.transforms import RunningMoments, running_moments_std
@@ -192,12 +192,9 @@ def with_rewards(batch: TensorDictBase, *, kl_coef: float | torch.Tensor = 0.2, 
     ``response_mask [B, R]``; see :func:`compute_rewards`. ``kl="full"`` penalises the exact
     KL over the vocabulary recorded in ``full_kl [B, R]`` (``loops.score.full_kl_from_models``).
     """
-    require_keys(batch, [K.SCORE, K.OLD_LOGPROBS, K.REF_LOGPROBS, K.RESPONSE_MASK],
-                 where="with_rewards", layouts={K.SCORE: "[B]", K.OLD_LOGPROBS: "[B, R]",
-                                                K.REF_LOGPROBS: "[B, R]", K.RESPONSE_MASK: "[B, R]"})
-    check_same_shape(K.OLD_LOGPROBS, batch[K.OLD_LOGPROBS], **{K.REF_LOGPROBS: batch[K.REF_LOGPROBS]})
-    if kl == "full":
-        require_keys(batch, [K.FULL_KL], where="with_rewards(kl='full')", layouts={K.FULL_KL: "[B, R]"})
+    check_leaves(batch, where="with_rewards" if kl != "full" else "with_rewards(kl='full')",
+                 mask=K.RESPONSE_MASK, tokens=[K.OLD_LOGPROBS, K.REF_LOGPROBS] + ([K.FULL_KL] if kl == "full" else []),
+                 sequences=[K.SCORE])
     rewards, per_token = compute_rewards(batch[K.SCORE], batch[K.OLD_LOGPROBS], batch[K.REF_LOGPROBS],
                                          batch[K.RESPONSE_MASK], kl_coef=kl_coef,
                                          kl=batch[K.FULL_KL] if kl == "full" else kl, clamp=clamp)

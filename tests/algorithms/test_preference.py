@@ -342,7 +342,7 @@ def test_bad_input_names_argument_and_shapes():
     aw, al = avg_pairs()
     with pytest.raises(ValueError, match=r"rejected_logps_avg: expected shape \[6\].*got \[2\]"):
         odds_ratio_loss(aw, al[:2])
-    with pytest.raises(ValueError, match=r"rejected: expected shape \[6\].*got \[2\]"):
+    with pytest.raises(ValueError, match=r"rejected_logps_avg: expected shape \[6\].*got \[2\]"):
         simpo_loss(aw, al[:2])
     b = kto_batch()
     with pytest.raises(TypeError, match="labels: expected a torch.bool mask"):

@@ -68,7 +68,7 @@ def saturate(d: Draw, dtype):
 
 
 def _two_terms(a, b):
-    return masked.wide_sum(a, b)
+    return masked.wide_sum({"a": a, "b": b})
 
 
 def wide_sum(d: Draw, dtype):
@@ -404,12 +404,12 @@ def kl_controller(d: Draw, dtype):
 
 
 def running_moments(d: Draw, dtype):
-    def run(dtype_, xs, mask):
+    def run(dtype_, x, mask):
         init, update = transforms.running_moments(dtype=dtype_)
-        return update(init(), xs, mask)
+        return update(init(), x, mask)
     shape = (d.size(),)
-    return Case(run, dict(dtype_=d.choice([F64, F32], "moments_dtype"), xs=d.reals(shape, dtype), mask=d.mask(shape)),
-                masks={"mask": ("xs",)})
+    return Case(run, dict(dtype_=d.choice([F64, F32], "moments_dtype"), x=d.reals(shape, dtype), mask=d.mask(shape)),
+                masks={"mask": ("x",)})
 
 
 def observed(fn=None):

@@ -61,7 +61,7 @@ def test_masked_reductions_accumulate_in_float64():
     assert masked_sum(x, mask) == BIG
     assert masked_mean(x, mask) == torch.tensor(3e38)  # exact, where a float32 sum gave inf / 4 = inf
     _finite_with_grad(token_mean(x[None], mask[None]), x)
-    assert wide_sum(torch.tensor(3e38), torch.tensor(3e38)) == BIG
+    assert wide_sum({"a": torch.tensor(3e38), "b": torch.tensor(3e38)}) == BIG
 
 
 def test_gradients_past_the_range_come_back_saturated():
