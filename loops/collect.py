@@ -224,7 +224,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
     Returns:
         TensorDict ``[B = P·G]`` on the model's device: ``prompt_ids``, ``prompt_mask`` ``[B, P]``,
         ``response_ids``, ``response_mask``, ``old_logprobs`` ``[B, R]`` (float32, 0 after the
-        stop token), ``group_id [B]`` (``g`` for the rows of prompt ``g``), and ``policy_version``.
+        stop token), ``group_id [B]`` (``g`` for the rows of prompt ``g``), ``truncated [B]`` (True
+        where the response used the whole budget with no stop token) and ``policy_version``.
         ``R`` is the longest response of the batch (at most ``max_new_tokens``).
 
     References:
@@ -271,7 +272,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
                             stops=stops, pad=pad, greedy=not do_sample, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, sampler=sampler, options=options)
         mask = response_mask_from_ids(response, stops)
-        new = {K.RESPONSE_IDS: response, K.RESPONSE_MASK: mask,
+        stopped = (torch.isin(response, torch.as_tensor(stops, device=response.device).reshape(-1)) & mask).any(-1)
+        new = {K.RESPONSE_IDS: response, K.RESPONSE_MASK: mask, K.TRUNCATED: ~stopped,
                K.GROUP_ID: torch.arange(batch.batch_size[0], device=device).repeat_interleave(num_samples)}
         if old is not None:
             old = old.float()

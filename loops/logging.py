@@ -168,8 +168,9 @@ class ProgressDisplay:
     """One status line: ``stage step/total  key=value ...  rate, time left``.
 
     On a TTY the line is redrawn in place every step; elsewhere a plain line is printed every
-    ``every`` steps and at the last step (``total``). Shown metrics: ``keys`` where present
-    (default: the first ``max_keys`` metrics of the step).
+    ``every`` steps and at the last step (``total``). Shown metrics: ``keys``, each with the last
+    value seen (a held-out metric stays on the line between evaluations); default: the first
+    ``max_keys`` metrics of the step.
 
     Why not tqdm or rich (both installed): written to a stream that is not a terminal (a CI log, a
     file, a notebook's captured output), 300 steps of ``tqdm(mininterval=0)`` with a postfix gave
@@ -191,6 +192,7 @@ class ProgressDisplay:
         self.stream, self.clock = stream, clock
         self._start: tuple[float, int] | None = None
         self._width = 0
+        self._last: dict[str, float] = {}
 
     @property
     def _out(self) -> IO[str]:
@@ -204,8 +206,11 @@ class ProgressDisplay:
         if self._start is None:
             self.on_start(state)
         t0, s0 = self._start
-        names = [k for k in self.keys if k in metrics] if self.keys is not None else list(metrics)[:self.max_keys]
-        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in names)
+        if self.keys is not None:  # the last value of each: held-out metrics arrive every eval_every steps
+            self._last.update({k: metrics[k] for k in self.keys if k in metrics})
+            shown = " ".join(f"{k}={self._last[k]:.4g}" for k in self.keys if k in self._last)
+        else:
+            shown = " ".join(f"{k}={metrics[k]:.4g}" for k in list(metrics)[:self.max_keys])
         elapsed, done = self.clock() - t0, state.step - s0
         rate = done / elapsed if elapsed > 0 else math.nan
         position = f"{state.step}/{self.total}" if self.total else f"{state.step}"
@@ -360,10 +365,12 @@ def check_trackers(report_to: Sequence[str]) -> None:
 
 
 def make_loggers(run_dir: str | Path, *, total: int | None = None, stage: str = "train", progress: bool = True,
-                 progress_every: int = 10, report_to: Sequence[str] = (), config: Mapping[str, Any] | None = None,
+                 progress_every: int = 10, progress_keys: Sequence[str] | None = None,
+                 report_to: Sequence[str] = (), config: Mapping[str, Any] | None = None,
                  wandb_kwargs: Mapping[str, Any] | None = None, stream: IO[str] | None = None,
                  device: Any = "cpu") -> list:
-    """The usual logging callbacks: JSONL in ``run_dir``, a progress line, and the trackers named in
+    """The usual logging callbacks: JSONL in ``run_dir``, a progress line (of ``progress_keys``:
+    ``ProgressDisplay``'s ``keys``), and the trackers named in
     ``report_to``: ``"tensorboard"`` writes ``run_dir/tensorboard``; ``"wandb"`` starts a run named
     after ``run_dir`` with ``config`` as its config (the project, mode and entity come from
     ``wandb_kwargs``, else wandb's environment: ``WANDB_PROJECT``, ``WANDB_MODE``, ...). With a
@@ -379,6 +386,7 @@ def make_loggers(run_dir: str | Path, *, total: int | None = None, stage: str = 
         trackers.append(WandbLogger(config=dict(config or {}), **{"name": Path(run_dir).name, "dir": str(run_dir),
                                                                    **(wandb_kwargs or {})}))
     measured = PeakMemory(callbacks + trackers, device)
-    display = [ProgressDisplay(total, stage=stage, every=progress_every, stream=stream)] if progress else []
+    display = [ProgressDisplay(total, stage=stage, keys=progress_keys, every=progress_every, stream=stream)
+               ] if progress else []
     completions = [CompletionsToTrackers(Path(run_dir) / "completions.jsonl", list(trackers))] if trackers else []
     return [measured, *display, *completions]  # an evaluation's completions go to the trackers too

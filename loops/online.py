@@ -62,10 +62,10 @@ from rlcore.loops.update import update
 from rlcore.rewards import soft_overlong_penalty
 from rlcore.transforms import observed_kl
 
-__all__ = ["OnlineConfig", "Correction", "advantage_fn", "exclude_unscored", "check_prompt_data",
+__all__ = ["OnlineConfig", "Correction", "advantage_fn", "exclude_unscored", "mask_truncated", "check_prompt_data",
            "check_prompt_lengths", "build_online_state", "prompt_source", "update_sizes", "generate_kwargs",
            "collect_rollout", "replay_seed_draw", "critic_values", "score_collected", "with_policy_logprobs",
-           "policy_loss_fn", "policy_update", "rollout_metrics", "train_online"]
+           "policy_loss_fn", "policy_update", "rollout_metrics", "LIVE", "train_online"]
 
 # the asynchronous learners' importance correction: a batch with advantages -> (the batch the loss sees, metrics)
 Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
@@ -315,6 +315,15 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
     return advance(state, samples_seen=B, episodes=B, tokens_seen=rollout[K.RESPONSE_MASK].sum()), rollout
 
 
+def _with_response_mask(rollout: TensorDictBase, mask: torch.Tensor, **more: torch.Tensor) -> TensorDictBase:
+    """A shallow copy with ``response_mask`` (and the stored sequences' ``attention_mask``, which
+    follows it) replaced, and ``more`` keys set."""
+    new = {K.RESPONSE_MASK: mask, **more}
+    if K.ATTENTION_MASK in rollout.keys():
+        new[K.ATTENTION_MASK] = torch.cat([rollout[K.PROMPT_MASK], mask], -1)
+    return rollout.copy().update(new)
+
+
 def exclude_unscored(rollout: TensorDictBase) -> TensorDictBase:
     """A rollout whose samples without a score (a reward function's ``None``: "no opinion") take no
     part in training: their ``response_mask`` is cleared (no token enters a loss), their ``score``
@@ -329,12 +338,19 @@ def exclude_unscored(rollout: TensorDictBase) -> TensorDictBase:
         return rollout
     group = rollout[K.GROUP_ID]
     fresh = group.max() + 1 + torch.arange(group.shape[0], device=group.device)
-    new = {K.SCORE: torch.where(unscored, 0.0, rollout[K.SCORE]),
-           K.RESPONSE_MASK: rollout[K.RESPONSE_MASK] & ~unscored[:, None],
-           K.GROUP_ID: torch.where(unscored, fresh, group)}
-    if K.ATTENTION_MASK in rollout.keys():  # the stored sequences' mask follows the response mask
-        new[K.ATTENTION_MASK] = torch.cat([rollout[K.PROMPT_MASK], new[K.RESPONSE_MASK]], -1)
-    return rollout.copy().update(new)
+    return _with_response_mask(rollout, rollout[K.RESPONSE_MASK] & ~unscored[:, None],
+                               **{K.SCORE: torch.where(unscored, 0.0, rollout[K.SCORE]),
+                                  K.GROUP_ID: torch.where(unscored, fresh, group)})
+
+
+def mask_truncated(rollout: TensorDictBase) -> TensorDictBase:
+    """A rollout whose truncated responses (``truncated``: the whole token budget used, no stop
+    token) take no part in the loss: their ``response_mask`` is cleared (TRL's
+    ``mask_truncated_completions``, DAPO's overlong filtering). A shallow copy; the rollout itself
+    when it has no ``truncated`` key or none is truncated."""
+    if K.TRUNCATED not in rollout.keys() or not bool(rollout[K.TRUNCATED].any()):
+        return rollout
+    return _with_response_mask(rollout, rollout[K.RESPONSE_MASK] & ~rollout[K.TRUNCATED][:, None])
 
 
 def advantage_fn(config: Any) -> Callable[[TensorDictBase], TensorDictBase]:
@@ -395,7 +411,10 @@ def policy_update(state: TrainState, batch: TensorDictBase, loss: Callable[..., 
     """``update`` of the policy on a scored batch with advantages, with a policy-gradient ``loss``
     (impure: trains).
 
-    The minibatch sizes, epochs and gradient clipping come from ``config``. ``correction`` (the
+    The minibatch sizes, epochs and gradient clipping come from ``config``; with its
+    ``mask_truncated_completions``, responses cut at the token budget leave the loss
+    (:func:`mask_truncated`, after the advantages: they keep their place in their group's
+    statistics). ``correction`` (the
     asynchronous learners' importance correction) maps the batch to the one the loss sees and adds
     its metrics; the step's metrics gain the batch's (``rollout_metrics``, taken before the
     correction: those of the behaviour policy). ``wrap_loss`` maps the ``update`` loss closure
@@ -403,6 +422,8 @@ def policy_update(state: TrainState, batch: TensorDictBase, loss: Callable[..., 
     ``loops.reft_model.with_interventions`` (``None``: as is).
     """
     info = rollout_metrics(batch)
+    if getattr(config, "mask_truncated_completions", False):
+        batch = mask_truncated(batch)
     batch, extra = (batch, {}) if correction is None else correction(batch)
     loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature)
     loss_fn = loss_fn if wrap_loss is None else wrap_loss(loss_fn)
@@ -415,7 +436,8 @@ def policy_update(state: TrainState, batch: TensorDictBase, loss: Callable[..., 
 def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
     """Detached scalars describing a scored rollout: ``rollout/score`` (mean), ``rollout/score_std``,
     ``rollout/length`` (mean response tokens) over the scored samples, ``rollout/unscored`` (samples
-    a reward function had no opinion on, when any) and, with reference log-probs, ``rollout/kl_ref``
+    a reward function had no opinion on, when any), ``rollout/truncated`` (the fraction of responses
+    that used the whole token budget with no stop token) and, with reference log-probs, ``rollout/kl_ref``
     (``mean_b Σ_t (old − ref)``: k1 of whole responses, ``rlcore.transforms.observed_kl``)."""
     mask = rollout[K.RESPONSE_MASK]
     scored = mask.any(-1)  # exclude_unscored empties the mask of a sample with no score
@@ -425,6 +447,9 @@ def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
            "rollout/length": mask[scored].sum(-1).to(score.dtype).mean() if score.numel() else torch.zeros(())}
     if not bool(scored.all()):
         out["rollout/unscored"] = (~scored).sum().to(score.dtype)
+    if K.TRUNCATED in rollout.keys():  # responses cut at the token budget (DAPO's "clip ratio")
+        out["rollout/truncated"] = rollout[K.TRUNCATED].to(score.dtype).mean() if len(rollout[K.TRUNCATED]) \
+            else torch.zeros(())
     if K.REF_LOGPROBS in rollout.keys():
         out["rollout/kl_ref"] = observed_kl(kl_estimate(rollout[K.OLD_LOGPROBS], rollout[K.REF_LOGPROBS], "k1"), mask)
     return out
@@ -434,6 +459,12 @@ def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
 
 
 # --- the run -------------------------------------------------------------------------------------
+# The live line of an online run: what the policy earns and how far it moved, not only loss terms
+# (a group-normalised policy-gradient loss is ≈ 0 by design). Held-out values keep their last reading.
+LIVE = ("rollout/score", "eval/reward", "eval/exact_match", "rollout/kl_ref", "rollout/truncated", "entropy",
+        "clipfrac_low", "clipfrac_high", "loss")
+
+
 def train_online(config: Any, build_state: Callable[[Any], tuple[TrainState, Any]],
                  step: Callable[..., tuple[TrainState, Any]], *, reward_fn: RewardFn | None = None,
                  name: str | None = None, callbacks: Sequence[Callable] = (),
@@ -461,4 +492,4 @@ def train_online(config: Any, build_state: Callable[[Any], tuple[TrainState, Any
                                 reward_fn=reward, reference_cache={} if frozen else None)
     return run(bound, state, prompt_source(train_ds, config), config=config, num_steps=config.steps,
                eval_fn=eval_fn, name=name, callbacks=callbacks, tokenizer=tokenizer,
-               save_models=save_models)
+               save_models=save_models, live=LIVE)

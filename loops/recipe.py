@@ -348,13 +348,14 @@ def mean_metrics(results: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, 
 def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], Iterable], *, config: Any,
         num_steps: int, eval_fn: Callable[[TrainState], Mapping[str, float]] | None = None,
         name: str | None = None, callbacks: Sequence[Callable] = (), tokenizer: Any = None,
-        save_models: Sequence[str] | None = None) -> tuple[TrainState, list[dict[str, float]]]:
+        save_models: Sequence[str] | None = None,
+        live: Sequence[str] | None = None) -> tuple[TrainState, list[dict[str, float]]]:
     """``fold(step, state, source)`` with the standard callbacks of a recipe, from ``config``.
 
     In order after each step: ``callbacks`` (extra ones, first); ``eval_fn(state)`` every
     ``eval_every`` steps, its results merged into the step's metrics as ``eval/<key>``; then, when
     ``run_dir`` is set, ``make_loggers`` (``run_dir/metrics.jsonl``, a progress line every
-    ``log_every`` steps, the trackers of ``report_to``) and a ``Checkpointer`` every
+    ``log_every`` steps showing the metrics named in ``live`` (default: the step's first four), the trackers of ``report_to``) and a ``Checkpointer`` every
     ``save_every`` steps and after the last one, keeping ``keep_last``. With ``resume`` the state
     is first restored from the latest checkpoint of ``run_dir`` (if any; ``check_resume`` refuses
     another recipe's run or changed settings) and the fold continues from its ``step`` to
@@ -392,7 +393,7 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
         if run_dir:
             if is_main():  # under torchrun, rank 0 logs (checkpoints handle ranks themselves)
                 cbs += make_loggers(run_dir, total=num_steps, stage=name,
-                                    progress_every=config.log_every or 10,
+                                    progress_every=config.log_every or 10, progress_keys=live,
                                     report_to=config.report_to, config=settings,
                                     device=config.device)
             # after the loggers: a step's line is written before its checkpoint, so a run killed between

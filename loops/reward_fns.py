@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -122,7 +124,8 @@ def reward_columns(fn: RewardFn) -> tuple[str, ...]:
 
 
 def import_reward_fn(spec: str) -> RewardFn:
-    """The reward function ``"package.module:function"`` names (a config's ``reward_funcs``).
+    """The reward function ``"package.module:function"`` names (a config's ``reward_funcs``): an
+    installed module, or one in the working directory (as ``python -m`` would find it).
 
     Naming a function in a config runs that code, as a script would: pass only configs you trust.
     Raises ``ValueError`` naming the spec when it is malformed, the module cannot be imported or
@@ -131,12 +134,19 @@ def import_reward_fn(spec: str) -> RewardFn:
     module_name, sep, attr = str(spec).partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward_funcs: expected 'package.module:function', got {spec!r}")
+    cwd = os.getcwd()
+    added = cwd not in sys.path  # a module of the working directory, as `python -m` finds it
     try:
+        if added:
+            sys.path.insert(0, cwd)
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"reward_funcs: cannot load {spec!r} ({type(e).__name__}: {e})") from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
     if not callable(obj):
         raise ValueError(f"reward_funcs: {spec!r} is not callable (a {type(obj).__name__})")
     return obj

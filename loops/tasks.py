@@ -1,4 +1,9 @@
-"""Built-in tasks with verifiable rewards, generated offline: addition, sorting digits, reversing.
+"""Built-in tasks with verifiable rewards, generated offline: a battery of nine.
+
+Arithmetic with carries and borrows (``add``, ``sub``, ``mul``), string transforms (``reverse``,
+``sort``), counting (``count``), comparison (``max``), a two-step format (``radd``: add, then write
+the sum backwards) and a yes/no judgement (``parity``). ``BUILTIN_TASKS`` lists them with an
+example each; ``--task NAME`` picks one from the CLI.
 
 A task makes ``(prompt, answer)`` pairs from a seeded ``random.Random`` and scores completions
 against the answer. Every task gives:
@@ -7,8 +12,10 @@ against the answer. Every task gives:
   ``completion`` (the answer, for SFT) and ``answer`` (for the reward), train and held-out
   ``eval`` splits disjoint by construction (a prompt's split is a hash of its text);
 - ``task_reward(name)``: a reward function ``(prompts, completions, *, answer) -> list[float]``:
-  1 for an exact answer, otherwise ``0.5 ×`` the fraction of answer positions that match, so a
-  tiny model gets a signal before it is ever exactly right;
+  1 for an exact answer; for a task with partial credit (``Task.partial_credit``) otherwise
+  ``0.5 ×`` the fraction of answer positions that match, so a tiny model gets a signal before it
+  is ever exactly right; for the others (``count``, ``max``, ``parity``: a short answer is right
+  or wrong) 0;
 - ``preference_dataset(name, n, seed=)``: ``prompt``/``chosen``/``rejected`` pairs, the rejected
   answer a near miss (one digit or letter changed, dropped or swapped), for DPO-style recipes.
 """
@@ -36,6 +43,7 @@ class Task:
     make: Callable[[random.Random], tuple[str, str]]
     alphabet: str  # characters answers are made of (used to corrupt answers)
     description: str
+    partial_credit: bool = True  # False: the reward is 1 for the exact answer, else 0
 
 
 def _add(rng: random.Random) -> tuple[str, str]:
@@ -53,10 +61,48 @@ def _reverse(rng: random.Random) -> tuple[str, str]:
     return f"rev {word}:", word[::-1]
 
 
+def _sub(rng: random.Random) -> tuple[str, str]:
+    a, b = sorted((rng.randint(0, 99), rng.randint(0, 99)), reverse=True)
+    return f"{a}-{b}=", str(a - b)
+
+
+def _mul(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(2, 9), rng.randint(10, 99)
+    return f"{a}*{b}=", str(a * b)
+
+
+def _count(rng: random.Random) -> tuple[str, str]:
+    word = "".join(rng.choice("abc") for _ in range(rng.randint(4, 8)))
+    letter = rng.choice("abc")
+    return f"count {letter} {word}:", str(word.count(letter))
+
+
+def _max(rng: random.Random) -> tuple[str, str]:
+    numbers = [rng.randint(10, 99) for _ in range(3)]
+    return f"max {' '.join(map(str, numbers))}:", str(max(numbers))
+
+
+def _parity(rng: random.Random) -> tuple[str, str]:
+    bits = "".join(rng.choice("01") for _ in range(rng.randint(4, 8)))
+    return f"parity {bits}:", "odd" if bits.count("1") % 2 else "even"
+
+
+def _radd(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return f"radd {a}+{b}=", str(a + b)[::-1]
+
+
 BUILTIN_TASKS: dict[str, Task] = {
     "add": Task("add", _add, "0123456789", "two-digit addition: '12+7=' -> '19'"),
+    "sub": Task("sub", _sub, "0123456789", "two-digit subtraction, borrows, never negative: '52-17=' -> '35'"),
+    "mul": Task("mul", _mul, "0123456789", "one digit times two: '7*36=' -> '252'"),
     "sort": Task("sort", _sort, "0123456789", "sort 3-5 digits: 'sort 312:' -> '123'"),
     "reverse": Task("reverse", _reverse, LETTERS, "reverse a word: 'rev abc:' -> 'cba'"),
+    "count": Task("count", _count, "0123456789", "count a letter: 'count a abca:' -> '2'", partial_credit=False),
+    "max": Task("max", _max, "0123456789", "the largest of three: 'max 37 52 19:' -> '52'", partial_credit=False),
+    "parity": Task("parity", _parity, "evnod", "odd or even number of ones: 'parity 1101:' -> 'odd'",
+                   partial_credit=False),
+    "radd": Task("radd", _radd, "0123456789", "add, then write the sum backwards: 'radd 12+35=' -> '74'"),
 }
 
 
@@ -116,11 +162,11 @@ def answer_reward(completions: Sequence[str], answers: Sequence[str]) -> list[fl
 
 def task_reward(name: str) -> Callable[..., list[float]]:
     """The reward function of task ``name``: ``(prompts, completions, *, answer, **_) -> scores``."""
-    get_task(name)
+    score = answer_reward if get_task(name).partial_credit else exact_match
 
     def reward(prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[str],
                **columns) -> list[float]:
-        return answer_reward(completions, answer)
+        return score(completions, answer)
 
     reward.__name__ = f"{name}_reward"
     return reward

@@ -70,6 +70,7 @@ SCORE = "score"
 BASELINE_SCORE = "baseline_score"  # [B] score of the greedy rollout (ReMax baseline)
 GROUP_ID = "group_id"
 POLICY_VERSION = "policy_version"
+TRUNCATED = "truncated"  # [B] bool, the response reached the token budget with no stop token
 ENTROPY = "entropy"
 KL = "kl"  # [B, R] float, per-token KL estimate behind the reward penalty (rlcore.rewards)
 FULL_KL = "full_kl"  # [B, R] float, exact KL(π‖π_ref) over the vocabulary at each response token (PPO kl="full")

@@ -60,6 +60,7 @@ class Config(OnlineConfig):
     kl: str = "k3"                   # KL estimator in the loss (rlcore.kl.KL_ESTIMATORS)
     advantage: str = "grpo"          # a key of rlcore.baselines.ADVANTAGE_ESTIMATORS (verl adv_estimator)
     advantage_kwargs: dict = dataclasses.field(default_factory=dict)  # its keywords, e.g. {scale: batch, eps: 1.0e-4} (grpo: σ of the batch, TRL scale_rewards; eps on σ)
+    mask_truncated_completions: bool = False  # a response cut at max_new_tokens with no stop token leaves the loss (TRL mask_truncated_completions; DAPO overlong filtering)
     run_dir: str | None = "runs/grpo"
 
     @property

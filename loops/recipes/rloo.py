@@ -51,6 +51,7 @@ class Config(OnlineConfig):
     clip_eps_high: float = 0.2       # ε_high (TRL epsilon_high)
     advantage: str = "rloo"          # a key of rlcore.baselines.ADVANTAGE_ESTIMATORS, on the KL-penalised rewards
     advantage_kwargs: dict = dataclasses.field(default_factory=dict)  # the estimator's keywords
+    mask_truncated_completions: bool = False  # a response cut at max_new_tokens with no stop token leaves the loss (TRL mask_truncated_completions)
     run_dir: str | None = "runs/rloo"
 
     ratio_level: ClassVar[str] = "sequence_sum"  # the loss's ratio exp(Σ_t lp − Σ_t old), for the importance correction

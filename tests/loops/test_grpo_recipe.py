@@ -148,3 +148,25 @@ def test_dapo_config_trains():
     assert (config.loss_type, config.overlong_buffer, config.kl_coef) == ("dapo", 4, 0.0)
     _, history = grpo.train(config)
     assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+
+
+def test_truncated_responses_are_flagged_and_can_leave_the_loss(monkeypatch):
+    """``truncated`` marks the responses that used the whole budget with no stop token; with
+    ``mask_truncated_completions`` their tokens leave the loss after the advantages were taken
+    (the group statistics still count them), and the metrics report the fraction."""
+    stops = list(range(3, 15))  # several stop tokens: some responses stop within the 3-token budget, some do not
+    config = grpo.Config(**{**TINY, "max_new_tokens": 3}, batch_size=2, num_samples=8, seed=1, stop_token_ids=stops)
+    _, plain_metrics, plain = step_and_trained_batch(grpo, config, monkeypatch)
+    mask, truncated = plain[K.RESPONSE_MASK], plain[K.TRUNCATED]
+    assert truncated.any() and (~truncated).any(), truncated
+    assert (mask[truncated].sum(-1) == 3).all()
+    # a stopped response's last token in the mask is its stop token
+    assert all(int(row[m][-1]) in [*stops, 2] for row, m in zip(plain[K.RESPONSE_IDS][~truncated], mask[~truncated]))
+    assert float(plain_metrics["rollout/truncated"]) == pytest.approx(truncated.float().mean().item())
+    _, _, masked = step_and_trained_batch(grpo, dataclasses.replace(config, mask_truncated_completions=True),
+                                          monkeypatch)
+    torch.testing.assert_close(masked[K.ADVANTAGES], plain[K.ADVANTAGES], rtol=0, atol=0)  # taken before
+    assert torch.equal(masked[K.RESPONSE_MASK], mask & ~truncated[:, None])
+    assert torch.equal(masked[K.ATTENTION_MASK], torch.cat([masked[K.PROMPT_MASK], masked[K.RESPONSE_MASK]], -1))
+    unflagged = plain.exclude(K.TRUNCATED)
+    assert online.mask_truncated(unflagged) is unflagged

@@ -89,6 +89,32 @@ def test_progress_plain_lines_when_not_a_tty():
     assert lines[0] == "sft 2/5  loss=2  0.25 it/s, 0:00:12 left"
 
 
+def test_progress_keeps_the_last_held_out_value_between_evaluations():
+    out = io.StringIO()
+    display = ProgressDisplay(3, stage="grpo", keys=("rollout/score", "eval/exact_match"), every=1, stream=out,
+                              clock=Clock(0.0, 1.0, 2.0, 3.0))
+    display.on_start(S())
+    for step, metrics in enumerate([{"rollout/score": 0.5}, {"rollout/score": 0.6, "eval/exact_match": 0.25},
+                                    {"rollout/score": 0.7}], start=1):
+        display(S(step=step), metrics)
+    shown = [line.split("  ")[1] for line in out.getvalue().splitlines()]
+    assert shown == ["rollout/score=0.5", "rollout/score=0.6 eval/exact_match=0.25",
+                     "rollout/score=0.7 eval/exact_match=0.25"]
+
+
+def test_an_online_run_shows_reward_and_held_out_accuracy(tmp_path, capsys):
+    """The live line of an online recipe names the reward, the held-out accuracy and the clip
+    fractions, not only loss terms (a group-normalised loss is about 0)."""
+    from rlcore.loops.recipes import grpo
+    from tests.loops.online_helpers import TINY
+    config = grpo.Config(**{**TINY, "run_dir": str(tmp_path / "run")}, batch_size=2, num_samples=2, steps=2,
+                         eval_every=1, log_every=1)
+    grpo.train(config)
+    line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("grpo 2/2")][-1]
+    for name in ("rollout/score=", "eval/exact_match=", "eval/reward=", "clipfrac_high=", "loss="):
+        assert name in line, line
+
+
 def test_progress_redraws_one_line_on_a_tty():
     out = FakeTTY()
     fold(step, S(), [1, 2, 3], callbacks=[ProgressDisplay(3, stream=out, every=100)])

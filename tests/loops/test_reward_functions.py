@@ -219,3 +219,17 @@ def test_missing_eos_penalty_and_stop_tokens():
     _, stopped = collect_rollout(state, rows, config=dataclasses.replace(config, stop_token_ids=(stop,)),
                                  tokenizer=tokenizer, reward_fn=one)
     assert int(stopped[K.RESPONSE_MASK][0].sum()) == 1 and float(stopped[K.SCORE][0]) == 1.0  # ended: no penalty
+
+
+def test_a_reward_module_in_the_working_directory_is_found(tmp_path, monkeypatch):
+    """``rlcore train ... --reward_funcs my_task:correct`` from the project's folder: the console
+    script's path does not hold the working directory, so the import looks there too (and leaves
+    ``sys.path`` as it was)."""
+    import sys
+    (tmp_path / "cwd_task_rewards.py").write_text("def correct(prompts, completions, **_):\n"
+                                                  "    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
+    fn = import_reward_fn("cwd_task_rewards:correct")
+    assert fn(["p"], ["c"]) == [1.0] and sys.path == before
