@@ -208,7 +208,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "rank", "sample_batch_size", "sample_num_batches_per_epoch", "sample_num_steps",
                      "train_batch_size", "train_num_inner_epochs", "num_train_timesteps", "max_workers",
                      "sample_size", "ref_model_sync_steps", "lora_r", "generation_batch_size",
-                     "forward_batch_size", "overlong_buffer"], _AT_LEAST_1),
+                     "forward_batch_size", "overlong_buffer", "max_sampling_rounds"], _AT_LEAST_1),
     **dict.fromkeys(["steps", "num_eval", "save_every", "eval_every", "log_every", "log_completions", "warmup_steps",
                      "pretrain_steps", "lr", "weight_decay", "kl_coef", "vf_coef", "clip_eps_low", "clip_eps_high", "cliprange_value",
                      "ratio_threshold", "train_learning_rate", "pretrain_learning_rate", "train_clip_range",

@@ -50,6 +50,7 @@ from rlcore.kl import kl_estimate
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.config import RunConfig, autocast_dtype, loading_kwargs
+from rlcore.loops.dynamic_sampling import prompt_refill
 from rlcore.loops.tokenization import check_text, text_window, tokenize_example
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_values
@@ -486,7 +487,8 @@ def train_online(config: Any, build_state: Callable[[Any], tuple[TrainState, Any
     check_prompt_data(reward, train=train_ds, held_out=eval_ds)  # before any model is built
     state, tokenizer = build_state(config)
     check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)
-    bound = functools.partial(step, config=config, tokenizer=tokenizer, reward_fn=reward)
+    refill = {"refill": prompt_refill(train_ds, config)} if getattr(config, "dynamic_sampling", False) else {}
+    bound = functools.partial(step, config=config, tokenizer=tokenizer, reward_fn=reward, **refill)
     frozen = not getattr(config, "sync_ref_model", False)  # TR-DPO moves the reference: its answers change
     eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
                                 reward_fn=reward, reference_cache={} if frozen else None)

@@ -44,6 +44,7 @@ from rlcore.loops.recipes.dpo import preference_loss_fn, with_reference
 from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.models import pad_token_id
+from rlcore.loops.dynamic_sampling import collect_groups
 from rlcore.loops.online import build_online_state, collect_rollout, train_online
 from rlcore.loops.checkpoint import load_checkpoint
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
@@ -134,26 +135,29 @@ def reft_dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, c
 
 
 def _reft_online_step(recipe: ModuleType, state: TrainState, rows: dict, *, config: Any, tokenizer,
-                      reward_fn) -> tuple[TrainState, TensorDict]:
-    """``recipe.step`` for a ``ReftModel`` policy: the rollout gains its intervention locations and
-    ``recipe.learn``'s loss runs inside ``intervened``."""
-    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+                      reward_fn, refill: Callable | None = None) -> tuple[TrainState, TensorDict]:
+    """``recipe.step`` for a ``ReftModel`` policy: the rollout (with ``dynamic_sampling``, refilled as
+    ``recipe.step`` does) gains its intervention locations and ``recipe.learn``'s loss runs inside
+    ``intervened``."""
+    collect = functools.partial(collect_rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    state, rollout, counts = collect_groups(state, rows, collect, config=config, refill=refill)
     rollout = with_intervention_locations(rollout, state.model("policy").spec)
-    return recipe.learn(state, rollout, config, wrap_loss=with_interventions)
+    state, metrics = recipe.learn(state, rollout, config, wrap_loss=with_interventions)
+    return state, metrics.update(counts)
 
 
-def reft_grpo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
-                   reward_fn) -> tuple[TrainState, TensorDict]:
+def reft_grpo_step(state: TrainState, rows: dict, *, config: Any, tokenizer, reward_fn,
+                   refill: Callable | None = None) -> tuple[TrainState, TensorDict]:
     """``loops.recipes.grpo.step`` for a ``ReftModel`` policy: collect (intervened generation, base reference),
     then ``grpo.learn`` (group advantages, the update of the interventions inside ``intervened``)."""
-    return _reft_online_step(grpo, state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    return _reft_online_step(grpo, state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn, refill=refill)
 
 
-def reft_rloo_step(state: TrainState, rows: dict, *, config: Any, tokenizer,
-                   reward_fn) -> tuple[TrainState, TensorDict]:
+def reft_rloo_step(state: TrainState, rows: dict, *, config: Any, tokenizer, reward_fn,
+                   refill: Callable | None = None) -> tuple[TrainState, TensorDict]:
     """``loops.recipes.rloo.step`` for a ``ReftModel`` policy: ``rloo.learn`` (KL-penalised rewards against
     the base model, leave-one-out advantages, the update inside ``intervened``)."""
-    return _reft_online_step(rloo, state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    return _reft_online_step(rloo, state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn, refill=refill)
 
 
 def reft_online_models(spec: ReftSpec, *, zero_init: bool = False, seed: int = 0) -> Callable[[nn.Module], dict]:

@@ -133,9 +133,13 @@ def check_learner(config: Any, is_clip: float | None) -> ModuleType:
 
     Raises:
         TypeError: ``config`` of no online recipe.
-        ValueError: ``is_clip`` for a loss with no ratio (online DPO), or not ``> 0``.
+        ValueError: ``is_clip`` for a loss with no ratio (online DPO), or not ``> 0``; a config
+            with ``dynamic_sampling``.
     """
     recipe = recipe_of(config)
+    if getattr(config, "dynamic_sampling", False):
+        raise ValueError("dynamic_sampling: refilling a step with fresh prompts is a synchronous loop's; the "
+                         "asynchronous and Ray learners train on the rollouts their actors send (set it false)")
     if is_clip is not None and getattr(config, "ratio_level", None) is None:
         raise ValueError(f"is_clip: {recipe.__name__.rsplit('.', 1)[-1]!r} has no importance ratio to correct (its "
                          "loss is an offline objective on pairs); pass is_clip=None")

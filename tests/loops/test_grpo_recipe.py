@@ -145,9 +145,10 @@ def test_soft_overlong_punishment_shapes_the_score():
 
 def test_dapo_config_trains():
     config = load_config(grpo.Config, CONFIG.parent / "dapo.yaml", {"steps": 2, "run_dir": None, "eval_every": 0})
-    assert (config.loss_type, config.overlong_buffer, config.kl_coef) == ("dapo", 4, 0.0)
+    assert (config.loss_type, config.overlong_buffer, config.kl_coef, config.dynamic_sampling) == ("dapo", 4, 0.0, True)
     _, history = grpo.train(config)
     assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+    assert all(1 <= h["rollout/sampling_rounds"] <= 3 for h in history)
 
 
 def test_truncated_responses_are_flagged_and_can_leave_the_loss(monkeypatch):
