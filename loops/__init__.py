@@ -33,9 +33,9 @@ from rlcore.loops.collect import *  # noqa: F401,F403
 from rlcore.loops.config import *  # noqa: F401,F403
 from rlcore.loops.data import *  # noqa: F401,F403
 from rlcore.loops.diffusion import *  # noqa: F401,F403
-from rlcore.loops.dynamic_sampling import *  # noqa: F401,F403
 from rlcore.loops.engines import *  # noqa: F401,F403
 from rlcore.loops.evaluate import *  # noqa: F401,F403
+from rlcore.loops.filters import *  # noqa: F401,F403
 from rlcore.loops.fold import *  # noqa: F401,F403
 from rlcore.loops.images import *  # noqa: F401,F403
 from rlcore.loops.logging import *  # noqa: F401,F403
@@ -61,7 +61,7 @@ from rlcore.loops.tokenization import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
 
 _MODULES = ("checkpoint", "checkpoint_codec", "chunks", "collate", "collect", "config", "data", "diffusion",
-            "dynamic_sampling", "engines", "evaluate", "fold", "images", "logging", "lora", "models", "online",
+            "engines", "evaluate", "filters", "fold", "images", "logging", "lora", "models", "online",
             "recipe", "reft_data", "reft_model", "reward_fns", "run_dir", "scale.async_learners", "scale.async_rl",
             "scale.distributed", "scale.placement", "scale.vllm_engine", "scale.workers", "score", "shapes", "state",
             "tasks", "tokenization", "update")

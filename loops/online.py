@@ -50,7 +50,7 @@ from rlcore.kl import kl_estimate
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.config import RunConfig, autocast_dtype, loading_kwargs
-from rlcore.loops.dynamic_sampling import prompt_refill
+from rlcore.loops.filters import exclude_unscored, mask_truncated, prompt_refill, refill_informative
 from rlcore.loops.tokenization import check_text, text_window, tokenize_example
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_values
@@ -63,9 +63,9 @@ from rlcore.loops.update import update
 from rlcore.rewards import soft_overlong_penalty
 from rlcore.transforms import observed_kl
 
-__all__ = ["OnlineConfig", "Correction", "advantage_fn", "exclude_unscored", "mask_truncated", "check_prompt_data",
-           "check_prompt_lengths", "build_online_state", "prompt_source", "update_sizes", "generate_kwargs",
-           "collect_rollout", "replay_seed_draw", "critic_values", "score_collected", "with_policy_logprobs",
+__all__ = ["OnlineConfig", "Correction", "advantage_fn", "check_prompt_data", "check_prompt_lengths",
+           "build_online_state", "prompt_source", "update_sizes", "generate_kwargs", "collect_rollout",
+           "collect_groups", "replay_seed_draw", "critic_values", "score_collected", "with_policy_logprobs",
            "policy_loss_fn", "policy_update", "rollout_metrics", "LIVE", "train_online"]
 
 # the asynchronous learners' importance correction: a batch with advantages -> (the batch the loss sees, metrics)
@@ -249,6 +249,19 @@ def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: 
                            reward_fn=reward_fn, num_samples=G)
 
 
+def collect_groups(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
+                   reward_fn: RewardFn | None, refill: Callable[[int, int], Mapping[str, Sequence]] | None = None
+                   ) -> tuple[TrainState, TensorDict, dict[str, torch.Tensor]]:
+    """A group recipe's collection: :func:`collect_rollout`, or with the config's ``dynamic_sampling``
+    (and a ``refill`` of fresh prompts) ``loops.filters.refill_informative`` around it.
+    ``(state, rollout, counts)``; ``counts`` the refill's metrics (``{}`` without)."""
+    collect = functools.partial(collect_rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    if refill is None or not getattr(config, "dynamic_sampling", False):
+        return (*collect(state, rows), {})
+    return refill_informative(state, rows, collect, refill=refill, batch_size=config.batch_size,
+                              num_samples=config.num_samples, max_rounds=config.max_sampling_rounds)
+
+
 def replay_seed_draw(state: TrainState) -> TrainState:
     """``state`` with its generator past one ``draw_seed``: the draw a rollout generated elsewhere
     (``loops.scale.async_rl``'s generator process, ``loops.scale.placement``'s actor) was sampled
@@ -314,44 +327,6 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
     rollout = exclude_unscored(rollout)
     B = rollout.batch_size[0]
     return advance(state, samples_seen=B, episodes=B, tokens_seen=rollout[K.RESPONSE_MASK].sum()), rollout
-
-
-def _with_response_mask(rollout: TensorDictBase, mask: torch.Tensor, **more: torch.Tensor) -> TensorDictBase:
-    """A shallow copy with ``response_mask`` (and the stored sequences' ``attention_mask``, which
-    follows it) replaced, and ``more`` keys set."""
-    new = {K.RESPONSE_MASK: mask, **more}
-    if K.ATTENTION_MASK in rollout.keys():
-        new[K.ATTENTION_MASK] = torch.cat([rollout[K.PROMPT_MASK], mask], -1)
-    return rollout.copy().update(new)
-
-
-def exclude_unscored(rollout: TensorDictBase) -> TensorDictBase:
-    """A rollout whose samples without a score (a reward function's ``None``: "no opinion") take no
-    part in training: their ``response_mask`` is cleared (no token enters a loss), their ``score``
-    is 0 and each gets a ``group_id`` of its own (out of its prompt's group statistics, and an
-    advantage of 0 as a group of one). A shallow copy; the rollout itself when every sample is scored.
-
-    ``rollout_metrics`` counts them (``rollout/unscored``: a sample always has at least one token, so
-    an empty response mask marks one).
-    """
-    unscored = torch.isnan(rollout[K.SCORE])
-    if not bool(unscored.any()):
-        return rollout
-    group = rollout[K.GROUP_ID]
-    fresh = group.max() + 1 + torch.arange(group.shape[0], device=group.device)
-    return _with_response_mask(rollout, rollout[K.RESPONSE_MASK] & ~unscored[:, None],
-                               **{K.SCORE: torch.where(unscored, 0.0, rollout[K.SCORE]),
-                                  K.GROUP_ID: torch.where(unscored, fresh, group)})
-
-
-def mask_truncated(rollout: TensorDictBase) -> TensorDictBase:
-    """A rollout whose truncated responses (``truncated``: the whole token budget used, no stop
-    token) take no part in the loss: their ``response_mask`` is cleared (TRL's
-    ``mask_truncated_completions``, DAPO's overlong filtering). A shallow copy; the rollout itself
-    when it has no ``truncated`` key or none is truncated."""
-    if K.TRUNCATED not in rollout.keys() or not bool(rollout[K.TRUNCATED].any()):
-        return rollout
-    return _with_response_mask(rollout, rollout[K.RESPONSE_MASK] & ~rollout[K.TRUNCATED][:, None])
 
 
 def advantage_fn(config: Any) -> Callable[[TensorDictBase], TensorDictBase]:

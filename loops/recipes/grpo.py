@@ -42,8 +42,8 @@ from rlcore.algorithms.policy_gradient import POLICY_LOSSES
 from rlcore.checks import lookup
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
-from rlcore.loops.online import Correction, OnlineConfig, advantage_fn, collect_rollout, policy_update, train_online
-from rlcore.loops.dynamic_sampling import collect_groups
+from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, collect_groups, policy_update,
+                                 train_online)
 from rlcore.loops.state import TrainState
 
 __all__ = ["Config", "build_state", "learn", "step", "train", "evaluate", "grpo_loss_fn"]
@@ -62,7 +62,7 @@ class Config(OnlineConfig):
     advantage: str = "grpo"          # a key of rlcore.baselines.ADVANTAGE_ESTIMATORS (verl adv_estimator)
     advantage_kwargs: dict = dataclasses.field(default_factory=dict)  # its keywords, e.g. {scale: batch, eps: 1.0e-4} (grpo: σ of the batch, TRL scale_rewards; eps on σ)
     mask_truncated_completions: bool = False  # a response cut at max_new_tokens with no stop token leaves the loss (TRL mask_truncated_completions; DAPO overlong filtering)
-    dynamic_sampling: bool = False   # DAPO: drop groups whose scores are all equal, refill with fresh prompts (loops.dynamic_sampling)
+    dynamic_sampling: bool = False   # DAPO: drop groups whose scores are all equal, refill with fresh prompts (loops.filters)
     max_sampling_rounds: int = 3     # at most this many generations per step when refilling (verl max_num_gen_batches)
     run_dir: str | None = "runs/grpo"
 
@@ -106,7 +106,7 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn,
          refill: Callable | None = None) -> tuple[TrainState, TensorDict]:
     """One GRPO step on a batch of prompts: collect (with ``dynamic_sampling``, refilled from ``refill``
     until the groups are informative) → :func:`learn` (impure: trains)."""
-    collect = functools.partial(collect_rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
-    state, rollout, counts = collect_groups(state, rows, collect, config=config, refill=refill)
+    state, rollout, counts = collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                                            refill=refill)
     state, metrics = learn(state, rollout, config)
     return state, metrics.update(counts)

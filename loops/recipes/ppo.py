@@ -199,7 +199,7 @@ def _processed_scores(state: TrainState, rollout: TensorDictBase, config: Config
     """``(score moments with this rollout's, processed scores)``: under ``torchrun`` the moments see
     every rank's scores, so the ranks keep one set; unscored samples (no opinion) add nothing."""
     before = state.transforms["score_moments"]
-    scored = rollout[K.RESPONSE_MASK].any(-1)  # online.exclude_unscored empties an unscored sample's mask
+    scored = rollout[K.RESPONSE_MASK].any(-1)  # filters.exclude_unscored empties an unscored sample's mask
     batch_moments = running_moments_update(running_moments_init(before.mean.dtype, before.mean.device), rollout[K.SCORE],
                                            scored)
     moments = running_moments_merge(before, all_gather_moments(batch_moments))

@@ -44,8 +44,7 @@ from rlcore.loops.recipes.dpo import preference_loss_fn, with_reference
 from rlcore.loops.tokenization import tokenize_dataset
 from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.models import pad_token_id
-from rlcore.loops.dynamic_sampling import collect_groups
-from rlcore.loops.online import build_online_state, collect_rollout, train_online
+from rlcore.loops.online import build_online_state, collect_groups, train_online
 from rlcore.loops.checkpoint import load_checkpoint
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
 from rlcore.loops.config import RunConfig
@@ -139,8 +138,8 @@ def _reft_online_step(recipe: ModuleType, state: TrainState, rows: dict, *, conf
     """``recipe.step`` for a ``ReftModel`` policy: the rollout (with ``dynamic_sampling``, refilled as
     ``recipe.step`` does) gains its intervention locations and ``recipe.learn``'s loss runs inside
     ``intervened``."""
-    collect = functools.partial(collect_rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
-    state, rollout, counts = collect_groups(state, rows, collect, config=config, refill=refill)
+    state, rollout, counts = collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                                            refill=refill)
     rollout = with_intervention_locations(rollout, state.model("policy").spec)
     state, metrics = recipe.learn(state, rollout, config, wrap_loss=with_interventions)
     return state, metrics.update(counts)

@@ -33,8 +33,8 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore.algorithms.policy_gradient import rloo_loss
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
-from rlcore.loops.online import Correction, OnlineConfig, advantage_fn, collect_rollout, policy_update, train_online
-from rlcore.loops.dynamic_sampling import collect_groups
+from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, collect_groups, policy_update,
+                                 train_online)
 from rlcore.loops.state import TrainState
 from rlcore.rewards import with_rewards
 
@@ -53,7 +53,7 @@ class Config(OnlineConfig):
     advantage: str = "rloo"          # a key of rlcore.baselines.ADVANTAGE_ESTIMATORS, on the KL-penalised rewards
     advantage_kwargs: dict = dataclasses.field(default_factory=dict)  # the estimator's keywords
     mask_truncated_completions: bool = False  # a response cut at max_new_tokens with no stop token leaves the loss (TRL mask_truncated_completions)
-    dynamic_sampling: bool = False   # DAPO: drop groups whose scores are all equal, refill with fresh prompts (loops.dynamic_sampling)
+    dynamic_sampling: bool = False   # DAPO: drop groups whose scores are all equal, refill with fresh prompts (loops.filters)
     max_sampling_rounds: int = 3     # at most this many generations per step when refilling (verl max_num_gen_batches)
     run_dir: str | None = "runs/rloo"
 
@@ -91,9 +91,9 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn,
          refill: Callable | None = None) -> tuple[TrainState, TensorDict]:
-    """One RLOO step on a batch of prompts: collect (with ``dynamic_sampling``, refilled from ``refill``
-    until the groups are informative) → :func:`learn` (impure: trains)."""
-    collect = functools.partial(collect_rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
-    state, rollout, counts = collect_groups(state, rows, collect, config=config, refill=refill)
+    """One RLOO step: ``G ≥ 2`` samples per prompt (groups that all score the same swapped for fresh
+    prompts' under ``dynamic_sampling``), then :func:`learn` (impure: trains)."""
+    state, rollout, counts = collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                                            refill=refill)
     state, metrics = learn(state, rollout, config)
     return state, metrics.update(counts)

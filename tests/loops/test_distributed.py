@@ -306,7 +306,7 @@ def test_ppo_kl_controller_and_score_moments_see_every_rank(ranks):
             torch.testing.assert_close(t[f"ppo/{i}/moments"], single[f"ppo/{i}/moments"], **TOL)
         # each rank's scores are normalised with the global moments: its rows of the global result
         torch.testing.assert_close(torch.cat([t0[f"ppo/{i}/score"], t1[f"ppo/{i}/score"]]), single[f"ppo/{i}/score"], **TOL)
-    # each rollout has one empty row, which counts as unscored (online.exclude_unscored): 2·(B − 1) scores
+    # each rollout has one empty row, which counts as unscored (filters.exclude_unscored): 2·(B − 1) scores
     assert single["ppo/1/moments"][0] == 2 * (B - 1) and single["ppo/1/coef"] != single["ppo/0/coef"]
     # a rank on its own would see other statistics
     alone = ppo_statistics([shard_batch(r, rank=0, world_size=2) for r in ppo_rollouts()])

@@ -12,6 +12,7 @@ from rlcore.loops.recipes import grpo
 from rlcore.loops.logging import read_jsonl
 from rlcore.loops import online
 from rlcore.loops.online import build_online_state
+from rlcore.loops.filters import mask_truncated
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.config import load_config
 from tests.loops.online_helpers import TINY, digit_fraction, step_and_trained_batch
@@ -170,4 +171,4 @@ def test_truncated_responses_are_flagged_and_can_leave_the_loss(monkeypatch):
     assert torch.equal(masked[K.RESPONSE_MASK], mask & ~truncated[:, None])
     assert torch.equal(masked[K.ATTENTION_MASK], torch.cat([masked[K.PROMPT_MASK], masked[K.RESPONSE_MASK]], -1))
     unflagged = plain.exclude(K.TRUNCATED)
-    assert online.mask_truncated(unflagged) is unflagged
+    assert mask_truncated(unflagged) is unflagged

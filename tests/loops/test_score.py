@@ -336,7 +336,8 @@ def test_the_rollout_is_concatenated_once_per_step(lm, tokenizer):
     """score_rollout stores [prompt | response] as input_ids / attention_mask; the step's later
     forwards (the policy's log-probs per micro-batch) read them instead of concatenating again, with
     the same result; exclude_unscored keeps the stored mask in step with the response mask."""
-    from rlcore.loops.online import exclude_unscored, with_policy_logprobs
+    from rlcore.loops.online import with_policy_logprobs
+    from rlcore.loops.filters import exclude_unscored
     rollout = make_model_rollout(tokenizer)
     ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
     mask = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)

@@ -1,4 +1,10 @@
-"""Dynamic sampling (DAPO): train only on groups whose scores differ, refilling with fresh prompts.
+"""Which samples of a rollout train: the unscored, the truncated, and the groups with no signal.
+
+- :func:`exclude_unscored`: a sample a reward function had no opinion on (``None``) leaves the
+  loss and its group's statistics;
+- :func:`mask_truncated`: with ``mask_truncated_completions``, a response cut at the token budget
+  leaves the loss (its score still counts in its group);
+- dynamic sampling (DAPO): train only on groups whose scores differ, refilling with fresh prompts.
 
 A group whose ``G`` samples all score the same has advantage 0 for the group-relative estimators
 (GRPO, Dr. GRPO, RLOO): it adds tokens to the loss's denominators and nothing to its gradient.
@@ -26,7 +32,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 
-__all__ = ["informative_groups", "concat_rollouts", "prompt_refill", "refill_informative", "collect_groups"]
+__all__ = ["exclude_unscored", "mask_truncated", "informative_groups", "concat_rollouts", "prompt_refill",
+           "refill_informative"]
 
 _PROMPT_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK)
 _SEQUENCE_KEYS = (K.INPUT_IDS, K.ATTENTION_MASK)
@@ -110,13 +117,39 @@ def refill_informative(state: Any, rows: Mapping[str, Sequence], collect: Callab
     return state, rollout, counts
 
 
-def collect_groups(state: Any, rows: Mapping[str, Sequence], collect: Callable[..., tuple[Any, TensorDict]], *,
-                   config: Any, refill: Callable[[int, int], Mapping[str, Sequence]] | None = None
-                   ) -> tuple[Any, TensorDict, dict[str, torch.Tensor]]:
-    """A group recipe's collection: ``collect(state, rows)``, or with the config's
-    ``dynamic_sampling`` (and a ``refill``) :func:`refill_informative`. ``(state, rollout, counts)``."""
-    if refill is None or not getattr(config, "dynamic_sampling", False):
-        state, rollout = collect(state, rows)
-        return state, rollout, {}
-    return refill_informative(state, rows, collect, refill=refill, batch_size=config.batch_size,
-                              num_samples=config.num_samples, max_rounds=config.max_sampling_rounds)
+def _with_response_mask(rollout: TensorDictBase, mask: torch.Tensor, **more: torch.Tensor) -> TensorDictBase:
+    """A shallow copy with ``response_mask`` (and the stored sequences' ``attention_mask``, which
+    follows it) replaced, and ``more`` keys set."""
+    new = {K.RESPONSE_MASK: mask, **more}
+    if K.ATTENTION_MASK in rollout.keys():
+        new[K.ATTENTION_MASK] = torch.cat([rollout[K.PROMPT_MASK], mask], -1)
+    return rollout.copy().update(new)
+
+
+def exclude_unscored(rollout: TensorDictBase) -> TensorDictBase:
+    """A rollout whose samples without a score (a reward function's ``None``: "no opinion") take no
+    part in training: their ``response_mask`` is cleared (no token enters a loss), their ``score``
+    is 0 and each gets a ``group_id`` of its own (out of its prompt's group statistics, and an
+    advantage of 0 as a group of one). A shallow copy; the rollout itself when every sample is scored.
+
+    ``rollout_metrics`` counts them (``rollout/unscored``: a sample always has at least one token, so
+    an empty response mask marks one).
+    """
+    unscored = torch.isnan(rollout[K.SCORE])
+    if not bool(unscored.any()):
+        return rollout
+    group = rollout[K.GROUP_ID]
+    fresh = group.max() + 1 + torch.arange(group.shape[0], device=group.device)
+    return _with_response_mask(rollout, rollout[K.RESPONSE_MASK] & ~unscored[:, None],
+                               **{K.SCORE: torch.where(unscored, 0.0, rollout[K.SCORE]),
+                                  K.GROUP_ID: torch.where(unscored, fresh, group)})
+
+
+def mask_truncated(rollout: TensorDictBase) -> TensorDictBase:
+    """A rollout whose truncated responses (``truncated``: the whole token budget used, no stop
+    token) take no part in the loss: their ``response_mask`` is cleared (TRL's
+    ``mask_truncated_completions``, DAPO's overlong filtering). A shallow copy; the rollout itself
+    when it has no ``truncated`` key or none is truncated."""
+    if K.TRUNCATED not in rollout.keys() or not bool(rollout[K.TRUNCATED].any()):
+        return rollout
+    return _with_response_mask(rollout, rollout[K.RESPONSE_MASK] & ~rollout[K.TRUNCATED][:, None])

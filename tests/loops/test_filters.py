@@ -7,7 +7,7 @@ import torch
 
 from rlcore import keys as K
 from rlcore.loops import online
-from rlcore.loops.dynamic_sampling import concat_rollouts, informative_groups, prompt_refill
+from rlcore.loops.filters import concat_rollouts, informative_groups, prompt_refill
 from rlcore.loops.recipe import load_splits
 from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.tasks import task_dataset
