@@ -263,7 +263,9 @@ def test_weights_follow_the_module(tokenizer):
     recomputed = score_rollout(after, policy=model)[K.OLD_LOGPROBS]
     stale = score_rollout(after, policy=build_model(tokenizer=tokenizer, seed=1, **WIDE))[K.OLD_LOGPROBS]
     mask = after[K.RESPONSE_MASK]
-    torch.testing.assert_close(after[K.OLD_LOGPROBS][mask], recomputed[mask], atol=1e-4, rtol=0)
+    # vLLM's CPU kernels reduce in another order than the module's forward: up to 1.01e-4 was seen
+    # between runs of the whole file (1e-4 failed once); stale weights are off by more than 1e-2
+    torch.testing.assert_close(after[K.OLD_LOGPROBS][mask], recomputed[mask], atol=5e-4, rtol=0)
     assert (after[K.OLD_LOGPROBS][mask] - stale[mask]).abs().max() > 1e-2
     assert not torch.equal(before[K.OLD_LOGPROBS], after[K.OLD_LOGPROBS])
 
