@@ -27,7 +27,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.checks import check_float, check_ndim, check_same_shape, require_keys
-from rlcore.masked import masked_mean, masked_var, saturate, wide
+from rlcore.masked import in_float64, masked_mean, masked_var, saturate, wide
 from rlcore.transforms import StateTransform
 
 __all__ = [
@@ -104,29 +104,19 @@ def ddim_step_logprob(sample_prev: torch.Tensor, mean: torch.Tensor, std: torch.
 
 
 # --- DDIM ------------------------------------------------------------------------------------
-# Each entry turns the model output into (predicted x_0, predicted ε) given ᾱ_t; one signature.
-def _in_float64(prediction: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
-    """An entry computed in float64 (``rlcore.masked.wide``) and cast back saturating to the
-    inputs' promoted dtype: dividing by ``√ᾱ`` near the range's edge stays finite."""
-    @functools.wraps(prediction)
-    def run(model_output, sample, alpha_t):
-        dtype = torch.promote_types(torch.promote_types(model_output.dtype, sample.dtype), alpha_t.dtype)
-        x0, eps = prediction(wide(model_output), wide(sample), wide(alpha_t))
-        return saturate(x0, dtype), saturate(eps, dtype)
-    return run
-
-
-@_in_float64
+# Each entry turns the model output into (predicted x_0, predicted ε) given ᾱ_t; one signature;
+# computed in float64 and cast back saturating (dividing by √ᾱ near the range's edge stays finite).
+@in_float64
 def _from_epsilon(model_output, sample, alpha_t):
     return (sample - (1 - alpha_t).sqrt() * model_output) / alpha_t.sqrt(), model_output
 
 
-@_in_float64
+@in_float64
 def _from_sample(model_output, sample, alpha_t):
     return model_output, (sample - alpha_t.sqrt() * model_output) / (1 - alpha_t).sqrt()
 
 
-@_in_float64
+@in_float64
 def _from_v(model_output, sample, alpha_t):
     a, s = alpha_t.sqrt(), (1 - alpha_t).sqrt()
     return a * sample - s * model_output, a * model_output + s * sample

@@ -35,7 +35,7 @@ Choices where the peers differ (each tested):
       at 80 (as TRL does for ``alpha``): past the cap the score is a huge finite constant without
       gradient, where TRL's uncapped ``forward_kl`` gives −inf and a NaN loss.
     - every kernel computes in float64 and casts its losses back saturating
-      (``rlcore.masked.saturate``): ``Δ`` of log-probs near ±3e38, or the square ``ipo`` /
+      (``rlcore.masked.in_float64``): ``Δ`` of log-probs near ±3e38, or the square ``ipo`` /
       ``ipo_sum`` take of a huge score, is the dtype's largest value (loss and gradient), never
       inf or NaN (TRL: inf, or NaN).
     - nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down act on per-side
@@ -47,7 +47,6 @@ Choices where the peers differ (each tested):
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -55,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcore.checks import check_float, check_same_shape, lookup
-from rlcore.masked import saturate, wide
+from rlcore.masked import in_float64
 
 __all__ = [
     "F_DIVERGENCES",
@@ -116,24 +115,11 @@ F_DIVERGENCES: dict[str, Callable[..., Tensor]] = {
 
 # --- shared pieces ------------------------------------------------------------------------------
 def _logratios(cw: Tensor, rw: Tensor, rcw: Tensor, rrw: Tensor) -> tuple[Tensor, Tensor]:
+    for name, x in (("chosen_logps", cw), ("rejected_logps", rw), ("ref_chosen_logps", rcw),
+                    ("ref_rejected_logps", rrw)):
+        check_float(name, x)
+    check_same_shape("chosen_logps", cw, rejected_logps=rw, ref_chosen_logps=rcw, ref_rejected_logps=rrw)
     return cw - rcw.detach(), rw - rrw.detach()
-
-
-def _in_float64(kernel: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """A ``DPO_LOSSES`` kernel with its four log-prob arguments checked, computed in float64
-    (``rlcore.masked.wide``) and its losses cast back saturating to ``chosen_logps``' dtype: a
-    difference or a square of log-probs anywhere in the float32 / bfloat16 range stays finite, in
-    the loss and in its gradient."""
-    names = ("chosen_logps", "rejected_logps", "ref_chosen_logps", "ref_rejected_logps")
-
-    @functools.wraps(kernel)
-    def run(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, **kwargs) -> Tensor:
-        logps = (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
-        for name, x in zip(names, logps):
-            check_float(name, x)
-        check_same_shape(names[0], chosen_logps, **dict(zip(names[1:], logps[1:])))
-        return saturate(kernel(*map(wide, logps), **kwargs), chosen_logps.dtype)
-    return run
 
 
 def _scores(cw, rw, rcw, rrw, divergence: str, alpha: float) -> tuple[Tensor, Tensor]:
@@ -180,7 +166,7 @@ def smoothed_sigmoid_loss(logits: Tensor, *, label_smoothing: float = 0.0) -> Te
 
 
 # --- the variants (one signature; see the module docstring for the arguments) --------------------
-@_in_float64
+@in_float64
 def dpo_sigmoid(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -193,7 +179,7 @@ def dpo_sigmoid(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_log
     return smoothed_sigmoid_loss(beta * (sw - sl), label_smoothing=label_smoothing)
 
 
-@_in_float64
+@in_float64
 def dpo_hinge(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
               label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
               rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -205,7 +191,7 @@ def dpo_hinge(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps
     return torch.relu(1.0 - beta * (sw - sl))
 
 
-@_in_float64
+@in_float64
 def dpo_ipo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
             label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
             rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -222,7 +208,7 @@ def dpo_ipo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, 
     return (d - 1.0 / (2.0 * beta)).square()
 
 
-@_in_float64
+@in_float64
 def dpo_ipo_sum(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -234,7 +220,7 @@ def dpo_ipo_sum(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_log
     return ((sw - sl) - 1.0 / (2.0 * beta)).square()
 
 
-@_in_float64
+@in_float64
 def dpo_robust(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -252,7 +238,7 @@ def dpo_robust(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logp
     return (-(1.0 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1.0 - 2.0 * eps)
 
 
-@_in_float64
+@in_float64
 def dpo_exo_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -273,7 +259,7 @@ def dpo_exo_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
             + torch.sigmoid(-x) * (log_ql - math.log(label_smoothing)))
 
 
-@_in_float64
+@in_float64
 def dpo_nca_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -287,7 +273,7 @@ def dpo_nca_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return -F.logsigmoid(beta * lw) - 0.5 * F.logsigmoid(-beta * lw) - 0.5 * F.logsigmoid(-beta * ll)
 
 
-@_in_float64
+@in_float64
 def dpo_bco_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -303,7 +289,7 @@ def dpo_bco_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return -F.logsigmoid(beta * lw) - F.logsigmoid(-beta * ll)
 
 
-@_in_float64
+@in_float64
 def dpo_sppo_hard(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                   label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                   rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -320,7 +306,7 @@ def dpo_sppo_hard(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_l
     return (lw - half).square() + (ll + half).square()
 
 
-@_in_float64
+@in_float64
 def dpo_aot(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
             label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
             rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -339,7 +325,7 @@ def dpo_aot(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, 
     return smoothed_sigmoid_loss(beta * (policy - ref), label_smoothing=label_smoothing)
 
 
-@_in_float64
+@in_float64
 def dpo_aot_unpaired(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                      label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                      rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -353,7 +339,7 @@ def dpo_aot_unpaired(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejecte
     return smoothed_sigmoid_loss(beta * delta, label_smoothing=label_smoothing)
 
 
-@_in_float64
+@in_float64
 def dpo_apo_zero(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -367,7 +353,7 @@ def dpo_apo_zero(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return (1.0 - torch.sigmoid(beta * lw)) + torch.sigmoid(beta * ll)
 
 
-@_in_float64
+@in_float64
 def dpo_apo_down(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -380,7 +366,7 @@ def dpo_apo_down(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return torch.sigmoid(beta * lw) + (1.0 - torch.sigmoid(beta * (lw - ll)))
 
 
-@_in_float64
+@in_float64
 def dpo_discopop(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -397,7 +383,7 @@ def dpo_discopop(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return torch.sigmoid(-z) * -F.logsigmoid(x) + torch.exp(F.logsigmoid(z) - x)
 
 
-@_in_float64
+@in_float64
 def dpo_sigmoid_norm(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                      label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                      rejected_lengths=None, discopop_tau=0.05) -> Tensor:

@@ -28,7 +28,6 @@ References:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -38,7 +37,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
 from rlcore.checks import check_float, check_ndim
-from rlcore.masked import saturate, wide
+from rlcore.masked import in_float64
 
 __all__ = [
     "loreft",
@@ -72,28 +71,13 @@ def _check(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor | None,
         raise ValueError(f"bias: expected shape [{r}] (r from rotation), got {list(bias.shape)}")
 
 
-def _in_float64(variant: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """A variant computed in float64 (``rlcore.masked.wide``) and cast back saturating to ``h``'s
-    dtype: hidden states anywhere in the float32 / bfloat16 range give finite edits and gradients.
-    The edit touches only the intervened positions (``[N, H]`` against ``[r, H]``), so the cost is small."""
-    @functools.wraps(variant)
-    def run(h, *args, **kwargs):
-        tensors = [h, *args, *(v for k, v in kwargs.items() if k != "act")]
-        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
-            return variant(h, *args, **kwargs)  # its checks name the argument that is not a float tensor
-
-        out = variant(wide(h), *map(wide, args), **{k: v if k == "act" else wide(v) for k, v in kwargs.items()})
-        return saturate(out, h.dtype)
-    return run
-
-
 def _subspace_edit(h, rotation, weight, bias, act: Act) -> torch.Tensor:
     source = nn.functional.linear(h, weight, bias)
     source = source if act is None else act(source)
     return h + (source - nn.functional.linear(h, rotation)) @ rotation
 
 
-@_in_float64
+@in_float64  # hidden states anywhere in the float range give finite edits and gradients
 def loreft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,
            act: Act = None) -> torch.Tensor:
     """LoReFT: ``Φ(h) = h + Rᵀ(act(W h + b) − R h)``.
@@ -120,7 +104,7 @@ def loreft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: 
     return _subspace_edit(h, rotation, weight, bias, act)
 
 
-@_in_float64
+@in_float64  # hidden states anywhere in the float range give finite edits and gradients
 def noreft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,
            act: Act = None) -> torch.Tensor:
     """NoReFT: ``Φ(h) = h + Rᵀ(act(W h + b) − R h)`` with ``R`` not constrained orthonormal.
@@ -135,7 +119,7 @@ def noreft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: 
     return _subspace_edit(h, rotation, weight, bias, act)
 
 
-@_in_float64
+@in_float64  # hidden states anywhere in the float range give finite edits and gradients
 def direft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,
            act: Act = None) -> torch.Tensor:
     """DiReFT: ``Φ(h) = h + Rᵀ act(W h + b)``, ``R`` unconstrained and no ``− R h`` term.
@@ -158,7 +142,7 @@ def direft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: 
     return h + source @ rotation
 
 
-@_in_float64
+@in_float64  # hidden states anywhere in the float range give finite edits and gradients
 def nodireft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *,
              act: Act = None) -> torch.Tensor:
     """NodiReFT: ``Φ(h) = h + Rᵀ act(W h + b)`` with ``R`` not constrained orthonormal.
@@ -172,7 +156,7 @@ def nodireft(h: torch.Tensor, rotation: torch.Tensor, weight: torch.Tensor, bias
     return direft(h, rotation, weight, bias, act=act)
 
 
-@_in_float64
+@in_float64  # hidden states anywhere in the float range give finite edits and gradients
 def consreft(h: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """ConsReFT: ``Φ(h) = h + Rᵀ(b − R h)``: the subspace coordinates set to a learned constant.
 
@@ -194,7 +178,7 @@ def consreft(h: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor) -> tor
     return h + (bias - nn.functional.linear(h, rotation)) @ rotation
 
 
-@_in_float64
+@in_float64  # hidden states anywhere in the float range give finite edits and gradients
 def lobireft(h: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """LobiReFT: ``Φ(h) = h + Rᵀ b``: a learned shift inside the subspace (low-rank BitFit).
 

@@ -23,6 +23,7 @@ References:
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -81,7 +82,7 @@ def prompt_refill(dataset: Dataset, config: Any) -> Callable[[int, int], dict]:
     """``(step, round) -> rows``: ``config.batch_size`` prompts (all columns) drawn from ``dataset``
     with a generator seeded by ``(config.seed, step, round)``."""
     def draw(step: int, round_: int) -> dict:
-        g = torch.Generator().manual_seed(hash((int(config.seed), int(step), int(round_))) % 2**63)
+        g = torch.Generator().manual_seed(zlib.crc32(f"{int(config.seed)}:{int(step)}:{int(round_)}".encode()))
         index = torch.randperm(len(dataset), generator=g)[:config.batch_size].tolist()
         return dataset[index]
     return draw

@@ -11,7 +11,9 @@ Sums and moments accumulate in float64 and the result is cast back *saturating*
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -25,6 +27,7 @@ __all__ = [
     "zero_outside",
     "wide",
     "saturate",
+    "in_float64",
     "wide_mean",
     "wide_sum",
     "aggregate",
@@ -54,6 +57,11 @@ def zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """
     check_ndim("x", x)
     check_mask("mask", mask, like=x, like_name="x")
+    return _zeroed(x, mask)
+
+
+def _zeroed(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`zero_outside` for arguments already checked."""
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -94,6 +102,28 @@ def saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.clamp(-big, big).to(dtype)
 
 
+def in_float64(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its floating-point tensor arguments :func:`wide` and its result (a tensor, or a
+    tuple of them) cast back :func:`saturate` to their promoted dtype: the kernels whose
+    differences, squares or products of values near the range's edge must stay finite (the
+    pairwise DPO variants, the ReFT edits, the DDIM predictions). Arguments that are not float
+    tensors pass as they are, so ``fn``'s own checks name a wrong one.
+    """
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        def is_float(a: Any) -> bool:
+            return isinstance(a, torch.Tensor) and a.is_floating_point()
+
+        floats = [a for a in (*args, *kwargs.values()) if is_float(a)]
+        if not floats:
+            return fn(*args, **kwargs)
+        dtype = functools.reduce(torch.promote_types, (a.dtype for a in floats))
+        out = fn(*(wide(a) if is_float(a) else a for a in args),
+                 **{k: wide(v) if is_float(v) else v for k, v in kwargs.items()})
+        return tuple(saturate(o, dtype) for o in out) if isinstance(out, tuple) else saturate(out, dtype)
+    return run
+
+
 def wide_mean(x: torch.Tensor) -> torch.Tensor:
     """The mean of every element of ``x`` (``[]``), accumulated in float64 and cast back saturating:
     finite for finite inputs anywhere in the dtype's range; NaN for an empty ``x``, as ``Tensor.mean``
@@ -123,7 +153,7 @@ def wide_sum(terms: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 def _wide_sum(x: torch.Tensor, mask: torch.Tensor, dim: Dim, keepdim: bool) -> torch.Tensor:
     """``Σ_{mask} x`` over ``dim`` in float64, unchecked."""
-    z = wide(zero_outside(x, mask))
+    z = wide(_zeroed(x, mask))
     return z.sum() if dim is None else z.sum(dim=dim, keepdim=keepdim)
 
 
@@ -162,7 +192,7 @@ def _centred(x: torch.Tensor, mask: torch.Tensor, dim: Dim, unbiased: bool):
     """``(mean, x − mean under the mask (0 elsewhere), variance)``, float64, with one masking of
     ``x`` and one count: the shared moments of :func:`masked_var` and :func:`masked_whiten` (keepdim)."""
     n = _count(mask, dim, keepdim=True)
-    z = wide(zero_outside(x, mask))
+    z = wide(_zeroed(x, mask))
     mean = (z.sum() if dim is None else z.sum(dim=dim, keepdim=True)) / n.clamp(min=1)
     centred = (z - mean) * mask  # z is finite off the mask (0): the product is an exact 0 there
     sq = centred.square()

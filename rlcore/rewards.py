@@ -137,8 +137,10 @@ def compute_rewards(score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: t
     coef = kl_coef.detach() if isinstance(kl_coef, torch.Tensor) else kl_coef
     placed = torch.where(last_token_mask(mask), score.detach().to(per_token.dtype)[..., None],
                          _zero(per_token))
-    rewards = torch.where(mask, placed - coef * per_token, _zero(per_token))
-    return rewards.to(per_token.dtype), torch.where(mask, per_token, _zero(per_token))
+    # float64, cast back saturating: a large β times a KL near the range's edge stays finite
+    penalty = (wide(coef) if isinstance(coef, torch.Tensor) else coef) * wide(per_token)
+    rewards = saturate(torch.where(mask, wide(placed) - penalty, 0.0), per_token.dtype)
+    return rewards, torch.where(mask, per_token, _zero(per_token))
 
 
 def process_scores(scores: torch.Tensor, moments: RunningMoments, *, scale: bool = False,

@@ -305,8 +305,9 @@ def test_a_kl_tensor_is_the_penalty_itself():
     rewards, per_token = assert_pure(compute_rewards, batch[K.SCORE], batch[K.OLD_LOGPROBS], batch[K.REF_LOGPROBS],
                                      mask, kl_coef=0.4, kl=values)
     last = last_token_mask(mask)
-    want = torch.where(mask, -0.4 * values + torch.where(last, batch[K.SCORE][:, None], 0.0), 0.0)
-    torch.testing.assert_close(rewards, want, rtol=1e-12, atol=1e-12)
+    # the formula in float64, rounded once to the inputs' dtype (as compute_rewards computes it)
+    want = torch.where(mask, -0.4 * values.double() + torch.where(last, batch[K.SCORE].double()[:, None], 0.0), 0.0)
+    torch.testing.assert_close(rewards, want.to(values.dtype), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(per_token, torch.where(mask, values, 0.0), rtol=0, atol=0)
     out = with_rewards(batch.copy().update({K.FULL_KL: values}), kl_coef=0.4, kl="full")
     torch.testing.assert_close(out[K.REWARDS], rewards, rtol=0, atol=0)

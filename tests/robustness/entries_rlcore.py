@@ -546,6 +546,7 @@ EXEMPT_MODULES = {
     "rlcore.seeding": "seeding of global RNGs (impure by design) and generator construction",
 }
 EXEMPT = {
+    "rlcore.masked.in_float64": "a decorator; the DPO variants, ReFT edits and DDIM predictions it wraps are fuzzed",
     "rlcore.kl.KL_ALIASES": "a dict of names (str -> str); every alias is fuzzed through kl_estimate",
     "rlcore.transforms.KLControllerState": "a NamedTuple type; built and read by the fuzzed controllers",
     "rlcore.transforms.StateTransform": "a NamedTuple type of two functions; kl_controller and running_moments "
