@@ -10,7 +10,8 @@ Laid out by role:
   ``tokenization`` → ``collate`` (datasets to batches),
   ``tasks``, ``models``, ``lora``, ``shapes``, ``checkpoint`` (with ``checkpoint_codec``, its
   pickle-free storage, and ``run_dir``, one run per folder), ``logging``, ``diffusion`` (with
-  ``images``: JPEG rewards, grids),
+  ``images``: JPEG rewards, grids; ``sd``: Stable Diffusion pipelines; ``aesthetic``: an
+  aesthetic-style image reward),
   ``reft_data`` / ``reft_model``; the ``cli`` and the ``demo``;
 - ``rlcore.loops.recipes``: one module per trainer (``sft``, ``reward``, ``dpo``, ``ppo``,
   ``rloo``, ``grpo``, ``online_dpo``, ``ddpo``, ``reft``), each with a ``Config``,
@@ -25,6 +26,7 @@ name (``from rlcore.loops.recipes import grpo``)."""
 
 from importlib import import_module as _import_module
 
+from rlcore.loops.aesthetic import *  # noqa: F401,F403
 from rlcore.loops.checkpoint import *  # noqa: F401,F403
 from rlcore.loops.checkpoint_codec import *  # noqa: F401,F403
 from rlcore.loops.chunks import *  # noqa: F401,F403
@@ -54,15 +56,16 @@ from rlcore.loops.scale.placement import *  # noqa: F401,F403
 from rlcore.loops.scale.vllm_engine import *  # noqa: F401,F403
 from rlcore.loops.scale.workers import *  # noqa: F401,F403
 from rlcore.loops.score import *  # noqa: F401,F403
+from rlcore.loops.sd import *  # noqa: F401,F403
 from rlcore.loops.shapes import *  # noqa: F401,F403
 from rlcore.loops.state import *  # noqa: F401,F403
 from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.tokenization import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
 
-_MODULES = ("checkpoint", "checkpoint_codec", "chunks", "collate", "collect", "config", "data", "diffusion",
-            "engines", "evaluate", "filters", "fold", "images", "logging", "lora", "models", "online",
+_MODULES = ("aesthetic", "checkpoint", "checkpoint_codec", "chunks", "collate", "collect", "config", "data",
+            "diffusion", "engines", "evaluate", "filters", "fold", "images", "logging", "lora", "models", "online",
             "recipe", "reft_data", "reft_model", "reward_fns", "run_dir", "scale.async_learners", "scale.async_rl",
-            "scale.distributed", "scale.placement", "scale.vllm_engine", "scale.workers", "score", "shapes", "state",
-            "tasks", "tokenization", "update")
+            "scale.distributed", "scale.placement", "scale.vllm_engine", "scale.workers", "score", "sd", "shapes",
+            "state", "tasks", "tokenization", "update")
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

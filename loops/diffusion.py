@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -40,8 +40,8 @@ except ImportError:  # optional extra
     UNet2DModel = None
 
 __all__ = ["DDIMSchedule", "BETA_SCHEDULES", "ddim_schedule", "schedule_from_scheduler", "build_denoiser",
-           "predict_noise", "sample_trajectories", "step_logprobs", "timestep_rows", "SYNTHETIC_PATTERNS",
-           "synthetic_images", "pretrain_denoiser"]
+           "CONDITION_KEYS", "predict_noise", "sample_trajectories", "step_logprobs", "timestep_rows",
+           "row_condition", "SYNTHETIC_PATTERNS", "synthetic_images", "pretrain_denoiser"]
 
 
 # --- DDIM schedules ------------------------------------------------------------------------
@@ -163,26 +163,67 @@ def build_denoiser(num_classes: int, *, sample_size: int = 16, channels: int = 3
                            num_class_embeds=num_classes + 1)
 
 
-def _forward(model: nn.Module, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    out = model(x, t, class_labels=labels)
+# The conditioning keys of a trajectory: a class id, or a text encoder's embeddings of the prompt
+# and of the negative prompt (the unconditional branch of classifier-free guidance).
+CONDITION_KEYS = (K.CLASS_LABELS, K.PROMPT_EMBEDS, K.NEGATIVE_PROMPT_EMBEDS)
+
+
+def _condition(condition: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{class_labels}`` from a ``[B]`` long tensor, or the conditioning keys of a mapping, checked."""
+    if isinstance(condition, torch.Tensor):
+        condition = {K.CLASS_LABELS: condition}
+    cond = {k: condition[k] for k in CONDITION_KEYS if k in condition.keys()}
+    if K.CLASS_LABELS in cond:
+        check_ndim("class_labels", cond[K.CLASS_LABELS], ndim=1, layout="[B]")
+    elif K.PROMPT_EMBEDS in cond:
+        for k in (K.PROMPT_EMBEDS, K.NEGATIVE_PROMPT_EMBEDS):
+            if k in cond:
+                check_float(k, cond[k])
+                check_ndim(k, cond[k], ndim=3, layout="[B, L, D]")
+    else:
+        raise KeyError(f"condition: expected class_labels [B] or prompt_embeds [B, L, D], got keys "
+                       f"{sorted(condition.keys())}")
+    return cond
+
+
+def _forward(model: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
+             uncond: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The model on ``x`` (the unconditional rows first, then the conditioned ones, when ``uncond``)."""
+    if uncond is not None:
+        x, t = torch.cat([x, x]), torch.cat([t, t])
+        cond = {k: torch.cat([uncond[k], cond[k]]) for k in uncond}
+    if K.PROMPT_EMBEDS in cond:  # diffusers' UNet2DConditionModel
+        out = model(x, t, encoder_hidden_states=cond[K.PROMPT_EMBEDS])
+    else:  # diffusers' UNet2DModel with class embeddings
+        out = model(x, t, class_labels=cond[K.CLASS_LABELS])
     return getattr(out, "sample", out)
 
 
 def predict_noise(model: nn.Module, latents: torch.Tensor, timesteps: torch.Tensor | int,
-                  class_labels: torch.Tensor, *, guidance_scale: float = 1.0,
+                  condition: torch.Tensor | Mapping[str, torch.Tensor], *, guidance_scale: float = 1.0,
                   null_class: int | None = None) -> torch.Tensor:
     """The model's output, with classifier-free guidance.
 
     ``ε̂ = ε(x, t, ∅) + w·(ε(x, t, c) − ε(x, t, ∅))`` with ``w = guidance_scale`` (one batched
-    forward of ``2B`` rows); with ``w = 1`` just ``ε(x, t, c)`` (one forward of ``B`` rows).
-    The model is called as ``model(x, t, class_labels=c)`` (diffusers' ``UNet2DModel``), its
-    output a tensor or has ``.sample``.
+    forward of ``2B`` rows, the unconditional ones first, as diffusers' pipelines do); with
+    ``w = 1`` just ``ε(x, t, c)`` (one forward of ``B`` rows).
+
+    Two kinds of conditioning:
+
+    - class ids: ``condition`` is ``class_labels [B]`` long (or a mapping holding it); the model
+      is called as ``model(x, t, class_labels=c)`` (diffusers' ``UNet2DModel``) and ``∅`` is the
+      id ``null_class``;
+    - text: ``condition`` holds ``prompt_embeds [B, L, D]`` and, for guidance,
+      ``negative_prompt_embeds [B, L, D]`` (``∅``: the negative or empty prompt's embeddings);
+      the model is called as ``model(x, t, encoder_hidden_states=e)`` (``UNet2DConditionModel``).
+
+    The model's output is a tensor or has ``.sample``.
 
     Args:
         latents: ``[B, C, H, W]`` float, ``x_t``.
         timesteps: int or ``[]`` / ``[B]`` long.
-        class_labels: ``[B]`` long.
-        guidance_scale: ``w``.  null_class: the unconditional id (needed when ``w ≠ 1``).
+        condition: ``class_labels [B]``, or a mapping (a TensorDict of rows) holding ``CONDITION_KEYS``.
+        guidance_scale: ``w``.  null_class: the unconditional id (class ids with ``w ≠ 1``).
     Returns:
         ``[B, C, H, W]``, differentiable in the model's parameters.
 
@@ -190,17 +231,23 @@ def predict_noise(model: nn.Module, latents: torch.Tensor, timesteps: torch.Tens
     """
     check_float("latents", latents)
     check_ndim("latents", latents, ndim=4, layout="[B, C, H, W]")
-    check_ndim("class_labels", class_labels, ndim=1, layout="[B]")
+    cond = _condition(condition)
     t = torch.as_tensor(timesteps, device=latents.device).expand(latents.shape[0])
+    negative = cond.pop(K.NEGATIVE_PROMPT_EMBEDS, None)
     if guidance_scale == 1.0:
-        return _forward(model, latents, t, class_labels)
-    if null_class is None:
-        raise ValueError(f"null_class: classifier-free guidance (guidance_scale={guidance_scale}) needs "
-                         f"the unconditional class id")
-    null = torch.full_like(class_labels, null_class)
-    out = _forward(model, torch.cat([latents, latents]), torch.cat([t, t]), torch.cat([null, class_labels]))
-    uncond, cond = out.chunk(2)
-    return uncond + guidance_scale * (cond - uncond)
+        return _forward(model, latents, t, cond)
+    if K.CLASS_LABELS in cond:
+        if null_class is None:
+            raise ValueError(f"null_class: classifier-free guidance (guidance_scale={guidance_scale}) needs "
+                             f"the unconditional class id")
+        uncond = {K.CLASS_LABELS: torch.full_like(cond[K.CLASS_LABELS], null_class)}
+    elif negative is not None:
+        uncond = {K.PROMPT_EMBEDS: negative}
+    else:
+        raise KeyError(f"negative_prompt_embeds: classifier-free guidance (guidance_scale={guidance_scale}) "
+                       "needs the negative (or empty) prompt's embeddings [B, L, D]")
+    uncond_out, cond_out = _forward(model, latents, t, cond, uncond).chunk(2)
+    return uncond_out + guidance_scale * (cond_out - uncond_out)
 
 
 def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -209,9 +256,10 @@ def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
 
 
 @torch.no_grad()
-def sample_trajectories(model: nn.Module, class_labels: torch.Tensor, schedule: DDIMSchedule, *,
-                        eta: float = 1.0, guidance_scale: float = 1.0, null_class: int | None = None,
-                        generator: torch.Generator, image_shape: Sequence[int] | None = None) -> TensorDict:
+def sample_trajectories(model: nn.Module, condition: torch.Tensor | Mapping[str, torch.Tensor],
+                        schedule: DDIMSchedule, *, eta: float = 1.0, guidance_scale: float = 1.0,
+                        null_class: int | None = None, generator: torch.Generator,
+                        image_shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> TensorDict:
     """Sample DDIM chains ``x_T → x_0`` and record every step and its log-probability.
 
     ``x_T ~ N(0, I)``; for each ``t`` of ``schedule.timesteps``: ``ε̂ = predict_noise(x_t, t, c)``,
@@ -219,32 +267,35 @@ def sample_trajectories(model: nn.Module, class_labels: torch.Tensor, schedule: 
     image dimensions). With ``eta > 0`` every step is stochastic and has a density.
 
     Args:
-        model: the denoiser (see ``predict_noise``); run without gradient.
-        class_labels: ``[B]`` long, on the model's device.
+        model: the denoiser (see ``predict_noise``); run without gradient (under the caller's
+            autocast, if any).
+        condition: ``class_labels [B]`` long, or a mapping of ``CONDITION_KEYS`` (prompt
+            embeddings), on the model's device.
         schedule: a ``DDIMSchedule`` with ``S`` timesteps.
         eta, guidance_scale, null_class: of ``ddim_step`` and ``predict_noise``.
         generator: a ``torch.Generator`` on the model's device: the initial noise and every step's.
-        image_shape: ``(C, H, W)``; default from the model's config.
+        image_shape: ``(C, H, W)``; default from the model's config (``in_channels``, ``sample_size``).
+        dtype: of the latents; default the model's parameters'.
     Returns:
         TensorDict ``[B]``: ``latents [B, S+1, C, H, W]`` (``[:, -1]`` is the sample),
-        ``timesteps [B, S]`` long, ``old_logprobs [B, S]``, ``class_labels [B]``.
+        ``timesteps [B, S]`` long, ``old_logprobs [B, S]`` and the conditioning keys.
     """
-    device, dtype = _model_device_dtype(model)
+    device, model_dtype = _model_device_dtype(model)
+    cond = _condition(condition)
     if image_shape is None:
         cfg = model.config
         image_shape = (cfg.in_channels, cfg.sample_size, cfg.sample_size)
-    b = class_labels.shape[0]
-    x = torch.randn((b, *image_shape), generator=generator, device=device, dtype=dtype)
+    b = next(iter(cond.values())).shape[0]
+    x = torch.randn((b, *image_shape), generator=generator, device=device, dtype=dtype or model_dtype)
     latents, logprobs = [x], []
     for t in schedule.timesteps.tolist():
-        eps = predict_noise(model, x, t, class_labels, guidance_scale=guidance_scale, null_class=null_class)
-        x, logp, _, _ = ddim_step(eps, t, x, eta=eta, generator=generator, **schedule.step_kwargs())
+        eps = predict_noise(model, x, t, cond, guidance_scale=guidance_scale, null_class=null_class)
+        x, logp, _, _ = ddim_step(eps.to(x.dtype), t, x, eta=eta, generator=generator, **schedule.step_kwargs())
         latents.append(x)
         logprobs.append(logp)
     return TensorDict({K.LATENTS: torch.stack(latents, dim=1),
                        K.TIMESTEPS: schedule.timesteps.to(device).expand(b, -1).clone(),
-                       K.OLD_LOGPROBS: torch.stack(logprobs, dim=1), K.CLASS_LABELS: class_labels},
-                      batch_size=[b])
+                       K.OLD_LOGPROBS: torch.stack(logprobs, dim=1), **cond}, batch_size=[b])
 
 
 def step_logprobs(model: nn.Module, rows: TensorDictBase, schedule: DDIMSchedule, *, eta: float = 1.0,
@@ -256,17 +307,20 @@ def step_logprobs(model: nn.Module, rows: TensorDictBase, schedule: DDIMSchedule
 
     Args:
         rows: TensorDict ``[N]`` with ``latents``, ``next_latents [N, C, H, W]``, ``timesteps [N]``
-            long, ``class_labels [N]`` long (``timestep_rows`` makes them).
+            long and the conditioning: ``class_labels [N]`` long (``timestep_rows`` makes them),
+            or ``prompt_embeds`` (and ``negative_prompt_embeds``) ``[N, L, D]`` (``row_condition``).
     Returns:
         ``[N]``, differentiable in the model's parameters (the stored samples are data).
     """
-    require_keys(rows, [K.LATENTS, K.NEXT_LATENTS, K.TIMESTEPS, K.CLASS_LABELS], where="step_logprobs")
-    t = rows.get(K.TIMESTEPS)
-    eps = predict_noise(model, rows.get(K.LATENTS), t, rows.get(K.CLASS_LABELS),
-                        guidance_scale=guidance_scale, null_class=null_class)
-    _, logp, _, _ = ddim_step(eps, t, rows.get(K.LATENTS), eta=eta, prev_sample=rows.get(K.NEXT_LATENTS),
+    require_keys(rows, [K.LATENTS, K.NEXT_LATENTS, K.TIMESTEPS], where="step_logprobs")
+    t, x = rows.get(K.TIMESTEPS), rows.get(K.LATENTS)
+    eps = predict_noise(model, x, t, rows, guidance_scale=guidance_scale, null_class=null_class)
+    _, logp, _, _ = ddim_step(eps.to(x.dtype), t, x, eta=eta, prev_sample=rows.get(K.NEXT_LATENTS),
                               **schedule.step_kwargs())
     return logp
+
+
+_STEP_KEYS = (K.LATENTS, K.TIMESTEPS, K.OLD_LOGPROBS)
 
 
 def timestep_rows(trajectories: TensorDictBase, *, timestep_fraction: float = 1.0,
@@ -282,11 +336,13 @@ def timestep_rows(trajectories: TensorDictBase, *, timestep_fraction: float = 1.
         generator: a ``torch.Generator`` (on the data's device) or ``None``.
     Returns:
         TensorDict ``[B, S']``: ``latents``, ``next_latents`` ``[B, S', C, H, W]``, ``timesteps``,
-        ``old_logprobs``, ``advantages``, ``class_labels`` ``[B, S']``. Flatten it as the update
-        needs (``rows.reshape(-1)``).
+        ``old_logprobs``, ``sample_index`` (the row's trajectory) and every other per-sample key
+        of one value per sample (``advantages``, ``class_labels``) ``[B, S']``. Per-sample keys of
+        more dimensions (prompt embeddings ``[B, L, D]``) are not repeated over the steps:
+        ``row_condition`` gathers them for the rows of a micro-batch. Flatten the rows as the
+        update needs (``rows.reshape(-1)``).
     """
-    require_keys(trajectories, [K.LATENTS, K.TIMESTEPS, K.OLD_LOGPROBS, K.CLASS_LABELS, K.ADVANTAGES],
-                 where="timestep_rows")
+    require_keys(trajectories, [*_STEP_KEYS, K.ADVANTAGES], where="timestep_rows")
     latents, steps = trajectories.get(K.LATENTS), trajectories.get(K.TIMESTEPS)
     check_ndim("trajectories['timesteps']", steps, ndim=2, layout="[B, S]")
     b, s = steps.shape
@@ -300,10 +356,22 @@ def timestep_rows(trajectories: TensorDictBase, *, timestep_fraction: float = 1.
         order = torch.rand((b, s), generator=generator, device=generator.device).argsort(dim=-1).to(steps.device)
     idx = order[:, :n]
     row = torch.arange(b, device=steps.device)[:, None]
-    per_sample = {k: trajectories.get(k)[:, None].expand(b, n).clone() for k in (K.ADVANTAGES, K.CLASS_LABELS)}
+    per_sample = {k: v[:, None].expand(b, n).clone() for k, v in trajectories.items()
+                  if k not in _STEP_KEYS and isinstance(v, torch.Tensor) and v.ndim == 1}
     return TensorDict({K.LATENTS: latents[row, idx], K.NEXT_LATENTS: latents[row, idx + 1],
                        K.TIMESTEPS: steps[row, idx], K.OLD_LOGPROBS: trajectories.get(K.OLD_LOGPROBS)[row, idx],
-                       **per_sample}, batch_size=[b, n])
+                       K.SAMPLE_INDEX: row.expand(b, n).clone(), **per_sample}, batch_size=[b, n])
+
+
+def row_condition(rows: TensorDictBase, trajectories: TensorDictBase) -> TensorDictBase:
+    """``rows`` with the prompt embeddings of their trajectories (``trajectories[sample_index]``),
+    gathered for these rows only; rows conditioned on class ids are returned as they are."""
+    keys = [k for k in (K.PROMPT_EMBEDS, K.NEGATIVE_PROMPT_EMBEDS) if k in trajectories.keys()]
+    if not keys or K.PROMPT_EMBEDS in rows.keys():
+        return rows
+    require_keys(rows, [K.SAMPLE_INDEX], where="row_condition")
+    index = rows.get(K.SAMPLE_INDEX)
+    return rows.copy().update({k: trajectories.get(k)[index] for k in keys})
 
 
 # --- images and rewards ------------------------------------------------------------------------
@@ -393,7 +461,7 @@ def pretrain_denoiser(model: nn.Module, schedule: DDIMSchedule, patterns: Sequen
         a = alphas[batch["t"]][:, None, None, None]
         noisy = a.sqrt() * batch["x0"] + (1 - a).sqrt() * batch["noise"]
         target = _TARGETS[schedule.prediction_type](batch["x0"], batch["noise"], a)
-        loss = (_forward(state.model(), noisy, batch["t"], batch[K.CLASS_LABELS]) - target).square().mean()
+        loss = (_forward(state.model(), noisy, batch["t"], {K.CLASS_LABELS: batch[K.CLASS_LABELS]}) - target).square().mean()
         return loss, {"loss_mse": loss.detach()}
 
     def step(state, _):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import itertools
 import math
@@ -94,12 +95,40 @@ def get_reward_fn(reward: str | Callable) -> Callable:
                          f"or any callable (images, prompts) -> [B]") from None
 
 
-def score_images(reward_fn: Callable, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-    """``reward_fn(images, prompts)`` as a ``[B]`` float32 tensor (from a tensor, array or list)."""
-    rewards = torch.as_tensor(reward_fn(images, list(prompts)), dtype=torch.float32).detach().cpu()
+def _takes_metadata(reward_fn: Callable) -> bool:
+    """Whether ``reward_fn`` accepts a third positional argument (DDPO's ``prompt_metadata``)."""
+    try:
+        inspect.signature(reward_fn).bind(None, None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): call it as (images, prompts)
+        return False
+    return True
+
+
+def score_images(reward_fn: Callable, images: torch.Tensor, prompts: Sequence[str],
+                 metadata: Sequence[Any] | None = None) -> torch.Tensor:
+    """``reward_fn(images, prompts)``, or ``reward_fn(images, prompts, metadata)`` when it takes a
+    third argument (DDPO's signature), as a ``[B]`` float32 tensor (from a tensor, array or list;
+    of a ``(rewards, reward_metadata)`` pair, the rewards).
+
+    Raises:
+        ValueError: rewards of another shape than ``[B]``, or NaN ones (naming the images).
+    """
+    if _takes_metadata(reward_fn):
+        out = reward_fn(images, list(prompts), list(metadata) if metadata is not None else [{}] * len(prompts))
+    else:
+        out = reward_fn(images, list(prompts))
+    if isinstance(out, tuple) and len(out) == 2:
+        out = out[0]
+    rewards = torch.as_tensor(out, dtype=torch.float32).detach().cpu()
     if rewards.shape != (images.shape[0],):
         raise ValueError(f"reward_fn: expected rewards of shape [{images.shape[0]}] (one per image), "
                          f"got {list(rewards.shape)}")
+    if rewards.isnan().any():
+        bad = rewards.isnan().nonzero().flatten().tolist()
+        raise ValueError(f"reward_fn: returned NaN for images {bad[:8]} of {images.shape[0]} "
+                         f"(prompts {[prompts[i] for i in bad[:3]]})")
     return rewards
 
 

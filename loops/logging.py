@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["JsonlLogger", "ProgressDisplay", "TensorBoardLogger", "WandbLogger", "SampleTable", "make_loggers",
-           "markdown_table", "CompletionsToTrackers", "TRACKERS", "check_trackers", "read_jsonl", "PeakMemory",
+           "markdown_table", "CompletionsToTrackers", "ImagesToTrackers", "TRACKERS", "check_trackers", "read_jsonl", "PeakMemory",
            "peak_memory"]
 
 _GIB = 2.0 ** 30
@@ -251,6 +251,12 @@ class TensorBoardLogger:
         """``rows`` as a markdown table in TensorBoard's text tab."""
         self.writer.add_text(name, markdown_table(rows), step)
 
+    def log_image(self, name: str, image: Any, step: int) -> None:
+        """A PIL image in TensorBoard's images tab."""
+        import numpy as np
+
+        self.writer.add_image(name, np.asarray(image.convert("RGB")), step, dataformats="HWC")
+
     def on_end(self, state: Any) -> None:
         self.writer.close()
 
@@ -275,6 +281,12 @@ class WandbLogger:
 
         columns = list(dict.fromkeys(k for r in rows for k in r))
         self.run.log({name: wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])}, step=step)
+
+    def log_image(self, name: str, image: Any, step: int) -> None:
+        """A PIL image as a ``wandb.Image``."""
+        import wandb
+
+        self.run.log({name: wandb.Image(image)}, step=step)
 
     def on_end(self, state: Any) -> None:
         self.run.finish()
@@ -312,6 +324,35 @@ class CompletionsToTrackers:
         if rows:
             for tracker in self.trackers:
                 tracker.log_table(self.name, rows, state.step)
+
+
+class ImagesToTrackers:
+    """After each step, the PNG images written under ``directory`` (``run_dir/images``: DDPO's sample
+    and evaluation grids) since the last step, to each tracker (``log_image``), named by their file
+    name without its number (``images/samples``, ``images/epoch``). Images there before the run
+    started (a resumed run's) are not sent again."""
+
+    def __init__(self, directory: str | Path, trackers: Sequence[Any]):
+        self.directory, self.trackers, self._seen = Path(directory), list(trackers), set()
+
+    def _files(self) -> set[Path]:
+        return set(self.directory.glob("*.png")) if self.directory.is_dir() else set()
+
+    def on_start(self, state: Any) -> None:
+        self._seen = self._files()
+
+    def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
+        new = sorted(self._files() - self._seen)
+        if not new:
+            return
+        from PIL import Image
+
+        for path in new:
+            with Image.open(path) as image:
+                image.load()
+                for tracker in self.trackers:
+                    tracker.log_image(f"images/{path.stem.rsplit('-', 1)[0]}", image, state.step)
+        self._seen.update(new)
 
 
 def _cell(value: Any, max_chars: int) -> str:
@@ -375,7 +416,8 @@ def make_loggers(run_dir: str | Path, *, total: int | None = None, stage: str = 
     after ``run_dir`` with ``config`` as its config (the project, mode and entity come from
     ``wandb_kwargs``, else wandb's environment: ``WANDB_PROJECT``, ``WANDB_MODE``, ...). With a
     tracker, the completions evaluations write to ``run_dir/completions.jsonl`` go to it as tables
-    (``CompletionsToTrackers``). The JSONL lines and the trackers carry each step's peak memory
+    (``CompletionsToTrackers``) and the PNGs written to ``run_dir/images`` as images
+    (``ImagesToTrackers``). The JSONL lines and the trackers carry each step's peak memory
     (``PeakMemory`` on ``device``)."""
     check_trackers(report_to)
     callbacks: list = [JsonlLogger(run_dir)]
@@ -388,5 +430,6 @@ def make_loggers(run_dir: str | Path, *, total: int | None = None, stage: str = 
     measured = PeakMemory(callbacks + trackers, device)
     display = [ProgressDisplay(total, stage=stage, keys=progress_keys, every=progress_every, stream=stream)
                ] if progress else []
-    completions = [CompletionsToTrackers(Path(run_dir) / "completions.jsonl", list(trackers))] if trackers else []
-    return [measured, *display, *completions]  # an evaluation's completions go to the trackers too
+    to_trackers = [CompletionsToTrackers(Path(run_dir) / "completions.jsonl", list(trackers)),
+                   ImagesToTrackers(Path(run_dir) / "images", list(trackers))] if trackers else []
+    return [measured, *display, *to_trackers]  # an evaluation's completions and images go to the trackers too

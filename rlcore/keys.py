@@ -42,12 +42,15 @@ images ``[C, H, W]``::
     latents         [B, S+1, C, H, W] float  the chain x_T ... x_0 (latents[:, -1] is the sample)
     timesteps       [B, S] long      the training-schedule timestep of each step
     old_logprobs    [B, S] float     log-density of each step taken, under the sampling model
-    class_labels    [B]    long      class id conditioning the model (a prompt mapped to an id)
+    class_labels    [B]    long      class id conditioning the model (a prompt mapped to an id), or
+    prompt_embeds   [B, L, D] float  a text encoder's embeddings of the prompt, and
+    negative_prompt_embeds [B, L, D] float  those of the negative prompt (classifier-free guidance)
     score           [B]    float     reward of the final image;  advantages [B] float
 
 and the rows a DDPO update trains on, one per (sample, step) pair: ``latents`` /
 ``next_latents [N, C, H, W]``, ``timesteps``, ``old_logprobs``, ``advantages``,
-``class_labels`` ``[N]``.
+``sample_index`` (the trajectory of the row), ``class_labels`` ``[N]`` (the prompt embeddings
+stay in the trajectories: ``loops.diffusion.row_condition`` gathers a micro-batch's).
 
 Supervised batch, batch size ``[B]``: ``input_ids``, ``attention_mask``, ``loss_mask`` and,
 when packed, ``position_ids`` / ``segment_ids``.
@@ -95,7 +98,12 @@ REWARD = "reward"  # reward-model output, one scalar per sequence
 LATENTS = "latents"
 NEXT_LATENTS = "next_latents"
 TIMESTEPS = "timesteps"
-PROMPT_EMBEDS = "prompt_embeds"
+PROMPT_EMBEDS = "prompt_embeds"  # [B, L, D] float, a text encoder's embeddings of the prompt
+NEGATIVE_PROMPT_EMBEDS = "negative_prompt_embeds"  # [B, L, D] float, those of the negative (or empty) prompt
+IMAGES = "images"  # [B, C, H, W] float in [0, 1], the decoded samples a reward function scores
+PROMPT = "prompt"  # [B] text (a NonTensorStack of str), the prompt of each sample
+PROMPT_METADATA = "prompt_metadata"  # [B] (a NonTensorStack), what a prompt function returned with it
+SAMPLE_INDEX = "sample_index"  # [N] long, the trajectory a DDPO training row comes from
 CLASS_LABELS = "class_labels"  # [B] long, the class id (prompt) conditioning a diffusion model
 
 # --- representation fine-tuning -------------------------------------------------------------

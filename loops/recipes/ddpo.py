@@ -14,9 +14,26 @@ One fold step is one DDPO epoch, read top to bottom:
    micro-batches of ``train_batch_size`` rows (``train_batch_size`` samples at one step index, as
    DDPO does). The ratio's log-probs are recomputed with the sampling guidance.
 
-Every ``eval_every`` epochs, ``evaluate`` samples ``num_eval_images`` images from fixed noise
-(``eval/reward_mean`` in the metrics) and saves their grid to ``run_dir/images/epoch-N.png``;
-checkpoints, JSONL logs and resuming are ``loops.recipe.run``'s.
+Two kinds of model, one recipe:
+
+- ``model: None`` (the default): a tiny class-conditional denoiser in pixel space
+  (``loops.diffusion.build_denoiser``), prompts mapped to class ids;
+- ``model: PATH``: a local Stable Diffusion pipeline folder (``loops.sd``): prompts encoded by its
+  text encoder (the negative prompt ``negative_prompts`` is the unconditional branch of guidance),
+  latents denoised by its UNet with its scheduler's configuration as a DDIM schedule, images
+  decoded by its VAE for the reward. ``train_use_lora`` trains a LoRA adapter on the UNet's
+  attention projections only: checkpoints hold the adapter, and ``run_dir/lora`` receives it in
+  the diffusers LoRA format at the end (``pipeline.load_lora_weights``). ``mixed_precision: bf16``
+  keeps the frozen weights in bfloat16 and runs every forward under autocast.
+
+Prompts are drawn from ``prompts`` (or the lines of ``prompt_file``) with the run's generator, or
+come from a ``prompt_fn() -> (prompt, metadata)`` given to ``train``; a reward function is
+``reward_fn(images, prompts)`` or ``reward_fn(images, prompts, metadata)`` (DDPO's signature).
+Every epoch ``image_samples_hook(prompt_image_data, step, run_dir)`` receives the last sample
+batch (default: its grid to ``run_dir/images/samples-N.png``; the trackers of ``report_to`` get
+every grid written there). Every ``eval_every`` epochs, ``evaluate`` samples ``num_eval_images``
+images from fixed noise (``eval/reward_mean`` in the metrics) and saves their grid to
+``run_dir/images/epoch-N.png``; checkpoints, JSONL logs and resuming are ``loops.recipe.run``'s.
 
 References: Black et al., "Training Diffusion Models with Reinforcement Learning",
 https://arxiv.org/abs/2305.13301
@@ -24,56 +41,76 @@ https://arxiv.org/abs/2305.13301
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from rlcore import keys as K
 from rlcore.algorithms.ddpo import batch_advantages, ddpo_loss, prompt_stats
+from rlcore.loops.aesthetic import build_aesthetic_scorer, load_aesthetic_scorer
 from rlcore.loops.checkpoint import latest_checkpoint, load_checkpoint
-from rlcore.loops.diffusion import (build_denoiser, ddim_schedule, pretrain_denoiser, sample_trajectories,
-                                    step_logprobs, timestep_rows)
+from rlcore.loops.diffusion import (build_denoiser, ddim_schedule, pretrain_denoiser, row_condition,
+                                    sample_trajectories, step_logprobs, timestep_rows)
 from rlcore.loops.images import get_reward_fn, latents_to_images, save_image_grid, score_images
 from rlcore.loops.recipe import run
+from rlcore.loops.sd import (LORA_TARGETS, LatentDecoder, TextEncoder, apply_unet_lora, export_lora,
+                             load_pipeline, pipeline_schedule)
 from rlcore.loops.state import TrainState, advance, copy_generator, init_state, with_transforms
 from rlcore.loops.update import make_optimizer, update
 from rlcore.transforms import StateTransform
 
 __all__ = ["Config", "build_state", "collect", "score", "train_epoch", "step", "evaluate", "train",
-           "checkpoint_state"]
+           "checkpoint_state", "prompt_table", "reward_function", "save_sample_grid"]
+
+PromptFn = Callable[[], tuple[str, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """DDPO settings, named and defaulted as DDPO's trainer options (``configs/ddpo.yaml`` holds
-    the tiny model's); each comment says what the field feeds.
+    the tiny model's, ``configs/ddpo_sd.yaml`` a Stable Diffusion pipeline's); each comment says
+    what the field feeds.
 
     ``train_gradient_accumulation_steps`` is derived: ``sample_batch_size // train_batch_size``
-    train batches (each over all its kept steps) per optimiser step. DDPO's ``train_cfg`` is
-    always on: the training log-probs use the sampling guidance, so the first ratio is exactly 1.
+    train batches (each over all its kept steps) per optimiser step. With ``train_cfg`` (DDPO's
+    default) the training log-probs use the sampling guidance, so the first ratio is exactly 1;
+    without it they are the conditional model's alone.
     """
 
-    prompts: tuple[str, ...] = ("stripes", "checkers", "blob")  # class names -> ids 0..P-1 (P: the null class)
+    model: str | None = None               # a local Stable Diffusion pipeline folder (loops.sd); None: the tiny denoiser
+    prompts: tuple[str, ...] = ("stripes", "checkers", "blob")  # drawn prompts; the tiny denoiser's classes
+    prompt_file: str | None = None         # prompts drawn instead: one per line, or JSON lines {"prompt", ...metadata}
+    negative_prompts: str = ""             # the unconditional branch of guidance (pipeline; "" the empty prompt)
     sample_size: int = 16                  # build_denoiser(sample_size=): images [3, H, W], pixel space
     block_out_channels: tuple[int, ...] = (16, 32)  # build_denoiser(block_out_channels=)
     pretrain_steps: int = 0                # pretrain_denoiser(steps=) on synthetic prompts first (0: none)
     pretrain_learning_rate: float = 1e-3   # pretrain_denoiser(lr=)
-    num_train_timesteps: int = 1000        # ddim_schedule(num_train_timesteps=)
-    beta_schedule: str = "linear"          # ddim_schedule(beta_schedule=)
+    num_train_timesteps: int = 1000        # ddim_schedule(num_train_timesteps=) (a pipeline: its scheduler's)
+    beta_schedule: str = "linear"          # ddim_schedule(beta_schedule=) (a pipeline: its scheduler's)
     prediction_type: str = "epsilon"       # ddim_schedule(prediction_type=): epsilon, sample, v_prediction
     device: str = "cpu"                    # model, trajectories and generators
+    mixed_precision: str | None = None     # "bf16": frozen weights in bfloat16, forwards under autocast
+    allow_tf32: bool = True                # TF32 matmuls and convolutions on CUDA
+    train_use_lora: bool = False           # pipeline: train a LoRA adapter on the UNet (apply_unet_lora), not the UNet
+    lora_r: int = 4                        # apply_unet_lora(r=)
+    lora_alpha: int = 4                    # apply_unet_lora(alpha=)
+    lora_target_modules: tuple[str, ...] = LORA_TARGETS  # apply_unet_lora(target_modules=)
     sample_num_steps: int = 50             # ddim_schedule(num_inference_steps=): S
     sample_eta: float = 1.0                # ddim_step(eta=), > 0
-    sample_guidance_scale: float = 5.0     # predict_noise(guidance_scale=), in sampling and training
+    sample_guidance_scale: float = 5.0     # predict_noise(guidance_scale=), in sampling (and training: train_cfg)
     sample_batch_size: int = 1             # trajectories per sample batch (and per optimiser step)
     sample_num_batches_per_epoch: int = 2  # sample batches per epoch
-    reward_fn: str = "jpeg_compressibility"  # get_reward_fn(): a REWARD_FUNCTIONS name
+    reward_fn: str = "jpeg_compressibility"  # a REWARD_FUNCTIONS name, or "aesthetic" (loops.aesthetic)
+    reward_model: str | None = None        # "aesthetic": the scorer's folder (None: a small one of random weights)
     async_reward_computation: bool = False  # rewards in a thread pool while the next batch samples
     max_workers: int = 2                   # threads of that pool
     per_prompt_stat_tracking: bool = False  # algorithms.ddpo.prompt_stats instead of batch_advantages
@@ -87,6 +124,7 @@ class Config:
     train_adam_epsilon: float = 1e-8       # make_optimizer(eps=)
     train_max_grad_norm: float = 1.0       # update(max_grad_norm=)
     train_num_inner_epochs: int = 1        # passes over each epoch's samples
+    train_cfg: bool = True                 # training log-probs with the sampling guidance (else conditional only)
     train_adv_clip_max: float = 5.0        # ddpo_loss(adv_clip_max=)
     train_clip_range: float = 1e-4         # ddpo_loss(clip_range=)
     train_timestep_fraction: float = 1.0   # timestep_rows(timestep_fraction=)
@@ -94,7 +132,7 @@ class Config:
     num_epochs: int = 100                  # fold steps (one DDPO epoch each)
     num_eval_images: int = 16              # evaluate(): images sampled, prompts in turn
     eval_seed: int = 1234                  # evaluate(): the seed of their fixed noise
-    run_dir: str | None = "runs/ddpo"      # checkpoints, metrics.jsonl, images/ (None: write nothing)
+    run_dir: str | None = "runs/ddpo"      # checkpoints, metrics.jsonl, images/, lora/ (None: write nothing)
     save_every: int = 1                    # checkpoint every N epochs (DDPO save_freq)
     keep_last: int | None = 5              # checkpoints kept (DDPO num_checkpoint_limit)
     eval_every: int = 1                    # evaluate (and save an image grid) every N epochs (0: never)
@@ -111,23 +149,125 @@ class Config:
                              f"{self.sample_num_steps} steps, got {self.train_timestep_fraction}")
         if self.sample_eta <= 0:
             raise ValueError(f"sample_eta: DDPO needs stochastic steps (eta > 0), got {self.sample_eta}")
+        if self.mixed_precision not in (None, "no", "bf16"):
+            raise ValueError(f"mixed_precision: expected 'bf16' or None, got {self.mixed_precision!r} (float16 "
+                             "training needs loss scaling, which is not offered; bf16 needs none)")
+        if self.train_use_lora and self.model is None:
+            raise ValueError("train_use_lora: LoRA is for a pipeline's UNet (set model to a Stable Diffusion "
+                             "folder); the tiny denoiser trains in full")
 
     @property
     def train_gradient_accumulation_steps(self) -> int:
         return self.sample_batch_size // self.train_batch_size
 
 
+# --- prompts, conditioning, images -----------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _read_prompt_file(path: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"prompt_file: {path} holds no prompt")
+    if not lines[0].lstrip().startswith("{"):
+        return tuple(lines), ({},) * len(lines)
+    prompts, metadata = [], []
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            prompts.append(row.pop("prompt"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"prompt_file: {path} line {i}: expected a JSON object with a 'prompt' string, "
+                             f"got {line[:80]!r}") from None
+        if not isinstance(prompts[-1], str):
+            raise ValueError(f"prompt_file: {path} line {i}: 'prompt' must be a string, got {prompts[-1]!r}")
+        metadata.append(row)
+    return tuple(prompts), tuple(metadata)
+
+
+def prompt_table(config: Config) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """The prompts drawn from and their metadata: ``prompt_file``'s (plain lines, or JSON lines
+    whose other fields are the metadata), else ``prompts`` with empty metadata."""
+    if config.prompt_file:
+        return _read_prompt_file(str(config.prompt_file))
+    return tuple(config.prompts), ({},) * len(config.prompts)
+
+
+def _draw_prompts(g: torch.Generator, config: Config, n: int, prompt_fn: PromptFn | None):
+    if prompt_fn is None:
+        prompts, metadata = prompt_table(config)
+        idx = torch.randint(len(prompts), (n,), generator=g, device=g.device).tolist()
+        return [prompts[i] for i in idx], [metadata[i] for i in idx]
+    pairs = [prompt_fn() for _ in range(n)]
+    if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+        raise ValueError(f"prompt_fn: expected (prompt: str, metadata) pairs, got {pairs[0]!r}")
+    return [p for p, _ in pairs], [m for _, m in pairs]
+
+
+def _condition(state: TrainState, config: Config, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The conditioning of ``prompts``: the pipeline's text embeddings (and the negative prompt's),
+    or the tiny denoiser's class ids."""
+    if config.model is not None:
+        encode = state.model("text_encoder")
+        with _autocast(config):
+            return {K.PROMPT_EMBEDS: encode(prompts).float(),
+                    K.NEGATIVE_PROMPT_EMBEDS: encode([config.negative_prompts] * len(prompts)).float()}
+    unknown = sorted(set(prompts) - set(config.prompts))
+    if unknown:
+        raise ValueError(f"prompts: the tiny denoiser's classes are {list(config.prompts)}; got {unknown[:4]} "
+                         "(text prompts need a pipeline: set model)")
+    return {K.CLASS_LABELS: torch.tensor([config.prompts.index(p) for p in prompts], device=config.device)}
+
+
+def _decode(state: TrainState, config: Config, latents: torch.Tensor) -> torch.Tensor:
+    """Final latents to images in ``[0, 1]`` on the CPU: the pipeline's VAE, or the pixels themselves."""
+    if config.model is None:
+        return latents_to_images(latents).cpu()
+    with _autocast(config), torch.no_grad():
+        return state.model("vae")(latents).float().cpu()
+
+
+def _autocast(config: Config):
+    if config.mixed_precision != "bf16":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(config.device).type, dtype=torch.bfloat16)
+
+
+def _autocast_dtype(config: Config) -> torch.dtype | None:
+    return torch.bfloat16 if config.mixed_precision == "bf16" else None
+
+
+@functools.lru_cache(maxsize=8)
+def _pipeline_schedule(path: str, steps: int):
+    from diffusers import DDIMScheduler
+
+    return pipeline_schedule(DDIMScheduler.load_config(path, subfolder="scheduler"), steps)
+
+
 def _schedule(config: Config):
+    if config.model is not None:
+        return _pipeline_schedule(str(config.model), config.sample_num_steps)
     return ddim_schedule(config.sample_num_steps, num_train_timesteps=config.num_train_timesteps,
                          beta_schedule=config.beta_schedule, prediction_type=config.prediction_type)
 
 
-def _sampling(config: Config) -> dict:
-    return dict(eta=config.sample_eta, guidance_scale=config.sample_guidance_scale, null_class=len(config.prompts))
+def _sampling(config: Config, *, training: bool = False) -> dict:
+    guidance = config.sample_guidance_scale if config.train_cfg or not training else 1.0
+    return dict(eta=config.sample_eta, guidance_scale=guidance,
+                null_class=len(config.prompts) if config.model is None else None)
 
 
-def _names(config: Config, labels: torch.Tensor) -> list[str]:
-    return [config.prompts[i] for i in labels.tolist()]
+def _sample(state: TrainState, config: Config, condition, generator: torch.Generator) -> TensorDict:
+    with _autocast(config):
+        return sample_trajectories(state.model(), condition, _schedule(config), generator=generator,
+                                   dtype=torch.float32 if config.model is not None else None, **_sampling(config))
+
+
+def reward_function(config: Config, reward_fn: str | Callable | None = None) -> Callable:
+    """``reward_fn`` (a callable or a ``REWARD_FUNCTIONS`` name), else ``config.reward_fn``:
+    ``"aesthetic"`` is the scorer of ``reward_model`` (``loops.aesthetic``)."""
+    name = config.reward_fn if reward_fn is None else reward_fn
+    if name == "aesthetic":
+        return load_aesthetic_scorer(config.reward_model) if config.reward_model else build_aesthetic_scorer()
+    return get_reward_fn(name)
 
 
 def _prompt_stats(config: Config) -> StateTransform:
@@ -135,20 +275,43 @@ def _prompt_stats(config: Config) -> StateTransform:
     return prompt_stats(config.per_prompt_stat_tracking_buffer_size, config.per_prompt_stat_tracking_min_count)
 
 
+# --- the models -----------------------------------------------------------------------------------------
+def _pipeline_models(config: Config) -> dict[str, torch.nn.Module]:
+    """The pipeline's UNet (the policy; with a LoRA adapter when ``train_use_lora``), text encoder and
+    VAE (frozen; bfloat16 under ``mixed_precision``)."""
+    pipeline = load_pipeline(config.model)
+    _pipeline_schedule(str(config.model), config.sample_num_steps)  # a scheduler it cannot follow fails here
+    frozen = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
+    unet = pipeline.unet
+    if config.train_use_lora:
+        unet = apply_unet_lora(unet.requires_grad_(False).to(frozen), r=config.lora_r, alpha=config.lora_alpha,
+                               target_modules=config.lora_target_modules, seed=config.seed)
+    return {"policy": unet.to(config.device),
+            "text_encoder": TextEncoder(pipeline.tokenizer, pipeline.text_encoder.to(frozen)).to(config.device),
+            "vae": LatentDecoder(pipeline.vae.to(frozen)).to(config.device)}
+
+
 def build_state(config: Config, *, pretrain: bool = True) -> TrainState:
-    """The denoiser (pre-trained when ``pretrain_steps``), AdamW, empty prompt statistics, the rng."""
-    model = build_denoiser(len(config.prompts), sample_size=config.sample_size,
-                           block_out_channels=config.block_out_channels, seed=config.seed).to(config.device)
-    if pretrain and config.pretrain_steps:
-        pretrain_denoiser(model, _schedule(config), config.prompts, steps=config.pretrain_steps,
-                          lr=config.pretrain_learning_rate, seed=config.seed)
-    optimizer = make_optimizer(model, lr=config.train_learning_rate, weight_decay=config.train_adam_weight_decay,
+    """The policy (the tiny denoiser, pre-trained when ``pretrain_steps``; or a pipeline's UNet
+    beside its frozen text encoder and VAE), AdamW over what trains, empty prompt statistics, the rng."""
+    if config.model is not None:
+        models = _pipeline_models(config)
+    else:
+        model = build_denoiser(len(config.prompts), sample_size=config.sample_size,
+                               block_out_channels=config.block_out_channels, seed=config.seed).to(config.device)
+        if pretrain and config.pretrain_steps:
+            pretrain_denoiser(model, _schedule(config), config.prompts, steps=config.pretrain_steps,
+                              lr=config.pretrain_learning_rate, seed=config.seed)
+        models = {"policy": model}
+    optimizer = make_optimizer(models["policy"], lr=config.train_learning_rate,
+                               weight_decay=config.train_adam_weight_decay,
                                betas=(config.train_adam_beta1, config.train_adam_beta2), eps=config.train_adam_epsilon)
     stats = _prompt_stats(config).init()
-    return init_state(model, optimizer=optimizer, transforms={"prompt_stats": stats}, seed=config.seed,
+    return init_state(models, optimizer=optimizer, transforms={"prompt_stats": stats}, seed=config.seed,
                       device=config.device)
 
 
+# --- the epoch ---------------------------------------------------------------------------------------
 class _Inline:
     """An executor that runs at once (synchronous reward computation)."""
 
@@ -158,17 +321,23 @@ class _Inline:
         return future
 
 
-def collect(state: TrainState, config: Config, reward_fn: Callable, executor=None):
-    """Sample the epoch's trajectories with ``state.rng``, score their images: ``(state, rollout [B])``.
-    ``executor``: where the reward function runs (``submit``), default inline."""
+def collect(state: TrainState, config: Config, reward_fn: Callable, executor=None, *,
+            prompt_fn: PromptFn | None = None):
+    """Sample the epoch's trajectories with ``state.rng``, score their images: ``(state, rollout [B])``
+    with the trajectories, ``score``, ``images`` and the ``prompt`` / ``prompt_metadata`` of each.
+    ``executor``: where the reward function runs (``submit``), default inline; ``prompt_fn``:
+    ``() -> (prompt, metadata)``, default drawn from ``prompt_table(config)`` with ``state.rng``."""
     executor = executor if executor is not None else _Inline()
-    g, schedule = copy_generator(state.rng), _schedule(config)
+    g = copy_generator(state.rng)
     batches, futures = [], []
     for _ in range(config.sample_num_batches_per_epoch):
-        labels = torch.randint(len(config.prompts), (config.sample_batch_size,), generator=g, device=g.device)
-        batch = sample_trajectories(state.model(), labels, schedule, generator=g, **_sampling(config))
-        images = latents_to_images(batch.get(K.LATENTS)[:, -1]).cpu()
-        futures.append(executor.submit(score_images, reward_fn, images, _names(config, labels)))
+        prompts, metadata = _draw_prompts(g, config, config.sample_batch_size, prompt_fn)
+        batch = _sample(state, config, _condition(state, config, prompts), g)
+        images = _decode(state, config, batch.get(K.LATENTS)[:, -1])
+        futures.append(executor.submit(score_images, reward_fn, images, prompts, metadata))
+        batch.set(K.IMAGES, images.to(config.device))
+        batch.set(K.PROMPT, NonTensorStack(*prompts))
+        batch.set(K.PROMPT_METADATA, NonTensorStack(*metadata))
         batches.append(batch)
     rewards = torch.cat([f.result() for f in futures]).to(config.device)
     return dataclasses.replace(state, rng=g), torch.cat(batches).update({K.SCORE: rewards})
@@ -178,7 +347,7 @@ def score(state: TrainState, rollout, config: Config):
     """Advantages ``[B]`` from the batch's rewards, or per prompt (updating ``prompt_stats``)."""
     rewards = rollout.get(K.SCORE)
     if config.per_prompt_stat_tracking:
-        names = _names(config, rollout.get(K.CLASS_LABELS))
+        names = list(rollout.get(K.PROMPT).tolist())
         stats, advantages = _prompt_stats(config).update(state.transforms["prompt_stats"], names, rewards)
         state = with_transforms(state, prompt_stats=stats)
     else:
@@ -190,32 +359,52 @@ def train_epoch(state: TrainState, rollout, config: Config):
     """``train_num_inner_epochs`` passes of ``ddpo_loss``; one optimiser step per sample batch (impure)."""
     schedule, loss = _schedule(config), functools.partial(
         ddpo_loss, clip_range=config.train_clip_range, adv_clip_max=config.train_adv_clip_max)
-
-    def loss_fn(state, rows):
-        logprobs = step_logprobs(state.model(), rows, schedule, **_sampling(config))
-        return loss(rows.copy().update({K.LOGPROBS: logprobs}))
+    trajectories = rollout.exclude(K.IMAGES, K.PROMPT, K.PROMPT_METADATA)
 
     b, sb, history = rollout.batch_size[0], config.sample_batch_size, []
     for _ in range(config.train_num_inner_epochs):
         g = copy_generator(state.rng)
         perm = torch.randperm(b, generator=g, device=g.device)
-        rows = timestep_rows(rollout[perm], timestep_fraction=config.train_timestep_fraction, generator=g)
+        shuffled = trajectories[perm]
+
+        def loss_fn(state, rows, shuffled=shuffled):
+            rows = row_condition(rows, shuffled)
+            logprobs = step_logprobs(state.model(), rows, schedule, **_sampling(config, training=True))
+            return loss(rows.copy().update({K.LOGPROBS: logprobs}))
+
+        rows = timestep_rows(shuffled, timestep_fraction=config.train_timestep_fraction, generator=g)
         n = rows.batch_size[1]  # step-major within each sample batch: a micro-batch = samples at one step index
         order = torch.arange(b * n, device=perm.device).reshape(b // sb, sb, n).transpose(1, 2).reshape(-1)
         state, metrics = update(dataclasses.replace(state, rng=g), rows.reshape(-1)[order], loss_fn,
                                 minibatch_size=sb * n, micro_batch_size=config.train_batch_size,
-                                max_grad_norm=config.train_max_grad_norm, shuffle=False)
+                                max_grad_norm=config.train_max_grad_norm, shuffle=False,
+                                autocast_dtype=_autocast_dtype(config))
         history.append(metrics)
     return state, torch.stack(history).mean(0)  # metrics averaged over the inner epochs
 
 
-def step(state: TrainState, _, *, config: Config, reward_fn: Callable, executor=None):
-    """One DDPO epoch: collect → score → train_epoch."""
-    state, rollout = collect(state, config, reward_fn, executor)
+def save_sample_grid(prompt_image_data: list, step: int, run_dir: str | Path | None) -> None:
+    """The default ``image_samples_hook``: the grid of the epoch's last sample batch to
+    ``run_dir/images/samples-N.png`` (the trackers of ``report_to`` pick it up from there)."""
+    if run_dir:
+        images = prompt_image_data[-1][0]
+        save_image_grid(images, Path(run_dir) / "images" / f"samples-{step:05d}.png")
+
+
+def step(state: TrainState, _, *, config: Config, reward_fn: Callable, executor=None,
+         prompt_fn: PromptFn | None = None, image_samples_hook: Callable | None = None):
+    """One DDPO epoch: collect → score → train_epoch; then ``image_samples_hook([[images, prompts,
+    metadata, rewards]], step, run_dir)`` with the last sample batch."""
+    state, rollout = collect(state, config, reward_fn, executor, prompt_fn=prompt_fn)
     state, rollout = score(state, rollout, config)
     state, metrics = train_epoch(state, rollout, config)
     rewards, n = rollout.get(K.SCORE), rollout.batch_size[0]
     state = advance(state, samples_seen=n, episodes=n)
+    if image_samples_hook is not None:
+        last = rollout[n - config.sample_batch_size:]
+        image_samples_hook([[last.get(K.IMAGES).cpu(), list(last.get(K.PROMPT).tolist()),
+                             list(last.get(K.PROMPT_METADATA).tolist()), last.get(K.SCORE).cpu()]],
+                           state.step + 1, config.run_dir)
     rewards = TensorDict({"reward_mean": rewards.mean(), "reward_std": rewards.std(correction=0)}, [])
     return state, rewards.update(metrics)  # the reward first: the progress line shows the first metrics
 
@@ -223,22 +412,35 @@ def step(state: TrainState, _, *, config: Config, reward_fn: Callable, executor=
 @torch.no_grad()
 def evaluate(state: TrainState, config: Config, *, reward_fn: Callable | None = None,
              save_to: str | Path | None = None) -> dict[str, float]:
-    """Mean and std reward of ``num_eval_images`` samples from fixed noise (``eval_seed``); their
-    grid is written to ``save_to`` (a PNG path) when given."""
+    """Mean and std reward of ``num_eval_images`` samples from fixed noise (``eval_seed``), the
+    prompts of ``prompt_table(config)`` in turn; their grid is written to ``save_to`` (a PNG path)
+    when given."""
     g = torch.Generator(device=config.device).manual_seed(config.eval_seed)
-    labels = torch.arange(config.num_eval_images, device=config.device) % len(config.prompts)
-    batch = sample_trajectories(state.model(), labels, _schedule(config), generator=g, **_sampling(config))
-    images = latents_to_images(batch.get(K.LATENTS)[:, -1]).cpu()
-    rewards = score_images(get_reward_fn(reward_fn or config.reward_fn), images, _names(config, labels))
+    table, meta = prompt_table(config)
+    prompts = [table[i % len(table)] for i in range(config.num_eval_images)]
+    metadata = [meta[i % len(table)] for i in range(config.num_eval_images)]
+    batch = _sample(state, config, _condition(state, config, prompts), g)
+    images = _decode(state, config, batch.get(K.LATENTS)[:, -1])
+    rewards = score_images(reward_function(config, reward_fn), images, prompts, metadata)
     if save_to is not None:
         save_image_grid(images, save_to)
     return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(correction=0))}
 
 
-def train(config: Config, *, reward_fn: Callable | None = None,
+def train(config: Config, *, reward_fn: Callable | None = None, prompt_fn: PromptFn | None = None,
+          image_samples_hook: Callable | None = save_sample_grid,
           callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
-    """Train with DDPO from ``config``; ``reward_fn(images, prompts) -> [B]`` overrides ``config.reward_fn``."""
-    reward_fn = get_reward_fn(config.reward_fn if reward_fn is None else reward_fn)
+    """Train with DDPO from ``config``.
+
+    Args:
+        reward_fn: ``(images, prompts[, metadata]) -> [B]``; overrides ``config.reward_fn``.
+        prompt_fn: ``() -> (prompt, metadata)``, called once per sample (DDPO's ``prompt_fn``);
+            default: ``prompt_table(config)`` drawn with the run's generator.
+        image_samples_hook: ``(prompt_image_data, step, run_dir)`` every epoch (``None``: none).
+    """
+    reward_fn = reward_function(config, reward_fn)
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = config.allow_tf32
     resuming = bool(config.resume and config.run_dir and latest_checkpoint(config.run_dir))
     state = build_state(config, pretrain=not resuming)  # a resumed run loads its weights instead
 
@@ -248,12 +450,16 @@ def train(config: Config, *, reward_fn: Callable | None = None,
 
     pool = ThreadPoolExecutor(config.max_workers) if config.async_reward_computation else None
     try:
-        bound = functools.partial(step, config=config, reward_fn=reward_fn, executor=pool or _Inline())
-        return run(bound, state, itertools.repeat(None), config=config, num_steps=config.num_epochs,
-                   eval_fn=eval_fn, name="ddpo", callbacks=callbacks)
+        bound = functools.partial(step, config=config, reward_fn=reward_fn, executor=pool or _Inline(),
+                                  prompt_fn=prompt_fn, image_samples_hook=image_samples_hook)
+        state, history = run(bound, state, itertools.repeat(None), config=config, num_steps=config.num_epochs,
+                             eval_fn=eval_fn, name="ddpo", callbacks=callbacks)
     finally:
         if pool is not None:
             pool.shutdown()
+    if config.train_use_lora and config.run_dir:
+        export_lora(state.model(), Path(config.run_dir) / "lora")
+    return state, history
 
 
 def checkpoint_state(config: Config, path: str | Path) -> TrainState:

@@ -195,7 +195,8 @@ def test_train_logs_saves_grids_and_resumes_exactly(tmp_path):
     assert resumed[0]["eval/reward_mean"] == full[2]["eval/reward_mean"]
     lines = read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in lines] == [1, 2, 3] and all("eval/reward_mean" in r for r in lines)
-    assert sorted(p.name for p in (run / "images").glob("*.png")) == [f"epoch-0000{i}.png" for i in range(1, 4)]
+    grids = sorted(p.name for p in (run / "images").glob("*.png"))  # fixed-noise evaluations, each epoch's samples
+    assert grids == [f"epoch-0000{i}.png" for i in range(1, 4)] + [f"samples-0000{i}.png" for i in range(1, 4)]
     assert state.samples_seen == 3 * 8 and state.optimizer_steps == 3 * 2
 
 
