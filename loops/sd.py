@@ -35,7 +35,7 @@ except ImportError:  # optional extra
 
 __all__ = ["SUPPORTED_PIPELINES", "LORA_TARGETS", "pipeline_class", "load_pipeline", "pipeline_schedule",
            "TextEncoder", "LatentDecoder", "apply_unet_lora", "export_lora", "build_clip_tokenizer", "TINY_SD_SHAPES",
-           "build_tiny_sd"]
+           "fit_vae", "build_tiny_sd"]
 
 # model_index.json ``_class_name`` -> what it covers. SDXL (two text encoders, added time ids), SD 3
 # (a transformer, flow matching) and the others have other conditioning: not supported.
@@ -185,9 +185,42 @@ TINY_SD_SHAPES: dict[str, dict[str, Any]] = {
 DEFAULT_TEXTS = ("stripes", "checkers", "blob", "a photo of a cat", "a painting of a dog", "an apple on a table")
 
 
+def fit_vae(vae: nn.Module, *, steps: int, seed: int = 0, batch_size: int = 16, lr: float = 2e-3) -> float:
+    """Train ``vae`` as an autoencoder for ``steps`` Adam steps (in place) on random images, each a
+    mix of a smooth field and pixel noise (reconstruction MSE plus a 1e-6 KL term), then set its
+    ``scaling_factor`` to ``1 / std`` of the latents (how Stable Diffusion's 0.18215 was chosen).
+    Returns the last reconstruction loss. A fitted decoder keeps smooth latents smooth and noisy
+    ones noisy, as a real VAE does; a random one paints its own texture over both."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    size = vae.config.sample_size
+
+    def images(n: int) -> torch.Tensor:
+        smooth = F.interpolate(torch.rand(n, 3, 4, 4, generator=g), size=size, mode="bilinear")
+        w = torch.rand(n, 1, 1, 1, generator=g)
+        return (w * smooth + (1 - w) * torch.rand(n, 3, size, size, generator=g)) * 2 - 1
+
+    optimizer = torch.optim.Adam(vae.parameters(), lr=lr)
+    vae.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        x = images(batch_size)
+        posterior = vae.encode(x).latent_dist
+        loss = F.mse_loss(vae.decode(posterior.sample(generator=g)).sample, x)
+        optimizer.zero_grad()
+        (loss + 1e-6 * posterior.kl().mean()).backward()
+        optimizer.step()
+    vae.eval()
+    with torch.no_grad():
+        std = vae.encode(images(64)).latent_dist.mean.std()
+    vae.register_to_config(scaling_factor=float(1 / std))
+    return loss.item()
+
+
 def build_tiny_sd(directory: str | Path | None = None, *, shape: str = "tiny", seed: int = 0,
                   texts: Sequence[str] = DEFAULT_TEXTS, max_length: int = 16,
-                  prediction_type: str = "epsilon") -> Any:
+                  prediction_type: str = "epsilon", vae_steps: int = 0) -> Any:
     """A ``StableDiffusionPipeline`` assembled from configs, nothing downloaded, seeded; saved with
     ``save_pretrained`` to ``directory`` when given (``load_pipeline(directory)`` reads it back).
 
@@ -196,6 +229,7 @@ def build_tiny_sd(directory: str | Path | None = None, *, shape: str = "tiny", s
     is SD's 0.18215. ``shape``: a key of ``TINY_SD_SHAPES``. ``prediction_type``: the
     scheduler's (``"sample"`` gives a UNet of random weights direct control of the final latents:
     what the learning tests and notebooks use; ``"epsilon"`` is Stable Diffusion's).
+    ``vae_steps``: ``fit_vae`` steps for the VAE (0: random weights, scaling factor 0.18215).
     """
     require_extra(StableDiffusionPipeline, "build_tiny_sd", "diffusers")
     from transformers import CLIPTextConfig, CLIPTextModel
@@ -229,6 +263,17 @@ def build_tiny_sd(directory: str | Path | None = None, *, shape: str = "tiny", s
                                        scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                        requires_safety_checker=False)
     pipeline.set_progress_bar_config(disable=True)
+    if vae_steps:
+        fit_vae(vae, steps=vae_steps, seed=seed)
     if directory is not None:
         pipeline.save_pretrained(str(directory))
     return pipeline
+
+
+if __name__ == "__main__":  # python -m rlcore.loops.sd FOLDER: the tiny pipeline of configs/ddpo_sd.yaml
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m rlcore.loops.sd FOLDER  (a tiny Stable Diffusion pipeline, built offline)")
+    build_tiny_sd(sys.argv[1], prediction_type="sample", vae_steps=300)
+    print(f"tiny Stable Diffusion pipeline (UNet predicting x_0, VAE fitted for 300 steps) in {sys.argv[1]}")

@@ -1,7 +1,7 @@
 """The notebooks under notebooks/: executed top to bottom, committed without outputs, public API only.
 
 Executing needs the ``notebooks`` extra (nbclient, nbformat, ipykernel, ipywidgets, matplotlib);
-without it those tests skip. ``05_ddpo`` also needs the ``diffusion`` extra. Each notebook runs in a
+without it those tests skip. ``05_ddpo`` also needs the ``diffusion`` and ``peft`` extras. Each notebook runs in a
 fresh ``python3`` kernel of this interpreter, offline, in an empty working directory that must still
 be empty afterwards: run artefacts go to temp dirs.
 
@@ -24,7 +24,7 @@ NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 IDS = [p.stem for p in NOTEBOOKS]
 # Extra packages a notebook needs beyond the `notebooks` extra (skipped cleanly without them).
-NEEDS = {"05_ddpo": ("diffusers", "PIL")}
+NEEDS = {"05_ddpo": ("diffusers", "PIL", "peft")}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TOKENIZERS_PARALLELISM": "false"}
 

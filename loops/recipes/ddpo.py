@@ -100,6 +100,7 @@ class Config:
     device: str = "cpu"                    # model, trajectories and generators
     mixed_precision: str | None = None     # "bf16": frozen weights in bfloat16, forwards under autocast
     allow_tf32: bool = True                # TF32 matmuls and convolutions on CUDA
+    gradient_checkpointing: bool = False   # pipeline: the UNet recomputes activations in backward (less memory)
     train_use_lora: bool = False           # pipeline: train a LoRA adapter on the UNet (apply_unet_lora), not the UNet
     lora_r: int = 4                        # apply_unet_lora(r=)
     lora_alpha: int = 4                    # apply_unet_lora(alpha=)
@@ -152,9 +153,10 @@ class Config:
         if self.mixed_precision not in (None, "no", "bf16"):
             raise ValueError(f"mixed_precision: expected 'bf16' or None, got {self.mixed_precision!r} (float16 "
                              "training needs loss scaling, which is not offered; bf16 needs none)")
-        if self.train_use_lora and self.model is None:
-            raise ValueError("train_use_lora: LoRA is for a pipeline's UNet (set model to a Stable Diffusion "
-                             "folder); the tiny denoiser trains in full")
+        for name in ("train_use_lora", "gradient_checkpointing"):
+            if getattr(self, name) and self.model is None:
+                raise ValueError(f"{name}: a pipeline's UNet only (set model to a Stable Diffusion folder); the "
+                                 "tiny denoiser trains in full")
 
     @property
     def train_gradient_accumulation_steps(self) -> int:
@@ -283,6 +285,8 @@ def _pipeline_models(config: Config) -> dict[str, torch.nn.Module]:
     _pipeline_schedule(str(config.model), config.sample_num_steps)  # a scheduler it cannot follow fails here
     frozen = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
     unet = pipeline.unet
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
     if config.train_use_lora:
         unet = apply_unet_lora(unet.requires_grad_(False).to(frozen), r=config.lora_r, alpha=config.lora_alpha,
                                target_modules=config.lora_target_modules, seed=config.seed)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlcore.loops.fold import fold
-from rlcore.loops.logging import (CompletionsToTrackers, JsonlLogger, PeakMemory, ProgressDisplay, SampleTable,
-                                  TensorBoardLogger, WandbLogger, check_trackers, make_loggers, read_jsonl)
+from rlcore.loops.logging import (CompletionsToTrackers, ImagesToTrackers, JsonlLogger, PeakMemory, ProgressDisplay,
+                                  SampleTable, TensorBoardLogger, WandbLogger, check_trackers, make_loggers, read_jsonl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +175,7 @@ def tensorboard_scalars(log_dir):
 def test_report_to_tensorboard_writes_every_metric_at_its_step(tmp_path):
     pytest.importorskip("tensorboard")
     callbacks = make_loggers(tmp_path, progress=False, report_to=["tensorboard"])
-    assert [type(c) for c in callbacks] == [PeakMemory, CompletionsToTrackers]
+    assert [type(c) for c in callbacks] == [PeakMemory, CompletionsToTrackers, ImagesToTrackers]
     assert [type(c) for c in callbacks[0].loggers] == [JsonlLogger, TensorBoardLogger]
     fold(step, S(), [1, 2, 3], callbacks=callbacks)
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
@@ -305,3 +305,36 @@ def test_peak_memory_is_each_step_s_own():
     fold(busy, S(), [0, 1, 0], callbacks=[PeakMemory([Record()])])
     assert peaks[1] > peaks[0] + 0.2 and peaks[2] < peaks[1] - 0.2, peaks
     assert set(peak_memory("cpu")) == {"memory/peak_rss_gib"}
+
+
+def test_images_written_to_the_run_directory_reach_the_trackers(tmp_path):
+    """A grid written under run_dir/images during a step is sent once, named by its file name's stem;
+    one there before the run started is not."""
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    class Tracker:
+        def __init__(self):
+            self.images = []
+
+        def log_image(self, name, image, step):
+            self.images.append((name, image.size, step))
+
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (4, 4)).save(tmp_path / "images" / "epoch-00000.png")
+    tracker = Tracker()
+    cb = ImagesToTrackers(tmp_path / "images", [tracker])
+    cb.on_start(S(step=0))
+    Image.new("RGB", (6, 5)).save(tmp_path / "images" / "samples-00001.png")
+    cb(S(step=1), {})
+    cb(S(step=2), {})
+    assert tracker.images == [("images/samples", (6, 5), 1)]
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = TensorBoardLogger(tmp_path / "tb")
+    board.log_image("images/samples", Image.new("RGB", (6, 5)), 3)
+    board.on_end(S(step=3))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert events.Tags()["images"] == ["images/samples"] and events.Images("images/samples")[0].step == 3

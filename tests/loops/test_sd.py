@@ -167,6 +167,17 @@ def test_lora_trains_the_adapter_alone_and_the_first_ratio_is_one(sd_dir, tmp_pa
     assert metrics["clipfrac"] == 0 and abs(float(metrics["approx_kl"])) < 1e-6  # ratio 1: same model, same guidance
 
 
+def test_gradient_checkpointing_takes_the_same_step(sd_dir, tmp_path):
+    steps = []
+    for checkpointing in (False, True):
+        cfg = tiny(sd_dir, tmp_path, gradient_checkpointing=checkpointing, num_epochs=1)
+        state = build_state(cfg)
+        assert state.model().base_model.model.is_gradient_checkpointing == checkpointing
+        state, _ = train_epoch(*score(*collect(state, cfg, jpeg_compressibility), cfg), cfg)
+        steps.append(adapter(state))
+    torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=1e-6)
+
+
 def test_train_cfg_false_scores_the_conditional_model(sd_dir, tmp_path):
     cfg = tiny(sd_dir, tmp_path, train_learning_rate=0.0, train_cfg=False)
     state = build_state(cfg)
@@ -265,8 +276,10 @@ def test_bad_rewards_and_settings_are_named():
         score_images(lambda im, p: torch.tensor([0.0, float("nan"), 1.0]), images, ["a", "b", "c"])
     rewards = score_images(lambda im, p, m: (torch.ones(3), {"extra": 1}), images, ["a"] * 3, [{}] * 3)
     assert rewards.tolist() == [1.0, 1.0, 1.0]  # DDPO's (rewards, reward_metadata) pair
-    with pytest.raises(ValueError, match="train_use_lora: LoRA is for a pipeline's UNet"):
+    with pytest.raises(ValueError, match="train_use_lora: a pipeline's UNet only"):
         Config(train_use_lora=True)
+    with pytest.raises(ValueError, match="gradient_checkpointing: a pipeline's UNet only"):
+        Config(gradient_checkpointing=True)
     with pytest.raises(ValueError, match="mixed_precision: expected 'bf16' or None, got 'fp16'"):
         Config(mixed_precision="fp16")
     with pytest.raises(ValueError, match=r"the tiny denoiser's classes are \['stripes'"):
