@@ -10,8 +10,9 @@ aesthetic task.
   folder) and the head as ``aesthetic_head.safetensors``. Real weights: a CLIP ViT-L/14 folder
   and the predictor's head converted to safetensors (its keys are already ours).
 
-Images are resized to the encoder's ``image_size`` (bicubic, antialiased, on tensors: close to,
-not exactly, CLIP's PIL preprocessing) and normalised with CLIP's mean and std.
+Images (float, in ``[0, 1]``) are cropped to their centre square, resized to the encoder's
+``image_size`` (bicubic, antialiased, on tensors: close to, not exactly, CLIP's PIL preprocessing)
+and normalised with CLIP's mean and std.
 """
 
 from __future__ import annotations
@@ -58,10 +59,17 @@ class AestheticScorer(nn.Module):
     @torch.no_grad()
     def forward(self, images: torch.Tensor, prompts: Sequence[str] | None = None,
                 metadata: Sequence[Any] | None = None) -> torch.Tensor:
-        if images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"images: expected [B, 3, H, W] in [0, 1], got {list(images.shape)}")
+        if images.ndim != 4 or images.shape[1] != 3 or not images.is_floating_point():
+            raise ValueError(f"images: expected float [B, 3, H, W] in [0, 1], got {images.dtype} {list(images.shape)}")
+        low, high = images.min().item(), images.max().item()
+        if low < 0 or high > 1:
+            raise ValueError(f"images: expected values in [0, 1], got [{low:.3g}, {high:.3g}] (uint8 or [-1, 1] "
+                             "images: convert them first)")
+        h, w = images.shape[-2:]
+        side = min(h, w)  # the centre square, as CLIP's preprocessing crops
+        square = images[..., (h - side) // 2:(h - side) // 2 + side, (w - side) // 2:(w - side) // 2 + side]
         size = self.encoder.config.image_size
-        x = F.interpolate(images.float().to(self.mean.device), size=(size, size), mode="bicubic",
+        x = F.interpolate(square.float().to(self.mean.device), size=(size, size), mode="bicubic",
                           align_corners=False, antialias=True).clamp(0, 1)
         embeds = self.encoder(pixel_values=(x - self.mean) / self.std).image_embeds
         return self.head(embeds / embeds.norm(dim=-1, keepdim=True)).squeeze(-1).cpu()

@@ -206,7 +206,8 @@ def predict_noise(model: nn.Module, latents: torch.Tensor, timesteps: torch.Tens
 
     ``ε̂ = ε(x, t, ∅) + w·(ε(x, t, c) − ε(x, t, ∅))`` with ``w = guidance_scale`` (one batched
     forward of ``2B`` rows, the unconditional ones first, as diffusers' pipelines do); with
-    ``w = 1`` just ``ε(x, t, c)`` (one forward of ``B`` rows).
+    ``w ≤ 1`` just ``ε(x, t, c)`` (one forward of ``B`` rows: guidance runs for ``w > 1`` only, as in
+    diffusers' pipelines and DDPO).
 
     Two kinds of conditioning:
 
@@ -234,7 +235,7 @@ def predict_noise(model: nn.Module, latents: torch.Tensor, timesteps: torch.Tens
     cond = _condition(condition)
     t = torch.as_tensor(timesteps, device=latents.device).expand(latents.shape[0])
     negative = cond.pop(K.NEGATIVE_PROMPT_EMBEDS, None)
-    if guidance_scale == 1.0:
+    if guidance_scale <= 1.0:
         return _forward(model, latents, t, cond)
     if K.CLASS_LABELS in cond:
         if null_class is None:

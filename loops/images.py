@@ -113,7 +113,7 @@ def score_images(reward_fn: Callable, images: torch.Tensor, prompts: Sequence[st
     of a ``(rewards, reward_metadata)`` pair, the rewards).
 
     Raises:
-        ValueError: rewards of another shape than ``[B]``, or NaN ones (naming the images).
+        ValueError: rewards of another shape than ``[B]``, or NaN / infinite ones (naming the images).
     """
     if _takes_metadata(reward_fn):
         out = reward_fn(images, list(prompts), list(metadata) if metadata is not None else [{}] * len(prompts))
@@ -125,10 +125,10 @@ def score_images(reward_fn: Callable, images: torch.Tensor, prompts: Sequence[st
     if rewards.shape != (images.shape[0],):
         raise ValueError(f"reward_fn: expected rewards of shape [{images.shape[0]}] (one per image), "
                          f"got {list(rewards.shape)}")
-    if rewards.isnan().any():
-        bad = rewards.isnan().nonzero().flatten().tolist()
-        raise ValueError(f"reward_fn: returned NaN for images {bad[:8]} of {images.shape[0]} "
-                         f"(prompts {[prompts[i] for i in bad[:3]]})")
+    if not rewards.isfinite().all():
+        bad = (~rewards.isfinite()).nonzero().flatten().tolist()
+        raise ValueError(f"reward_fn: returned {rewards[bad[0]].item()} (not finite) for images {bad[:8]} of "
+                         f"{images.shape[0]} (prompts {[prompts[i] for i in bad[:3]]})")
     return rewards
 
 

@@ -33,7 +33,8 @@ try:
 except ImportError:  # optional extra
     AutoencoderKL = DDIMScheduler = StableDiffusionPipeline = UNet2DConditionModel = None
 
-__all__ = ["SUPPORTED_PIPELINES", "LORA_TARGETS", "pipeline_class", "load_pipeline", "pipeline_schedule",
+__all__ = ["SUPPORTED_PIPELINES", "LORA_TARGETS", "pipeline_class", "load_pipeline", "scheduler_config",
+           "pipeline_schedule",
            "TextEncoder", "LatentDecoder", "apply_unet_lora", "export_lora", "build_clip_tokenizer", "TINY_SD_SHAPES",
            "fit_vae", "build_tiny_sd"]
 
@@ -61,6 +62,10 @@ def pipeline_class(path: str | Path) -> str:
     if name not in SUPPORTED_PIPELINES:
         raise ValueError(f"model: {path} holds a {name}; DDPO runs {sorted(SUPPORTED_PIPELINES)} "
                          f"({'; '.join(SUPPORTED_PIPELINES.values())})")
+    parts = ("text_encoder", "tokenizer", "unet", "vae", "scheduler")
+    missing = [p for p in parts if not (Path(path) / p).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"model: {path} lacks the pipeline's {missing} folder(s) (a {name} needs {list(parts)})")
     return name
 
 
@@ -70,6 +75,15 @@ def load_pipeline(path: str | Path, *, dtype: torch.dtype | None = None) -> Any:
     pipeline_class(path)
     return StableDiffusionPipeline.from_pretrained(str(path), local_files_only=True, safety_checker=None,
                                                    requires_safety_checker=False, torch_dtype=dtype)
+
+
+def scheduler_config(path: str | Path) -> dict[str, Any]:
+    """The scheduler configuration of a pipeline folder as the pipeline runs it: ``StableDiffusionPipeline``
+    corrects two settings of old configurations when it loads them (``steps_offset`` to 1,
+    ``clip_sample`` to False), and so does this."""
+    require_extra(DDIMScheduler, "scheduler_config", "diffusers")
+    config = dict(DDIMScheduler.load_config(str(path), subfolder="scheduler"))
+    return {**config, "steps_offset": 1, "clip_sample": False}
 
 
 def pipeline_schedule(scheduler: Any, num_inference_steps: int) -> DDIMSchedule:
@@ -132,6 +146,11 @@ def apply_unet_lora(unet: nn.Module, *, r: int = 4, alpha: int = 4, target_modul
     what ``unet`` computes); only the adapter requires grad, the base weights are frozen."""
     from rlcore.loops.lora import _peft, _wrap
 
+    names = [n for n, _ in unet.named_modules()]
+    unmatched = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:
+        raise ValueError(f"lora_target_modules: {unmatched} match no module of the UNet; DDPO's are "
+                         f"{list(LORA_TARGETS)}")
     lora = _peft().LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules))
     try:
         return _wrap(unet, lora, seed=seed)
@@ -151,7 +170,10 @@ def export_lora(policy: nn.Module, directory: str | Path) -> Path:
         raise ValueError("policy: no LoRA adapter to export (the run did not set train_use_lora)")
     prefix = "base_model.model."
     layers = {k.removeprefix(prefix): v.detach().float().cpu() for k, v in adapter_keys(policy).items()}
-    StableDiffusionPipeline.save_lora_weights(str(directory), unet_lora_layers=layers, safe_serialization=True)
+    lora = policy.peft_config["default"]
+    metadata = {"r": lora.r, "lora_alpha": lora.lora_alpha, "target_modules": sorted(lora.target_modules)}
+    StableDiffusionPipeline.save_lora_weights(str(directory), unet_lora_layers=layers, safe_serialization=True,
+                                              unet_lora_adapter_metadata=metadata)  # α ≠ r loads with its scale
     return Path(directory)
 
 

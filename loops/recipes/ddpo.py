@@ -46,11 +46,13 @@ import dataclasses
 import functools
 import itertools
 import json
+import random
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import NonTensorStack, TensorDict
 
@@ -63,13 +65,13 @@ from rlcore.loops.diffusion import (build_denoiser, ddim_schedule, pretrain_deno
 from rlcore.loops.images import get_reward_fn, latents_to_images, save_image_grid, score_images
 from rlcore.loops.recipe import run
 from rlcore.loops.sd import (LORA_TARGETS, LatentDecoder, TextEncoder, apply_unet_lora, export_lora,
-                             load_pipeline, pipeline_schedule)
+                             load_pipeline, pipeline_schedule, scheduler_config)
 from rlcore.loops.state import TrainState, advance, copy_generator, init_state, with_transforms
 from rlcore.loops.update import make_optimizer, update
 from rlcore.transforms import StateTransform
 
 __all__ = ["Config", "build_state", "collect", "score", "train_epoch", "step", "evaluate", "train",
-           "checkpoint_state", "prompt_table", "reward_function", "save_sample_grid"]
+           "checkpoint_state", "prompt_table", "eval_prompts", "reward_function", "save_sample_grid"]
 
 PromptFn = Callable[[], tuple[str, Any]]
 
@@ -153,6 +155,9 @@ class Config:
         if self.mixed_precision not in (None, "no", "bf16"):
             raise ValueError(f"mixed_precision: expected 'bf16' or None, got {self.mixed_precision!r} (float16 "
                              "training needs loss scaling, which is not offered; bf16 needs none)")
+        if not isinstance(self.negative_prompts, str):
+            raise ValueError(f"negative_prompts: expected one string (every sample's negative prompt), got "
+                             f"{type(self.negative_prompts).__name__} {self.negative_prompts!r}")
         for name in ("train_use_lora", "gradient_checkpointing"):
             if getattr(self, name) and self.model is None:
                 raise ValueError(f"{name}: a pipeline's UNet only (set model to a Stable Diffusion folder); the "
@@ -165,7 +170,7 @@ class Config:
 
 # --- prompts, conditioning, images -----------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
-def _read_prompt_file(path: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+def _read_prompt_file(path: str, mtime_ns: int) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"prompt_file: {path} holds no prompt")
@@ -189,11 +194,14 @@ def prompt_table(config: Config) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     """The prompts drawn from and their metadata: ``prompt_file``'s (plain lines, or JSON lines
     whose other fields are the metadata), else ``prompts`` with empty metadata."""
     if config.prompt_file:
-        return _read_prompt_file(str(config.prompt_file))
+        path = Path(config.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt_file: {path} is not a file")
+        return _read_prompt_file(str(path), path.stat().st_mtime_ns)  # re-read when the file changes
     return tuple(config.prompts), ({},) * len(config.prompts)
 
 
-def _draw_prompts(g: torch.Generator, config: Config, n: int, prompt_fn: PromptFn | None):
+def _draw_prompts(g: torch.Generator | None, config: Config, n: int, prompt_fn: PromptFn | None):
     if prompt_fn is None:
         prompts, metadata = prompt_table(config)
         idx = torch.randint(len(prompts), (n,), generator=g, device=g.device).tolist()
@@ -238,15 +246,14 @@ def _autocast_dtype(config: Config) -> torch.dtype | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _pipeline_schedule(path: str, steps: int):
-    from diffusers import DDIMScheduler
-
-    return pipeline_schedule(DDIMScheduler.load_config(path, subfolder="scheduler"), steps)
+def _pipeline_schedule(path: str, steps: int, mtime_ns: int):
+    return pipeline_schedule(scheduler_config(path), steps)
 
 
 def _schedule(config: Config):
     if config.model is not None:
-        return _pipeline_schedule(str(config.model), config.sample_num_steps)
+        stamp = (Path(config.model) / "scheduler" / "scheduler_config.json").stat().st_mtime_ns
+        return _pipeline_schedule(str(config.model), config.sample_num_steps, stamp)  # re-read when it changes
     return ddim_schedule(config.sample_num_steps, num_train_timesteps=config.num_train_timesteps,
                          beta_schedule=config.beta_schedule, prediction_type=config.prediction_type)
 
@@ -282,17 +289,20 @@ def _pipeline_models(config: Config) -> dict[str, torch.nn.Module]:
     """The pipeline's UNet (the policy; with a LoRA adapter when ``train_use_lora``), text encoder and
     VAE (frozen; bfloat16 under ``mixed_precision``)."""
     pipeline = load_pipeline(config.model)
-    _pipeline_schedule(str(config.model), config.sample_num_steps)  # a scheduler it cannot follow fails here
-    frozen = torch.bfloat16 if config.mixed_precision == "bf16" else torch.float32
+    _schedule(config)  # a scheduler ddim_step cannot follow fails here, before any sampling
+
+    def frozen(module: torch.nn.Module) -> torch.nn.Module:  # the pipeline loads in float32
+        return module.to(torch.bfloat16) if config.mixed_precision == "bf16" else module
+
     unet = pipeline.unet
     if config.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     if config.train_use_lora:
-        unet = apply_unet_lora(unet.requires_grad_(False).to(frozen), r=config.lora_r, alpha=config.lora_alpha,
+        unet = apply_unet_lora(frozen(unet.requires_grad_(False)), r=config.lora_r, alpha=config.lora_alpha,
                                target_modules=config.lora_target_modules, seed=config.seed)
     return {"policy": unet.to(config.device),
-            "text_encoder": TextEncoder(pipeline.tokenizer, pipeline.text_encoder.to(frozen)).to(config.device),
-            "vae": LatentDecoder(pipeline.vae.to(frozen)).to(config.device)}
+            "text_encoder": TextEncoder(pipeline.tokenizer, frozen(pipeline.text_encoder)).to(config.device),
+            "vae": LatentDecoder(frozen(pipeline.vae)).to(config.device)}
 
 
 def build_state(config: Config, *, pretrain: bool = True) -> TrainState:
@@ -413,19 +423,38 @@ def step(state: TrainState, _, *, config: Config, reward_fn: Callable, executor=
     return state, rewards.update(metrics)  # the reward first: the progress line shows the first metrics
 
 
+def eval_prompts(config: Config, prompt_fn: PromptFn | None = None) -> tuple[list[str], list[Any]]:
+    """The held-out prompts and metadata of ``evaluate``: ``num_eval_images`` of ``prompt_table(config)``
+    in turn, or ``prompt_fn`` called that many times with the global RNGs (Python, NumPy, torch)
+    seeded by ``eval_seed`` and restored afterwards: the same prompts in every evaluation and run,
+    and the training draws untouched."""
+    n = config.num_eval_images
+    if prompt_fn is None:
+        table, meta = prompt_table(config)
+        return [table[i % len(table)] for i in range(n)], [meta[i % len(table)] for i in range(n)]
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            random.seed(config.eval_seed)
+            np.random.seed(config.eval_seed)
+            torch.manual_seed(config.eval_seed)
+            return _draw_prompts(None, config, n, prompt_fn)
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+
+
 @torch.no_grad()
 def evaluate(state: TrainState, config: Config, *, reward_fn: Callable | None = None,
-             save_to: str | Path | None = None) -> dict[str, float]:
-    """Mean and std reward of ``num_eval_images`` samples from fixed noise (``eval_seed``), the
-    prompts of ``prompt_table(config)`` in turn; their grid is written to ``save_to`` (a PNG path)
-    when given."""
+             save_to: str | Path | None = None, prompts: tuple[list[str], list[Any]] | None = None) -> dict[str, float]:
+    """Mean and std reward of ``num_eval_images`` samples from fixed noise (``eval_seed``) for the
+    prompts and metadata ``prompts`` (default ``eval_prompts(config)``); their grid is written to
+    ``save_to`` (a PNG path) when given."""
     g = torch.Generator(device=config.device).manual_seed(config.eval_seed)
-    table, meta = prompt_table(config)
-    prompts = [table[i % len(table)] for i in range(config.num_eval_images)]
-    metadata = [meta[i % len(table)] for i in range(config.num_eval_images)]
-    batch = _sample(state, config, _condition(state, config, prompts), g)
+    names, metadata = prompts if prompts is not None else eval_prompts(config)
+    batch = _sample(state, config, _condition(state, config, names), g)
     images = _decode(state, config, batch.get(K.LATENTS)[:, -1])
-    rewards = score_images(reward_function(config, reward_fn), images, prompts, metadata)
+    rewards = score_images(reward_function(config, reward_fn), images, names, metadata)
     if save_to is not None:
         save_image_grid(images, save_to)
     return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(correction=0))}
@@ -439,7 +468,8 @@ def train(config: Config, *, reward_fn: Callable | None = None, prompt_fn: Promp
     Args:
         reward_fn: ``(images, prompts[, metadata]) -> [B]``; overrides ``config.reward_fn``.
         prompt_fn: ``() -> (prompt, metadata)``, called once per sample (DDPO's ``prompt_fn``);
-            default: ``prompt_table(config)`` drawn with the run's generator.
+            default: ``prompt_table(config)`` drawn with the run's generator. The evaluations use
+            ``num_eval_images`` of its prompts drawn once (``eval_prompts``).
         image_samples_hook: ``(prompt_image_data, step, run_dir)`` every epoch (``None``: none).
     """
     reward_fn = reward_function(config, reward_fn)
@@ -448,9 +478,11 @@ def train(config: Config, *, reward_fn: Callable | None = None, prompt_fn: Promp
     resuming = bool(config.resume and config.run_dir and latest_checkpoint(config.run_dir))
     state = build_state(config, pretrain=not resuming)  # a resumed run loads its weights instead
 
+    held_out = eval_prompts(config, prompt_fn)
+
     def eval_fn(state):
         grid = Path(config.run_dir) / "images" / f"epoch-{state.step:05d}.png" if config.run_dir else None
-        return evaluate(state, config, reward_fn=reward_fn, save_to=grid)
+        return evaluate(state, config, reward_fn=reward_fn, save_to=grid, prompts=held_out)
 
     pool = ThreadPoolExecutor(config.max_workers) if config.async_reward_computation else None
     try:

@@ -73,6 +73,11 @@ def test_unsupported_and_broken_pipeline_folders(tmp_path, sd_dir):
     (xl / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(ValueError, match=r"StableDiffusionXLPipeline; DDPO runs \['StableDiffusionPipeline'\]"):
         load_pipeline(xl)
+    broken = tmp_path / "broken"
+    shutil.copytree(sd_dir, broken)
+    shutil.rmtree(broken / "vae")
+    with pytest.raises(FileNotFoundError, match=r"lacks the pipeline's \['vae'\] folder"):
+        load_pipeline(broken)
     (xl / "model_index.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a pipeline index"):
         pipeline_class(xl)
@@ -82,6 +87,22 @@ def test_unsupported_and_broken_pipeline_folders(tmp_path, sd_dir):
 
 
 # --- the schedule -----------------------------------------------------------------------------------
+def test_the_schedule_is_the_pipelines_own_and_follows_the_folder(sd_dir, tmp_path):
+    """An old configuration (steps_offset 0, clip_sample true) runs as the pipeline corrects it; a
+    folder rewritten in the same process is read again."""
+    from rlcore.loops.recipes.ddpo import _schedule
+
+    folder = tmp_path / "old"
+    shutil.copytree(sd_dir, folder)
+    path = folder / "scheduler" / "scheduler_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "steps_offset": 0, "clip_sample": True}))
+    cfg = tiny(folder, tmp_path, sample_num_steps=4)
+    assert _schedule(cfg).timesteps.tolist() == [751, 501, 251, 1] and _schedule(cfg).prediction_type == "sample"
+    path.write_text(json.dumps({**config, "prediction_type": "v_prediction"}))
+    assert _schedule(cfg).prediction_type == "v_prediction"
+
+
 def test_pipeline_schedule_is_diffusers_ddim_of_the_scheduler_config(sd_dir):
     sd15 = {"_class_name": "PNDMScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
             "clip_sample": False, "num_train_timesteps": 1000, "set_alpha_to_one": False, "skip_prk_steps": True,
@@ -130,6 +151,9 @@ def test_guidance_with_a_negative_prompt_is_the_pipelines_own(sd_dir):
     torch.testing.assert_close(images, their_images, rtol=0, atol=1e-4)
     with pytest.raises(KeyError, match="negative_prompt_embeds"):
         predict_noise(pipe.unet, x_T, 1, {K.PROMPT_EMBEDS: cond[K.PROMPT_EMBEDS]}, guidance_scale=2.0)
+    with torch.no_grad():  # guidance runs for w > 1 only, as in the pipeline
+        plain = pipe.unet(x_T, 500, encoder_hidden_states=cond[K.PROMPT_EMBEDS]).sample
+        assert torch.equal(predict_noise(pipe.unet, x_T, 500, cond, guidance_scale=0.5), plain)
 
 
 def test_collected_logprobs_are_recomputed_from_the_rows(sd_dir):
@@ -187,8 +211,9 @@ def test_train_cfg_false_scores_the_conditional_model(sd_dir, tmp_path):
 
 
 def test_pipeline_run_exports_lora_and_resumes_exactly(sd_dir, tmp_path):
-    full_state, full = train(tiny(sd_dir, tmp_path / "a", num_epochs=3, resume=True))
-    cfg = tiny(sd_dir, tmp_path / "b", num_epochs=2, resume=True)
+    """α ≠ r: the exported adapter carries its scale α/r into diffusers' loader."""
+    full_state, full = train(tiny(sd_dir, tmp_path / "a", num_epochs=3, resume=True, lora_alpha=8))
+    cfg = tiny(sd_dir, tmp_path / "b", num_epochs=2, resume=True, lora_alpha=8)
     train(cfg)
     run = tmp_path / "b" / "run"
     saved = sorted(p.name for p in (run / "checkpoint-2" / "models" / "policy").iterdir())
@@ -228,22 +253,40 @@ def test_bf16_mixed_precision_keeps_frozen_weights_in_bf16(sd_dir, tmp_path):
 # --- prompts, rewards, hooks ------------------------------------------------------------------------------
 def test_prompt_fn_metadata_reaches_the_reward_and_the_hook(sd_dir, tmp_path):
     seen, hooked = [], []
-    prompts = iter(itertools_cycle([("a photo of a cat", {"id": 1}), ("a red apple", {"id": 2})]))
+    prompts = itertools_cycle([("a photo of a cat", {"id": 1}), ("a red apple", {"id": 2})])
 
     def reward(images, prompts, metadata):
         seen.append((list(prompts), [m["id"] for m in metadata]))
         return torch.arange(len(prompts), dtype=torch.float32)
 
-    cfg = tiny(sd_dir, tmp_path, num_epochs=1, eval_every=0)
+    cfg = tiny(sd_dir, tmp_path, num_epochs=1, eval_every=1)
     train(cfg, reward_fn=reward, prompt_fn=lambda: next(prompts),
           image_samples_hook=lambda data, step, run_dir: hooked.append((data, step, run_dir)))
-    assert seen[:2] == [(["a photo of a cat", "a red apple"], [1, 2])] * 2
+    # the 3 held-out prompts are drawn first, then the epoch's 2 batches of 2; the evaluation reads metadata too
+    assert seen == [(["a red apple", "a photo of a cat"], [2, 1])] * 2 + [(["a photo of a cat", "a red apple",
+                                                                           "a photo of a cat"], [1, 2, 1])]
     [(data, step, run_dir)] = hooked
     images, names, metadata, rewards = data[-1]
-    assert images.shape == (2, 3, 16, 16) and names == ["a photo of a cat", "a red apple"]
-    assert metadata == [{"id": 1}, {"id": 2}] and rewards.tolist() == [0.0, 1.0] and (step, run_dir) == (1, cfg.run_dir)
+    assert images.shape == (2, 3, 16, 16) and names == ["a red apple", "a photo of a cat"]
+    assert metadata == [{"id": 2}, {"id": 1}] and rewards.tolist() == [0.0, 1.0] and (step, run_dir) == (1, cfg.run_dir)
     with pytest.raises(ValueError, match=r"prompt_fn: expected \(prompt: str, metadata\) pairs"):
         train(cfg, prompt_fn=lambda: "just a prompt")
+
+
+def test_held_out_prompts_of_a_prompt_fn_are_fixed_and_leave_the_rngs(sd_dir, tmp_path):
+    import random
+
+    from rlcore.loops.recipes.ddpo import eval_prompts
+
+    def prompt_fn():
+        return random.choice(["a cat", "a dog", "an apple"]), {"n": random.random()}
+
+    cfg = tiny(sd_dir, tmp_path, num_eval_images=6)
+    random.seed(5)
+    state = random.getstate()
+    first = eval_prompts(cfg, prompt_fn)
+    assert random.getstate() == state and eval_prompts(cfg, prompt_fn) == first and len(first[0]) == 6
+    assert eval_prompts(dataclasses.replace(cfg, eval_seed=7), prompt_fn) != first
 
 
 def itertools_cycle(items):
@@ -272,8 +315,12 @@ def test_bad_rewards_and_settings_are_named():
     images = torch.rand(3, 3, 8, 8)
     with pytest.raises(ValueError, match=r"reward_fn: expected rewards of shape \[3\]"):
         score_images(lambda im, p: torch.zeros(2), images, ["a"] * 3)
-    with pytest.raises(ValueError, match=r"reward_fn: returned NaN for images \[1\] of 3"):
+    with pytest.raises(ValueError, match=r"reward_fn: returned nan \(not finite\) for images \[1\] of 3"):
         score_images(lambda im, p: torch.tensor([0.0, float("nan"), 1.0]), images, ["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"reward_fn: returned inf \(not finite\) for images \[2\] of 3"):
+        score_images(lambda im, p: torch.tensor([0.0, 1.0, float("inf")]), images, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="negative_prompts: expected one string"):
+        Config(negative_prompts=["blurry", "ugly"])
     rewards = score_images(lambda im, p, m: (torch.ones(3), {"extra": 1}), images, ["a"] * 3, [{}] * 3)
     assert rewards.tolist() == [1.0, 1.0, 1.0]  # DDPO's (rewards, reward_metadata) pair
     with pytest.raises(ValueError, match="train_use_lora: a pipeline's UNet only"):
@@ -289,8 +336,8 @@ def test_bad_rewards_and_settings_are_named():
 
 def test_unet_lora_targets_are_checked(sd_dir):
     unet = load_pipeline(sd_dir).unet
-    with pytest.raises(ValueError, match=r"lora_target_modules: \['to_qq'\] do not fit the UNet"):
-        apply_unet_lora(unet, target_modules=["to_qq"])
+    with pytest.raises(ValueError, match=r"lora_target_modules: \['to_vv'\] match no module of the UNet"):
+        apply_unet_lora(unet, target_modules=["to_q", "to_vv"])  # one typo among good names
 
 
 def test_cli_trains_a_pipeline_folder_with_lora(sd_dir, tmp_path):
@@ -321,8 +368,12 @@ def test_aesthetic_scorer_round_trips_and_serves_as_the_reward(sd_dir, tmp_path)
     torch.testing.assert_close(score_images(reward_function(cfg), images, ["a"] * 4), scores, rtol=0, atol=1e-6)
     _, rollout = collect(build_state(cfg), cfg, reward_function(cfg))
     assert rollout.get(K.SCORE).shape == (4,)
-    with pytest.raises(ValueError, match=r"images: expected \[B, 3, H, W\]"):
+    with pytest.raises(ValueError, match=r"images: expected float \[B, 3, H, W\]"):
         scorer(torch.rand(2, 1, 8, 8))
+    with pytest.raises(ValueError, match=r"expected values in \[0, 1\], got \[-1"):
+        scorer(images * 2 - 1)
+    wide = torch.cat([torch.zeros(4, 3, 16, 4), images, torch.ones(4, 3, 16, 4)], dim=-1)
+    torch.testing.assert_close(scorer(wide), scores, rtol=0, atol=1e-6)  # the centre square is scored
     save_file({"layers.0.weight": torch.zeros(1024, 7)}, str(tmp_path / "scorer" / HEAD_FILE))
     with pytest.raises(ValueError, match="does not fit a head over 32-wide embeddings"):
         load_aesthetic_scorer(tmp_path / "scorer")
