@@ -20,6 +20,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from rlcore import _kernels
 from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape
 from rlcore.masked import masked_mean, masked_sum
 
@@ -245,6 +246,8 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     _check_labels(labels, logits, "logits", logits.shape[-1])
     _check_positive("temperature", temperature)
     rows = _rows_per_chunk(logits.shape[-1], chunk_size)
+    if _kernels.usable(logits, temperature):
+        return _kernels.TokenLogprobs.apply(logits, labels.long(), float(temperature))
     return _TokenLogprobs.apply(logits, labels.long(), float(temperature), rows)
 
 
@@ -322,6 +325,8 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
     check_ndim("logits", logits, min_ndim=1, layout="[..., V]")
     _check_positive("temperature", temperature)
     rows = _rows_per_chunk(logits.shape[-1], chunk_size)
+    if _kernels.usable(logits, temperature):
+        return _kernels.Entropy.apply(logits, float(temperature))
     return _Entropy.apply(logits, float(temperature), rows)
 
 
