@@ -69,34 +69,64 @@ struct Io<float> {
   }
 };
 
-// exp(x) for x ≤ 0 (every argument here is): within 4e-7 relative for x ≥ −87.3, and 0 below,
-// where exp(x) < 1.2e-38 (a −inf logit gets exactly 0). Exponentials are most of the arithmetic:
-// SLEEF's 1-ulp exp made the forward compute-bound.
 #if defined(CPU_CAPABILITY_AVX512)
-// e^x = 2^n·e^r, n = round(x·log2 e), |r| ≤ ln2/2, e^r by the degree-5 polynomial of ATen's
-// exp_u20, 2^n applied by vscalefps and the lanes below −87.3 zeroed by its mask: 10 instructions
-// where exp_u20 takes 17.
-inline Vec vexp(const Vec& v) {
-  const __m512 x = v;
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
+// bfloat16 on AVX-512: a bfloat16 is the high half of a float32, so 32 of them widen by two
+// interleaves with zero (2 instructions where ATen's conversion takes 6). The interleave permutes
+// the values within each 128-bit lane, which sums and maxima do not see and elementwise results
+// undo: the store rounds to nearest even and packs with the inverse interleave.
+template <>
+struct Io<c10::BFloat16> {
+  static constexpr int64_t kStep = 2 * Vec::size();
+  static inline void load(const c10::BFloat16* p, Vec& a, Vec& b) {
+    const __m512i v = _mm512_loadu_si512(p), zero = _mm512_setzero_si512();
+    a = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v));
+    b = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v));
+  }
+  static inline __m512i round(const Vec& f) {  // float32 → bfloat16 bits in the low half, NaN kept
+    const __m512i i = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), _mm512_set1_epi32(0x7fc0), r);
+  }
+  static inline void store(c10::BFloat16* p, const Vec& a, const Vec& b) {
+    _mm512_storeu_si512(p, _mm512_packus_epi32(round(a), round(b)));
+  }
+};
+#endif
+
+// Exponentials are most of the arithmetic (SLEEF's 1-ulp exp made the forward compute-bound).
+// They are taken of u = (x − m)·k with k = kUnit/τ: exp_u(u) = e^{u/kUnit} = e^{(x − m)/τ}, for
+// u ≤ 0 (every argument here is), within 4e-7 of the exact value relative to the row's largest
+// term, and 0 where e^{(x − m)/τ} < 1.2e-38 (a −inf logit gets exactly 0).
+#if defined(CPU_CAPABILITY_AVX512)
+// u in log2 units (kUnit = log2 e): 2^u = 2^n·2^r, n = round(u), |r| ≤ 1/2, 2^r by ATen's exp_u20
+// polynomial (degree 5, coefficients a_k·ln2^k), 2^n applied by vscalefps, whose mask zeroes the
+// lanes below 2^-126 (NaN passes): 9 instructions where exp_u20 takes 17 and a multiply.
+constexpr float kUnit = 1.44269504f;
+inline Vec exp_u(const Vec& v) {
+  const __m512 u = v;
+  const __mmask16 keep = _mm512_cmp_ps_mask(u, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);
+  const __m512 n = _mm512_roundscale_ps(u, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(u, n);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.32630886e-3f), _mm512_set1_ps(9.67148789e-3f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(5.55073904e-2f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.240222426f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.693146973f));
   p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.f));
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
+// The block maximum without NaN bookkeeping: a NaN logit reaches the sums through exp_u instead.
+inline Vec vmax(const Vec& a, const Vec& b) { return _mm512_max_ps(a, b); }
 #else
-inline Vec vexp(const Vec& x) { return x.exp_u20(); }  // AVX2: 2^n built in the exponent bits
+constexpr float kUnit = 1.f;
+inline Vec exp_u(const Vec& u) { return u.exp_u20(); }  // 2^n built in the exponent bits
+inline Vec vmax(const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }  // NaN propagates
 #endif
 
 inline float max_nan(float a, float b) { return (b > a || std::isnan(b)) ? b : a; }
 
-// Running statistics of one row: shift m, s = Σ e^{x'}, t = Σ e^{x'}·max(x', lowest) with
-// x' = (x − m)/τ (t only for the entropy).
+// Running statistics of one row: shift m, s = Σ e^{x'}, t = Σ e^{x'}·max(u, lowest) with
+// x' = (x − m)/τ, u = x'·kUnit (t only for the entropy: Σ p·x' = t/(s·kUnit)).
 struct Stats {
   float m = -kInf, s = 0.f, t = 0.f;
 };
@@ -105,18 +135,20 @@ template <typename T, bool kEntropy>
 inline Stats row_stats(const T* x, int64_t V, float inv_t) {
   constexpr int64_t kStep = Io<T>::kStep;
   Stats st;
-  const Vec vlow(kLowest);
+  const Vec vlow(kLowest), vk(kUnit * inv_t);
   for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
     const int64_t len = std::min(kBlock, V - b0);
     const T* xb = x + b0;
-    Vec vm(-kInf);
+    Vec vm0(-kInf), vm1(-kInf);
     int64_t j = 0;
     for (; j + kStep <= len; j += kStep) {
       Vec a, b;
       Io<T>::load(xb + j, a, b);
-      vm = at::vec::maximum(vm, at::vec::maximum(a, b));
+      vm0 = vmax(vm0, a);
+      vm1 = vmax(vm1, b);
     }
-    float bm = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return at::vec::maximum(p, q); }, vm);
+    float bm = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return at::vec::maximum(p, q); },
+                                              at::vec::maximum(vm0, vm1));
     for (; j < len; ++j) bm = max_nan(bm, static_cast<float>(xb[j]));
     if (bm > st.m || std::isnan(bm)) {  // a new maximum: rescale what was summed against the old one
       if (st.s != 0.f) {
@@ -125,30 +157,38 @@ inline Stats row_stats(const T* x, int64_t V, float inv_t) {
         if (a == 0.f) {
           st.s = st.t = 0.f;
         } else {
-          if (kEntropy) st.t = a * (st.t + d * st.s);
+          if (kEntropy) st.t = a * (st.t + d * kUnit * st.s);
           st.s *= a;
         }
       }
       st.m = bm;
     }
     if (st.m == -kInf) continue;  // every logit so far is −inf: nothing to add
-    const Vec vsh(st.m), vinv(inv_t);
-    Vec vs(0.f), vt(0.f);
+    const Vec vsh(st.m);
+    Vec vs0(0.f), vs1(0.f), vt0(0.f), vt1(0.f);
     for (j = 0; j + kStep <= len; j += kStep) {
+      // fetch the next block while this one's exponentials are computed (a hint: past the end it
+      // is dropped); the hardware prefetcher alone left the arithmetic and the reads in turns
+      for (int64_t o = 0; o < kStep * int64_t(sizeof(T)); o += 64)
+        __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(xb + j) + kBlock * sizeof(T) + o));
       Vec a, b;
       Io<T>::load(xb + j, a, b);
-      const Vec xa = (a - vsh) * vinv, xb2 = (b - vsh) * vinv;
-      const Vec ea = vexp(xa), eb = vexp(xb2);
-      vs = vs + ea + eb;
-      if (kEntropy) vt = vt + ea * at::vec::maximum(xa, vlow) + eb * at::vec::maximum(xb2, vlow);
+      const Vec ua = (a - vsh) * vk, ub = (b - vsh) * vk;
+      const Vec ea = exp_u(ua), eb = exp_u(ub);
+      vs0 = vs0 + ea;
+      vs1 = vs1 + eb;
+      if (kEntropy) {
+        vt0 = at::vec::fmadd(ea, at::vec::maximum(ua, vlow), vt0);
+        vt1 = at::vec::fmadd(eb, at::vec::maximum(ub, vlow), vt1);
+      }
     }
-    float s = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, vs);
-    float t = kEntropy ? at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, vt) : 0.f;
+    float s = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, vs0 + vs1);
+    float t = kEntropy ? at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, vt0 + vt1) : 0.f;
     for (; j < len; ++j) {
       const float xv = (static_cast<float>(xb[j]) - st.m) * inv_t;
       const float e = std::exp(xv);
       s += e;
-      if (kEntropy) t += e * std::max(xv, kLowest);
+      if (kEntropy) t += e * std::max(xv * kUnit, kLowest);
     }
     st.s += s;
     st.t += t;
@@ -269,13 +309,14 @@ at::Tensor logprobs_bwd(const at::Tensor& grad, const at::Tensor& logits, const 
         const T* x = rows[r];
         T* g = base + r * V;
         const float c = pg[r] / tau, m = pm[r], l = pl[r];
-        const Vec vsh(m), vinv(inv_t), vl(l), vnc(-c), vzero(0.f);
+        // log p_v·kUnit = (x_v − m)·k − lse·kUnit, clamped to ≤ 0
+        const Vec vsh(m), vk(kUnit * inv_t), vl(l * kUnit), vnc(-c), vzero(0.f);
         int64_t j = 0;
         for (; j + kStep <= V; j += kStep) {  // g_v = −c·p_v
           Vec a, b;
           Io<T>::load(x + j, a, b);
-          const Vec pa = vexp(at::vec::minimum((a - vsh) * vinv - vl, vzero));
-          const Vec pb = vexp(at::vec::minimum((b - vsh) * vinv - vl, vzero));
+          const Vec pa = exp_u(at::vec::minimum(at::vec::fmsub(a - vsh, vk, vl), vzero));
+          const Vec pb = exp_u(at::vec::minimum(at::vec::fmsub(b - vsh, vk, vl), vzero));
           Io<T>::store(g + j, pa * vnc, pb * vnc);
         }
         for (; j < V; ++j) g[j] = static_cast<T>(-c * std::exp(std::min((static_cast<float>(x[j]) - m) * inv_t - l, 0.f)));
@@ -302,7 +343,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_fwd(const at::Tensor& log
       for (int64_t r = begin; r < end; ++r) {
         const Stats st = row_stats<T, true>(rows[r], V, inv_t);
         const float l = std::log(st.s);
-        const float h = l - st.t / st.s;  // −Σ p log p = lse − Σ p x'
+        const float h = l - st.t / (st.s * kUnit);  // −Σ p log p = lse − Σ p x'
         ph[r] = h < 0.f ? 0.f : h;
         pm[r] = st.m;
         pl[r] = l;
@@ -331,11 +372,12 @@ at::Tensor entropy_bwd(const at::Tensor& grad, const at::Tensor& logits, const a
         const T* x = rows[r];
         T* g = base + r * V;
         const float c = pg[r] / tau, m = pm[r], l = pl[r], h = ph[r];
-        const Vec vsh(m), vinv(inv_t), vl(l), vnc(-c), vzero(0.f), vlow(kLowest), vh(h);
+        const Vec vsh(m), vk(kUnit * inv_t), vl(l * kUnit), vnc(-c), vzero(0.f), vlow(kLowest), vh(h),
+            vunit(1.f / kUnit);
         // g_v = −c·p_v·(log p_v + H), log p_v clamped to [lowest, 0]
         auto one = [&](const Vec& v) {
-          const Vec lp = at::vec::minimum((v - vsh) * vinv - vl, vzero);
-          return vexp(lp) * (at::vec::maximum(lp, vlow) + vh) * vnc;
+          const Vec lu = at::vec::minimum(at::vec::fmsub(v - vsh, vk, vl), vzero);  // log p_v·kUnit
+          return exp_u(lu) * (at::vec::maximum(lu * vunit, vlow) + vh) * vnc;
         };
         int64_t j = 0;
         for (; j + kStep <= V; j += kStep) {
