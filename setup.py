@@ -2,8 +2,8 @@
 
 Everything else about the package is in pyproject.toml. The kernels are one source compiled once
 per instruction set: ``default`` (the compiler's baseline for the platform), and on x86-64 also
-``avx2`` and ``avx512``, with the flags and ``CPU_CAPABILITY`` macros that torch's own
-per-capability kernels use. ``rlcore/_kernels.py`` loads, at run time, the best one the CPU
+``avx2``, ``avx512`` (the flags and ``CPU_CAPABILITY`` macros of torch's own per-capability
+kernels) and ``avx512bf16``. ``rlcore/_kernels.py`` loads, at run time, the best one the CPU
 supports (``torch.backends.cpu.get_cpu_capability()``). Each module's name carries the torch
 version it was compiled against, so a build for another torch is never loaded.
 
@@ -21,11 +21,14 @@ from setuptools import setup
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 _VARIANTS = {
     "default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"],
     **({"avx2": [*_AVX2, "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
-        "avx512": [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                   "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]} if _X86 else {}),
+        "avx512": [*_AVX512, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+        # the same with the bfloat16 conversion instructions (Cooper Lake, Sapphire Rapids, Zen 4)
+        "avx512bf16": [*_AVX512, "-mavx512bf16", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]}
+       if _X86 else {}),
 }
 
 

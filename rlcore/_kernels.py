@@ -1,9 +1,10 @@
 """The compiled CPU kernels of ``rlcore.logprobs`` (rlcore/csrc/logprobs.h), when they are built.
 
 ``setup.py`` compiles the kernels once per instruction set; this module imports, once, the best
-build the CPU runs (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, then ``AVX2``,
-then ``default``), which registers the operators ``torch.ops.rlcore.{logprobs,entropy}_{fwd,bwd}``
-(with shape-only implementations, so that they trace under ``torch.compile``).
+build the CPU runs (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, with the bfloat16
+instructions or without, then ``AVX2``, then ``default``; ``RLCORE_KERNEL_BUILD=<name>`` picks
+one), which registers the operators ``torch.ops.rlcore.{logprobs,entropy}_{fwd,bwd}`` (with
+shape-only implementations, so that they trace under ``torch.compile``).
 
 ``ops`` is ``None`` where no build loads (not compiled, another torch, another platform) or where
 ``RLCORE_PURE_TORCH=1`` is set in the environment: ``rlcore.logprobs`` then runs its pure-PyTorch
@@ -22,9 +23,10 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["ops", "variant", "usable", "TokenLogprobs", "Entropy"]
+__all__ = ["ops", "variant", "usable", "BUILDS", "TokenLogprobs", "Entropy"]
 
-_ORDER = {"AVX512": ("avx512", "avx2", "default"), "AVX2": ("avx2", "default")}
+_ORDER = {"AVX512": ("avx512bf16", "avx512", "avx2", "default"), "AVX2": ("avx2", "default")}
+BUILDS = ("avx512bf16", "avx512", "avx2", "default")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TINY, _HUGE = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
@@ -33,7 +35,7 @@ def _load() -> tuple[Any, str | None]:
     if os.environ.get("RLCORE_PURE_TORCH", "") not in ("", "0"):
         return None, None
     tag = re.sub(r"\W", "_", torch.__version__)
-    for name in _ORDER.get(torch.backends.cpu.get_cpu_capability(), ("default",)):
+    for name in _builds():
         try:
             importlib.import_module(f"rlcore._logprobs_{name}_torch{tag}")
         except ImportError:
@@ -45,6 +47,15 @@ def _load() -> tuple[Any, str | None]:
         _register_fakes()
         return torch.ops.rlcore, name
     return None, None
+
+
+def _builds() -> tuple[str, ...]:
+    """The builds to try, best first: those the CPU runs, or the one named by RLCORE_KERNEL_BUILD."""
+    if os.environ.get("RLCORE_KERNEL_BUILD"):
+        return (os.environ["RLCORE_KERNEL_BUILD"],)
+    order = _ORDER.get(torch.backends.cpu.get_cpu_capability(), ("default",))
+    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return tuple(b for b in order if b != "avx512bf16" or bf16)
 
 
 def _register_fakes() -> None:

@@ -2,7 +2,8 @@
 // behind rlcore.logprobs.token_logprobs and rlcore.logprobs.entropy_from_logits.
 //
 // This file is compiled once per instruction set (logprobs_default.cpp, logprobs_avx2.cpp,
-// logprobs_avx512.cpp, flags in setup.py); rlcore/_kernels.py loads the one the CPU runs.
+// logprobs_avx512.cpp, logprobs_avx512bf16.cpp; flags in setup.py); rlcore/_kernels.py loads the
+// best one the CPU runs.
 //
 // A row is read in blocks of kBlock elements (8 KB of float32: L1-resident). Per block: its
 // maximum, then Σ exp((x − m)/τ) against the running maximum m, the running sums rescaled by
@@ -88,9 +89,21 @@ struct Io<c10::BFloat16> {
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(i, _mm512_set1_epi32(0x7fff)), lsb), 16);
     return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_ORD_Q), _mm512_set1_epi32(0x7fc0), r);
   }
+#if defined(__AVX512BF16__)
+  // the avx512bf16 build: one instruction rounds 32 floats (nearest even; float32 denormals, below
+  // 1.2e-38, become 0), a permutation puts them back in place
+  static inline void store(c10::BFloat16* p, const Vec& a, const Vec& b) {
+    alignas(64) static constexpr int16_t kOrder[32] = {0,  1,  2,  3,  16, 17, 18, 19, 4,  5,  6,
+                                                       7,  20, 21, 22, 23, 8,  9,  10, 11, 24, 25,
+                                                       26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const __m512i w = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));  // a → 0..15, b → 16..31
+    _mm512_storeu_si512(p, _mm512_permutexvar_epi16(_mm512_load_si512(kOrder), w));
+  }
+#else
   static inline void store(c10::BFloat16* p, const Vec& a, const Vec& b) {
     _mm512_storeu_si512(p, _mm512_packus_epi32(round(a), round(b)));
   }
+#endif
 };
 #endif
 

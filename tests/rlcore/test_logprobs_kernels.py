@@ -69,7 +69,7 @@ def _assert_agree(ours, ref, dtype):
 
 def test_the_kernels_run_where_they_are_built():
     x = _logits(2, 3, 40).requires_grad_()
-    assert _kernels.variant in ("avx512", "avx2", "default")
+    assert _kernels.variant in _kernels.BUILDS
     assert _kernels.usable(x, 1.0) and not _kernels.usable(x.double(), 1.0)
     assert "TokenLogprobs" in type(token_logprobs(x, torch.zeros(2, 3, dtype=torch.long)).grad_fn).__name__
     assert "Entropy" in type(entropy_from_logits(x).grad_fn).__name__
@@ -176,36 +176,47 @@ def test_temperatures_whose_inverse_leaves_float32_take_the_pure_path():
 _PROBE = """
 import torch, rlcore._kernels as k
 from rlcore.logprobs import token_logprobs, entropy_from_logits
-x = (torch.randn(5, 3000, generator=torch.Generator().manual_seed(0)) * 3).requires_grad_()
+ops = k.ops
+base = torch.randn(5, 3001, generator=torch.Generator().manual_seed(0)) * 3
 y = torch.arange(5) * 700
-lp, h = token_logprobs(x, y, temperature=0.7), entropy_from_logits(x)
-(g,) = torch.autograd.grad(lp.sum() + h.sum(), x)
-k.ops = None
-x2 = x.detach().clone().requires_grad_()
-lp2, h2 = token_logprobs(x2, y, temperature=0.7), entropy_from_logits(x2)
-(g2,) = torch.autograd.grad(lp2.sum() + h2.sum(), x2)
-for a, b in ((lp, lp2), (h, h2), (g, g2)):
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
-print(torch.backends.cpu.get_cpu_capability(), k.variant)
+for dtype, grad_rtol in ((torch.float32, 0.0), (torch.bfloat16, 2**-7), (torch.float16, 2**-10)):
+    out = []
+    for kernels in (ops, None):
+        k.ops = kernels
+        x = base.to(dtype).requires_grad_()
+        lp, h = token_logprobs(x, y, temperature=0.7), entropy_from_logits(x)
+        out.append((lp, h, torch.autograd.grad(lp.sum(), x)[0], torch.autograd.grad(h.sum(), x)[0]))
+    (lp, h, g, gh), (lp2, h2, g2, gh2) = out
+    torch.testing.assert_close((lp, h), (lp2, h2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g.float(), g2.float(), rtol=grad_rtol, atol=2e-6)
+    torch.testing.assert_close(gh.float(), gh2.float(), rtol=0, atol=max(grad_rtol, 2e-6))
+print(k.variant)
 """
 
 
-def _builds() -> list[str]:
+def _built() -> set[str]:
     here = Path(_kernels.__file__).parent
-    return sorted({p.name.split("_")[2] for p in here.glob("_logprobs_*_torch*.so")} & {"default", "avx2", "avx512"})
+    return {p.name.split("_")[2] for p in here.glob("_logprobs_*_torch*.so")}
 
 
-@pytest.mark.parametrize("build", ["default", "avx2", "avx512"])
+def _runs(build: str) -> bool:
+    """Whether this CPU runs ``build`` (what the loader checks before trying it)."""
+    caps = {"AVX512": {"avx512", "avx2", "default"}, "AVX2": {"avx2", "default"}}
+    runs = caps.get(torch.backends.cpu.get_cpu_capability(), {"default"})
+    return build in runs or (build == "avx512bf16" and "avx512" in runs and torch.cpu._is_avx512_bf16_supported())
+
+
+@pytest.mark.parametrize("build", _kernels.BUILDS)
 def test_every_build_agrees_with_the_pure_path(build):
-    """Each instruction-set build, loaded by capping torch's CPU capability, on this CPU."""
-    if build not in _builds():
+    """Each instruction-set build this CPU runs, loaded by name (RLCORE_KERNEL_BUILD)."""
+    if build not in _built():
         pytest.skip(f"no {build} build here")
-    if build != "default" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512")[("avx2", "avx512").index(build):]:
+    if not _runs(build):
         pytest.skip(f"this CPU does not run the {build} build")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": build}
+    env = {**os.environ, "RLCORE_KERNEL_BUILD": build}
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [build.upper(), build]
+    assert out.stdout.split()[-1] == build
 
 
 def test_the_environment_switch_forces_the_pure_path():
