@@ -9,6 +9,14 @@ forward, the gradient ``[N, V]`` plus one chunk backward; ``rlcore.lm_head.hidde
 log-probs from hidden states through the LM head) a few blocks and the gradients ``[N, H]``,
 ``[V, H]``, ``[V]``, never the ``[N, V]`` logits.
 
+Compiled kernels: on CPU, ``token_logprobs`` and ``entropy_from_logits`` of float32, bfloat16 and
+float16 logits run C++ kernels (``rlcore/csrc``, compiled by the install for the default, AVX2 and
+AVX-512 instruction sets, the best one the CPU runs loaded by ``rlcore._kernels``): per row, one
+read of the logits forward (maximum, log-sum-exp, the label's logit; float32 statistics) and one
+pass backward that writes the gradient. The chunked pure-PyTorch path here is their fallback and
+reference: float64 logits, other devices, a vocabulary dim that is not contiguous, no build
+loaded, or ``RLCORE_PURE_TORCH=1`` in the environment.
+
 Shapes: ``...`` any leading dims (``[B, T]`` typically), ``V`` vocabulary, ``H`` hidden size.
 """
 
@@ -20,6 +28,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from rlcore import _kernels
 from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape
 from rlcore.masked import masked_mean, masked_sum
 
@@ -218,13 +227,20 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     chunk into one gradient buffer of the logits' dtype, so the only full-size allocation of a
     forward+backward is the gradient itself.
 
+    Speed: on CPU, float32 / bfloat16 / float16 logits go through the compiled kernels (module
+    docstring): one read of the logits forward, one pass writing the gradient backward, the same
+    memory (the graph saves the logits, the labels and two float32 numbers per row) and the same
+    values to float32 rounding; ``chunk_size`` then has no effect. Elsewhere, or without a build,
+    this chunked pure-PyTorch path runs.
+
     Args:
         logits: ``[..., V]`` float32 / float64 / bfloat16 / float16.
         labels: ``[...]`` long, ids in ``[0, V)`` (``logits.shape[:-1]``). Padding positions must
             hold a valid id (e.g. 0) and be masked downstream; an id outside ``[0, V)`` (``-100``)
             raises a ``ValueError`` naming ``labels``.
         temperature: ``τ > 0``; pass the sampling temperature to score the sampled distribution.
-        chunk_size: rows per chunk; default keeps a chunk's float32 temporaries near 16 MB.
+        chunk_size: rows per chunk of the pure-PyTorch path; default keeps a chunk's float32
+            temporaries near 16 MB.
     Returns:
         ``[...]`` float32 for half-precision logits, else the logits' dtype.
 
@@ -245,6 +261,8 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     _check_labels(labels, logits, "logits", logits.shape[-1])
     _check_positive("temperature", temperature)
     rows = _rows_per_chunk(logits.shape[-1], chunk_size)
+    if _kernels.usable(logits, temperature):
+        return _kernels.TokenLogprobs.apply(logits, labels.long(), float(temperature))
     return _TokenLogprobs.apply(logits, labels.long(), float(temperature), rows)
 
 
@@ -299,7 +317,9 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
 
     Memory: as ``token_logprobs``: row chunks of ~16 MB upcast to float32; the graph saves the
     logits, the log-normaliser ``[N]`` and ``H [N]``; backward writes
-    ``∂H/∂logits_v = −g·p_v (log p_v + H)/τ`` chunk by chunk into one gradient buffer.
+    ``∂H/∂logits_v = −g·p_v (log p_v + H)/τ`` chunk by chunk into one gradient buffer. On CPU,
+    float32 / bfloat16 / float16 logits go through the compiled kernels instead (one read forward,
+    one pass backward; module docstring).
 
     Args:
         logits: ``[..., V]`` float32 / float64 / bfloat16 / float16.
@@ -322,6 +342,8 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0,
     check_ndim("logits", logits, min_ndim=1, layout="[..., V]")
     _check_positive("temperature", temperature)
     rows = _rows_per_chunk(logits.shape[-1], chunk_size)
+    if _kernels.usable(logits, temperature):
+        return _kernels.Entropy.apply(logits, float(temperature))
     return _Entropy.apply(logits, float(temperature), rows)
 
 

@@ -544,6 +544,8 @@ EXEMPT_MODULES = {
     "rlcore.checks": "the validators themselves: every fuzzed function's bad-input errors go through them",
     "rlcore.testing": "test helpers (assertions, batch factories, a mock LM), not library kernels",
     "rlcore.seeding": "seeding of global RNGs (impure by design) and generator construction",
+    "rlcore._kernels": "the compiled kernels' loader and autograd functions; the token_logprobs and entropy entries "
+                       "run them (float32 / bfloat16 logits on CPU)",
 }
 EXEMPT = {
     "rlcore.masked.in_float64": "a decorator; the DPO variants, ReFT edits and DDIM predictions it wraps are fuzzed",

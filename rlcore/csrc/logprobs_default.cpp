@@ -1,0 +1,2 @@
+// The default build of the kernels in logprobs.h (its compiler flags are in setup.py).
+#include "logprobs.h"
