@@ -26,27 +26,22 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _sizes(tiny: bool) -> dict:
-    return dict(steps=2, batch=2, batches=1, epochs=2, vae_steps=5) if tiny else \
-        dict(steps=10, batch=16, batches=2, epochs=16, vae_steps=300)
-
-
 def _config(folder: str, tiny: bool, **overrides):
+    """``configs/ddpo_sd.yaml`` on ``folder``; ``tiny``: 2 steps, one batch of 2, 2 epochs."""
     from rlcore.loops.config import load_config
     from rlcore.loops.recipes.ddpo import Config
 
-    s = _sizes(tiny)
     cfg = load_config(Config, ROOT / "configs" / "ddpo_sd.yaml")
-    fields = dict(model=folder, run_dir=None, sample_num_steps=s["steps"], sample_batch_size=s["batch"],
-                  train_batch_size=s["batch"], sample_num_batches_per_epoch=s["batches"])
-    return dataclasses.replace(cfg, **{**fields, **overrides})
+    small = dict(sample_num_steps=2, sample_batch_size=2, train_batch_size=2, sample_num_batches_per_epoch=1,
+                 num_epochs=2, eval_every=1, num_eval_images=2) if tiny else {}
+    return dataclasses.replace(cfg, **{"model": folder, "run_dir": None, **small, **overrides})
 
 
 def _pipeline(tiny: bool, seed: int = 0) -> str:
     from rlcore.loops.sd import build_tiny_sd
 
     folder = tempfile.mkdtemp(prefix="rlcore-bench-sd-")
-    build_tiny_sd(folder, seed=seed, prediction_type="sample", vae_steps=_sizes(tiny)["vae_steps"])
+    build_tiny_sd(folder, seed=seed, prediction_type="sample", vae_steps=5 if tiny else 300)
     return folder
 
 
@@ -168,8 +163,9 @@ def _diffusers_epoch(tiny: bool):
 
 
 def cases(tiny: bool) -> dict[str, dict]:
-    s = _sizes(tiny)
-    name = f"ddpo epoch tiny-sd LoRA S={s['steps']} B={s['batch']}x{s['batches']}"
+    c = _config("", tiny)
+    name = (f"ddpo epoch tiny-sd LoRA S={c.sample_num_steps} B={c.sample_batch_size}x{c.sample_num_batches_per_epoch}"
+            f" micro={c.train_batch_size}")
     return {name: {"rlcore": _rlcore_epoch(tiny), "diffusers_loop": _diffusers_epoch(tiny)}}
 
 
@@ -186,7 +182,7 @@ def learning(tiny: bool, seeds=(0, 1, 2)) -> list[dict]:
     for seed in seeds:
         start = time.perf_counter()
         folder = _pipeline(tiny, seed)
-        cfg = _config(folder, tiny, seed=seed, num_epochs=_sizes(tiny)["epochs"])
+        cfg = _config(folder, tiny, seed=seed)
         before = ddpo.evaluate(ddpo.build_state(cfg), cfg)["reward_mean"]
         _, history = ddpo.train(cfg)
         after = [h["eval/reward_mean"] for h in history if "eval/reward_mean" in h][-1]
