@@ -244,7 +244,7 @@ def _decode_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
 def _draw(logits: torch.Tensor, *, pick: Callable | None, temperature: float, top_k: int | None,
           top_p: float | None, generator: torch.Generator | None):
     """``(token [B], sampled log-prob [B], tempered log-prob [B])`` of one decode step."""
-    z = logits.float() / temperature
+    z = logits.float() if temperature == 1.0 else logits.float() / temperature
     truncated = z if pick is None else truncate_logits(z, top_k=top_k, top_p=top_p)
     token = z.argmax(-1) if pick is None else pick(truncated, generator=generator)
     z_y = z.gather(-1, token[:, None])[:, 0]
@@ -257,7 +257,7 @@ def _draw(logits: torch.Tensor, *, pick: Callable | None, temperature: float, to
 def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                      max_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int, num_samples: int = 1,
                      temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                     sampler: str | None = "gumbel",
+                     sampler: str | None = "inverse_cdf",
                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode ``G`` responses per prompt over the model's KV cache, drawing with ``SAMPLERS[sampler]``.
 
