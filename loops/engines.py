@@ -2,8 +2,8 @@
 
 - ``ENGINES`` (one signature, chosen by name with ``engine=``): ``"hf"`` Hugging Face ``generate``,
   ``"loop"`` the KV-cache decode loop (:func:`sample_responses`), ``"vllm``" a vLLM engine;
-- ``SAMPLERS`` (the loop's sampling rule, ``sampler=``): Gumbel-max and multinomial draws, after
-  temperature and top-k / top-p truncation (:func:`truncate_logits`);
+- ``SAMPLERS`` (the loop's sampling rule, ``sampler=``): inverse-CDF (the default), Gumbel-max and
+  multinomial draws, after temperature and top-k / top-p truncation (:func:`truncate_logits`);
 - ``BEHAVIOUR_LOGPROBS``: which log-probs of the sampling distribution a rollout records.
 
 ``loops.collect.generate_rollout`` assembles a rollout around them."""
@@ -217,7 +217,7 @@ def _decode_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
 
     For a causal LM of ``_PLAIN_HEADS`` (a LoRA ``PeftModel`` is unwrapped to it: its adapters live
     in the trunk's layers) whose head is a plain ``nn.Linear``, the trunk runs alone and the head is
-    applied here; in float32 as ``(W hᵀ)ᵀ``, which MKL runs 2–3× faster than ``h Wᵀ`` at a few
+    applied here; in float32 on CPU as ``(W hᵀ)ᵀ``, which MKL runs 2–3× faster than ``h Wᵀ`` at a few
     rows (``[8, 256] × [32000, 256]``: 2.0 ms against 5.8 ms on an AVX-512 EPYC; the head is the
     largest matmul of a small model's step). Same products, another summation order: logits agree
     with the model's forward to float32 rounding. Any other model runs its own forward.
@@ -237,7 +237,9 @@ def _decode_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
     def forward(ids, attention, position, cache):
         h = trunk(input_ids=ids, attention_mask=attention, position_ids=position, use_cache=True,
                   **{keyword: cache}).last_hidden_state[:, -1]
-        return (weight @ h.T).T.contiguous() if weight.dtype == torch.float32 else F.linear(h, weight)
+        if weight.dtype == torch.float32 and weight.device.type == "cpu":
+            return (weight @ h.T).T.contiguous()
+        return F.linear(h, weight)
     return forward
 
 
