@@ -21,6 +21,13 @@ skipped with a note. Every implementation of a case is timed in one process (war
 thunk once, above the resident set after building its inputs. Floors become times through the
 machine's measured copy bandwidth and matmul throughput (roofline: the larger of the two).
 
+A timing is judged only when the machine let it be (``machine.py``): each implementation is timed
+for at least ``Policy.min_time_s`` and repeated while its spread (IQR / median) is wide, up to a
+cap; the load, the cores other processes kept busy and the CPU frequency are recorded around it.
+A row timed on a busy machine, or whose spread stayed wide, is "not judged", and so are the goals
+that read it. The report keeps one section per CPU (model, vector extensions, BLAS), one
+subsection per topic in it.
+
 Nothing here imports rlcore: the harness measures whatever the bench modules hand it.
 """
 
@@ -29,13 +36,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import importlib.metadata
 import importlib.util
 import json
 import math
 import os
 import platform
-import re
 import resource
 import statistics
 import subprocess
@@ -47,15 +52,18 @@ from types import ModuleType
 
 import torch
 
+import machine as M
+from reporting import (REFERENCE_IMPL, cpu_report, format_report, format_table, goal_lines,  # noqa: F401
+                       merge_reports, sections_of, versions)
+
 __all__ = [
     "REFERENCE_IMPL", "Unavailable", "Timing", "Rates", "Row",
     "discover", "load", "build", "time_thunk", "measure_rates", "floor_seconds",
-    "machine_line", "versions", "MemoryProbe", "format_table", "format_report", "sections_of", "merge_reports",
-    "goal_lines",
+    "machine_line", "versions", "MemoryProbe", "format_table", "format_report", "cpu_report", "sections_of",
+    "merge_reports", "goal_lines",
 ]
 
 BENCH_DIR = Path(__file__).resolve().parent
-REFERENCE_IMPL = "rlcore"
 Builder = Callable[[], Callable[[], object]]
 
 
@@ -75,6 +83,11 @@ class Timing:
     def iqr_s(self) -> float:
         return self.q3_s - self.q1_s
 
+    @property
+    def spread(self) -> float:
+        """IQR / median (NaN for a single run)."""
+        return self.iqr_s / self.median_s if self.reps > 1 and self.median_s > 0 else math.nan
+
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
@@ -91,6 +104,8 @@ class Row:
     peak_bytes: int | None = None
     floor_s: float | None = None
     note: str = ""
+    conditions: object | None = None  # machine.Conditions around the timing
+    not_judged: str = ""  # why the timing cannot be judged ("" when it can)
 
 
 # --- discovery --------------------------------------------------------------------------------
@@ -126,19 +141,41 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def time_thunk(thunk: Callable[[], object], *, reps: int, warmup: int = 1) -> Timing:
-    """Median and quartiles of ``reps`` timed calls after ``warmup`` untimed ones."""
+def _quartiles(times: list[float]) -> list[float]:
+    return statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else times * 3
+
+
+def time_thunk(thunk: Callable[[], object], *, reps: int, warmup: int = 1, min_time_s: float = 0.0,
+               max_spread: float = math.inf, max_reps: int | None = None, max_time_s: float = math.inf,
+               clock: Callable[[], float] = time.perf_counter) -> Timing:
+    """Median and quartiles of timed calls after ``warmup`` untimed ones.
+
+    At least ``reps`` calls and ``min_time_s`` of them; then, while the spread (IQR / median) is
+    above ``max_spread``, ``reps`` more at a time, until ``max_reps`` calls or ``max_time_s``.
+    """
     for _ in range(warmup):
         thunk()
     synchronize()
-    times = []
-    for _ in range(max(1, reps)):
-        start = time.perf_counter()
-        result = thunk()
-        synchronize()
-        times.append(time.perf_counter() - start)
-        del result
-    q1, med, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else times * 3
+    times: list[float] = []
+    cap = max(max_reps or reps, reps, 1)
+
+    def more(n: int) -> None:
+        for _ in range(min(n, cap - len(times))):
+            start = clock()
+            result = thunk()
+            synchronize()
+            times.append(clock() - start)
+            del result
+
+    more(max(1, reps))
+    while sum(times) < min_time_s and len(times) < cap:
+        more(1)
+    while len(times) < cap and sum(times) < max_time_s:
+        q1, med, q3 = _quartiles(times)
+        if med <= 0 or (q3 - q1) / med <= max_spread:
+            break
+        more(max(1, reps))
+    q1, med, q3 = _quartiles(times)
     return Timing(med, q1, q3, len(times), min(times))
 
 
@@ -180,19 +217,9 @@ def _cpu_model() -> str:
 def machine_line(threads: int) -> str:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     device = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    mhz = M.read_sample().mhz
     return (f"{_cpu_model()}, {os.cpu_count()} cores, torch threads {threads}, "
-            f"load average at start {load}{device}")
-
-
-def versions(packages: Iterable[str] = ("torch", "trl", "torchrl", "tensordict")) -> dict[str, str]:
-    """Installed versions, read from package metadata (nothing is imported)."""
-    out = {}
-    for name in packages:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "absent"
-    return out
+            f"load average at start {load}{'' if mhz is None else f', {mhz:.0f} MHz'}{device}")
 
 
 # --- peak memory ------------------------------------------------------------------------------
@@ -341,102 +368,6 @@ def _serve(paths: list[str], threads: int, tiny: bool, timeout_s: float = 600) -
                 time.sleep(0.005)
             text = r.read()
         print(text or json.dumps({"error": "measurement process failed"}), file=proto, flush=True)
-
-
-# --- report -----------------------------------------------------------------------------------
-def _ms(seconds: float | None) -> str:
-    return "—" if seconds is None else f"{seconds * 1e3:.3g}" if seconds < 1 else f"{seconds * 1e3:.0f}"
-
-
-def _fmt_ratio(x: float) -> str:
-    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
-
-
-_GOAL_TEXT = {"speedup": "≥ {t:g}× faster than {o}", "memory": "peak ≤ {t:g}× {o}'s", "floor": "≤ {t:g}× its floor"}
-
-
-def _goal_value(kind: str, ours: Row, other: Row | None) -> float | None:
-    if ours.timing is None:
-        return None
-    if kind == "floor":
-        return None if ours.floor_s is None else ours.timing.median_s / ours.floor_s
-    if other is None:
-        return None
-    if kind == "speedup":
-        return None if other.timing is None else other.timing.median_s / ours.timing.median_s
-    return None if not (ours.peak_bytes and other.peak_bytes) else ours.peak_bytes / other.peak_bytes
-
-
-def goal_lines(rows: list[Row], goals: dict[str, list[tuple[str, str, float]]]) -> list[str]:
-    """One line per goal: what was aimed at, the measured value, met / missed / not measured."""
-    index = {(r.case, r.impl): r for r in rows}
-    lines = []
-    for case, items in goals.items():
-        ours = index.get((case, REFERENCE_IMPL))
-        if ours is None:
-            continue
-        for kind, other, target in items:
-            ref_case, _, ref_impl = other.rpartition("/")
-            value = _goal_value(kind, ours, index.get((ref_case or case, ref_impl)))
-            met = None if value is None else (value >= target if kind == "speedup" else value <= target)
-            verdict = "not measured" if met is None else f"{value:.2f}×, {'met' if met else 'MISSED'}"
-            lines.append(f"- goal, {case}: rlcore {_GOAL_TEXT[kind].format(t=target, o=other)}: {verdict}")
-    return lines
-
-
-def format_table(rows: list[Row], goals: dict | None = None) -> str:
-    """Markdown table: case, impl, median ms, IQR, ratio vs rlcore, peak extra MB, × floor."""
-    head = ("| case | impl | median ms | IQR ms | vs rlcore (peer/ours) | peak extra MB | × floor |\n"
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    ours = {r.case: r.timing for r in rows if r.impl == REFERENCE_IMPL and r.timing is not None}
-    lines = [head]
-    for r in rows:
-        if r.timing is None:
-            status = "failed" if r.note.startswith("failed") else "skipped"
-            lines.append(f"| {r.case} | {r.impl} | {status} | | | | |")
-            continue
-        ref = ours.get(r.case)
-        ratio = _fmt_ratio(r.timing.median_s / ref.median_s) if ref else "—"
-        mem = "—" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}"
-        dist = "—" if r.floor_s is None else _fmt_ratio(r.timing.median_s / r.floor_s)
-        lines.append(f"| {r.case} | {r.impl} | {_ms(r.timing.median_s)} | {_ms(r.timing.iqr_s)} | {ratio} "
-                     f"| {mem} | {dist} |")
-    notes = [f"- {r.case} / {r.impl}: {r.note}" for r in rows if r.note] + goal_lines(rows, goals or {})
-    return "\n".join(lines + ([""] + notes if notes else []))
-
-
-def format_report(tables: dict[str, str], *, command: str, threads: int, rates: Rates, machine: str) -> str:
-    """The report: a legend, then one section per topic headed by the run that measured it."""
-    run = (f"Run: `{command}`  \nVersions: {', '.join(f'{k} {v}' for k, v in versions().items())}  \n"
-           f"Machine: {machine}  \nRates: copy {rates.copy_bytes_per_s / 1e9:.1f} GB/s (read + write), "
-           f"matmul {rates.matmul_flops_per_s / 1e9:.0f} GFLOP/s (float32)")
-    sections = {topic: f"## {topic}\n\n{run}\n\n{table}\n" for topic, table in tables.items()}
-    return _assemble(sections)
-
-
-_LEGEND = (
-    "# Benchmarks\n\n"
-    "Each section was measured by the run named at its head (`python benchmarks/run.py --topics T "
-    "--write` replaces section T only). Median of the timed runs after a warm-up; IQR = "
-    "interquartile range; vs rlcore = peer time / rlcore time (> 1: rlcore faster); peak extra = "
-    "resident-set high-water mark while running once, above the resident set after building "
-    "inputs, each in a fresh process; × floor = median / (the case's bytes ÷ copy bandwidth, or "
-    "flops ÷ matmul throughput).\n")
-
-
-def _assemble(sections: dict[str, str]) -> str:
-    return "\n".join([_LEGEND, *(sections[t] for t in sorted(sections))])
-
-
-def sections_of(report: str) -> dict[str, str]:
-    """``topic -> section text`` of a report written by :func:`format_report` (legend dropped)."""
-    chunks = re.split(r"^(?=## )", report, flags=re.MULTILINE)
-    return {c.split("\n", 1)[0][3:].strip(): c.rstrip("\n") + "\n" for c in chunks if c.startswith("## ")}
-
-
-def merge_reports(old: str, new: str) -> str:
-    """``old`` with the topics of ``new`` replaced (or added); the other topics keep their runs."""
-    return _assemble({**sections_of(old), **sections_of(new)})
 
 
 def _main(argv: list[str] | None = None) -> None:

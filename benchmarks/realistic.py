@@ -29,7 +29,10 @@ Each (case, implementation) runs in a fresh process: the model folder is loaded,
 optimiser steps are taken, and the seconds between step ends are recorded (the first step, with
 its lazy initialisations, is dropped); the peak is the process's resident set (``VmHWM``, the
 model load included). The report lists the median step, every timed step and the peak, with the
-ratios to rlcore, the goals' verdicts, the machine and its load.
+ratios to rlcore, the goals' verdicts, the machine and its load; each run records the load and the
+cores other processes kept busy (``machine.py``), and a speed goal read from a run on a busy
+machine is "not judged". ``--write`` replaces the ``realistic`` topic of this CPU's section of
+RESULTS.md.
 
 Goals (aimed at, not asserted): ``grpo lora`` ≥ 1.5× TRL's speed at ≤ 0.5× its peak;
 ``dpo lora`` ≥ 2× TRL's speed at ≤ 0.5× its peak; ``sft full`` and ``dpo full`` within 24 GiB.
@@ -55,7 +58,7 @@ for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "H
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
-SECTION = "## realistic"
+SECTION = "### realistic"
 LORA = dict(r=16, alpha=32)
 VOCAB = 151_936  # loops.shapes.FAMILIES["qwen2.5"].vocab_size, without importing rlcore in the driver
 LR = 1e-5
@@ -79,11 +82,16 @@ BUDGET_GIB = 24.0
 
 
 # --- the shared model and data -----------------------------------------------------------------------
-def _bench_steps():
-    sys.path.insert(0, str(HERE))
+def _harness():
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     import harness as H
 
-    return H.load(HERE / "bench_steps.py")
+    return H
+
+
+def _bench_steps():
+    return _harness().load(HERE / "bench_steps.py")
 
 
 def save_model(directory: Path, tiny: bool) -> Path:
@@ -221,13 +229,17 @@ def run_one(case: str, impl: str, model_dir: str, tiny: bool, steps: int) -> dic
 
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
+    M = _harness().M
     with tempfile.TemporaryDirectory() as work:
-        start = time.perf_counter()
+        start, before = time.perf_counter(), M.read_sample()
         ends = (_rlcore if impl == "rlcore" else _trl)(case, model_dir, tiny, steps, Path(work))
+        cond = M.conditions(before, M.read_sample())
     if len(ends) != 1 + steps:
         raise RuntimeError(f"{case}/{impl}: expected {1 + steps} steps, saw {len(ends)}")
+    busy = M.not_judged(cond, spread=float("nan"), reps=steps, threads=torch.get_num_threads(),
+                        cores=os.cpu_count() or 1, policy=M.Policy())
     return {"steps": [b - a for a, b in itertools.pairwise(ends)], "first_step": ends[0] - start,
-            "peak_gib": _peak_gib()}
+            "peak_gib": _peak_gib(), "machine": cond.summary(), "not_judged": busy}
 
 
 # --- the driver -------------------------------------------------------------------------------------
@@ -253,14 +265,14 @@ def report(results: dict, args, load: tuple[float, ...], wall: float) -> str:
              f"{', '.join(f'{x:.2f}' for x in load)}; {wall / 60:.0f} min in all  ",
              f"Model: Qwen2.5-shaped `{sizes(args.tiny)['size']}` from config (vocabulary 151,936), bfloat16 "
              "weights; LoRA r 16 α 32 on every linear layer in the `_lora` cases; gradient checkpointing on", "",
-             "| case | impl | median step s | timed steps s | peak RSS GiB | step vs rlcore (peer/ours) | peak vs rlcore |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: |"]
+             "| case | impl | median step s | timed steps s | peak RSS GiB | step vs rlcore (peer/ours) | peak vs rlcore "
+             "| load 1 min | others' cores |", "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     verdicts = []
     for case, impls in results.items():
         ours = impls.get("rlcore")
         for impl, r in impls.items():
             if "error" in r:
-                lines.append(f"| {case} | {impl} | failed: {r['error'][:120]} | | | | |")
+                lines.append(f"| {case} | {impl} | failed: {r['error'][:120]} | | | | | | |")
                 continue
             med = statistics.median(r["steps"])
             ratio = peak = "—"
@@ -268,7 +280,7 @@ def report(results: dict, args, load: tuple[float, ...], wall: float) -> str:
                 ratio = f"{med / statistics.median(ours['steps']):.2f}"
                 peak = f"{r['peak_gib'] / ours['peak_gib']:.2f}"
             lines.append(f"| {case} | {impl} | {med:.1f} | {', '.join(f'{x:.1f}' for x in r['steps'])} | "
-                         f"{r['peak_gib']:.2f} | {ratio} | {peak} |")
+                         f"{r['peak_gib']:.2f} | {ratio} | {peak} | {r.get('machine', '— | —')} |")
         if ours is None or "error" in ours:
             continue
         trl = impls.get("trl")
@@ -276,8 +288,9 @@ def report(results: dict, args, load: tuple[float, ...], wall: float) -> str:
             speed, memory = GOALS[case]
             got = statistics.median(trl["steps"]) / statistics.median(ours["steps"])
             frac = ours["peak_gib"] / trl["peak_gib"]
+            busy = "; ".join(f"{i}: {impls[i]['not_judged']}" for i in ("rlcore", "trl") if impls[i].get("not_judged"))
             verdicts.append(f"- goal, {case}: rlcore ≥ {speed}× faster than trl: {got:.2f}×, "
-                            f"{'met' if got >= speed else 'MISSED'}")
+                            f"{f'not judged ({busy})' if busy else 'met' if got >= speed else 'MISSED'}")
             verdicts.append(f"- goal, {case}: rlcore peak ≤ {memory}× trl's: {frac:.2f}×, "
                             f"{'met' if frac <= memory else 'MISSED'}")
         if case.endswith("_full"):
@@ -286,12 +299,10 @@ def report(results: dict, args, load: tuple[float, ...], wall: float) -> str:
     return "\n".join([*lines, "", *verdicts, ""])
 
 
-def _replace_section(text: str, section: str) -> str:
-    start = text.find(SECTION + "\n")
-    if start < 0:
-        return text.rstrip("\n") + "\n\n" + section
-    end = text.find("\n## ", start + len(SECTION))
-    return text[:start] + section + ("" if end < 0 else text[end:])
+def _replace_section(text: str, section: str, cpu: dict | None = None) -> str:
+    """RESULTS.md's ``text`` with the ``realistic`` topic of this CPU's section replaced by ``section``."""
+    H = _harness()
+    return H.merge_reports(text, H.cpu_report({"realistic": section}, cpu))
 
 
 def main(argv: list[str] | None = None) -> int:

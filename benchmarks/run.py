@@ -2,12 +2,16 @@
 
     python benchmarks/run.py [--tiny] [--only SUBSTR] [--reps N] [--threads 2] [--write]
                              [--topics A,B] [--no-memory] [--warmup N] [--dir FOLDER]
+                             [--min-time S] [--max-spread F]
 
 Discovers ``benchmarks/bench_*.py`` (protocol in ``benchmarks/harness.py``), times every
 implementation of each case in this process, measures each one's peak extra memory in a fresh
 process, converts the cases' floors into times with this machine's measured rates, and prints
-the report; ``--write`` also saves it to ``benchmarks/RESULTS.md``, replacing the sections of the
-topics run and keeping the others (each section names the run, machine load and rates it comes from). ``--only`` keeps the cases
+the report; ``--write`` also saves it to ``benchmarks/RESULTS.md``, replacing the topics run in this
+CPU's section and keeping the others and other CPUs' sections (each names the run, machine load and
+rates it comes from). Each implementation is timed for at least ``--min-time`` seconds and repeated
+while its IQR / median is above ``--max-spread``; the load and the cores other processes used are
+recorded around it, and a row timed on a busy machine is "not judged" (``machine.py``). ``--only`` keeps the cases
 whose ``topic/case`` contains the substring; ``--topics`` loads only the named bench modules
 (their imports can take seconds). Missing peers are skipped with a note.
 """
@@ -15,7 +19,9 @@ whose ``topic/case`` contains the substring; ``--topics`` loads only the named b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import os
 import shlex
 import sys
 import time
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import harness as H  # noqa: E402
+import machine as M  # noqa: E402
 
 
 def run_topic(topic: str, path: Path, probe: H.MemoryProbe | None, *, args, rates: H.Rates) -> str | None:
@@ -48,8 +55,13 @@ def run_topic(topic: str, path: Path, probe: H.MemoryProbe | None, *, args, rate
             except Exception as err:  # noqa: BLE001 - one broken implementation must not end the run
                 rows.append(H.Row(topic, case, impl, note=f"failed: {type(err).__name__}: {err}"[:200]))
                 continue
+            policy = args.policy
             try:
-                timing = H.time_thunk(thunk, reps=args.reps, warmup=args.warmup)
+                before = M.read_sample()
+                timing = H.time_thunk(thunk, reps=args.reps, warmup=args.warmup, min_time_s=policy.min_time_s,
+                                      max_spread=policy.max_spread, max_reps=args.reps * policy.max_reps_factor,
+                                      max_time_s=policy.max_time_s)
+                cond = M.conditions(before, M.read_sample(), min_window_s=policy.min_window_s)
             except Exception as err:  # noqa: BLE001 - one broken implementation must not end the run
                 rows.append(H.Row(topic, case, impl, note=f"failed: {type(err).__name__}: {err}"[:200]))
                 continue
@@ -62,8 +74,12 @@ def run_topic(topic: str, path: Path, probe: H.MemoryProbe | None, *, args, rate
                 peak = answer.get("peak_bytes")
                 note = (f"memory not measured: {answer['error']}" if "error" in answer else
                         "" if answer.get("exact") else "memory: getrusage high-water mark (may undercount)")
-            rows.append(H.Row(topic, case, impl, timing, peak, floor_s, note))
-            print(f"  {topic}/{case} {impl}: {timing.median_s * 1e3:.3g} ms", file=sys.stderr, flush=True)
+            busy = M.not_judged(cond, spread=timing.spread, reps=timing.reps, threads=args.threads,
+                                cores=os.cpu_count() or 1, policy=policy)
+            rows.append(H.Row(topic, case, impl, timing, peak, floor_s, note, cond, busy))
+            print(f"  {topic}/{case} {impl}: {timing.median_s * 1e3:.3g} ms ({timing.reps} runs; load "
+                  f"{cond.summary().replace(' | ', ', others ')}){' NOT JUDGED: ' + busy if busy else ''}",
+                  file=sys.stderr, flush=True)
     return H.format_table(rows, module.goals(args.tiny) if hasattr(module, "goals") else None)
 
 
@@ -78,8 +94,13 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument("--write", action="store_true", help="also write benchmarks/RESULTS.md")
     parser.add_argument("--dir", type=Path, default=H.BENCH_DIR, help="folder holding bench_*.py")
+    parser.add_argument("--min-time", type=float, default=None, help="seconds of timed runs per implementation (1; 0 tiny)")
+    parser.add_argument("--max-spread", type=float, default=M.Policy.max_spread, help="repeat while IQR/median is above")
     args = parser.parse_args(argv)
     args.reps = args.reps or (3 if args.tiny else 10)
+    base = M.TINY_POLICY if args.tiny else M.Policy()
+    args.policy = dataclasses.replace(base, max_spread=args.max_spread,
+                                      min_time_s=base.min_time_s if args.min_time is None else args.min_time)
 
     command = "python benchmarks/run.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
     torch.set_num_threads(args.threads)

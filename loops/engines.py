@@ -2,8 +2,8 @@
 
 - ``ENGINES`` (one signature, chosen by name with ``engine=``): ``"hf"`` Hugging Face ``generate``,
   ``"loop"`` the KV-cache decode loop (:func:`sample_responses`), ``"vllm``" a vLLM engine;
-- ``SAMPLERS`` (the loop's sampling rule, ``sampler=``): Gumbel-max and multinomial draws, after
-  temperature and top-k / top-p truncation (:func:`truncate_logits`);
+- ``SAMPLERS`` (the loop's sampling rule, ``sampler=``): inverse-CDF (the default), Gumbel-max and
+  multinomial draws, after temperature and top-k / top-p truncation (:func:`truncate_logits`);
 - ``BEHAVIOUR_LOGPROBS``: which log-probs of the sampling distribution a rollout records.
 
 ``loops.collect.generate_rollout`` assembles a rollout around them."""
@@ -14,17 +14,19 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from rlcore import keys as K
 from rlcore.checks import check_mask, lookup
 from rlcore.logprobs import token_logprobs
 from rlcore.loops.models import cache_keyword, model_device, position_ids_from_mask
 
-__all__ = ["BEHAVIOUR_LOGPROBS", "multinomial_sample", "gumbel_max_sample", "SAMPLERS", "truncate_logits",
-           "sample_responses", "ENGINES"]
+__all__ = ["BEHAVIOUR_LOGPROBS", "multinomial_sample", "gumbel_max_sample", "inverse_cdf_sample", "SAMPLERS",
+           "truncate_logits", "sample_responses", "ENGINES"]
 
 
 # One [B, V] step at a time: no stacked [B, R, V] copy of what generate already holds.
@@ -84,9 +86,38 @@ def gumbel_max_sample(logits: torch.Tensor, *, generator: torch.Generator | None
     return (logits - noise.log_().neg_().log_()).argmax(-1)
 
 
+def inverse_cdf_sample(logits: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row from ``softmax(logits)`` by inverting its cumulative distribution.
+
+    ``w = exp(z_b − max z_b)``, ``c_v = Σ_{u ≤ v} w_u`` (accumulated in float64), and
+    ``y_b = min {v : c_v > U·c_V}`` with one ``U ~ U[0, 1)`` (float32) per row: an exact draw from
+    ``softmax(z_b)`` up to the float32 rounding of ``w``, as ``torch.multinomial``'s. It needs one
+    uniform per row instead of Gumbel-max's ``V`` (the generator dominates Gumbel-max's cost on
+    CPU: ~4× slower at ``[8, 32000]``). Entries at ``−inf`` have ``w = 0`` and are never drawn
+    (``U·c_V < c_V`` strictly, since ``U ≤ 1 − 2⁻²⁴`` and ``c_V`` is float64).
+
+    Args:
+        logits: ``[B, V]`` float (already divided by the temperature, truncated entries ``−inf``).
+        generator: the randomness (``None``: torch's global RNG).
+    Returns:
+        ``[B]`` long.
+
+    >>> inverse_cdf_sample(torch.tensor([[-float("inf"), 0.0, -float("inf")]])).tolist()
+    [1]
+
+    References:
+        Devroye, "Non-Uniform Random Variate Generation" (1986), ch. III.2 (the inversion method).
+    """
+    top = logits.amax(-1, keepdim=True)
+    cdf = (logits - top).exp_().cumsum(-1, dtype=torch.float64)
+    u = torch.rand(logits.shape[:-1] + (1,), generator=generator, dtype=torch.float32, device=logits.device)
+    return torch.searchsorted(cdf, u * cdf[..., -1:], right=True)[..., 0]
+
+
 SAMPLERS: dict[str, Callable[..., torch.Tensor]] = {
     "multinomial": multinomial_sample,
     "gumbel": gumbel_max_sample,
+    "inverse_cdf": inverse_cdf_sample,
 }
 
 
@@ -139,10 +170,83 @@ def _prefill(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, num_sample
     return cache, rep(logits), rep(mask.long()), rep(position[:, -1])
 
 
+class _PreallocatedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in buffers with room for ``capacity`` positions.
+
+    ``update`` writes the new positions in place and returns views of the filled part, instead of
+    concatenating the whole cache at every step (a copy of ``[B, heads, T, d]`` per layer and
+    step); past ``capacity`` it grows by concatenation like its parent.
+    """
+
+    def __init__(self, layer: DynamicLayer, capacity: int):
+        super().__init__()
+        keys, values = layer.keys, layer.values
+        self.device, self.is_initialized, self.length = keys.device, True, keys.shape[-2]
+        shape = (*keys.shape[:-2], max(capacity, self.length), keys.shape[-1])
+        self.key_buffer, self.value_buffer = keys.new_empty(shape), values.new_empty(shape[:-1] + values.shape[-1:])
+        self.key_buffer[..., :self.length, :] = keys
+        self.value_buffer[..., :self.length, :] = values
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.key_buffer.shape[-2]:
+            self.key_buffer = torch.cat([self.key_buffer, torch.zeros_like(self.key_buffer)], -2)
+            self.value_buffer = torch.cat([self.value_buffer, torch.zeros_like(self.value_buffer)], -2)
+            return self.update(key_states, value_states)
+        self.key_buffer[..., self.length:end, :] = key_states
+        self.value_buffer[..., self.length:end, :] = value_states
+        self.length = end
+        self.keys, self.values = self.key_buffer[..., :end, :], self.value_buffer[..., :end, :]
+        return self.keys, self.values
+
+
+def _preallocate(cache: DynamicCache, capacity: int) -> DynamicCache:
+    """``cache`` with its plain (full-attention, filled) layers moved into preallocated layers."""
+    cache.layers = [_PreallocatedLayer(layer, capacity) if type(layer) is DynamicLayer and layer.is_initialized
+                    and layer.keys.numel() else layer for layer in cache.layers]
+    return cache
+
+
+# Causal LMs whose logits are ``lm_head(last hidden state)``, a bias-free linear map and nothing after it
+_PLAIN_HEADS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
+def _decode_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """The decode step's forward: ``(ids [B, 1], attention [B, T], position [B, 1], cache) -> logits [B, V]``.
+
+    For a causal LM of ``_PLAIN_HEADS`` (a LoRA ``PeftModel`` is unwrapped to it: its adapters live
+    in the trunk's layers) whose head is a plain ``nn.Linear``, the trunk runs alone and the head is
+    applied here; in float32 on CPU as ``(W hᵀ)ᵀ``, which MKL runs 2–3× faster than ``h Wᵀ`` at a few
+    rows (``[8, 256] × [32000, 256]``: 2.0 ms against 5.8 ms on an AVX-512 EPYC; the head is the
+    largest matmul of a small model's step). Same products, another summation order: logits agree
+    with the model's forward to float32 rounding. Any other model runs its own forward.
+    """
+    inner = model
+    peft_config = getattr(model, "active_peft_config", None)
+    if callable(getattr(model, "get_base_model", None)) and not getattr(peft_config, "is_prompt_learning", True):
+        inner = model.get_base_model()
+    head = inner.get_output_embeddings() if type(inner).__name__ in _PLAIN_HEADS else None
+    if type(head) is not nn.Linear or head.bias is not None:
+        keyword = cache_keyword(model)
+        return lambda ids, attention, position, cache: model(
+            input_ids=ids, attention_mask=attention, position_ids=position, use_cache=True,
+            **{keyword: cache}).logits[:, -1]
+    trunk, weight, keyword = inner.get_decoder(), head.weight, cache_keyword(inner.get_decoder())
+
+    def forward(ids, attention, position, cache):
+        h = trunk(input_ids=ids, attention_mask=attention, position_ids=position, use_cache=True,
+                  **{keyword: cache}).last_hidden_state[:, -1]
+        if weight.dtype == torch.float32 and weight.device.type == "cpu":
+            return (weight @ h.T).T.contiguous()
+        return F.linear(h, weight)
+    return forward
+
+
 def _draw(logits: torch.Tensor, *, pick: Callable | None, temperature: float, top_k: int | None,
           top_p: float | None, generator: torch.Generator | None):
     """``(token [B], sampled log-prob [B], tempered log-prob [B])`` of one decode step."""
-    z = logits.float() / temperature
+    z = logits.float() if temperature == 1.0 else logits.float() / temperature
     truncated = z if pick is None else truncate_logits(z, top_k=top_k, top_p=top_p)
     token = z.argmax(-1) if pick is None else pick(truncated, generator=generator)
     z_y = z.gather(-1, token[:, None])[:, 0]
@@ -155,7 +259,7 @@ def _draw(logits: torch.Tensor, *, pick: Callable | None, temperature: float, to
 def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                      max_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int, num_samples: int = 1,
                      temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                     sampler: str | None = "gumbel",
+                     sampler: str | None = "inverse_cdf",
                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode ``G`` responses per prompt over the model's KV cache, drawing with ``SAMPLERS[sampler]``.
 
@@ -186,7 +290,8 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
         raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
     check_mask("prompt_mask", prompt_mask, like=prompt_ids, like_name="prompt_ids")
     cache, logits, attention, position = _prefill(model, prompt_ids, prompt_mask, num_samples)
-    cached = {cache_keyword(model): cache}
+    cache = _preallocate(cache, attention.shape[-1] + max_new_tokens)
+    forward = _decode_forward(model)
     stops = torch.as_tensor(list(stop_token_ids), device=prompt_ids.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     tokens, sampled, tempered = [], [], []
@@ -201,8 +306,7 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
             break
         attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], -1)
         position = position + 1
-        logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None],
-                       use_cache=True, **cached).logits[:, -1]
+        logits = forward(token[:, None], attention, position[:, None], cache)
     return tuple(torch.stack(x, -1) for x in (tokens, sampled, tempered))
 
 

@@ -99,7 +99,7 @@ class OnlineConfig(RunConfig):
     overlong_buffer: int | None = None  # DAPO soft overlong punishment: responses in the last N tokens of max_new_tokens lose up to overlong_penalty_factor (None: off; verl overlong_buffer.len)
     overlong_penalty_factor: float = 1.0  # the soft overlong penalty at max_new_tokens (verl overlong_buffer.penalty_factor)
     engine: str = "loop"             # generation engine (loops.engines.ENGINES): loop (the KV-cache decode loop), hf (Hugging Face generate), vllm
-    sampler: str = "gumbel"          # the loop engine's sampling rule (loops.engines.SAMPLERS)
+    sampler: str = "inverse_cdf"     # the loop engine's sampling rule (loops.engines.SAMPLERS)
     engine_options: dict = dataclasses.field(default_factory=dict)  # vllm.LLM keywords when engine=vllm
     # --- optimisation (update) ---
     batch_size: int = 8              # prompts per step (the rollout has batch_size * num_samples rows)

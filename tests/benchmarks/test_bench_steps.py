@@ -22,9 +22,10 @@ B = H.load(ROOT / "benchmarks" / "bench_steps.py")
 def test_protocol_and_floors():
     for tiny in (True, False):
         cases, floors = B.cases(tiny), B.floors(tiny)
-        assert len(cases) == 5 and set(floors) <= set(cases)
+        assert len(cases) == 6 and set(floors) <= set(cases)
         for impls in cases.values():
-            assert next(iter(impls)) == H.REFERENCE_IMPL and len(impls) >= 3
+            assert next(iter(impls)) == H.REFERENCE_IMPL and len(impls) >= 2
+        assert set(B.goals(tiny)) <= set(cases)
     full = B.cases(False)
     assert "dpo fp32 8x256 tok" in full and "rloo step 1x8 samples x64 new" in full
     # the DPO floor by hand for the tiny sizes: V=256, H=16, L=1, 2 pairs of 4 + 4 tokens

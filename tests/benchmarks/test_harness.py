@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import harness as H  # noqa: E402
+import machine as M  # noqa: E402
 import run as R  # noqa: E402
 
 FAKE_BENCH = '''
@@ -61,9 +62,10 @@ def _run_tiny(*extra: str) -> str:
 def test_tiny_run_prints_the_table():
     """The logprobs benchmarks end to end (other topics: the slow test below)."""
     out = _run_tiny("--topics", "logprobs")
-    assert "| case | impl | median ms | IQR ms | vs rlcore (peer/ours) | peak extra MB | × floor |" in out
-    for line in ("## logprobs", "Run: `python benchmarks/run.py --tiny --topics logprobs`", "Versions: torch ",
-                 "Machine: "):
+    assert ("| case | impl | median ms | IQR ms | vs rlcore (peer/ours) | peak extra MB | × floor | load 1 min "
+            "| others' cores |") in out
+    for line in ("### logprobs", "Run: `python benchmarks/run.py --tiny --topics logprobs`", "Versions: torch ",
+                 "Machine: ", "CPU: ", "torch CPU capability ", "BLAS "):
         assert line in out
     rows = [line for line in out.splitlines() if line.startswith("| logits") or line.startswith("| hidden")]
     assert len(rows) >= 5 * 2
@@ -79,15 +81,15 @@ def test_tiny_run_of_every_bench_module():
     out = _run_tiny()
     assert "failed to import" not in out
     for topic in H.discover():
-        assert f"## {topic}" in out
+        assert f"### {topic}" in out
 
 
 def test_missing_peer_and_broken_impl_are_notes_not_crashes(fake_dir, capsys):
     (fake_dir / "bench_zbroken.py").write_text("import a_module_that_does_not_exist\n")
     threads = str(torch.get_num_threads())  # run.main sets it for the process: keep it as it is
     report = R.main(["--tiny", "--dir", str(fake_dir), "--no-memory", "--reps", "2", "--threads", threads])
-    assert "## zbroken" in report and "failed to import: ModuleNotFoundError" in report
-    assert "## fake" in report
+    assert "### zbroken" in report and "failed to import: ModuleNotFoundError" in report
+    assert "### fake" in report
     assert "| alloc | peer | skipped |" in report
     assert "alloc / peer: skipped: not installed (a_peer_that_is_not_installed)" in report
     assert "| broken | rlcore | failed |" in report and "ZeroDivisionError" in report
@@ -106,16 +108,27 @@ def test_memory_probe_measures_peak_extra_in_fresh_processes(fake_dir):
     assert "not installed" in missing["error"]
 
 
-def test_write_replaces_only_the_topics_run():
+CPU_A = {"model": "Vendor CPU A", "isa": "AVX2, AVX-512", "capability": "AVX512", "blas": "mkl 2024.2"}
+CPU_B = {"model": "Vendor CPU B", "isa": "AVX2", "capability": "AVX2", "blas": "openblas"}
+
+
+def test_write_replaces_only_the_topics_run_in_this_cpus_section():
     rates = H.Rates(copy_bytes_per_s=1e9, matmul_flops_per_s=1e12)
-    first = H.format_report({"a": "table A1", "b": "table B1"}, command="run 1", threads=2, rates=rates, machine="m1")
-    second = H.format_report({"b": "table B2", "c": "table C2"}, command="run 2", threads=2, rates=rates,
-                             machine="m2")
-    merged = H.merge_reports(first, second)
-    sections = H.sections_of(merged)
-    assert list(sections) == ["a", "b", "c"] and merged.startswith("# Benchmarks")
-    assert "table A1" in sections["a"] and "run 1" in sections["a"] and "m1" in sections["a"]
-    assert "table B2" in sections["b"] and "run 2" in sections["b"] and "B1" not in merged
+
+    def report(tables, command, cpu):
+        return H.format_report(tables, command=command, threads=2, rates=rates, machine=f"m {command}", cpu=cpu)
+    first = report({"a": "table A1", "b": "table B1"}, "run 1", CPU_A)
+    other_cpu = report({"a": "table A on B"}, "run B", CPU_B)
+    second = report({"b": "table B2", "c": "table C2"}, "run 2", CPU_A)
+    merged = H.merge_reports(H.merge_reports(first, other_cpu), second)
+    cpus = H.sections_of(merged)
+    assert list(cpus) == ["Vendor CPU A (AVX512)", "Vendor CPU B (AVX2)"] and merged.startswith("# Benchmarks")
+    a, b = cpus["Vendor CPU A (AVX512)"], cpus["Vendor CPU B (AVX2)"]
+    assert list(a) == ["", "a", "b", "c"] and list(b) == ["", "a"]
+    assert a[""] == "CPU: Vendor CPU A; AVX2, AVX-512; torch CPU capability AVX512; BLAS mkl 2024.2\n"
+    assert "table A1" in a["a"] and "run 1" in a["a"] and "m run 1" in a["a"]
+    assert "table B2" in a["b"] and "run 2" in a["b"] and "B1" not in merged
+    assert "table A on B" in b["a"] and "run B" in b["a"]  # another CPU's section is kept as it was
     assert H.merge_reports("", first) == first and H.merge_reports(merged, merged) == merged
 
 
@@ -127,13 +140,16 @@ def test_time_thunk_floor_and_table_formatting():
     assert H.floor_seconds({"bytes": 2e9}, rates) == pytest.approx(2.0)
     assert H.floor_seconds({"bytes": 1e6, "flops": 3e12}, rates) == pytest.approx(3.0)
     assert H.floor_seconds(None, rates) is None
+    busy = M.Conditions(2.0, 0.5, 2.9, 1.4, 2600.0, 2600.0)
     rows = [H.Row("t", "c", "rlcore", H.Timing(0.010, 0.009, 0.012, 5), 3 * 2**20, 0.005),
-            H.Row("t", "c", "peer", H.Timing(0.030, 0.02, 0.04, 5), None, 0.005),
+            H.Row("t", "c", "peer", H.Timing(0.030, 0.02, 0.04, 5), None, 0.005, conditions=busy,
+                  not_judged="load 2.90 above 2 threads"),
             H.Row("t", "c", "absent", note="skipped: not installed (x)")]
     table = H.format_table(rows)
-    assert "| c | rlcore | 10 | 3 | 1.00 | 3.0 | 2.00 |" in table
-    assert "| c | peer | 30 | 20 | 3.00 | — | 6.00 |" in table
+    assert "| c | rlcore | 10 | 3 | 1.00 | 3.0 | 2.00 | — | — |" in table
+    assert "| c | peer | 30 | 20 | 3.00 | — | 6.00 | 0.50→2.90 | 1.40 |" in table
     assert "| c | absent | skipped |" in table and "- c / absent: skipped: not installed (x)" in table
+    assert "- c / peer: not judged: load 2.90 above 2 threads" in table
 
 
 def test_discover_and_protocol_of_bench_logprobs():
@@ -183,3 +199,15 @@ def test_goal_lines_say_met_missed_or_not_measured():
         "- goal, d: rlcore ≥ 2× faster than c/peer: 2.40×, met",
     ]
     assert lines[0] in H.format_table(rows, goals)
+
+
+def test_goals_read_from_a_busy_row_are_not_judged():
+    rows = [H.Row("t", "c", "rlcore", H.Timing(0.010, 0.009, 0.012, 5), 10 * 2**20),
+            H.Row("t", "c", "peer", H.Timing(0.030, 0.028, 0.031, 5), 20 * 2**20, not_judged="load 3.00 above 2 threads"),
+            H.Row("t", "c", "calm", H.Timing(0.030, 0.028, 0.031, 5))]
+    goals = {"c": [("speedup", "peer", 2.0), ("memory", "peer", 0.6), ("speedup", "calm", 2.0)]}
+    assert H.goal_lines(rows, goals) == [
+        "- goal, c: rlcore ≥ 2× faster than peer: 3.00×, not judged (peer: load 3.00 above 2 threads)",
+        "- goal, c: rlcore peak ≤ 0.6× peer's: 0.50×, met",  # memory does not depend on the load
+        "- goal, c: rlcore ≥ 2× faster than calm: 3.00×, met",
+    ]

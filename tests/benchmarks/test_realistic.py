@@ -41,17 +41,29 @@ def test_every_case_takes_its_steps(case, impl, model_dir):
 
 
 def test_report_states_the_verdicts_and_replaces_only_its_section():
-    results = {"grpo_lora": {"rlcore": {"steps": [2.0, 2.0], "peak_gib": 4.0},
+    results = {"grpo_lora": {"rlcore": {"steps": [2.0, 2.0], "peak_gib": 4.0, "machine": "0.10→1.90 | 0.02"},
                              "trl": {"steps": [5.0, 5.0], "peak_gib": 10.0}},
+               "dpo_full": {"rlcore": {"steps": [1.0], "peak_gib": 3.0},
+                            "trl": {"steps": [3.0], "peak_gib": 4.0, "not_judged": "load 3.10 above 2 threads"}},
                "sft_full": {"rlcore": {"steps": [1.0], "peak_gib": 30.0}},
                "dpo_lora": {"rlcore": {"error": "ValueError: x"}}}
     text = R.report(results, SimpleNamespace(tiny=True, steps=2, write=False), (0.1, 0.2, 0.3), 60.0)
-    assert "| grpo_lora | trl | 5.0 | 5.0, 5.0 | 10.00 | 2.50 | 2.50 |" in text
+    assert text.startswith("### realistic\n")
+    assert "| grpo_lora | rlcore | 2.0 | 2.0, 2.0 | 4.00 | — | — | 0.10→1.90 | 0.02 |" in text
+    assert "| grpo_lora | trl | 5.0 | 5.0, 5.0 | 10.00 | 2.50 | 2.50 | — | — |" in text
     assert "- goal, grpo_lora: rlcore ≥ 1.5× faster than trl: 2.50×, met" in text
     assert "- goal, grpo_lora: rlcore peak ≤ 0.5× trl's: 0.40×, met" in text
     assert "- goal, sft_full: rlcore peak within 24 GiB: 30.0 GiB, MISSED" in text
     assert "| dpo_lora | rlcore | failed: ValueError: x" in text
-    before = "# Results\n\n## steps\n\nold\n\n## realistic\n\nstale\n\n## zeta\n\nkept\n"
-    after = R._replace_section(before, text)
-    assert "stale" not in after and "## steps\n\nold" in after and after.endswith("## zeta\n\nkept\n")
-    assert R._replace_section("# Results\n", text).endswith(text)
+    cpu = {"model": "Fake CPU", "isa": "AVX2", "capability": "AVX2", "blas": "mkl"}
+    other = {**cpu, "model": "Other CPU"}
+    before = H.merge_reports(H.cpu_report({"steps": "### steps\n\nold\n", "realistic": "### realistic\n\nstale\n"},
+                                          cpu), H.cpu_report({"realistic": "### realistic\n\nkept\n"}, other))
+    after = H.sections_of(R._replace_section(before, text, cpu))
+    assert after["Fake CPU (AVX2)"]["realistic"] == text and after["Fake CPU (AVX2)"]["steps"] == "### steps\n\nold\n"
+    assert after["Other CPU (AVX2)"]["realistic"] == "### realistic\n\nkept\n"
+    assert "stale" not in R._replace_section(before, text, cpu)
+    busy = R.report({"dpo_lora": {"rlcore": {"steps": [1.0], "peak_gib": 1.0},
+                                  "trl": {"steps": [3.0], "peak_gib": 4.0, "not_judged": "load 3.10 above 2 threads"}}},
+                    SimpleNamespace(tiny=True, steps=2, write=False), (0.1, 0.2, 0.3), 60.0)
+    assert "- goal, dpo_lora: rlcore ≥ 2.0× faster than trl: 3.00×, not judged (trl: load 3.10 above 2 threads)" in busy

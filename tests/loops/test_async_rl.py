@@ -338,7 +338,9 @@ def test_interrupted_learner_leaves_no_process_and_no_partial_checkpoint(tmp_pat
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "metrics.jsonl"]  # no .tmp-*
     restored = load_checkpoint(tmp_path / "checkpoint-2", recipe.build_state(config)[0])
-    assert restored.step == 2 and 1 <= restored.policy_version <= 2  # online DPO: a step of ties has no update
+    # online DPO: a step whose pairs all tie has no update, so its version may stay at 0 (it does with
+    # the inverse-CDF sampler's draws on this tiny model)
+    assert restored.step == 2 and (0 if recipe is online_dpo else 1) <= restored.policy_version <= 2
 
 
 def test_interrupt_during_a_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

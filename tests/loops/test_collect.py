@@ -367,7 +367,7 @@ def test_sampling_loop_seed_generator_and_global_rng(llama, tokenizer):
 
 
 def test_sampling_loop_errors(llama, tokenizer):
-    with pytest.raises(ValueError, match=r"sampler: unknown 'fast'; valid: \['gumbel', 'multinomial'\]"):
+    with pytest.raises(ValueError, match=r"sampler: unknown 'fast'; valid: \['gumbel', 'inverse_cdf', 'multinomial'\]"):
         generate_rollout(llama, tokenizer, PROMPTS, engine="loop", sampler="fast")
     with pytest.raises(ValueError, match=r"engine: unknown 'vllm-fast'; valid: \['hf', 'loop', 'vllm'\]"):
         generate_rollout(llama, tokenizer, PROMPTS, engine="vllm-fast")

@@ -102,7 +102,7 @@ def test_generate_kwargs_and_draw_seed():
     config = OnlineConfig(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4, max_prompt_length=9,
                           engine="hf", stop_token_ids=(7,), length_sampler=(2, 4))
     assert generate_kwargs(config) == dict(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4,
-                                           max_prompt_length=9, engine="hf", sampler="gumbel", engine_options={},
+                                           max_prompt_length=9, engine="hf", sampler="inverse_cdf", engine_options={},
                                            stop_token_ids=(7,),
                                            length_sampler=(2, 4), rows_per_call=None)
     g, expected = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)

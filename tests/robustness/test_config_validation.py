@@ -24,7 +24,7 @@ from rlcore.loops.config import FIELD_RULES, check_config, load_config
     ("sft", "keep_last", "-1", r"keep_last: expected >= 1, got -1"),
     ("ppo", "lam", "1.5", r"lam: expected in \[0, 1\], got 1.5"),
     ("grpo", "engine", "fast", r"engine: expected one of \['hf', 'loop', 'vllm'\], got 'fast'"),
-    ("rloo", "sampler", "top", r"sampler: expected one of \['gumbel', 'multinomial'\], got 'top'"),
+    ("rloo", "sampler", "top", r"sampler: expected one of \['gumbel', 'inverse_cdf', 'multinomial'\], got 'top'"),
     ("grpo", "engine_options", "{max_model_len: 64}", r"engine_options: only for engine='vllm', got engine='loop'"),
 ])
 def test_the_cli_refuses_out_of_range_values_before_building_anything(recipe, flag, value, message, capsys):
