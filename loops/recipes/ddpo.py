@@ -218,8 +218,9 @@ def _condition(state: TrainState, config: Config, prompts: Sequence[str]) -> dic
     if config.model is not None:
         encode = state.model("text_encoder")
         with _autocast(config):
+            negative = encode([config.negative_prompts]).float()  # one prompt for every sample: encoded once
             return {K.PROMPT_EMBEDS: encode(prompts).float(),
-                    K.NEGATIVE_PROMPT_EMBEDS: encode([config.negative_prompts] * len(prompts)).float()}
+                    K.NEGATIVE_PROMPT_EMBEDS: negative.expand(len(prompts), -1, -1)}
     unknown = sorted(set(prompts) - set(config.prompts))
     if unknown:
         raise ValueError(f"prompts: the tiny denoiser's classes are {list(config.prompts)}; got {unknown[:4]} "
