@@ -108,6 +108,7 @@ class OnlineConfig(RunConfig):
     generation_batch_size: int | None = None  # rollout rows sampled per call, a multiple of num_samples (None: all; TRL generation_batch_size)
     forward_batch_size: int | None = None  # rows per no-grad scoring forward: reference, values, reward model (None: all)
     lr: float = 1e-5
+    log_entropy: bool = True         # the policy's token entropy, from the loss's own forward, logged as entropy (not trained: no bonus)
     log_completions: int = 0         # held-out prompts whose greedy completions and rewards each evaluation writes to run_dir/completions.jsonl (TRL num_sample_generations / log_completions)
 
     def __post_init__(self):
@@ -337,8 +338,10 @@ def advantage_fn(config: Any) -> Callable[[TensorDictBase], TensorDictBase]:
     return bind_keywords(estimator, config.advantage_kwargs, what="advantage_kwargs", name=config.advantage)
 
 
-def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0) -> TensorDictBase:
-    """A shallow copy of a rollout with the policy's ``logprobs [B, R]`` of its own responses.
+def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0,
+                         with_entropy: bool = False) -> TensorDictBase:
+    """A shallow copy of a rollout with the policy's ``logprobs [B, R]`` of its own responses
+    (and, with ``with_entropy``, its token ``entropy [B, R]`` from the same pass).
 
     ``lp[b, j] = log softmax(z_{b, P−1+j}/τ)[response_ids[b, j]]``, ``z`` the logits of
     ``[prompt | response]`` (``loops.score.sequences``; ``loops.score.token_logprobs_from_model``,
@@ -356,13 +359,15 @@ def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature
     Gradient: flows to ``model``'s parameters.
     """
     ids, mask = sequences(batch)
-    lp = token_logprobs_from_model(model, ids, mask, response_length=batch[K.RESPONSE_IDS].shape[-1],
-                                   temperature=temperature)
-    return batch.copy().update({K.LOGPROBS: lp})
+    out = token_logprobs_from_model(model, ids, mask, response_length=batch[K.RESPONSE_IDS].shape[-1],
+                                    temperature=temperature, with_entropy=with_entropy)
+    if with_entropy:
+        return batch.copy().update({K.LOGPROBS: out[0], K.ENTROPY: out[1]})
+    return batch.copy().update({K.LOGPROBS: out})
 
 
 def policy_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable[..., tuple], temperature: float = 1.0,
-                   **denominators) -> tuple[torch.Tensor, TensorDict]:
+                   with_entropy: bool = False, **denominators) -> tuple[torch.Tensor, TensorDict]:
     """The ``update`` loss closure of the policy-gradient recipes: ``loss(batch + logprobs, **denominators)``.
 
     Args:
@@ -373,12 +378,17 @@ def policy_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable[.
             (hyper-parameters bound with ``functools.partial``).
         temperature: ``τ`` of the log-probs.  denominators: ``num_tokens`` / ``num_seqs`` of the
             optimiser step, from ``update``.
+        with_entropy: the batch also gets the policy's token ``entropy``, detached, from the same
+            pass (the loss reports its mean as ``entropy``).
     Returns:
         ``(loss [], metrics)`` of ``loss``.
 
     Gradient: to the policy's parameters, through ``logprobs``.
     """
-    return loss(with_policy_logprobs(state.model("policy"), batch, temperature=temperature), **denominators)
+    batch = with_policy_logprobs(state.model("policy"), batch, temperature=temperature, with_entropy=with_entropy)
+    if with_entropy:
+        batch[K.ENTROPY] = batch[K.ENTROPY].detach()
+    return loss(batch, **denominators)
 
 
 def policy_update(state: TrainState, batch: TensorDictBase, loss: Callable[..., tuple], *, config: Any,
@@ -401,7 +411,8 @@ def policy_update(state: TrainState, batch: TensorDictBase, loss: Callable[..., 
     if getattr(config, "mask_truncated_completions", False):
         batch = mask_truncated(batch)
     batch, extra = (batch, {}) if correction is None else correction(batch)
-    loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature)
+    loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature,
+                                with_entropy=getattr(config, "log_entropy", False))
     loss_fn = loss_fn if wrap_loss is None else wrap_loss(loss_fn)
     state, metrics = update(state, batch, loss_fn, **update_sizes(config, batch.batch_size[0]),
                             autocast_dtype=autocast_dtype(config),

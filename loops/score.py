@@ -25,7 +25,7 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.checks import check_mask, check_ndim, require_keys
 from rlcore.kl import kl_full
-from rlcore.logprobs import sequence_logprobs, token_logprobs
+from rlcore.logprobs import entropy_from_logits, sequence_logprobs, token_logprobs
 from rlcore.lm_head import hidden_logprobs
 from rlcore.loops.lora import linear_weights
 from rlcore.loops.models import model_device, position_ids_from_mask, reward_model_scores, trunk_hidden
@@ -72,7 +72,8 @@ def _head_params(model: nn.Module) -> dict:
 
 def token_logprobs_from_model(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                               response_length: int | None = None, temperature: float = 1.0, chunked: bool = True,
-                              position_ids: torch.Tensor | None = None, chunk_size: int = 4096) -> torch.Tensor:
+                              position_ids: torch.Tensor | None = None, chunk_size: int = 4096,
+                              with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of a sequence's own tokens through a causal LM, ``log softmax(z/τ)[x_{t+1}]``.
 
     ``lp[b, t] = log softmax(z_{b,t} / τ)[x_{b,t+1}]`` with ``z_{b,t}`` the logits after reading
@@ -95,10 +96,12 @@ def token_logprobs_from_model(model: nn.Module, input_ids: torch.Tensor, attenti
         temperature: ``τ > 0``, the sampling temperature.
         position_ids: ``[B, T]`` long, overrides the positions derived from the mask.
         chunk_size: vocabulary block of the chunked path.
+        with_entropy: also the entropy ``H_t = −Σ_v p_v log p_v`` of ``p = softmax(z_t/τ)`` at the
+            same positions, from the same pass over the vocabulary.
     Returns:
         ``[B, T-1]`` (log-probs of ``input_ids[:, 1:]``) or ``[B, R]`` (of ``input_ids[:, -R:]``),
-        float32 (float64 for a float64 model). Values at padding positions are meaningless:
-        mask them.
+        float32 (float64 for a float64 model); with ``with_entropy``, ``(logprobs, entropy)`` of
+        that shape. Values at padding positions are meaningless: mask them.
 
     References:
         Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models" (log-probs from
@@ -122,11 +125,13 @@ def token_logprobs_from_model(model: nn.Module, input_ids: torch.Tensor, attenti
     if chunked:
         hidden = trunk_hidden(model, input_ids, attention_mask, position_ids=position_ids)[:, T - n - 1:T - 1]
         return hidden_logprobs(hidden, labels=labels, temperature=temperature, chunk_size=chunk_size,
-                               **_head_params(model))
+                               with_entropy=with_entropy, **_head_params(model))
     mask = None if attention_mask is None else attention_mask.long()
     logits = _call(model, input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                    use_cache=False, logits_to_keep=n + 1).logits
-    return token_logprobs(logits[:, logits.shape[1] - n - 1:-1], labels, temperature=temperature)
+    scored = logits[:, logits.shape[1] - n - 1:-1]
+    lp = token_logprobs(scored, labels, temperature=temperature)
+    return (lp, entropy_from_logits(scored, temperature=temperature)) if with_entropy else lp
 
 
 @torch.no_grad()

@@ -57,7 +57,7 @@ class Config(OnlineConfig):
     loss_type: str = "grpo"          # a key of algorithms.policy_gradient.POLICY_LOSSES (TRL loss_type)
     clip_eps_low: float | None = None   # ε_low, None: the preset's (TRL epsilon)
     clip_eps_high: float | None = None  # ε_high, None: the preset's (TRL epsilon_high)
-    kl_coef: float = 0.0             # β of the k3 KL in the loss (TRL beta)
+    kl_coef: float = 0.0             # β of the k3 KL in the loss (TRL beta); 0: no reference forward in the step, so no rollout/kl_ref (eval/kl_ref stays)
     kl: str = "k3"                   # KL estimator in the loss (rlcore.kl.KL_ESTIMATORS)
     advantage: str = "grpo"          # a key of rlcore.baselines.ADVANTAGE_ESTIMATORS (verl adv_estimator)
     advantage_kwargs: dict = dataclasses.field(default_factory=dict)  # its keywords, e.g. {scale: batch, eps: 1.0e-4} (grpo: σ of the batch, TRL scale_rewards; eps on σ)
@@ -65,6 +65,12 @@ class Config(OnlineConfig):
     dynamic_sampling: bool = False   # DAPO: drop groups whose scores are all equal, refill with fresh prompts (loops.filters)
     max_sampling_rounds: int = 3     # at most this many generations per step when refilling (verl max_num_gen_batches)
     run_dir: str | None = "runs/grpo"
+
+    @property
+    def rollout_ref_logprobs(self) -> bool:  # type: ignore[override]
+        """Whether scoring runs the reference: only for the loss's KL term (as TRL's ``beta = 0``
+        loads no reference); the held-out evaluation still measures the KL to it."""
+        return self.kl_coef != 0
 
     @property
     def ratio_level(self) -> str:

@@ -49,7 +49,7 @@ from rlcore import keys as K
 from rlcore.algorithms.ppo import early_stop, ppo_loss
 from rlcore.checks import lookup
 from rlcore.kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
-from rlcore.logprobs import token_logprobs
+from rlcore.logprobs import entropy_from_logits, token_logprobs
 from rlcore.loops.scale.distributed import all_gather_moments, all_reduce_sum, dist_info
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
 from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, collect_rollout, rollout_metrics,
@@ -120,7 +120,7 @@ class Critic(NamedTuple):
     ``loops.online.critic_values``)."""
 
     build: Callable[[nn.Module, Any], nn.Module]   # (policy, config) -> state.models["value"]
-    forward: Callable[..., TensorDictBase]         # (state, batch, ids, mask, temperature) -> logprobs, value_preds
+    forward: Callable[..., TensorDictBase]         # (state, batch, ids, mask, temperature, with_entropy) -> logprobs, value_preds (, entropy)
 
 
 def _response(x: torch.Tensor, batch: TensorDictBase) -> torch.Tensor:
@@ -133,18 +133,24 @@ def _shared_head(policy: nn.Module, config: Any) -> nn.Module:
     return ValueHead(policy.config.hidden_size, seed=config.seed).to(next(policy.parameters()).device)
 
 
-def _shared_forward(state, batch, ids, mask, temperature):
+def _shared_forward(state, batch, ids, mask, temperature, with_entropy=False):
     logits, values = policy_and_values(state.model("policy"), state.model("value"), ids, mask)  # one trunk pass
-    lp = token_logprobs(_response(logits, batch), batch[K.RESPONSE_IDS], temperature=temperature)
-    return batch.copy().update({K.LOGPROBS: lp, K.VALUE_PREDS: _response(values, batch)})
+    logits = _response(logits, batch)
+    lp = token_logprobs(logits, batch[K.RESPONSE_IDS], temperature=temperature)
+    out = {K.LOGPROBS: lp, K.VALUE_PREDS: _response(values, batch)}
+    if with_entropy:
+        out[K.ENTROPY] = entropy_from_logits(logits.detach(), temperature=temperature)
+    return batch.copy().update(out)
 
 
 def _separate_model(policy: nn.Module, config: Any) -> nn.Module:
     return build_policy(config, task="value")[0]
 
 
-def _separate_forward(state, batch, ids, mask, temperature):
-    batch = with_policy_logprobs(state.model("policy"), batch, temperature=temperature)
+def _separate_forward(state, batch, ids, mask, temperature, with_entropy=False):
+    batch = with_policy_logprobs(state.model("policy"), batch, temperature=temperature, with_entropy=with_entropy)
+    if with_entropy:
+        batch[K.ENTROPY] = batch[K.ENTROPY].detach()
     return batch.update({K.VALUE_PREDS: _response(token_values(state.model("value"), ids, mask), batch)})
 
 
@@ -160,7 +166,8 @@ def ppo_loss_fn(state: TrainState, batch: TensorDictBase, *, config: Config,
     ``early_stop`` flag (``approx_kl_k1 > 1.5·target_kl``) when ``early_stopping``."""
     ids, mask = sequences(batch)
     critic = lookup(CRITICS, config.value_model, what="value_model")
-    batch = critic.forward(state, batch, ids, mask, config.temperature)  # logprobs, value_preds: differentiable
+    batch = critic.forward(state, batch, ids, mask, config.temperature,  # logprobs, value_preds: differentiable
+                           with_entropy=config.log_entropy)
     loss, metrics = ppo_loss(batch, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
                              vf_coef=config.vf_coef, cliprange_value=config.cliprange_value,
                              ratio_threshold=config.ratio_threshold, **denominators)

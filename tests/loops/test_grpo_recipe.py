@@ -172,3 +172,16 @@ def test_truncated_responses_are_flagged_and_can_leave_the_loss(monkeypatch):
     assert torch.equal(masked[K.ATTENTION_MASK], torch.cat([masked[K.PROMPT_MASK], masked[K.RESPONSE_MASK]], -1))
     unflagged = plain.exclude(K.TRUNCATED)
     assert mask_truncated(unflagged) is unflagged
+
+
+def test_no_reference_forward_without_a_kl_term(monkeypatch):
+    """kl_coef = 0: scoring skips the reference (TRL's beta = 0); with a KL term it runs, and is logged."""
+    import rlcore.loops.online as online
+
+    calls = []
+    real = online.score_rollout
+    monkeypatch.setattr(online, "score_rollout", lambda *a, **k: calls.append(k["ref"] is not None) or real(*a, **k))
+    _, off = grpo.train(grpo.Config(**TINY, steps=1, num_samples=2, kl_coef=0.0), reward_fn=digit_fraction)
+    _, on = grpo.train(grpo.Config(**TINY, steps=1, num_samples=2, kl_coef=0.1), reward_fn=digit_fraction)
+    assert calls == [False, True]
+    assert "rollout/kl_ref" not in off[0] and "rollout/kl_ref" in on[0]

@@ -209,6 +209,39 @@ def test_policy_logprobs_and_loss_closure(setup):
     assert float(metrics["ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_loss_forward_reports_the_policy_entropy(setup, temperature):
+    """with_entropy: the entropy metric is mean_{b,t} −Σ_v p log p of softmax(z/τ) at the response
+    positions, written out from the full logits; the loss and its gradient are those without it."""
+    config, state, tokenizer, rows = setup
+    _, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+    rollout = rollout.update({K.ADVANTAGES: torch.linspace(-1, 1, rollout.batch_size[0])[:, None].expand_as(
+        rollout[K.OLD_LOGPROBS]).contiguous()})
+    policy = state.model("policy")
+    runs = []
+    for with_entropy in (False, True):
+        loss, metrics = policy_loss_fn(state, rollout, loss=grpo_loss, temperature=temperature,
+                                       with_entropy=with_entropy)
+        loss.backward()
+        runs.append((loss.detach(), metrics, [p.grad.clone() for p in policy.parameters()]))
+        state.optimizer.zero_grad(set_to_none=True)
+    (loss0, m0, g0), (loss1, m1, g1) = runs
+    assert "entropy" not in m0.keys()
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    P, R = rollout[K.PROMPT_IDS].shape[-1], rollout[K.RESPONSE_IDS].shape[-1]
+    ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
+    mask = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
+    with torch.no_grad():
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = policy(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits[:, P - 1:P - 1 + R]
+        logp = (logits.double() / temperature).log_softmax(-1)
+        h = -(logp.exp() * logp).sum(-1)
+    m = rollout[K.RESPONSE_MASK]
+    assert float(m1["entropy"]) == pytest.approx(float(h[m].mean()), rel=1e-5)
+
+
 def test_rollout_metrics_values():
     mask = torch.tensor([[True, True, False], [True, False, False]])
     rollout = {K.RESPONSE_MASK: mask, K.SCORE: torch.tensor([1.0, 3.0]),
