@@ -38,6 +38,7 @@ __all__ = ["token_logprobs", "entropy_from_logits", "sequence_logprobs"]
 # large enough that per-op overhead stays negligible (4 MB chunks ran ~3x slower than 16 MB ones
 # on a busy CPU, no faster on an idle one); the hidden path's blocks also feed matmuls.
 _CHUNK_BYTES = 16 * 2**20
+_FAR = 2.0**24  # |log-normaliser| from which its float32 ulp (≥ 1) rounds a softmax probability away
 _BLOCK_BYTES = 32 * 2**20  # rlcore.lm_head's
 
 
@@ -148,6 +149,12 @@ def _grad_chunks(logits, lse, rows, temperature, fill, shifts=None) -> torch.Ten
 
     ``work`` is the gradient's own rows when no cast is needed (no temporary at all), else one
     reusable float32 chunk copied into the half-precision gradient.
+
+    A chunk whose log-normalisers reach ``|lse| ≥ 2^24`` (logits near the ends of the float range
+    without a shift, ``τ ≥ 1``; a label logit overflowing below the row's maximum, ``lse = +inf``,
+    with or without) is read again through ``log_softmax``, which works relative to each row's
+    maximum: ``x − lse`` would round the probabilities away there (the ulp of 3e38 is 2e31). One
+    host check per chunk decides.
     """
     acc = lse.dtype
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -156,10 +163,14 @@ def _grad_chunks(logits, lse, rows, temperature, fill, shifts=None) -> torch.Ten
         sl = slice(off, off + len(chunk))
         dst = grad_rows[sl]
         out = dst if buf is None else buf
-        if shifts is None and temperature == 1.0:
+        shift = None if shifts is None else shifts[sl]
+        if len(chunk) and bool(lse[sl].abs().amax() >= _FAR):
+            x = _scaled(chunk, temperature, out, shift)
+            work = x.copy_(torch.log_softmax(x, dim=-1))
+        elif shifts is None and temperature == 1.0:
             work = torch.sub(chunk, lse[sl, None], out=out[:len(chunk)])  # half chunks promoted
         else:
-            work = _scaled(chunk, temperature, out, None if shifts is None else shifts[sl]).sub_(lse[sl, None])
+            work = _scaled(chunk, temperature, out, shift).sub_(lse[sl, None])
         fill(work.clamp_(max=0.0), sl)
         if work is not dst:
             dst.copy_(work)

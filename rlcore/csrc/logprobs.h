@@ -29,6 +29,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
@@ -302,44 +303,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_fwd(const at::Tensor& lo
   return {out, shift, lse};
 }
 
-at::Tensor logprobs_bwd(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& labels,
-                        const at::Tensor& shift, const at::Tensor& lse, double temperature) {
-  check_logits(logits);
+// The frame both backward kernels share: a fresh gradient and, per row r, its logits x, its
+// gradient row g and the row's c = grad_r/τ, shift m and log-normaliser l; `row(x, g, r, c, m, l)`
+// writes g (its element type T: the logits').
+template <typename Row>
+at::Tensor backward_rows(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& shift,
+                         const at::Tensor& lse, double temperature, const Row& row) {
   const int64_t n = rows_of(logits), V = logits.size(-1);
   for (auto [t, name] : {std::pair{&grad, "grad"}, {&shift, "shift"}, {&lse, "lse"}}) check_rows(*t, n, at::kFloat, name);
-  check_rows(labels, n, at::kLong, "labels");
   at::Tensor out = fresh_like(logits);
-  const float inv_t = static_cast<float>(1.0 / temperature), tau = static_cast<float>(temperature);
-  const int64_t* y = labels.const_data_ptr<int64_t>();
+  const float tau = static_cast<float>(temperature);
   const float *pg = grad.const_data_ptr<float>(), *pm = shift.const_data_ptr<float>(),
               *pl = lse.const_data_ptr<float>();
   RLCORE_DISPATCH(logits.scalar_type(), [&] {
-    constexpr int64_t kStep = Io<T>::kStep;
     const Rows<T> rows(logits);
     T* base = out.data_ptr<T>();
     at::parallel_for(0, n, grain(V), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const T* x = rows[r];
-        T* g = base + r * V;
-        const float c = pg[r] / tau, m = pm[r], l = pl[r];
-        // log p_v·kUnit = (x_v − m)·k − lse·kUnit, clamped to ≤ 0
-        const Vec vsh(m), vk(kUnit * inv_t), vl(l * kUnit), vnc(-c), vzero(0.f);
-        int64_t j = 0;
-        for (; j + kStep <= V; j += kStep) {  // g_v = −c·p_v
-          Vec a, b;
-          Io<T>::load(x + j, a, b);
-          const Vec pa = exp_u(at::vec::minimum(at::vec::fmsub(a - vsh, vk, vl), vzero));
-          const Vec pb = exp_u(at::vec::minimum(at::vec::fmsub(b - vsh, vk, vl), vzero));
-          Io<T>::store(g + j, pa * vnc, pb * vnc);
-        }
-        for (; j < V; ++j) g[j] = static_cast<T>(-c * std::exp(std::min((static_cast<float>(x[j]) - m) * inv_t - l, 0.f)));
-        // the label: c·(1 − p_y)
-        const float py = std::exp(std::min((static_cast<float>(x[y[r]]) - m) * inv_t - l, 0.f));
-        g[y[r]] = static_cast<T>(-c * py + c);
-      }
+      for (int64_t r = begin; r < end; ++r) row(rows[r], base + r * V, r, pg[r] / tau, pm[r], pl[r]);
     });
   });
   return out;
+}
+
+at::Tensor logprobs_bwd(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& labels,
+                        const at::Tensor& shift, const at::Tensor& lse, double temperature) {
+  check_logits(logits);
+  const int64_t V = logits.size(-1);
+  check_rows(labels, rows_of(logits), at::kLong, "labels");
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  const int64_t* y = labels.const_data_ptr<int64_t>();
+  return backward_rows(grad, logits, shift, lse, temperature, [&](const auto* x, auto* g, int64_t r, float c,
+                                                                  float m, float l) {
+    using T = std::remove_pointer_t<decltype(g)>;
+    constexpr int64_t kStep = Io<T>::kStep;
+    // log p_v·kUnit = (x_v − m)·k − lse·kUnit, clamped to ≤ 0
+    const Vec vsh(m), vk(kUnit * inv_t), vl(l * kUnit), vnc(-c), vzero(0.f);
+    int64_t j = 0;
+    for (; j + kStep <= V; j += kStep) {  // g_v = −c·p_v
+      Vec a, b;
+      Io<T>::load(x + j, a, b);
+      const Vec pa = exp_u(at::vec::minimum(at::vec::fmsub(a - vsh, vk, vl), vzero));
+      const Vec pb = exp_u(at::vec::minimum(at::vec::fmsub(b - vsh, vk, vl), vzero));
+      Io<T>::store(g + j, pa * vnc, pb * vnc);
+    }
+    for (; j < V; ++j) g[j] = static_cast<T>(-c * std::exp(std::min((static_cast<float>(x[j]) - m) * inv_t - l, 0.f)));
+    // the label: c·(1 − p_y)
+    const float py = std::exp(std::min((static_cast<float>(x[y[r]]) - m) * inv_t - l, 0.f));
+    g[y[r]] = static_cast<T>(-c * py + c);
+  });
 }
 
 // --- entropy ----------------------------------------------------------------------------------
@@ -369,43 +380,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> entropy_fwd(const at::Tensor& log
 at::Tensor entropy_bwd(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& ent,
                        const at::Tensor& shift, const at::Tensor& lse, double temperature) {
   check_logits(logits);
-  const int64_t n = rows_of(logits), V = logits.size(-1);
-  for (auto [t, name] : {std::pair{&grad, "grad"}, {&ent, "ent"}, {&shift, "shift"}, {&lse, "lse"}})
-    check_rows(*t, n, at::kFloat, name);
-  at::Tensor out = fresh_like(logits);
-  const float inv_t = static_cast<float>(1.0 / temperature), tau = static_cast<float>(temperature);
-  const float *pg = grad.const_data_ptr<float>(), *ph = ent.const_data_ptr<float>(),
-              *pm = shift.const_data_ptr<float>(), *pl = lse.const_data_ptr<float>();
-  RLCORE_DISPATCH(logits.scalar_type(), [&] {
+  const int64_t V = logits.size(-1);
+  check_rows(ent, rows_of(logits), at::kFloat, "ent");
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  const float* ph = ent.const_data_ptr<float>();
+  return backward_rows(grad, logits, shift, lse, temperature, [&](const auto* x, auto* g, int64_t r, float c,
+                                                                  float m, float l) {
+    using T = std::remove_pointer_t<decltype(g)>;
     constexpr int64_t kStep = Io<T>::kStep;
-    const Rows<T> rows(logits);
-    T* base = out.data_ptr<T>();
-    at::parallel_for(0, n, grain(V), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const T* x = rows[r];
-        T* g = base + r * V;
-        const float c = pg[r] / tau, m = pm[r], l = pl[r], h = ph[r];
-        const Vec vsh(m), vk(kUnit * inv_t), vl(l * kUnit), vnc(-c), vzero(0.f), vlow(kLowest), vh(h),
-            vunit(1.f / kUnit);
-        // g_v = −c·p_v·(log p_v + H), log p_v clamped to [lowest, 0]
-        auto one = [&](const Vec& v) {
-          const Vec lu = at::vec::minimum(at::vec::fmsub(v - vsh, vk, vl), vzero);  // log p_v·kUnit
-          return exp_u(lu) * (at::vec::maximum(lu * vunit, vlow) + vh) * vnc;
-        };
-        int64_t j = 0;
-        for (; j + kStep <= V; j += kStep) {
-          Vec a, b;
-          Io<T>::load(x + j, a, b);
-          Io<T>::store(g + j, one(a), one(b));
-        }
-        for (; j < V; ++j) {
-          const float lp = std::min((static_cast<float>(x[j]) - m) * inv_t - l, 0.f);
-          g[j] = static_cast<T>(-c * std::exp(lp) * (std::max(lp, kLowest) + h));
-        }
-      }
-    });
+    const float h = ph[r];
+    const Vec vsh(m), vk(kUnit * inv_t), vl(l * kUnit), vnc(-c), vzero(0.f), vlow(kLowest), vh(h),
+        vunit(1.f / kUnit);
+    // g_v = −c·p_v·(log p_v + H), log p_v clamped to [lowest, 0]
+    auto one = [&](const Vec& v) {
+      const Vec lu = at::vec::minimum(at::vec::fmsub(v - vsh, vk, vl), vzero);  // log p_v·kUnit
+      return exp_u(lu) * (at::vec::maximum(lu * vunit, vlow) + vh) * vnc;
+    };
+    int64_t j = 0;
+    for (; j + kStep <= V; j += kStep) {
+      Vec a, b;
+      Io<T>::load(x + j, a, b);
+      Io<T>::store(g + j, one(a), one(b));
+    }
+    for (; j < V; ++j) {
+      const float lp = std::min((static_cast<float>(x[j]) - m) * inv_t - l, 0.f);
+      g[j] = static_cast<T>(-c * std::exp(lp) * (std::max(lp, kLowest) + h));
+    }
   });
-  return out;
 }
 
 }  // namespace

@@ -135,8 +135,8 @@ def test_extreme_logits(pure, dtype, temperature):
     """Logits at ±3e38 (finite), −inf (masked vocabulary), ties at the top of the range: log p ≤ 0
     and finite gradients, both as the float64 formula gives them (the statistics are kept relative
     to the row maximum); a −inf label gives −inf, a finite one past the float32 range the lowest
-    float32. The pure path's values agree; its gradient at
-    τ ≥ 1 does not (it subtracts a log-normaliser of magnitude 3e38, whose ulp is 2e31)."""
+    float32. The pure path agrees in values and gradients (its backward reads such chunks again
+    through log_softmax: at τ ≥ 1 it has no shift, and an overflowing label leaves lse = +inf)."""
     inf = float("inf")
     x = torch.tensor([[BIG, -BIG, 0.0, 1.0], [BIG, BIG, -inf, -BIG], [-BIG, -BIG, -BIG, -BIG],
                       [0.0, -inf, 1.0, -inf], [-inf, -inf, 5.0, -inf], [1e30, -1e30, 3.0, 2.0]]).to(dtype)
@@ -151,11 +151,14 @@ def test_extreme_logits(pure, dtype, temperature):
         torch.testing.assert_close(lp, lp_pure, rtol=1e-5, atol=1e-5)
         assert torch.isfinite(g).all() and torch.isfinite(g_pure).all()
         torch.testing.assert_close(g.double(), g64, rtol=grad_rtol, atol=1e-6)
-    (h, gh), _ = _both(pure, entropy_from_logits, x, g=torch.ones(6), temperature=temperature)
+        torch.testing.assert_close(g_pure.double(), g64, rtol=grad_rtol, atol=1e-6)
+    (h, gh), (h_pure, gh_pure) = _both(pure, entropy_from_logits, x, g=torch.ones(6), temperature=temperature)
     h64, gh64 = _float64(lambda logp: -(logp.exp() * logp.clamp(min=-1e300)).sum(-1), x, temperature=temperature)
     assert torch.isfinite(h).all() and torch.isfinite(gh).all() and (h >= 0).all()
     torch.testing.assert_close(h.double(), h64, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gh.double(), gh64, rtol=grad_rtol, atol=1e-6)
+    torch.testing.assert_close(h_pure.double(), h64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gh_pure.double(), gh64, rtol=grad_rtol, atol=1e-6)
 
 
 def test_nan_rows_stay_in_their_rows(pure):
