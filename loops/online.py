@@ -79,6 +79,8 @@ class OnlineConfig(RunConfig):
 
     # whether scoring adds the rollout's per-token reference log-probs (online DPO's pairs get theirs)
     rollout_ref_logprobs: ClassVar[bool] = True
+    # whether ``learn`` runs the reference itself (online DPO); placement keeps it with the learner then
+    learn_uses_ref: ClassVar[bool] = False
 
     # --- models ---
     reward_model: str | None = None  # local path of a sequence-classification reward model (same tokenizer)

@@ -66,6 +66,7 @@ class Config(OnlineConfig):
     run_dir: str | None = "runs/online_dpo"
 
     rollout_ref_logprobs: ClassVar[bool] = False  # the pairs get their reference log-probs (at temperature 1)
+    learn_uses_ref: ClassVar[bool] = True
     ratio_level: ClassVar[str | None] = None  # no importance ratio: the asynchronous correction is refused
 
     def check(self) -> None:

@@ -22,9 +22,9 @@ submits item ``t + N`` right after pushing the weights of step ``t − 1``: a ro
 batch ``t+1`` with the update on batch ``t`` (as ``loops.scale.async_rl``).
 
 Which models sit where: the scorer holds the reward model and adds the reference log-probs of
-the rollout when the recipe scores them there (GRPO, RLOO, PPO); a recipe that asks for none
-(``rollout_ref_logprobs = False``: online DPO, whose pairs get theirs in ``learn``) keeps its
-reference in the learner. PPO's critic stays with the learner, which computes the values with
+the rollout when the recipe scores them there (GRPO with a KL term, RLOO, PPO); a recipe whose
+``learn`` runs the reference itself (``learn_uses_ref``: online DPO, whose pairs get theirs in
+``learn``) keeps its reference in the learner. PPO's critic stays with the learner, which computes the values with
 its current weights (``score_collected`` scores with the models the learner's state holds).
 
 Weights: each push is checked (``ray.get``) just before the next one and at the end of the run
@@ -230,7 +230,7 @@ class LearnerWorker:
             state = resume(config.run_dir, state)
         # the scorer holds the reward model, and the reference unless learn needs it here
         self.reference = config.rollout_ref_logprobs
-        moved = ("reward", "ref") if self.reference else ("reward",)
+        moved = ("reward",) if config.learn_uses_ref else ("reward", "ref")
         self.state = dataclasses.replace(state, models={k: v for k, v in state.models.items() if k not in moved})
 
     def train(self, generator, scorer, *, max_lag: int,

@@ -116,7 +116,7 @@ def test_learn_after_the_scorer_equals_learn_with_every_model(one_thread, recipe
                                         reward_fn=LENGTH_REWARD)
     lean, _ = recipe.build_state(config)
     reference = config.rollout_ref_logprobs
-    kept = sorted(k for k in lean.models if k != "reward" and not (k == "ref" and reference))
+    kept = sorted(k for k in lean.models if k != "reward" and not (k == "ref" and not config.learn_uses_ref))
     lean = dataclasses.replace(lean, models={k: lean.models[k] for k in kept})
     scored = placement.ScorerWorker(config, reward_fn=LENGTH_REWARD).score(rollout, rows, reference=reference)
     got_state, got = assert_pure_state(learn_off_policy, lean, rows, scored, config=config, tokenizer=tokenizer)
