@@ -21,7 +21,7 @@ VLLM_LATEST_VENV ?= .venv-vllm-latest
 # torch==2.13.0 (the CPU build) is in every install command that could otherwise resolve torch on its own.
 LOCKED_INSTALL = -m pip install --quiet --no-deps -r
 
-.PHONY: setup demo test test-gpu lint docs test-vllm latest-env vllm-latest-env test-latest lock bench bench-realistic clean
+.PHONY: setup demo test test-gpu lint docs test-vllm latest-env vllm-latest-env test-latest lock bench bench-realistic bench-learning clean
 setup: $(VENV)/.installed
 
 # The lock holds every dependency, so --no-deps installs exactly its lines; the check confirms it.
@@ -95,6 +95,10 @@ bench: setup
 # rlcore and TRL at 0.5B scale (LoRA and full-parameter bf16 steps, each run in its own process): an hour on 2 cores
 bench-realistic: setup
 	$(PY) benchmarks/realistic.py --write
+
+# every RL recipe on the task battery, and GRPO / RLOO side by side with TRL (docs/learning.md): 75 minutes on 2 cores
+bench-learning: setup
+	$(PY) benchmarks/learning.py --workers 2 --write
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) $(VLLM_LATEST_VENV) build *.egg-info

@@ -1,6 +1,6 @@
 """Learning that transfers: every RL recipe on every task of the battery, and side by side with TRL.
 
-``python benchmarks/bench_learning.py [--workers 2] [--tasks ...] [--seeds ...] [--recipes ...]
+``python benchmarks/learning.py [--workers 2] [--tasks ...] [--seeds ...] [--recipes ...]
 [--seconds S] [--no-trl] [--out DIR] [--write]`` runs, with the settings of
 ``benchmarks/learning.yaml`` (one file for every task: nothing is tuned per task):
 
@@ -181,8 +181,7 @@ def sampled_pairs(policy, tokenizer, dataset, reward_fn, *, num_samples: int, ma
     answers = [a for a in dataset["answer"] for _ in range(num_samples)]
     scores = torch.tensor(reward_fn([p for p in prompts for _ in range(num_samples)], texts, answer=answers),
                           dtype=torch.float64).view(len(prompts), num_samples)
-    texts = [t.strip() for t in texts]
-    empty = torch.tensor([not t for t in texts]).view(len(prompts), num_samples)
+    empty = torch.tensor([not t for t in texts]).view(len(prompts), num_samples)  # the answers as scored
     pairs = []
     for i, prompt in enumerate(prompts):  # an empty answer cannot be a side (the DPO data check refuses it)
         best = int(scores[i].masked_fill(empty[i], -torch.inf).argmax())
@@ -464,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recipes", nargs="+", help="a subset of the recipes")
     parser.add_argument("--seconds", type=float, help="RL budget per run (and TRL's, if lower)")
     parser.add_argument("--no-trl", action="store_true", help="skip the side by side with TRL")
-    parser.add_argument("--out", default=str(ROOT / "runs" / "bench_learning"), help="per-job results")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "learning"), help="per-job results")
     parser.add_argument("--write", action="store_true", help="update docs/learning.md and docs/learning_trl.png")
     args = parser.parse_args(argv)
     settings = load_settings(args.settings, tasks=args.tasks, seeds=args.seeds, seconds=args.seconds)
