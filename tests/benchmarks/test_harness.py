@@ -160,6 +160,15 @@ def test_discover_and_protocol_of_bench_logprobs():
     assert set(floors) == set(cases)
     for impls in cases.values():
         assert next(iter(impls)) == H.REFERENCE_IMPL
+    goals = module.goals(True)
+    assert set(goals) == set(cases)
+    for case, lines in goals.items():  # every goal reads rows the topic times
+        for kind, other, _ in lines:
+            where, impl = other.split("/") if "/" in other else (case, other)
+            assert kind == "floor" or impl in cases[where], (case, other)
+    bf16 = [lines for case, lines in goals.items() if "bf16" in case]
+    assert bf16 and all({o for _, o, _ in lines} == {"cross_entropy", o32} and "fp32" in o32
+                        for lines in bf16 for o32 in [lines[0][1]])
     versions = H.versions()
     assert set(versions) >= {"torch", "trl", "torchrl"}
 
