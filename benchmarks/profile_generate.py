@@ -3,8 +3,8 @@
     python benchmarks/profile_generate.py [--tiny] [--model tiny|qwen] [--top 12]
 
 The same cases as ``bench_steps``' ``collect`` rows (8 samples of 64 new tokens from one prompt of
-64; ``--model qwen``: the Qwen2.5-0.5B shape in bfloat16), each run once untimed and then once
-under ``torch.profiler``. For each side it prints the wall time, the self CPU time summed over
+64; ``--model qwen``: the Qwen2.5-0.5B shape in bfloat16), each built by ``bench_steps``' builder
+(which runs it once, untimed) and then run once under ``torch.profiler``. For each side it prints the wall time, the self CPU time summed over
 operators, the share spent in the operators both sides must run (the matrix products and the
 attention kernel: ``MATMUL_OPS``), and the top operators.
 
@@ -46,8 +46,7 @@ class Profile:
 
 
 def profile(name: str, thunk, top: int = 12) -> Profile:
-    """Run ``thunk`` once to warm up, then once under the profiler."""
-    thunk()
+    """Run ``thunk`` (already warmed up by its builder) once under the profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         thunk()

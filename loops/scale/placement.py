@@ -24,8 +24,8 @@ batch ``t+1`` with the update on batch ``t`` (as ``loops.scale.async_rl``).
 Which models sit where: the scorer holds the reward model and adds the reference log-probs of
 the rollout when the recipe scores them there (GRPO with a KL term, RLOO, PPO); a recipe whose
 ``learn`` runs the reference itself (``learn_uses_ref``: online DPO, whose pairs get theirs in
-``learn``) keeps its reference in the learner. PPO's critic stays with the learner, which computes the values with
-its current weights (``score_collected`` scores with the models the learner's state holds).
+``learn``) keeps its reference in the learner. PPO's critic stays with the learner, which
+computes the values with its current weights (``score_collected`` scores with the models the learner's state holds).
 
 Weights: each push is checked (``ray.get``) just before the next one and at the end of the run
 (:class:`WeightPush`), so an error in the generator's ``set_weights`` fails the learner's run
