@@ -31,6 +31,11 @@ _VARIANTS = {
        if _X86 else {}),
 }
 
+# at::parallel_for is inline and runs its rows on OpenMP threads only where the extension itself is
+# compiled with OpenMP; without the flag it runs every row on the calling thread. Linux torch
+# wheels ship libgomp.so.1, which the kernels' libgomp.so.1 resolves to at load: one thread pool.
+_OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
+
 
 def _warn(message: str) -> None:
     print(f"WARNING: rlcore: {message}; installing without the compiled CPU kernels "
@@ -58,13 +63,22 @@ def _kernels() -> dict:
             try:
                 super().build_extension(ext)
             except Exception as err:  # noqa: BLE001
-                _warn(f"building {ext.name} failed ({err})")
+                if not _OPENMP or _OPENMP[0] not in ext.extra_compile_args:
+                    _warn(f"building {ext.name} failed ({err})")
+                    return
+                # a compiler without OpenMP (clang without libomp): the same kernels on one thread
+                print(f"WARNING: rlcore: building {ext.name} with OpenMP failed ({err}); building it "
+                      "without (its rows then run on the calling thread only)", file=sys.stderr)
+                ext.extra_compile_args = [a for a in ext.extra_compile_args if a not in _OPENMP]
+                ext.extra_link_args = [a for a in ext.extra_link_args if a not in _OPENMP]
+                self.build_extension(ext)
 
     tag = re.sub(r"\W", "_", torch.__version__)
     modules = [
         CppExtension(f"rlcore._logprobs_{name}_torch{tag}", [f"rlcore/csrc/logprobs_{name}.cpp"],
                      depends=["rlcore/csrc/logprobs.h"],
-                     extra_compile_args=["-O3", "-fvisibility=hidden", "-fno-math-errno", *flags])
+                     extra_compile_args=["-O3", "-fvisibility=hidden", "-fno-math-errno", *_OPENMP, *flags],
+                     extra_link_args=_OPENMP)
         for name, flags in _VARIANTS.items()
     ]
     return {"ext_modules": modules, "cmdclass": {"build_ext": Build}}

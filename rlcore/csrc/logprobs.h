@@ -412,7 +412,16 @@ at::Tensor entropy_bwd(const at::Tensor& grad, const at::Tensor& logits, const a
 }  // namespace
 }  // namespace rlcore_kernels
 
+// How many threads the kernels' at::parallel_for runs n rows on (one where the build has no
+// OpenMP): the tests check that the rows really spread over torch's intra-op threads.
+static int64_t parallel_threads(int64_t n) {
+  std::vector<char> used(static_cast<size_t>(std::max<int64_t>(at::get_num_threads(), 1)), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) { used[static_cast<size_t>(at::get_thread_num())] = 1; });
+  return std::count(used.begin(), used.end(), 1);
+}
+
 TORCH_LIBRARY(rlcore, m) {
+  m.def("parallel_threads(int n) -> int", &parallel_threads);
   m.def("logprobs_fwd(Tensor logits, Tensor labels, float temperature) -> (Tensor, Tensor, Tensor)");
   m.def("logprobs_bwd(Tensor grad, Tensor logits, Tensor labels, Tensor shift, Tensor lse, float temperature) -> Tensor");
   m.def("entropy_fwd(Tensor logits, float temperature) -> (Tensor, Tensor, Tensor)");

@@ -75,6 +75,38 @@ def test_the_kernels_run_where_they_are_built():
     assert "Entropy" in type(entropy_from_logits(x).grad_fn).__name__
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels use OpenMP on Linux builds only")
+def test_rows_spread_over_the_intra_op_threads():
+    """at::parallel_for runs rows on torch's threads only where the build has OpenMP."""
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert _kernels.ops.parallel_threads(8) == threads
+            assert _kernels.ops.parallel_threads(1) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_results_do_not_depend_on_the_thread_count(dtype):
+    """Each row is one thread's work, in the same order whatever the split: bitwise equal."""
+    x = _logits(6, 7, 3001, dtype=dtype)
+    y = torch.randint(0, 3001, (6, 7), generator=torch.Generator().manual_seed(1))
+    before, out = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            leaf = x.clone().requires_grad_()
+            lp, h = token_logprobs(leaf, y, temperature=0.7), entropy_from_logits(leaf)
+            out.append((lp, h, torch.autograd.grad(lp.sum(), leaf)[0], torch.autograd.grad(h.sum(), leaf)[0]))
+    finally:
+        torch.set_num_threads(before)
+    for other in out[1:]:
+        for a, b in zip(out[0], other):
+            assert torch.equal(a, b)
+
+
 # vocabularies around the vector widths (16 / 32 floats per step) and the 2048-wide blocks
 VOCABS = [1, 2, 31, 32, 33, 100, 2048, 2049, 5000]
 
@@ -193,7 +225,8 @@ for dtype, grad_rtol in ((torch.float32, 0.0), (torch.bfloat16, 2**-7), (torch.f
     torch.testing.assert_close((lp, h), (lp2, h2), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g.float(), g2.float(), rtol=grad_rtol, atol=2e-6)
     torch.testing.assert_close(gh.float(), gh2.float(), rtol=0, atol=max(grad_rtol, 2e-6))
-print(k.variant)
+torch.set_num_threads(2)
+print(ops.parallel_threads(8), k.variant)
 """
 
 
@@ -219,7 +252,9 @@ def test_every_build_agrees_with_the_pure_path(build):
     env = {**os.environ, "RLCORE_KERNEL_BUILD": build}
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-1] == build
+    threads, variant = out.stdout.split()[-2:]
+    assert variant == build
+    assert threads == ("2" if sys.platform.startswith("linux") else "1")  # OpenMP in every Linux build
 
 
 def test_the_environment_switch_forces_the_pure_path():
