@@ -78,7 +78,7 @@ def _kernels() -> dict:
         CppExtension(f"rlcore._logprobs_{name}_torch{tag}", [f"rlcore/csrc/logprobs_{name}.cpp"],
                      depends=["rlcore/csrc/logprobs.h"],
                      extra_compile_args=["-O3", "-fvisibility=hidden", "-fno-math-errno", *_OPENMP, *flags],
-                     extra_link_args=_OPENMP)
+                     extra_link_args=list(_OPENMP))
         for name, flags in _VARIANTS.items()
     ]
     return {"ext_modules": modules, "cmdclass": {"build_ext": Build}}

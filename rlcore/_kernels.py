@@ -6,6 +6,11 @@ instructions or without, then ``AVX2``, then ``default``; ``RLCORE_KERNEL_BUILD=
 one), which registers the operators ``torch.ops.rlcore.{logprobs,entropy}_{fwd,bwd}`` (with
 shape-only implementations, so that they trace under ``torch.compile``).
 
+Rows are spread over torch's intra-op threads (``torch.set_num_threads``) where the build has
+OpenMP, as every Linux build does (``torch.ops.rlcore.parallel_threads(n)`` says how many threads
+``n`` rows run on). Each row is one thread's work, computed the same way whatever the split, so
+results are bitwise the same for any thread count.
+
 ``ops`` is ``None`` where no build loads (not compiled, another torch, another platform) or where
 ``RLCORE_PURE_TORCH=1`` is set in the environment: ``rlcore.logprobs`` then runs its pure-PyTorch
 path. Tests set ``ops`` to ``None`` to compare the two paths.
