@@ -25,8 +25,8 @@ LOCKED_INSTALL = -m pip install --quiet --no-deps -r
 setup: $(VENV)/.installed
 
 # The lock holds every dependency, so --no-deps installs exactly its lines; the check confirms it.
-# The editable install also compiles the CPU kernels (setup.py, rlcore/csrc): editing them reinstalls.
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard rlcore/csrc/*) $(LOCK) requirements/lock.py
+# The editable install also compiles the CPU kernels (setup.py, rlcore/_kernel_build.py, rlcore/csrc): editing them reinstalls.
+$(VENV)/.installed: pyproject.toml setup.py rlcore/_kernel_build.py $(wildcard rlcore/csrc/*) $(LOCK) requirements/lock.py
 	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) $(LOCKED_INSTALL) $(LOCK)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .

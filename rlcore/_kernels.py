@@ -1,9 +1,18 @@
-"""The compiled CPU kernels of ``rlcore.logprobs`` (rlcore/csrc/logprobs.h), when they are built.
+"""The compiled CPU kernels of ``rlcore.logprobs`` (rlcore/csrc/logprobs.h), found or built at import.
 
-``setup.py`` compiles the kernels once per instruction set; this module imports, once, the best
-build the CPU runs (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, with the bfloat16
-instructions or without, then ``AVX2``, then ``default``; ``RLCORE_KERNEL_BUILD=<name>`` picks
-one), which registers the operators ``torch.ops.rlcore.{logprobs,entropy}_{fwd,bwd}`` (with
+The best build the CPU runs (``torch.backends.cpu.get_cpu_capability()``: ``AVX512``, with the
+bfloat16 instructions or without, then ``AVX2``, then ``default``; ``RLCORE_KERNEL_BUILD=<name>``
+picks one) is loaded once, from the first of:
+
+- the package (``source == "packaged"``): the builds ``setup.py`` compiles at install time where
+  torch is importable then (``make setup``, ``pip install --no-build-isolation``);
+- the per-user cache (``"cache"``), or compiled into it now (``"built"``, with a one-line notice on
+  stderr; about a minute, once per torch version and instruction set) where the package holds no
+  build for this CPU and torch: a build-isolated ``pip install``, a wheel built elsewhere. The cache
+  and the lock that makes concurrent processes compile once are in ``rlcore/_kernel_build.py``
+  (``RLCORE_KERNEL_CACHE=<dir>`` moves it; ``RLCORE_KERNEL_PACKAGED=0`` skips the package's builds).
+
+Loading a build registers the operators ``torch.ops.rlcore.{logprobs,entropy}_{fwd,bwd}`` (with
 shape-only implementations, so that they trace under ``torch.compile``).
 
 Rows are spread over torch's intra-op threads (``torch.set_num_threads``) where the build has
@@ -11,24 +20,28 @@ OpenMP, as every Linux build does (``torch.ops.rlcore.parallel_threads(n)`` says
 ``n`` rows run on). Each row is one thread's work, computed the same way whatever the split, so
 results are bitwise the same for any thread count.
 
-``ops`` is ``None`` where no build loads (not compiled, another torch, another platform) or where
-``RLCORE_PURE_TORCH=1`` is set in the environment: ``rlcore.logprobs`` then runs its pure-PyTorch
-path. Tests set ``ops`` to ``None`` to compare the two paths.
+``ops`` is ``None`` where ``RLCORE_PURE_TORCH=1`` is set in the environment (silently), or where
+no build loads and none can be compiled (no C++ compiler, a failed compile: with a warning at
+import): ``rlcore.logprobs`` then runs its pure-PyTorch path. ``source``, ``path`` and ``reason``
+say which path is active and why (``python -m rlcore.kernels`` prints them). Tests set ``ops`` to
+``None`` to compare the two paths.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
-import re
+import sys
 import warnings
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["ops", "variant", "usable", "BUILDS", "TokenLogprobs", "Entropy"]
+from rlcore import _kernel_build
+
+__all__ = ["ops", "variant", "source", "path", "reason", "usable", "BUILDS", "TokenLogprobs", "Entropy"]
 
 _ORDER = {"AVX512": ("avx512bf16", "avx512", "avx2", "default"), "AVX2": ("avx2", "default")}
 BUILDS = ("avx512bf16", "avx512", "avx2", "default")
@@ -36,22 +49,73 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TINY, _HUGE = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
-def _load() -> tuple[Any, str | None]:
+class _Loaded(NamedTuple):
+    ops: Any
+    variant: str | None
+    source: str | None
+    path: Path | None
+    reason: str
+    warn: bool = False
+
+
+def _load() -> _Loaded:
+    """The kernels from the package, else the cache (compiled there now where missing), else the
+    pure-PyTorch path with the reason."""
     if os.environ.get("RLCORE_PURE_TORCH", "") not in ("", "0"):
-        return None, None
-    tag = re.sub(r"\W", "_", torch.__version__)
-    for name in _builds():
-        try:
-            importlib.import_module(f"rlcore._logprobs_{name}_torch{tag}")
-        except ImportError:
-            continue
-        except Exception as err:  # noqa: BLE001 - a broken build must not break the import of rlcore
-            warnings.warn(f"rlcore: the compiled {name} kernels failed to load ({err}); using the pure-PyTorch path",
-                          RuntimeWarning, stacklevel=2)
-            return None, None
-        _register_fakes()
-        return torch.ops.rlcore, name
-    return None, None
+        return _Loaded(None, None, None, None, "forced by RLCORE_PURE_TORCH")
+    builds = _builds()
+    if os.environ.get("RLCORE_KERNEL_PACKAGED", "") != "0":
+        here = Path(__file__).resolve().parent
+        for name in builds:
+            found = _kernel_build.find_module(here, _kernel_build.module_name(name, torch.__version__))
+            if found is not None:
+                return _open(name, found, "packaged", "compiled into the package at install time")
+    try:
+        return _from_cache(builds)
+    except Exception as err:  # noqa: BLE001 - no sources, an unwritable cache: never a failed import of rlcore
+        return _pure(f"the package has no kernels for this CPU and torch, and none could be built ({err!r})")
+
+
+def _from_cache(builds: tuple[str, ...]) -> _Loaded:
+    """The best of ``builds`` in the per-user cache, compiled into it where it is not there (a
+    build whose compile failed before, or that cannot be compiled here, gives way to the next)."""
+    errors = []
+    for name in builds:
+        found = _kernel_build.find_module(_kernel_build.cache_dir(name, torch.__version__),
+                                          _kernel_build.module_name(name, torch.__version__))
+        compiled_here = False
+        if found is None:
+            why = _kernel_build.compiler_missing()
+            if why is None:
+                try:
+                    found, compiled_here = _kernel_build.build_cached(name, torch.__version__, _notice)
+                except _kernel_build.BuildFailed as err:
+                    why = str(err)
+            if found is None:
+                errors.append(str(why))
+                continue
+        return _open(name, found, "built" if compiled_here else "cache",
+                     "the package has no build for this CPU and torch: compiled on first use")
+    return _pure("; ".join(dict.fromkeys(errors)))
+
+
+def _notice(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _pure(why: str) -> _Loaded:
+    """The pure-PyTorch path, to be warned about at import, saying why."""
+    return _Loaded(None, None, None, None, why, warn=True)
+
+
+def _open(name: str, found: Path, where: str, why: str) -> _Loaded:
+    """Loads the build ``name`` from the file ``found``, which registers the operators."""
+    try:
+        torch.ops.load_library(str(found))
+    except Exception as err:  # noqa: BLE001 - a broken build must not break the import of rlcore
+        return _pure(f"the compiled {name} kernels at {found} failed to load ({err})")
+    _register_fakes()
+    return _Loaded(torch.ops.rlcore, name, where, found, why)
 
 
 def _builds() -> tuple[str, ...]:
@@ -76,7 +140,10 @@ def _register_fakes() -> None:
             logits, memory_format=torch.contiguous_format))
 
 
-ops, variant = _load()
+ops, variant, source, path, reason, _warn = _load()
+if _warn:
+    warnings.warn(f"rlcore: {reason}; rlcore.logprobs runs its pure-PyTorch path, several times slower on CPU "
+                  "(RLCORE_PURE_TORCH=1 chooses that path without this warning)", RuntimeWarning, stacklevel=1)
 
 
 def usable(logits: torch.Tensor, temperature: float) -> bool:

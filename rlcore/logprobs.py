@@ -10,12 +10,13 @@ log-probs from hidden states through the LM head) a few blocks and the gradients
 ``[V, H]``, ``[V]``, never the ``[N, V]`` logits.
 
 Compiled kernels: on CPU, ``token_logprobs`` and ``entropy_from_logits`` of float32, bfloat16 and
-float16 logits run C++ kernels (``rlcore/csrc``, compiled by the install for the default, AVX2 and
-AVX-512 instruction sets, the best one the CPU runs loaded by ``rlcore._kernels``): per row, one
+float16 logits run C++ kernels (``rlcore/csrc``, compiled by the install or on first use for the
+default, AVX2 and AVX-512 instruction sets, the best one the CPU runs loaded by ``rlcore._kernels``;
+``python -m rlcore.kernels`` says which): per row, one
 read of the logits forward (maximum, log-sum-exp, the label's logit; float32 statistics) and one
 pass backward that writes the gradient. The chunked pure-PyTorch path here is their fallback and
 reference: float64 logits, other devices, a vocabulary dim that is not contiguous, no build
-loaded, or ``RLCORE_PURE_TORCH=1`` in the environment.
+loaded (no C++ compiler: a warning at import), or ``RLCORE_PURE_TORCH=1`` in the environment.
 
 Shapes: ``...`` any leading dims (``[B, T]`` typically), ``V`` vocabulary, ``H`` hidden size.
 """

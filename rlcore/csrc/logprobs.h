@@ -2,8 +2,9 @@
 // behind rlcore.logprobs.token_logprobs and rlcore.logprobs.entropy_from_logits.
 //
 // This file is compiled once per instruction set (logprobs_default.cpp, logprobs_avx2.cpp,
-// logprobs_avx512.cpp, logprobs_avx512bf16.cpp; flags in setup.py); rlcore/_kernels.py loads the
-// best one the CPU runs.
+// logprobs_avx512.cpp, logprobs_avx512bf16.cpp; flags in rlcore/_kernel_build.py) into a plain
+// shared library: loading it (torch.ops.load_library) runs the registrations at the end of this
+// file, and it needs no Python headers. rlcore/_kernels.py loads the best build the CPU runs.
 //
 // A row is read in blocks of kBlock elements (8 KB of float32: L1-resident). Per block: its
 // maximum, then Σ exp((x − m)/τ) against the running maximum m, the running sums rescaled by
@@ -16,8 +17,6 @@
 // log p_v = (x_v − m)/τ − lse is recomputed from the logits in the same single pass that writes
 // the gradient.
 #pragma once
-
-#include <Python.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -433,16 +432,4 @@ TORCH_LIBRARY_IMPL(rlcore, CPU, m) {
   m.impl("logprobs_bwd", &rlcore_kernels::logprobs_bwd);
   m.impl("entropy_fwd", &rlcore_kernels::entropy_fwd);
   m.impl("entropy_bwd", &rlcore_kernels::entropy_bwd);
-}
-
-// An importable module with no Python functions of its own: importing it runs the registrations
-// above (the operators are then torch.ops.rlcore.*).
-#define RLCORE_CAT(a, b) a##b
-#define RLCORE_INIT(name) RLCORE_CAT(PyInit_, name)
-#define RLCORE_STR2(x) #x
-#define RLCORE_STR(x) RLCORE_STR2(x)
-
-PyMODINIT_FUNC RLCORE_INIT(TORCH_EXTENSION_NAME)(void) {
-  static PyModuleDef def = {PyModuleDef_HEAD_INIT, RLCORE_STR(TORCH_EXTENSION_NAME), nullptr, -1, nullptr};
-  return PyModule_Create(&def);
 }

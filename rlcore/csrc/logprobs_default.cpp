@@ -1,2 +1,2 @@
-// The default build of the kernels in logprobs.h (its compiler flags are in setup.py).
+// The default build of the kernels in logprobs.h (its compiler flags are in rlcore/_kernel_build.py).
 #include "logprobs.h"
