@@ -26,8 +26,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_ndim, check_same_shape, require_keys
-from rlcore.masked import in_float64, masked_mean, masked_var, saturate, wide
+from rlcore.checks import check_float, check_ndim, check_number, check_same_shape, require_keys
+from rlcore.masked import in_float64, masked_mean, masked_var, saturate, wide, wide_mean
 from rlcore.transforms import StateTransform
 
 __all__ = [
@@ -222,6 +222,9 @@ def ddim_step(model_output: torch.Tensor, timestep, sample: torch.Tensor, *, alp
 
 
 # --- the clipped surrogate -------------------------------------------------------------------
+_LOG_MAX64 = math.log(torch.finfo(torch.float64).max)  # the largest log-ratio whose exp is finite in float64
+
+
 def ddpo_ratio_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
                     clip_range: float = 1e-4, adv_clip_max: float = 5.0) -> torch.Tensor:
     """Per-sample clipped surrogate of DDPO: ``max(−Âρ, −Â·clip(ρ, 1 − ε, 1 + ε))``.
@@ -229,16 +232,29 @@ def ddpo_ratio_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     ``ρ = exp(logprobs − old_logprobs)``, ``Â = clip(A, −adv_clip_max, adv_clip_max)``. DDPO's
     default ``ε = 1e-4`` is tiny because its log-probs are per-latent-dim averages.
 
+    Finite log-probs give a finite loss and gradient, whatever their difference. The ratio is
+    taken in float64 of a log-ratio bounded where the bound changes nothing: for ``Â ≥ 0`` above
+    ``log(1 + ε) + 1`` (there ``ρ > 1 + ε``, the clipped branch ``−Â(1 + ε)`` is the maximum: same
+    value, no gradient), for ``Â < 0`` below ``log(1 − ε) − 1`` (the clipped branch ``−Â(1 − ε)``,
+    likewise) and above ``log`` of float64's largest value (where ``exp`` itself overflows). The
+    loss is cast back saturating (``rlcore.masked.saturate``): ``|Â|·ρ`` past the dtype's range is
+    its largest value, with no gradient. Wherever the formula is finite in float64 the value and
+    the gradient are the formula's, bit for bit.
+
     Args:
         logprobs: ``[...]`` float, step log-probs under the model being trained.
         old_logprobs: ``[...]`` float, the same under the sampling model.
         advantages: ``[...]`` float.
-        clip_range: ``ε``.  adv_clip_max: bound on ``|A|``.
+        clip_range: ``ε``, finite and ``≥ 0``.  adv_clip_max: bound on ``|A|``, ``≥ 0`` (inf: no bound).
     Returns:
-        ``[...]`` unreduced losses.
+        ``[...]`` unreduced losses, in the dtype of ``logprobs``.
+    Raises:
+        ValueError: ``clip_range`` or ``adv_clip_max`` out of range (NaN, negative), named.
 
     >>> ddpo_ratio_loss(torch.zeros(2), torch.zeros(2), torch.tensor([1.0, -9.0]))
     tensor([-1.,  5.])
+    >>> ddpo_ratio_loss(torch.tensor([100.0, 100.0]), torch.zeros(2), torch.tensor([1.0, -1.0]))
+    tensor([-1.0001e+00,  3.4028e+38])
 
     Gradient: through ``logprobs`` only (``old_logprobs`` and ``advantages`` are detached); at
     ``ρ = 1`` it is ``−Â·∇logprobs``.
@@ -247,9 +263,16 @@ def ddpo_ratio_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     """
     check_float("logprobs", logprobs)
     check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages)
-    adv = advantages.detach().clamp(-adv_clip_max, adv_clip_max)
-    ratio = torch.exp(logprobs - old_logprobs.detach())
-    return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range))
+    check_number("clip_range", clip_range, low=0.0)
+    check_number("adv_clip_max", adv_clip_max, low=0.0, allow_inf=True)
+    lo, hi = 1.0 - clip_range, 1.0 + clip_range
+    adv = wide(advantages.detach().clamp(-adv_clip_max, adv_clip_max))
+    log_ratio = wide(logprobs - old_logprobs.detach())
+    above = math.log(hi) + 1.0                             # exp(above) > 1 + ε
+    below = math.log(lo) - 1.0 if lo > 0 else -math.inf    # exp(below) < 1 − ε (none when ε ≥ 1)
+    bounded = torch.where(adv >= 0, log_ratio.clamp(max=above), log_ratio.clamp(min=below, max=_LOG_MAX64))
+    ratio = torch.exp(bounded)
+    return saturate(torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi)), logprobs.dtype)
 
 
 def ddpo_loss(batch: TensorDictBase, *, clip_range: float = 1e-4,
@@ -257,11 +280,13 @@ def ddpo_loss(batch: TensorDictBase, *, clip_range: float = 1e-4,
     """DDPO loss of one timestep's batch: the mean of ``ddpo_ratio_loss`` over samples.
 
     Reads ``keys.LOGPROBS``, ``keys.OLD_LOGPROBS`` and ``keys.ADVANTAGES``, each ``[B]`` float
-    (any shape works as long as the three agree; the mean is over all entries).
+    (any shape works as long as the three agree; the mean is over all entries, accumulated in
+    float64 and cast back saturating).
 
     Returns:
         ``(loss [], metrics)``; metrics (detached): ``loss_policy`` (= loss), ``approx_kl``
-        ``= ½·mean((lp − old)²)``, ``clipfrac = mean(|ρ − 1| > clip_range)``.
+        ``= ½·mean((lp − old)²)``, ``clipfrac = mean(|ρ − 1| > clip_range)``; finite for finite
+        log-probs (the KL saturates at the dtype's largest value).
 
     >>> b = TensorDict({"logprobs": torch.zeros(2), "old_logprobs": torch.zeros(2),
     ...                 "advantages": torch.tensor([1.0, 3.0])}, [2])
@@ -276,12 +301,12 @@ def ddpo_loss(batch: TensorDictBase, *, clip_range: float = 1e-4,
     lp, old = batch.get(K.LOGPROBS), batch.get(K.OLD_LOGPROBS)
     per_sample = ddpo_ratio_loss(lp, old, batch.get(K.ADVANTAGES), clip_range=clip_range,
                                  adv_clip_max=adv_clip_max)
-    loss = per_sample.mean()
-    log_ratio = (lp - old).detach()
+    loss = wide_mean(per_sample)
+    log_ratio = wide(lp.detach()) - wide(old.detach())
     metrics = TensorDict({
         "loss_policy": loss.detach(),
-        "approx_kl": 0.5 * log_ratio.square().mean(),
-        "clipfrac": ((log_ratio.exp() - 1).abs() > clip_range).to(log_ratio.dtype).mean(),
+        "approx_kl": saturate(0.5 * log_ratio.square().mean(), lp.dtype),
+        "clipfrac": ((log_ratio.exp() - 1).abs() > clip_range).to(lp.dtype).mean(),
     }, batch_size=[])
     return loss, metrics
 

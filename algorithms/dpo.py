@@ -18,7 +18,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.dpo_variants import DPO_LOSSES
-from rlcore.checks import check_float, check_leaves, check_mask, check_ndim, check_same_shape, lookup, require_keys
+from rlcore.checks import (check_float, check_leaves, check_mask, check_ndim, check_number, check_same_shape, lookup,
+                           require_keys)
 from rlcore.masked import saturate, wide, wide_mean, wide_sum
 
 __all__ = ["dpo_loss", "dpo", "chosen_nll", "preference_metrics", "completion_lengths"]
@@ -42,7 +43,8 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
         chosen_logps, rejected_logps: ``[B]`` float, summed completion log-probs (differentiable).
         ref_chosen_logps, ref_rejected_logps: ``[B]`` float, under the reference; may be ``None``
             when ``reference_free``.
-        beta: ``β``, the inverse temperature (strength of the implicit KL constraint).
+        beta: ``β > 0``, the inverse temperature (strength of the implicit KL constraint); ``β ≤ 0``
+            or NaN is refused (``ValueError``), as every hyper-parameter out of its range.
         loss_type: a key of ``DPO_LOSSES``.
         label_smoothing: ``ε`` (cDPO for sigmoid; robust, exo_pair, aot*).
         reference_free: use ``π_ref ≡ 1`` (reference log-probs 0) in the losses and the rewards.
@@ -168,6 +170,8 @@ def dpo(batch: TensorDictBase, *, beta: float = 0.1, loss_type: str = "sigmoid",
         Rafailov et al., https://arxiv.org/abs/2305.18290; Pang et al., "Iterative Reasoning
         Preference Optimization" (RPO), https://arxiv.org/abs/2404.19733.
     """
+    if rpo_alpha is not None:
+        check_number("rpo_alpha", rpo_alpha, low=0.0)
     require_keys(batch, _SIDES + (() if reference_free else _REFS), where="dpo", layouts=_LAYOUTS)
     check_leaves(batch, where="dpo", sequences=_SIDES[:2] + (() if reference_free else _REFS))  # naming the keys
     cw, rw = batch.get((K.CHOSEN, K.LOGPS)), batch.get((K.REJECTED, K.LOGPS))

@@ -41,19 +41,25 @@ Choices where the peers differ (each tested):
     - nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down act on per-side
       rewards ``βρ``; the f-DPO reparameterisation only holds for the difference ``Δ``, so they
       accept ``divergence="reverse_kl"`` only (``ValueError`` otherwise, as TRL 1.x).
+    - hyper-parameters are checked by every kernel, named in the error: ``β > 0`` and finite (``β ≤ 0``
+      trains toward the rejected completion, NaN gives NaN), ``ε`` in ``[0, 0.5]`` where it is
+      cDPO's smoothing (past 0.5 the labels are mostly flipped), ``τ > 0``, a finite ``α``.
     - discopop evaluates ``w·e^{−x}`` as ``exp(logσ(x/τ) − x)``: the same value, but finite where
       ``σ(x/τ)`` underflows and ``e^{−x}`` overflows (the direct product gives ``0·∞ = NaN``).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from rlcore.checks import check_float, check_same_shape, lookup
+from rlcore.checks import check_float, check_number, check_same_shape, lookup
 from rlcore.masked import in_float64
 
 __all__ = [
@@ -99,6 +105,7 @@ def _js(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
 
 
 def _alpha(logratio: Tensor, *, alpha: float = 0.5) -> Tensor:
+    check_number("alpha", alpha)
     if abs(alpha - 1.0) < 1e-6:  # the limit α → 1 is the reverse KL
         return logratio
     t = ((alpha - 1.0) * logratio).to(torch.promote_types(logratio.dtype, torch.float32))
@@ -114,6 +121,19 @@ F_DIVERGENCES: dict[str, Callable[..., Tensor]] = {
 
 
 # --- shared pieces ------------------------------------------------------------------------------
+def _variant(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """A kernel of ``DPO_LOSSES``: ``β`` checked by name (every variant reads it), then computed in
+    float64 (``rlcore.masked.in_float64``). The other hyper-parameters are checked where read."""
+    beta_default = inspect.signature(fn).parameters["beta"].default
+    wide_fn = in_float64(fn)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Tensor:
+        check_number("beta", kwargs.get("beta", beta_default), low=0.0, low_open=True)
+        return wide_fn(*args, **kwargs)
+    return run
+
+
 def _logratios(cw: Tensor, rw: Tensor, rcw: Tensor, rrw: Tensor) -> tuple[Tensor, Tensor]:
     for name, x in (("chosen_logps", cw), ("rejected_logps", rw), ("ref_chosen_logps", rcw),
                     ("ref_rejected_logps", rrw)):
@@ -150,7 +170,8 @@ def smoothed_sigmoid_loss(logits: Tensor, *, label_smoothing: float = 0.0) -> Te
 
     Args:
         logits: ``[...]`` float, the preference logit ``x`` (e.g. ``βΔ``).
-        label_smoothing: ``ε`` in ``[0, 0.5]``.
+        label_smoothing: ``ε`` in ``[0, 0.5]`` (``ValueError`` otherwise: past 0.5 the loss prefers
+            the other answer).
     Returns:
         ``[...]`` unreduced losses, differentiable in ``logits``.
 
@@ -162,11 +183,12 @@ def smoothed_sigmoid_loss(logits: Tensor, *, label_smoothing: float = 0.0) -> Te
         Chowdhury et al., "Provably Robust DPO", https://arxiv.org/abs/2403.00409
     """
     check_float("logits", logits)
+    check_number("label_smoothing", label_smoothing, low=0.0, high=0.5)
     return -(1.0 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
 
 
 # --- the variants (one signature; see the module docstring for the arguments) --------------------
-@in_float64
+@_variant
 def dpo_sigmoid(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -179,7 +201,7 @@ def dpo_sigmoid(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_log
     return smoothed_sigmoid_loss(beta * (sw - sl), label_smoothing=label_smoothing)
 
 
-@in_float64
+@_variant
 def dpo_hinge(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
               label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
               rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -191,7 +213,7 @@ def dpo_hinge(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps
     return torch.relu(1.0 - beta * (sw - sl))
 
 
-@in_float64
+@_variant
 def dpo_ipo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
             label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
             rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -208,7 +230,7 @@ def dpo_ipo(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, 
     return (d - 1.0 / (2.0 * beta)).square()
 
 
-@in_float64
+@_variant
 def dpo_ipo_sum(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                 label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                 rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -220,7 +242,7 @@ def dpo_ipo_sum(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_log
     return ((sw - sl) - 1.0 / (2.0 * beta)).square()
 
 
-@in_float64
+@_variant
 def dpo_robust(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -238,7 +260,7 @@ def dpo_robust(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logp
     return (-(1.0 - eps) * F.logsigmoid(x) + eps * F.logsigmoid(-x)) / (1.0 - 2.0 * eps)
 
 
-@in_float64
+@_variant
 def dpo_exo_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -259,7 +281,7 @@ def dpo_exo_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
             + torch.sigmoid(-x) * (log_ql - math.log(label_smoothing)))
 
 
-@in_float64
+@_variant
 def dpo_nca_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -273,7 +295,7 @@ def dpo_nca_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return -F.logsigmoid(beta * lw) - 0.5 * F.logsigmoid(-beta * lw) - 0.5 * F.logsigmoid(-beta * ll)
 
 
-@in_float64
+@_variant
 def dpo_bco_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -289,7 +311,7 @@ def dpo_bco_pair(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return -F.logsigmoid(beta * lw) - F.logsigmoid(-beta * ll)
 
 
-@in_float64
+@_variant
 def dpo_sppo_hard(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                   label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                   rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -306,7 +328,7 @@ def dpo_sppo_hard(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_l
     return (lw - half).square() + (ll + half).square()
 
 
-@in_float64
+@_variant
 def dpo_aot(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
             label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
             rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -325,7 +347,7 @@ def dpo_aot(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, 
     return smoothed_sigmoid_loss(beta * (policy - ref), label_smoothing=label_smoothing)
 
 
-@in_float64
+@_variant
 def dpo_aot_unpaired(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                      label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                      rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -339,7 +361,7 @@ def dpo_aot_unpaired(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejecte
     return smoothed_sigmoid_loss(beta * delta, label_smoothing=label_smoothing)
 
 
-@in_float64
+@_variant
 def dpo_apo_zero(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -353,7 +375,7 @@ def dpo_apo_zero(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return (1.0 - torch.sigmoid(beta * lw)) + torch.sigmoid(beta * ll)
 
 
-@in_float64
+@_variant
 def dpo_apo_down(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -366,7 +388,7 @@ def dpo_apo_down(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     return torch.sigmoid(beta * lw) + (1.0 - torch.sigmoid(beta * (lw - ll)))
 
 
-@in_float64
+@_variant
 def dpo_discopop(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                  label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                  rejected_lengths=None, discopop_tau=0.05) -> Tensor:
@@ -377,13 +399,14 @@ def dpo_discopop(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     References: Chris Lu et al., "Discovering Preference Optimization Algorithms with and for
     Large Language Models", https://arxiv.org/abs/2406.08414 (Eq. 5, τ = 0.05).
     """
+    check_number("discopop_tau", discopop_tau, low=0.0, low_open=True)
     sw, sl = _scores(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, alpha)
     x = beta * (sw - sl)
     z = x / discopop_tau
     return torch.sigmoid(-z) * -F.logsigmoid(x) + torch.exp(F.logsigmoid(z) - x)
 
 
-@in_float64
+@_variant
 def dpo_sigmoid_norm(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta=0.1,
                      label_smoothing=0.0, divergence="reverse_kl", alpha=0.5, chosen_lengths=None,
                      rejected_lengths=None, discopop_tau=0.05) -> Tensor:

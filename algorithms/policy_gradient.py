@@ -1,4 +1,5 @@
-"""Critic-free policy-gradient losses: RLOO, GRPO (Dr. GRPO, DAPO), GSPO, REINFORCE++, ReMax, CISPO.
+"""Critic-free policy-gradient losses: RLOO, GRPO (Dr. GRPO, DAPO, BNPO), GSPO, LUSPO, REINFORCE++, ReMax,
+CISPO, SAPO, VESPO.
 
 They are one loss, the PPO surrogate without a value term, fed by different advantage
 estimators and differing only in a handful of keywords:
@@ -15,14 +16,18 @@ rloo            sequence_sum     0.2 / 0.2    seq_mean_token_mean   ratio ``exp(
 reinforce_pp    token            0.2 / 0.2    token_mean
 remax           token            0.2 / 0.2    token_mean
 cispo           token            1.0 / 4.0    token_mean            clipped, detached IS weight
+bnpo            token            0.2 / 0.2    local_token_mean      the micro-batch's tokens (TRL)
+luspo           sequence         0.2 / 0.2    seq_mean_token_sum    GSPO × the response length
+sapo            token            (no clip)    seq_mean_token_mean   soft gate, τ± = 1 / 1.05
+vespo           token            (no clip)    token_mean            Gamma weight of the seq. ratio
 ==============  ===============  ===========  ====================  ==============================
 
 Every entry of ``POLICY_LOSSES`` has the signature ``(batch, **hyper) -> (loss, metrics)``; the
 presets are ``functools.partial`` of ``policy_loss``, so any keyword can still be overridden.
 
 Where the peers differ: the ``seq_*`` aggregations count only sequences with at least one valid
-token (``rlcore.masked``), while TRL's ``grpo`` / ``dr_grpo`` divide by the whole batch size; the
-two agree unless a response is empty. TRL's RLOO averages ``ℓ_i`` over sequences: ``rloo``
+token (``rlcore.masked``), while TRL's ``grpo`` / ``dr_grpo`` / ``sapo`` / ``luspo`` divide by the
+whole batch size; the two agree unless a response is empty. TRL's RLOO averages ``ℓ_i`` over sequences: ``rloo``
 gives exactly that (value and gradient) through the ``sequence_sum`` ratio level.
 
 Where the rest comes from:
@@ -47,6 +52,9 @@ References:
     Li et al., "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for
     Aligning Large Language Models", https://arxiv.org/abs/2310.10505
     MiniMax, "MiniMax-M1" (CISPO), https://arxiv.org/abs/2506.13585
+    "Soft Adaptive Policy Optimization" (SAPO), https://arxiv.org/abs/2511.20347
+    "Length-Unbiased Sequence Policy Optimization" (LUSPO), https://arxiv.org/abs/2602.05261
+    "VESPO: Variational Sequence-Level Soft Policy Optimization", https://arxiv.org/abs/2602.10693
 """
 
 from __future__ import annotations
@@ -70,6 +78,10 @@ __all__ = [
     "reinforce_pp_loss",
     "remax_loss",
     "cispo_loss",
+    "bnpo_loss",
+    "luspo_loss",
+    "sapo_loss",
+    "vespo_loss",
     "POLICY_LOSSES",
 ]
 
@@ -79,11 +91,14 @@ def policy_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low:
                 log_ratio_clamp: float | None = None, ratio_level: str = "token",
                 entropy_coef: float = 0.0, kl_coef: float = 0.0, kl: str = "k3", agg: str = "token_mean",
                 num_tokens=None, num_seqs=None, max_length=None,
-                ratio_threshold: float | None = None) -> tuple[torch.Tensor, TensorDict]:
+                ratio_threshold: float | None = None, sapo_temperature_pos: float = 1.0,
+                sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+                vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0) -> tuple[torch.Tensor, TensorDict]:
     """The clipped policy surrogate with no value term: ``ppo_loss`` on a batch without a critic.
 
     ``loss = agg(ℓ_pg) − entropy_coef·agg(H) + kl_coef·agg(KL(π_θ‖π_ref))``, with
-    ``ℓ_pg = max(−Aρ, −A·clip(ρ, 1−ε_lo, 1+ε_hi))`` (or CISPO's ``−sg(clip(ρ))·A·lp``).
+    ``ℓ_pg = max(−Aρ, −A·clip(ρ, 1−ε_lo, 1+ε_hi))`` (or CISPO's ``−sg(clip(ρ))·A·lp``, SAPO's
+    ``−A·(4/τ)·σ(τ(ρ−1))``, VESPO's ``−sg(φ(w))·A·lp``: ``algorithms.ppo.SURROGATES``).
     ``value_preds``, if the batch has it, is ignored.
 
     Args:
@@ -111,7 +126,9 @@ def policy_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low:
                     clip_eps_high=clip_eps_high, clip_ratio_c=clip_ratio_c, log_ratio_clamp=log_ratio_clamp,
                     ratio_level=ratio_level, entropy_coef=entropy_coef, kl_coef=kl_coef, kl=kl, agg=agg,
                     num_tokens=num_tokens, num_seqs=num_seqs, max_length=max_length,
-                    ratio_threshold=ratio_threshold)
+                    ratio_threshold=ratio_threshold, sapo_temperature_pos=sapo_temperature_pos,
+                    sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos,
+                    vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
 
 
 def _preset(doc: str, **defaults) -> Callable[..., tuple[torch.Tensor, TensorDict]]:
@@ -170,6 +187,42 @@ cispo_loss = _preset(
     "clipped weight is detached (as TRL and verl; torchrl does not).",
     surrogate="cispo", ratio_level="token", clip_eps_low=1.0, clip_eps_high=4.0, agg="token_mean")
 
+bnpo_loss = _preset(
+    "BNPO as TRL's loss_type='bnpo': the token-level clip (ε = 0.2 both sides, TRL's epsilon) "
+    "normalised by the valid tokens of the local (micro-)batch, not of the step (local_token_mean; "
+    "DAPO's token-level normalisation, https://arxiv.org/abs/2503.14476, taken per micro-batch). "
+    "Within a step, each micro-batch weighs its share of the step's non-empty responses where TRL "
+    "divides by the number of accumulation steps: the same when the micro-batches are equal. With one "
+    "micro-batch per step it is token_mean, and TRL's grpo when each micro-batch holds one response.",
+    ratio_level="token", clip_eps_low=0.2, clip_eps_high=0.2, agg="local_token_mean")
+
+luspo_loss = _preset(
+    "LUSPO (Length-Unbiased Sequence Policy Optimization, https://arxiv.org/abs/2602.05261), as "
+    "TRL's loss_type='luspo': GSPO's sequence ratio s_i = exp(mean_t(lp − old)) clipped, each "
+    "sequence's loss scaled by its length: mean_i |y_i|·max(−A_i s_i, −A_i clip(s_i)) "
+    "(seq_mean_token_sum). ε = 0.2 both sides (TRL's epsilon; GSPO's 3e-4 / 4e-4 can be passed). The "
+    "sequence level is bound here, as the paper and TRL's documentation require; TRL's own "
+    "importance_sampling_level default is 'token' (pass ratio_level='token' for that).",
+    ratio_level="sequence", clip_eps_low=0.2, clip_eps_high=0.2, agg="seq_mean_token_sum")
+
+sapo_loss = _preset(
+    "SAPO (Soft Adaptive Policy Optimization, https://arxiv.org/abs/2511.20347), as TRL's "
+    "loss_type='sapo': a soft gate in place of the clip, −A·(4/τ)·σ(τ(ρ − 1)) per token with "
+    "τ = sapo_temperature_pos (1.0) where A > 0 and sapo_temperature_neg (1.05) elsewhere, TRL's "
+    "defaults; token ratio; GRPO's seq_mean_token_mean. clip_eps_* are not read.",
+    surrogate="sapo", ratio_level="token", agg="seq_mean_token_mean", sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05)
+
+vespo_loss = _preset(
+    "VESPO (https://arxiv.org/abs/2602.10693), as TRL's loss_type='vespo': −sg(φ(w))·A·lp per token, "
+    "w = exp(Σ_t log ρ_t) the sequence's ratio (log w clamped to [log 1e-8, 20]), "
+    "φ(w) = e^λ·w^k·e^{−λw} with (k, λ) = (2, 3) where A ≥ 0 and (3, 2) where A < 0 (TRL's "
+    "vespo_k_* / vespo_lambda_* defaults); token_mean over the step's tokens (as TRL's dapo). Reads "
+    "token-level ratios (ratio_level='token'). TRL also folds vLLM's sampler ratio into w; here the "
+    "behaviour policy is old_logprobs. clip_eps_* are not read.",
+    surrogate="vespo", ratio_level="token", agg="token_mean", vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+
 # One signature for every entry: (batch, **hyper) -> (loss, metrics).
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, TensorDict]]] = {
     "vanilla": policy_loss,
@@ -181,4 +234,8 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, TensorDict]]] = {
     "reinforce_pp": reinforce_pp_loss,
     "remax": remax_loss,
     "cispo": cispo_loss,
+    "bnpo": bnpo_loss,
+    "luspo": luspo_loss,
+    "sapo": sapo_loss,
+    "vespo": vespo_loss,
 }

@@ -5,6 +5,8 @@ importance ratios of ``algorithms.ratios``::
 
     clipped_surrogate      max(−Aρ, −A·clip(ρ, 1−ε_lo, 1+ε_hi)), optional dual clip
     cispo_surrogate        −sg(clip(ρ, 1−ε_lo, 1+ε_hi))·A·log π
+    sapo_surrogate         −A·(4/τ)·σ(τ(ρ−1)), a soft gate in place of the clip (SAPO)
+    vespo_surrogate        −sg(φ(w))·A·log π, φ a Gamma-shaped weight of the sequence ratio w (VESPO)
     clipped_value_loss     ½·max((V̂−R)², (clip(V̂, V−c, V+c)−R)²)
     approx_kl_k1/_k3, clip_fraction, ratio_stats, explained_variance, early_stop   (diagnostics)
     ppo_loss(batch) -> (loss, metrics)
@@ -35,7 +37,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.ratios import importance_log_ratio
-from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, lookup, require_keys, validated
+from rlcore.checks import (check_float, check_mask, check_ndim, check_number, check_same_shape, check_scalar, lookup,
+                           require_keys, validated)
 from rlcore.kl import kl_estimate
 from rlcore.masked import aggregate, masked_mean, masked_var, saturate, wide, wide_sum, zero_outside
 
@@ -43,6 +46,8 @@ __all__ = [
     "Surrogate",
     "clipped_surrogate",
     "cispo_surrogate",
+    "sapo_surrogate",
+    "vespo_surrogate",
     "SURROGATES",
     "clipped_value_loss",
     "approx_kl_k1",
@@ -56,9 +61,16 @@ __all__ = [
 
 Tensor = torch.Tensor
 _EXP_MAX = 700.0  # e^700 is finite in float64 and far past every float32 / bfloat16 value
+_LOG_MAX64 = math.log(torch.finfo(torch.float64).max)  # the largest x whose exp is finite in float64
 
 
 # --- policy surrogates ------------------------------------------------------------------------
+def _check_clip(clip_eps_low: float, clip_eps_high: float) -> None:
+    """``ε_lo, ε_hi ≥ 0`` (inf: no bound on that side); a negative or NaN one inverts or voids the clip."""
+    check_number("clip_eps_low", clip_eps_low, low=0.0, allow_inf=True)
+    check_number("clip_eps_high", clip_eps_high, low=0.0, allow_inf=True)
+
+
 class Surrogate(NamedTuple):
     """Per-token policy loss and where each clip bound was active, all ``[..., T]``."""
 
@@ -79,14 +91,16 @@ def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, *, clip_eps_low: fl
     Args:
         log_ratio: ``[..., T]`` float, ``log ρ`` (``importance_log_ratio``), differentiable.
         advantages: ``[..., T]`` float (detached).
-        clip_eps_low, clip_eps_high: ``ε_lo``, ``ε_hi``.
+        clip_eps_low, clip_eps_high: ``ε_lo``, ``ε_hi``, each ``≥ 0`` (inf: no bound on that side;
+            ``ε_lo ≥ 1`` leaves no lower bound).
         clip_ratio_c: dual-clip constant ``c > 1`` (verl uses 3), or ``None``.
     Returns:
         ``Surrogate(loss, clipped_low, clipped_high, clipped_dual)``, each ``[..., T]``:
         ``clipped_low`` is ``ρ < 1−ε_lo ∧ A < 0``, ``clipped_high`` is ``ρ > 1+ε_hi ∧ A > 0`` (the
         tokens whose gradient the clip removes), ``clipped_dual`` is ``A < 0 ∧ ℓ > −A·c``.
     Raises:
-        ValueError: ``clip_ratio_c`` is not greater than 1.
+        ValueError: ``clip_ratio_c`` is not greater than 1; ``clip_eps_low`` / ``clip_eps_high``
+            negative or NaN.
 
     >>> out = clipped_surrogate(torch.tensor([0.0, 0.5, -0.5]).log1p(), torch.tensor([1.0, 1.0, -1.0]))
     >>> out.loss, out.clipped_high, out.clipped_low
@@ -104,6 +118,7 @@ def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, *, clip_eps_low: fl
     check_same_shape("log_ratio", log_ratio, advantages=advantages)
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c: the dual-clip constant must be > 1, got {clip_ratio_c}")
+    _check_clip(clip_eps_low, clip_eps_high)
     adv = advantages.detach()
     # max(−Aρ, −A·clip(ρ)) = −A·min(ρ, 1+ε_hi) for A ≥ 0 and −A·max(ρ, 1−ε_lo) for A < 0: each side
     # is evaluated on the log-ratio clamped to its active bound, so a huge ratio never meets 0·inf
@@ -152,6 +167,7 @@ def cispo_surrogate(log_ratio: Tensor, logprobs: Tensor, advantages: Tensor, *, 
     """
     check_float("logprobs", logprobs)
     check_same_shape("logprobs", logprobs, log_ratio=log_ratio, advantages=advantages)
+    _check_clip(clip_eps_low, clip_eps_high)
     ratio = torch.exp(log_ratio.detach())
     weight = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     loss = saturate(-wide(weight) * wide(advantages.detach()) * wide(logprobs), logprobs.dtype)
@@ -159,21 +175,133 @@ def cispo_surrogate(log_ratio: Tensor, logprobs: Tensor, advantages: Tensor, *, 
     return Surrogate(loss, low, high, torch.zeros_like(low))
 
 
-def _clip_entry(log_ratio, logprobs, advantages, **clip):
-    return clipped_surrogate(log_ratio, advantages, **clip)
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        check_number(name, value, low=0.0, low_open=True)
 
 
-def _cispo_entry(log_ratio, logprobs, advantages, *, clip_eps_low, clip_eps_high, clip_ratio_c):
+def sapo_surrogate(log_ratio: Tensor, advantages: Tensor, *, temperature_pos: float = 1.0,
+                   temperature_neg: float = 1.05) -> Surrogate:
+    """SAPO per token: ``ℓ = −A·(4/τ)·σ(τ·(ρ − 1))``, ``τ = τ_pos`` where ``A > 0``, else ``τ_neg``.
+
+    A smooth gate replaces the hard clip: ``∂ℓ/∂log ρ = −A·4σ(1−σ)·ρ`` is ``−A`` at ``ρ = 1`` (the
+    REINFORCE gradient, whatever ``τ``) and fades smoothly as ``ρ`` leaves 1, faster for larger ``τ``.
+    ``τ_neg > τ_pos`` damps negative-advantage tokens more (the paper's choice). Defaults: TRL's
+    ``sapo_temperature_pos = 1.0``, ``sapo_temperature_neg = 1.05``.
+
+    Args:
+        log_ratio: ``[..., T]`` float, ``log ρ`` (``importance_log_ratio``, token or sequence level),
+            differentiable.
+        advantages: ``[..., T]`` float (detached).
+        temperature_pos, temperature_neg: ``τ > 0`` for ``A > 0`` and ``A ≤ 0``.
+    Returns:
+        ``Surrogate``; nothing is clipped, so the three flags are all False.
+    Raises:
+        ValueError: a temperature is not positive.
+
+    >>> sapo_surrogate(torch.tensor([0.0, 0.0]), torch.tensor([1.0, -1.0])).loss
+    tensor([-2.0000,  1.9048])
+
+    References:
+        "Soft Adaptive Policy Optimization" (SAPO), https://arxiv.org/abs/2511.20347
+    Gradient: through ``log_ratio`` only; computed in float64 (``ρ`` capped at ``e^700``, where
+    the gate is flat), so a huge ratio gives a zero gradient, not NaN.
+    """
+    check_float("log_ratio", log_ratio)
+    check_same_shape("log_ratio", log_ratio, advantages=advantages)
+    _positive(temperature_pos=temperature_pos, temperature_neg=temperature_neg)
+    adv = wide(advantages.detach())
+    tau = torch.where(adv > 0, adv.new_tensor(temperature_pos), adv.new_tensor(temperature_neg))
+    ratio = torch.exp(wide(log_ratio).clamp(max=_EXP_MAX))
+    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
+    none = torch.zeros_like(log_ratio, dtype=torch.bool)
+    return Surrogate(saturate(-adv * gate, log_ratio.dtype), none, none, none)
+
+
+_VESPO_LOG_W_MIN, _VESPO_LOG_W_MAX = math.log(1e-8), 20.0  # the clamp of log w (TRL's, the paper's code)
+
+
+def vespo_surrogate(log_ratio: Tensor, logprobs: Tensor, advantages: Tensor, *, k_pos: float = 2.0,
+                    lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> Surrogate:
+    """VESPO per token: ``ℓ_t = −sg(φ(w))·A_t·lp_t`` with a Gamma-shaped weight of the sequence ratio.
+
+    ``log w = clamp(Σ_t clamp(log ρ_t, −20, 20), log 1e-8, 20)`` (the sequence's summed token
+    log-ratio), ``φ(w) = e^λ·w^k·e^{−λw}`` (so ``φ(1) = 1``), with ``(k, λ) = (k_pos, λ_pos)``
+    where ``A ≥ 0`` and ``(k_neg, λ_neg)`` where ``A < 0``, ``λ`` floored at 1e-4; a non-finite
+    ``φ`` is 0. The weight replaces the hard clip: it vanishes as ``w → 0`` (power ``k``) and as
+    ``w → ∞`` (decay ``λ``). Defaults: TRL's ``vespo_k_pos = 2``, ``vespo_lambda_pos = 3``,
+    ``vespo_k_neg = 3``, ``vespo_lambda_neg = 2``.
+
+    Args:
+        log_ratio: ``[..., T]`` float, *token-level* ``log ρ_t``, 0 outside the response (as
+            ``importance_log_ratio(level="token")`` returns); summed over the last dim.
+        logprobs: ``[..., T]`` float, current policy, differentiable.
+        advantages: ``[..., T]`` float (detached); its sign picks ``(k, λ)`` per token.
+        k_pos, lambda_pos, k_neg, lambda_neg: ``k > 0``, ``λ > 0`` of each sign.
+    Returns:
+        ``Surrogate``; nothing is clipped, so the three flags are all False.
+    Raises:
+        ValueError: a ``k`` or ``λ`` is not positive.
+
+    >>> vespo_surrogate(torch.tensor([[0.0, 0.0]]), torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)).loss
+    tensor([[1., 2.]])
+
+    References:
+        "VESPO: Variational Sequence-Level Soft Policy Optimization", https://arxiv.org/abs/2602.10693
+    Gradient: through ``logprobs`` only (``φ`` is detached), ``−φ·A·∇lp``.
+    """
+    check_float("logprobs", logprobs)
+    check_same_shape("logprobs", logprobs, log_ratio=log_ratio, advantages=advantages)
+    _positive(k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg)
+    adv = wide(advantages.detach())
+    seq = wide(log_ratio.detach()).clamp(-20.0, 20.0).sum(dim=-1, keepdim=True)
+    log_w = seq.clamp(_VESPO_LOG_W_MIN, _VESPO_LOG_W_MAX)
+    k = torch.where(adv >= 0, adv.new_tensor(k_pos), adv.new_tensor(k_neg))
+    lam = torch.where(adv >= 0, adv.new_tensor(lambda_pos), adv.new_tensor(lambda_neg)).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    none = torch.zeros_like(logprobs, dtype=torch.bool)
+    return Surrogate(saturate(-phi * adv * wide(logprobs), logprobs.dtype), none, none, none)
+
+
+def _no_dual_clip(surrogate: str, clip_ratio_c) -> None:
     if clip_ratio_c is not None:
-        raise ValueError(f"clip_ratio_c: dual clip applies to surrogate='clip' only, got {clip_ratio_c}")
+        raise ValueError(f"clip_ratio_c: dual clip applies to surrogate='clip' only, got {clip_ratio_c} "
+                         f"(surrogate={surrogate!r})")
+
+
+# Each entry reads its own keywords and ignores the other surrogates' (``ppo_loss`` passes them all).
+def _clip_entry(log_ratio, logprobs, advantages, *, clip_eps_low, clip_eps_high, clip_ratio_c, **_):
+    return clipped_surrogate(log_ratio, advantages, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+                             clip_ratio_c=clip_ratio_c)
+
+
+def _cispo_entry(log_ratio, logprobs, advantages, *, clip_eps_low, clip_eps_high, clip_ratio_c, **_):
+    _no_dual_clip("cispo", clip_ratio_c)
     return cispo_surrogate(log_ratio, logprobs, advantages, clip_eps_low=clip_eps_low,
                            clip_eps_high=clip_eps_high)
 
 
-# One signature: (log_ratio, logprobs, advantages, *, clip_eps_low, clip_eps_high, clip_ratio_c).
+def _sapo_entry(log_ratio, logprobs, advantages, *, clip_eps_low, clip_eps_high, clip_ratio_c,
+                sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, **_):
+    _no_dual_clip("sapo", clip_ratio_c)
+    return sapo_surrogate(log_ratio, advantages, temperature_pos=sapo_temperature_pos,
+                          temperature_neg=sapo_temperature_neg)
+
+
+def _vespo_entry(log_ratio, logprobs, advantages, *, clip_eps_low, clip_eps_high, clip_ratio_c, vespo_k_pos=2.0,
+                 vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, **_):
+    _no_dual_clip("vespo", clip_ratio_c)
+    return vespo_surrogate(log_ratio, logprobs, advantages, k_pos=vespo_k_pos, lambda_pos=vespo_lambda_pos,
+                           k_neg=vespo_k_neg, lambda_neg=vespo_lambda_neg)
+
+
+# One signature: (log_ratio, logprobs, advantages, *, clip_eps_low, clip_eps_high, clip_ratio_c,
+# **surrogate_keywords) where the keywords are ppo_loss's sapo_* / vespo_* ones, each with its default.
 SURROGATES: dict[str, Callable[..., Surrogate]] = {
     "clip": _clip_entry,
     "cispo": _cispo_entry,
+    "sapo": _sapo_entry,
+    "vespo": _vespo_entry,
 }
 
 
@@ -206,6 +334,7 @@ def clipped_value_loss(value_preds: Tensor, values: Tensor | None, returns: Tens
     unclipped = (preds - returns).square()
     if cliprange_value is None:
         return saturate(0.5 * unclipped, dtype)
+    check_number("cliprange_value", cliprange_value, low=0.0, allow_inf=True)
     if values is None:
         raise ValueError("values: required when cliprange_value is set (the clip is around them)")
     values = wide(values.detach())
@@ -237,8 +366,10 @@ def approx_kl_k3(log_ratio: Tensor, mask: Tensor) -> Tensor:
     Reference: J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
     """
     check_mask("mask", mask, like=log_ratio, like_name="log_ratio")
-    lr = log_ratio.detach()
-    return masked_mean(torch.expm1(lr) - lr, mask)
+    # float64, the exponent bounded where exp overflows there, cast back saturating: finite for finite
+    # log-ratios (the value past ~88 nats is float32's largest), and exact wherever float64 is finite
+    lr = wide(log_ratio.detach())
+    return saturate(masked_mean(torch.expm1(lr.clamp(max=_LOG_MAX64)) - lr, mask), log_ratio.dtype)
 
 
 def clip_fraction(clipped: Tensor, mask: Tensor, *, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -315,6 +446,21 @@ def _token_entry(batch: TensorDictBase, key: str, mask: Tensor) -> Tensor:
     return zero_outside(batch.get(key), mask)
 
 
+def _check_coefficients(*, vf_coef, entropy_coef, kl_coef, ratio_threshold, log_ratio_clamp, cliprange_value) -> None:
+    """The loss's weights, named (the kernels check their own clip ranges): a negative weight
+    inverts its term, a NaN one makes the loss NaN. A tensor ``kl_coef`` (an adaptive state's) must
+    be 0-d; its value is not read."""
+    check_number("vf_coef", vf_coef, low=0.0)
+    check_number("entropy_coef", entropy_coef)
+    check_scalar("kl_coef", kl_coef, low=0.0)
+    if cliprange_value is not None:
+        check_number("cliprange_value", cliprange_value, low=0.0, allow_inf=True)
+    if log_ratio_clamp is not None:
+        check_number("log_ratio_clamp", log_ratio_clamp, low=0.0, low_open=True, allow_inf=True)
+    if ratio_threshold is not None:
+        check_number("ratio_threshold", ratio_threshold, low=0.0, allow_inf=True)  # 0: every batch skipped
+
+
 def _check_inputs(batch: TensorDictBase, *, entropy_coef, kl_coef, cliprange_value) -> Tensor:
     """Every key ``ppo_loss`` will read, present and a float ``[B, R]`` like the bool mask: the one
     validation of the loss (the kernels then run inside ``rlcore.checks.validated``). Returns the mask."""
@@ -341,16 +487,17 @@ def _check_inputs(batch: TensorDictBase, *, entropy_coef, kl_coef, cliprange_val
 
 
 def _policy_terms(batch, mask, agg, *, surrogate, clip_eps_low, clip_eps_high, clip_ratio_c,
-                  log_ratio_clamp, ratio_level, entropy_coef, kl_coef, kl):
+                  log_ratio_clamp, ratio_level, entropy_coef, kl_coef, kl, **surrogate_keywords):
     lp = _token_entry(batch, K.LOGPROBS, mask)
     old = _token_entry(batch, K.OLD_LOGPROBS, mask)
     adv = _token_entry(batch, K.ADVANTAGES, mask)
     log_ratio = importance_log_ratio(lp, old, mask, level=ratio_level, clamp=log_ratio_clamp)
     sur = lookup(SURROGATES, surrogate, what="surrogate")(
-        log_ratio, lp, adv, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, clip_ratio_c=clip_ratio_c)
+        log_ratio, lp, adv, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, clip_ratio_c=clip_ratio_c,
+        **surrogate_keywords)
     zero = lp.new_zeros(())
     losses = {"loss_policy": agg(sur.loss), "loss_entropy": zero, "loss_kl": zero}
-    token_lr = lp.detach() - old
+    token_lr = wide(lp.detach()) - wide(old)  # float64: log-probs near ±3e38 differ finitely
     if log_ratio_clamp is not None:  # the metrics see the ratio the loss sees
         token_lr = token_lr.clamp(-log_ratio_clamp, log_ratio_clamp)
     ratio_mean, ratio_max = ratio_stats(log_ratio, mask)
@@ -389,7 +536,9 @@ def ppo_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low: fl
              log_ratio_clamp: float | None = None, ratio_level: str = "token", vf_coef: float = 0.1,
              cliprange_value: float | None = 0.2, entropy_coef: float = 0.0, kl_coef: float = 0.0,
              kl: str = "k3", agg: str = "token_mean", num_tokens=None, num_seqs=None, max_length=None,
-             ratio_threshold: float | None = None) -> tuple[Tensor, TensorDict]:
+             ratio_threshold: float | None = None, sapo_temperature_pos: float = 1.0,
+             sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+             vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0) -> tuple[Tensor, TensorDict]:
     """The PPO loss of a rollout: clipped surrogate + value + entropy bonus + KL in the loss.
 
     ``loss = agg(ℓ_pg) + vf_coef·agg(ℓ_vf) − entropy_coef·agg(H) + kl_coef·agg(KL(π_θ‖π_ref))``
@@ -410,19 +559,28 @@ def ppo_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low: fl
         batch: TensorDict ``[B]`` with ``logprobs``, ``old_logprobs``, ``advantages`` ``[B, R]``
             float and ``response_mask`` ``[B, R]`` bool; optionally ``value_preds``, ``values``,
             ``returns``, ``entropy``, ``ref_logprobs`` ``[B, R]``. Padding may hold anything.
-        surrogate: ``"clip"`` or ``"cispo"`` (``SURROGATES``).
+        surrogate: ``"clip"``, ``"cispo"``, ``"sapo"`` or ``"vespo"`` (``SURROGATES``).
         clip_eps_low, clip_eps_high, clip_ratio_c: see ``clipped_surrogate``.
         log_ratio_clamp, ratio_level: see ``importance_log_ratio``.
         vf_coef, cliprange_value: value-loss weight and clip (``None``: unclipped).
         entropy_coef, kl_coef, kl: entropy bonus weight; KL weight and estimator name.
         agg, num_tokens, num_seqs, max_length: see ``rlcore.masked.aggregate``.
         ratio_threshold: ``None`` or the mean ratio above which the batch is skipped.
+        sapo_temperature_pos, sapo_temperature_neg: ``τ_pos``, ``τ_neg`` of ``sapo_surrogate``
+            (read with ``surrogate="sapo"`` only).
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: ``k``, ``λ`` of
+            ``vespo_surrogate`` (read with ``surrogate="vespo"`` only; it wants ``ratio_level="token"``).
     Returns:
         ``(loss [], metrics)``; metrics (detached ``[]``): ``loss_policy``, ``loss_entropy``,
         ``loss_kl``, ``loss_value`` (with a critic) sum to ``loss``; ``approx_kl_k1/_k3``,
         ``clipfrac_low/_high/_dual``, ``ratio_mean/_max``, ``skipped_ratio_threshold``, and when
         present ``entropy``, ``kl_ref``, ``value_loss_unweighted``, ``clipfrac_value``,
-        ``explained_variance`` (of ``value_preds`` against ``returns``).
+        ``explained_variance`` (of ``value_preds`` against ``returns``). Metrics are cast back
+        saturating: finite for finite inputs (a KL of log-probs near ±3e38 is the dtype's largest value).
+    Raises:
+        ValueError: a hyper-parameter out of its range, named: a negative or NaN ``clip_eps_low`` /
+        ``clip_eps_high`` / ``cliprange_value`` / ``vf_coef`` / ``kl_coef`` (a tensor one must be
+        0-d), a NaN ``entropy_coef``, ``log_ratio_clamp`` not ``> 0``, a negative or NaN ``ratio_threshold``.
 
     References:
         Schulman et al., "Proximal Policy Optimization Algorithms", https://arxiv.org/abs/1707.06347
@@ -432,6 +590,8 @@ def ppo_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low: fl
     ``advantages``, ``ref_logprobs``, ``values`` and ``returns`` are detached. Positions outside
     the mask get exactly zero gradient.
     """
+    _check_coefficients(vf_coef=vf_coef, entropy_coef=entropy_coef, kl_coef=kl_coef, ratio_threshold=ratio_threshold,
+                        log_ratio_clamp=log_ratio_clamp, cliprange_value=cliprange_value)
     mask = _check_inputs(batch, entropy_coef=entropy_coef, kl_coef=kl_coef, cliprange_value=cliprange_value)
     with validated():
         def agg_fn(x: Tensor) -> Tensor:
@@ -440,7 +600,9 @@ def ppo_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low: fl
         losses, metrics = _policy_terms(
             batch, mask, agg_fn, surrogate=surrogate, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
             clip_ratio_c=clip_ratio_c, log_ratio_clamp=log_ratio_clamp, ratio_level=ratio_level,
-            entropy_coef=entropy_coef, kl_coef=kl_coef, kl=kl)
+            entropy_coef=entropy_coef, kl_coef=kl_coef, kl=kl, sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+            vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
         if K.VALUE_PREDS in batch.keys():
             value_losses, value_metrics = _value_terms(batch, mask, agg_fn, vf_coef=vf_coef,
                                                        cliprange_value=cliprange_value)
@@ -452,4 +614,5 @@ def ppo_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low: fl
         dtype = loss.dtype
         metrics = {**{k: v.detach() for k, v in losses.items()}, **metrics,
                    "skipped_ratio_threshold": skip.to(dtype)}
-        return loss, TensorDict({k: v.detach().to(dtype) for k, v in metrics.items()}, batch_size=[])
+        # cast saturating: a diagnostic past the dtype's range (a KL of log-probs near ±3e38) is its largest value
+        return loss, TensorDict({k: saturate(v.detach(), dtype) for k, v in metrics.items()}, batch_size=[])

@@ -26,7 +26,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.dpo import chosen_nll, completion_lengths, dpo, preference_metrics
 from rlcore.algorithms.dpo_variants import DPO_LOSSES, smoothed_sigmoid_loss
-from rlcore.checks import check_float, check_leaves, check_mask, check_same_shape, require_keys
+from rlcore.checks import check_float, check_leaves, check_mask, check_number, check_same_shape, require_keys
 from rlcore.masked import masked_mean, saturate, wide, wide_mean, wide_sum
 
 __all__ = [
@@ -98,6 +98,7 @@ def odds_ratio_loss(chosen_logps_avg: Tensor, rejected_logps_avg: Tensor, *,
     """
     check_float("chosen_logps_avg", chosen_logps_avg)
     check_same_shape("chosen_logps_avg", chosen_logps_avg, rejected_logps_avg=rejected_logps_avg)
+    check_number("beta", beta, low=0.0)  # λ < 0 would reward the rejected answer's odds
     dtype = chosen_logps_avg.dtype
     # float64 (rlcore.masked.wide), cast back saturating: log-probs anywhere in the range
     top = -torch.finfo(torch.float32).tiny  # p̄ = 0 (probability 1) has infinite odds: the closest normal number
@@ -166,6 +167,7 @@ def alphapo_reward(logps: Tensor, *, alpha: float = 0.0) -> Tensor:
         Gupta et al., "AlphaPO: Reward Shape Matters for LLM Alignment", https://arxiv.org/abs/2501.03884.
     """
     check_float("logps", logps)
+    check_number("alpha", alpha)
     if alpha == 0.0:
         return logps
     cap = 11.0 if logps.dtype == torch.float16 else 80.0  # e^cap stays finite, as the f-divergences of DPO
@@ -175,6 +177,8 @@ def alphapo_reward(logps: Tensor, *, alpha: float = 0.0) -> Tensor:
 def _margin_loss(lw: Tensor, ll: Tensor, beta: float, gamma: float, label_smoothing: float,
                  alpha: float) -> Tensor:
     check_same_shape("chosen", lw, rejected=ll)
+    check_number("beta", beta, low=0.0, low_open=True)  # β ≤ 0 prefers the rejected answer
+    check_number("gamma", gamma)
     # in float64, cast back saturating (rlcore.masked.saturate): log-probs anywhere in the range
     x = beta * (alphapo_reward(wide(lw), alpha=alpha) - alphapo_reward(wide(ll), alpha=alpha)) - gamma
     return saturate(smoothed_sigmoid_loss(x, label_smoothing=label_smoothing), lw.dtype)
@@ -230,6 +234,7 @@ def cpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, *, beta: float = 0.1,
 
 def _ref_free_loss(batch, where, kernel, averaged: bool, beta: float, alpha: float, cpo_alpha: float,
                     **hyper) -> tuple[Tensor, TensorDict]:
+    check_number("cpo_alpha", cpo_alpha, low=0.0)
     cw, rw, nw, nl = _sides(batch, where)
     lw, ll = (_avg(cw, nw), _avg(rw, nl)) if averaged else (cw, rw)
     parts = {f"loss_{where}": wide_mean(kernel(lw, ll, beta=beta, alpha=alpha, **hyper))}
@@ -306,6 +311,9 @@ def kto_loss(logps: Tensor, ref_logps: Tensor, kl_logps: Tensor, ref_kl_logps: T
     check_mask("labels", labels, like=logps, like_name="logps")
     check_float("kl_logps", kl_logps)
     check_same_shape("kl_logps", kl_logps, ref_kl_logps=ref_kl_logps)
+    check_number("beta", beta, low=0.0, low_open=True)
+    check_number("desirable_weight", desirable_weight, low=0.0, low_open=True)
+    check_number("undesirable_weight", undesirable_weight, low=0.0, low_open=True)
     # in float64, cast back saturating (rlcore.masked.saturate): log-probs anywhere in the range
     z = (wide(kl_logps) - wide(ref_kl_logps)).detach().mean().clamp(min=0)
     rho = wide(logps) - wide(ref_logps.detach())

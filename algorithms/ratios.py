@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlcore.checks import check_float, check_mask, check_same_shape, lookup
+from rlcore.checks import check_float, check_mask, check_number, check_same_shape, lookup
 from rlcore.masked import masked_mean, masked_sum, zero_outside
 
 __all__ = ["importance_log_ratio", "token_log_ratio", "sequence_log_ratio", "sequence_sum_log_ratio", "RATIO_LEVELS"]
@@ -83,7 +83,7 @@ def importance_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *
         logprobs: ``[..., T]`` float, current policy, differentiable.
         old_logprobs: ``[..., T]`` float, behaviour policy (detached).
         mask: ``[..., T]`` bool, True on response tokens.
-        level: a key of ``RATIO_LEVELS``.  clamp: ``None`` or a positive float.
+        level: a key of ``RATIO_LEVELS``.  clamp: ``None`` or a positive float (``ValueError`` otherwise).
     Returns:
         ``[..., T]`` log-ratio, 0 outside ``mask`` (ratio 1), so padding never reaches ``exp``.
 
@@ -103,5 +103,6 @@ def importance_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *
     check_mask("mask", mask, like=logprobs, like_name="logprobs")
     log_ratio = lookup(RATIO_LEVELS, level, what="level")(logprobs, old_logprobs, mask)
     if clamp is not None:
+        check_number("clamp", clamp, low=0.0, low_open=True, allow_inf=True)  # a negative one empties the range
         log_ratio = log_ratio.clamp(-clamp, clamp)
     return log_ratio

@@ -3,6 +3,10 @@
 All checks read only shapes and dtypes (never tensor values), so they cost nothing on the
 device, never synchronise, and trace cleanly under ``torch.compile``. ``check_finite`` is the one
 exception: it reads values, and is meant for the loop boundary (``loops/``), not inside kernels.
+Hyper-parameters (``check_number``, ``check_scalar``) are checked where they are used, so a kernel
+called directly refuses a bad one as a config would: Python numbers are read as they are (free under
+``torch.compile``); a tensor-valued coefficient has its shape and dtype checked, its value only
+where the caller asks for it (``read=True``), outside ``torch.compile``.
 
 Validation happens once, at the boundary: a TensorDict-level loss (``ppo_loss``, ``dpo_loss``, ...)
 checks every key it reads, then computes inside :func:`validated`, where the checks of the tensor
@@ -15,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
+import numbers
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -28,6 +34,8 @@ __all__ = [
     "check_float",
     "require_keys",
     "check_finite",
+    "check_number",
+    "check_scalar",
     "NonFiniteError",
     "lookup",
     "bind_keywords",
@@ -195,6 +203,64 @@ def check_finite(name: str, x: torch.Tensor) -> None:
         n_inf = int(torch.isinf(x).sum())
         raise NonFiniteError(f"{name}: {n_nan} NaN and {n_inf} inf values in a tensor of shape "
                              f"{_fmt(x.shape)}")
+
+
+def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return ""
+
+
+def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False, allow_inf: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a real number (not a ``bool``), not NaN, finite unless
+    ``allow_inf``, and within ``[low, high]`` (an end excluded where ``low_open`` / ``high_open``):
+    a hyper-parameter whose bad value would otherwise invert a loss or make it NaN.
+
+    Reads a Python number only: free, and traced away by ``torch.compile``.
+
+    >>> check_number("beta", 0.1, low=0, low_open=True)
+    >>> check_number("beta", float("nan"), low=0, low_open=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: beta: expected a finite number > 0, got nan
+    """
+    bounds = _interval(low, high, low_open, high_open)
+    wanted = ("a number (inf allowed)" if allow_inf else "a finite number") + (f" {bounds}" if bounds else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}: expected {wanted}, got {type(value).__name__} {value!r}")
+    v = float(value)
+    ok = not math.isnan(v) and (allow_inf or math.isfinite(v))
+    ok = ok and (low is None or (v > low if low_open else v >= low))
+    ok = ok and (high is None or (v < high if high_open else v <= high))
+    if not ok:
+        raise ValueError(f"{name}: expected {wanted}, got {value!r}")
+
+
+def check_scalar(name: str, value: Any, *, read: bool = False, **bounds: Any) -> None:
+    """:func:`check_number` for a coefficient that may also be a tensor (an adaptive state's ``β``):
+    a tensor must be a 0-d floating-point one (``ValueError`` naming the shape seen otherwise: a
+    ``[T]`` tensor would silently apply one value per token). Its value is checked against
+    ``bounds`` only with ``read=True`` and outside ``torch.compile`` (reading it synchronises).
+
+    >>> check_scalar("kl_coef", torch.zeros(3))
+    Traceback (most recent call last):
+    ...
+    ValueError: kl_coef: expected a float or a 0-d tensor, got a tensor of shape [3]
+    """
+    if not isinstance(value, torch.Tensor):
+        check_number(name, value, **bounds)
+        return
+    if value.ndim != 0:
+        raise ValueError(f"{name}: expected a float or a 0-d tensor, got a tensor of shape {_fmt(value.shape)}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {value.dtype}")
+    if read and not torch.compiler.is_compiling():
+        check_number(name, float(value.detach()), **bounds)
 
 
 V = TypeVar("V")

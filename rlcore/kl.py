@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlcore.checks import check_float, check_ndim, check_same_shape
+from rlcore.checks import check_float, check_ndim, check_number, check_same_shape
 from rlcore.masked import saturate, wide
 
 __all__ = [
@@ -61,7 +61,10 @@ def _log_ratio(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: float 
     # float64: a difference of log-probs anywhere in the float32 / bfloat16 range (and its square,
     # its exponential) stays finite; each estimator casts back saturating (rlcore.masked.saturate)
     d = wide(logprobs) - wide(ref_logprobs)
-    return d if clamp is None else d.clamp(-clamp, clamp)
+    if clamp is None:
+        return d
+    check_number("clamp", clamp, low=0.0, low_open=True, allow_inf=True)  # a negative one empties the range
+    return d.clamp(-clamp, clamp)
 
 
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, clamp: float | None = None) -> torch.Tensor:

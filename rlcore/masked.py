@@ -36,6 +36,7 @@ __all__ = [
     "seq_mean_token_sum",
     "seq_mean_token_mean",
     "seq_sum_norm",
+    "local_token_mean",
 ]
 
 Dim = int | tuple[int, ...] | None
@@ -288,11 +289,31 @@ def seq_sum_norm(values: torch.Tensor, mask: torch.Tensor, *, num_tokens=None, n
     return saturate(_wide_sum(values, mask, None, False) / (_rows(mask, num_seqs) * length), values.dtype)
 
 
+def local_token_mean(values: torch.Tensor, mask: torch.Tensor, *, num_tokens=None, num_seqs=None,
+                     max_length=None) -> torch.Tensor:
+    """``(Σ_{i,t} m·ℓ / n_tok) · n_seq / N_seq``: the token mean of *this* batch (TRL's ``bnpo``).
+
+    ``n_tok`` and ``n_seq`` are the valid tokens and non-empty rows of ``mask`` (the micro-batch
+    the loss sees), never the step's: ``num_tokens`` is ignored. ``N_seq = num_seqs`` (the step's
+    non-empty rows) or ``n_seq``, so called alone it is the plain token mean of the batch, and with
+    the step's ``num_seqs`` each micro-batch weighs its share of the step's sequences: the step's
+    loss is the mean of the micro-batches' token means (TRL divides each by the number of
+    accumulation steps; the two agree when the micro-batches hold equally many non-empty rows).
+    The value depends on how the step is cut into micro-batches, by definition.
+    """
+    _check(values, mask)
+    total = _wide_sum(values, mask, None, False) / mask.sum().clamp(min=1)
+    if num_seqs is not None:  # this batch's share of the step, in the sum's precision
+        total = total * mask.any(dim=-1).sum() / num_seqs
+    return saturate(total, values.dtype)
+
+
 AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "token_mean": token_mean,
     "seq_mean_token_sum": seq_mean_token_sum,
     "seq_mean_token_mean": seq_mean_token_mean,
     "seq_sum_norm": seq_sum_norm,
+    "local_token_mean": local_token_mean,
 }
 
 
@@ -302,9 +323,11 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean"
 
     Args:
         values: ``[..., T]`` float per-token losses.  mask: ``[..., T]`` bool.
-        mode: ``token_mean`` | ``seq_mean_token_sum`` | ``seq_mean_token_mean`` | ``seq_sum_norm``.
+        mode: ``token_mean`` | ``seq_mean_token_sum`` | ``seq_mean_token_mean`` | ``seq_sum_norm`` |
+            ``local_token_mean``.
         num_tokens: global token count of the optimiser step (``token_mean``).
-        num_seqs: global count of non-empty sequences of the step (the ``seq_*`` modes).
+        num_seqs: global count of non-empty sequences of the step (the ``seq_*`` modes; the share
+            of each micro-batch in ``local_token_mean``).
         max_length: the constant ``L`` of ``seq_sum_norm``.
     Returns:
         ``[]`` scalar. With global counts, summing the result over micro-batches gives the loss

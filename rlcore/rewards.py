@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_leaves, check_mask, check_ndim, check_same_shape
+from rlcore.checks import check_float, check_leaves, check_mask, check_ndim, check_number, check_same_shape, check_scalar
 from rlcore.kl import kl_estimate
 from rlcore.masked import saturate, wide
 from rlcore.transforms import RunningMoments, running_moments_std
@@ -104,13 +104,19 @@ def compute_rewards(score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: t
             (``old_logprobs`` of a rollout).
         ref_logprobs: ``[..., T]`` float, the same under the reference policy.
         mask: ``[..., T]`` bool, True on response tokens.
-        kl_coef: ``β``, a float or a 0-d tensor (e.g. ``KLControllerState.coef``).
+        kl_coef: ``β ≥ 0``, finite: a float or a 0-d float tensor (e.g. ``KLControllerState.coef``);
+            any other shape is refused (a ``[T]`` tensor would weigh each token differently). A
+            tensor's value is read (one synchronisation) outside ``torch.compile``.
         kl: estimator name, see ``rlcore.kl.KL_ESTIMATORS`` (``k1`` as TRL and verl), or the
             per-token KL values themselves, ``[..., T]`` float (then ``clamp`` is not applied).
-        clamp: optional bound on the log-ratio before the estimator.
+        clamp: optional bound ``> 0`` on the log-ratio before the estimator.
     Returns:
         ``rewards [..., T]`` and ``kl [..., T]`` (the per-token estimate, 0 outside the mask),
         both in the dtype of ``logprobs``.
+
+    Raises:
+        ValueError: ``kl_coef`` of another shape, negative or not finite; ``clamp`` not ``> 0``
+            (``rlcore.kl``).
 
     Gradient: none; every input is detached (rewards are data for the policy gradient).
 
@@ -128,6 +134,7 @@ def compute_rewards(score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: t
     if score.shape != logprobs.shape[:-1]:
         raise ValueError(f"score: expected shape {list(logprobs.shape[:-1])} (logprobs [..., T] "
                          f"without T), got {list(score.shape)}")
+    check_scalar("kl_coef", kl_coef, read=True, low=0.0)
     if isinstance(kl, torch.Tensor):
         check_float("kl", kl)
         check_same_shape("logprobs", logprobs, kl=kl)
@@ -161,7 +168,7 @@ def process_scores(scores: torch.Tensor, moments: RunningMoments, *, scale: bool
     Args:
         scores: ``[...]`` float (typically ``[B]``).
         moments: a ``RunningMoments`` state (see ``rlcore.transforms``).
-        scale, normalize: booleans, as above.  clip: optional bound.  eps: added to ``σ``.
+        scale, normalize: booleans, as above.  clip: optional bound ``≥ 0``.  eps: added to ``σ``, ``≥ 0``.
     Returns:
         ``[...]``, dtype of ``scores`` (statistics are cast to it, as TRL).
 
@@ -175,6 +182,9 @@ def process_scores(scores: torch.Tensor, moments: RunningMoments, *, scale: bool
     References: Ziegler et al., https://arxiv.org/abs/1909.08593 (reward normalisation)
     """
     check_float("scores", scores)
+    if clip is not None:
+        check_number("clip", clip, low=0.0, allow_inf=True)  # a negative bound empties the range
+    check_number("eps", eps, low=0.0)
     std = running_moments_std(moments).detach()
     std = torch.where(moments.count > 1, std, torch.ones_like(std)).to(scores.dtype)
     mean = moments.mean.detach().to(scores.dtype)

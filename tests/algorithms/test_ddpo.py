@@ -292,6 +292,74 @@ def test_ratio_one_gradient_is_minus_advantage_times_grad_logp():
     assert lp2.grad.abs().max() == 0
 
 
+def _ratio_loss_as_written(lp, old, adv, clip_range, adv_clip_max):
+    """The surrogate exactly as the formula reads, with no bound on the ratio."""
+    a = adv.detach().clamp(-adv_clip_max, adv_clip_max)
+    ratio = torch.exp(lp - old.detach())
+    return torch.maximum(-a * ratio, -a * ratio.clamp(1 - clip_range, 1 + clip_range))
+
+
+@pytest.mark.parametrize("clip_range", [0.0, 1e-4, 0.2, 1.0, 1.5])
+def test_ratio_loss_is_the_formula_bit_for_bit_wherever_the_formula_is_finite(clip_range):
+    """float64: value and gradient equal the unbounded formula's wherever those are finite, on a grid
+    through every bound (log(1 ± ε) ± 1, exp's overflow at 709.78) and both signs of the advantage."""
+    lo = math.log(1 - clip_range) if clip_range < 1 else -50.0
+    points = [0.0, 1e-5, -1e-5, 0.5, -0.5, 3.0, -3.0, 30.0, -30.0, 700.0, -700.0, 709.78, 709.79, -745.0, 800.0,
+              math.log1p(clip_range), math.log1p(clip_range) + 1, math.log1p(clip_range) + 1 + 1e-9, lo, lo - 1,
+              lo - 1 - 1e-9]
+    lr = torch.tensor(points, dtype=torch.float64)
+    n = len(points)
+    for adv in (torch.full((n,), 2.0), torch.full((n,), -2.0), torch.zeros(n), torch.full((n,), -1e-300)):
+        adv = adv.double()
+        got_lp = lr.clone().requires_grad_(True)
+        want_lp = lr.clone().requires_grad_(True)
+        got = ddpo_ratio_loss(got_lp, torch.zeros(n, dtype=torch.float64), adv, clip_range=clip_range,
+                              adv_clip_max=5.0)
+        want = _ratio_loss_as_written(want_lp, torch.zeros(n, dtype=torch.float64), adv, clip_range, 5.0)
+        (g_got,) = torch.autograd.grad(got.sum(), got_lp)
+        (g_want,) = torch.autograd.grad(want.sum(), want_lp)
+        assert torch.isfinite(got).all() and torch.isfinite(g_got).all()
+        finite = torch.isfinite(want) & torch.isfinite(g_want)
+        assert finite.sum() >= n - 3
+        assert torch.equal(got[finite], want[finite].detach()), (adv[0], got, want)
+        assert torch.equal(g_got[finite], g_want[finite]), (adv[0], g_got, g_want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_ratio_loss_is_finite_for_any_finite_log_probs(dtype):
+    """The ratio exp(lp − old) of far-apart log-probs overflowed: NaN loss and gradient at 0·inf."""
+    lp0 = torch.tensor([100.0], dtype=dtype, requires_grad=True)
+    loss = ddpo_ratio_loss(lp0, torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype))
+    (g,) = torch.autograd.grad(loss.sum(), lp0)
+    assert loss.item() == 0 and g.item() == 0
+    big = torch.finfo(dtype).max
+    lp = torch.tensor([100.0, 100.0, -3e38, 0.0, -3e38, 0.0, 1e4], dtype=dtype, requires_grad=True)
+    old = torch.tensor([0.0, 0.0, 0.0, -3e38, 0.0, -3e38, 0.0], dtype=dtype)
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0, -3e38], dtype=dtype)
+    loss = ddpo_ratio_loss(lp, old, adv, clip_range=0.2, adv_clip_max=float("inf"))
+    (g,) = torch.autograd.grad(loss.sum(), lp)
+    assert torch.isfinite(loss).all() and torch.isfinite(g).all()
+    # A > 0 past 1 + ε: −A(1 + ε); A < 0 far below 1 − ε: −A(1 − ε); A < 0, ρ past the range: saturated
+    want = torch.tensor([-1.2, min(math.exp(100), big), 0.0, -1.2, 0.8, big, big], dtype=torch.float64).to(dtype)
+    torch.testing.assert_close(loss, want)
+    ddpo_loss_, metrics = ddpo_loss(TensorDict({K.LOGPROBS: lp, K.OLD_LOGPROBS: old, K.ADVANTAGES: adv}, [7]),
+                                    adv_clip_max=float("inf"))
+    assert torch.isfinite(ddpo_loss_) and all(torch.isfinite(v) for v in metrics.values())
+    kl = 0.5 * (4 * 9e76 + 2 * 1e4 + 1e8) / 7  # four log-ratios of ±3e38: saturated below float64
+    assert metrics["approx_kl"].item() == pytest.approx(min(kl, big), rel=1e-6) and metrics["clipfrac"] == 1
+
+
+@pytest.mark.parametrize("kw", [dict(clip_range=-0.1), dict(clip_range=float("nan")), dict(clip_range=float("inf")),
+                                dict(adv_clip_max=-1.0), dict(adv_clip_max=float("nan"))])
+def test_ratio_loss_refuses_bad_hyper_parameters(kw):
+    (name, value), = kw.items()
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match=rf"^{name}: expected .*got {value}"):
+        ddpo_ratio_loss(x, x, x, **kw)
+    with pytest.raises(ValueError, match=rf"^{name}: "):
+        ddpo_loss(TensorDict({K.LOGPROBS: x, K.OLD_LOGPROBS: x, K.ADVANTAGES: x}, [2]), **kw)
+
+
 def test_ddpo_loss_metrics():
     lp = torch.tensor([0.0, 0.2, -0.2, 0.0], dtype=torch.float64)
     old = torch.zeros(4, dtype=torch.float64)

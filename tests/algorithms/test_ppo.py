@@ -16,7 +16,7 @@ import rlcore.algorithms.ppo as ppo
 from rlcore import keys as K
 from rlcore.algorithms.ppo import (SURROGATES, approx_kl_k1, approx_kl_k3, cispo_surrogate, clip_fraction,
                                    clipped_surrogate, clipped_value_loss, early_stop, explained_variance, ppo_loss,
-                                   ratio_stats)
+                                   ratio_stats, sapo_surrogate, vespo_surrogate)
 from rlcore.algorithms.ratios import RATIO_LEVELS, importance_log_ratio
 from rlcore.testing import assert_pure, make_rollout, right_padded_mask
 from tests.algorithms.conformance import check_compiles, check_loss_conformance
@@ -250,6 +250,30 @@ def test_cispo_golden_detached_weight_and_gradient():
     assert g_lr is None or torch.equal(g_lr, torch.zeros_like(g_lr))  # the weight is detached
     defaults = cispo_surrogate(torch.tensor([math.log(7.0), -5.0]), torch.tensor([-1.0, -1.0]), torch.ones(2))
     torch.testing.assert_close(defaults.loss, torch.tensor([5.0, math.exp(-5.0)]))  # cap 5, no floor
+
+
+def test_sapo_and_vespo_kernels_gradcheck_and_edges():
+    g = torch.Generator().manual_seed(4)
+    lr = (torch.rand(3, 5, generator=g, dtype=F64) - 0.5).requires_grad_(True)
+    lp = -torch.rand(3, 5, generator=g, dtype=F64).requires_grad_(True)
+    adv = torch.randn(3, 5, generator=g, dtype=F64)
+    assert torch.autograd.gradcheck(lambda x: sapo_surrogate(x, adv, temperature_neg=2.0).loss, (lr,))
+    assert torch.autograd.gradcheck(lambda x: vespo_surrogate(lr.detach(), x, adv).loss, (lp,))
+    # SAPO: ∂ℓ/∂log ρ = −A·4σ(1−σ)ρ, −A at ρ = 1 for any τ; a huge ratio gives a zero gradient, not NaN
+    x = torch.tensor([0.0, 0.0, 800.0, -800.0], dtype=F64, requires_grad=True)
+    out = sapo_surrogate(x, torch.tensor([1.0, -2.0, 1.0, -1.0], dtype=F64), temperature_neg=3.0)
+    (grad,) = torch.autograd.grad(out.loss.sum(), x)
+    torch.testing.assert_close(grad, torch.tensor([-1.0, 2.0, 0.0, 0.0], dtype=F64))
+    torch.testing.assert_close(out.loss[2:], torch.tensor([-4.0, 4 / 3 * torch.sigmoid(torch.tensor(-3.0)).item()],
+                                                          dtype=F64))
+    # VESPO: φ(1) = 1; log w clamped to 20 gives φ = e^{λ + 20k − λe^20} = 0; the weight is detached
+    lr2 = torch.tensor([[0.0, 0.0], [15.0, 15.0]], dtype=F64, requires_grad=True)
+    lp2 = torch.full((2, 2), -1.0, dtype=F64, requires_grad=True)
+    out = vespo_surrogate(lr2, lp2, torch.ones(2, 2, dtype=F64))
+    torch.testing.assert_close(out.loss, torch.tensor([[1.0, 1.0], [0.0, 0.0]], dtype=F64))
+    g_lp, g_lr = torch.autograd.grad(out.loss.sum(), (lp2, lr2), allow_unused=True)
+    torch.testing.assert_close(g_lp, torch.tensor([[-1.0, -1.0], [0.0, 0.0]], dtype=F64))
+    assert g_lr is None or torch.equal(g_lr, torch.zeros_like(g_lr))
 
 
 def test_value_loss_golden_matches_loops_and_gradcheck():
@@ -562,17 +586,72 @@ def test_bad_shapes_dtypes_and_names():
         clipped_surrogate(torch.zeros(3), torch.zeros(4))
     with pytest.raises(ValueError, match=r"level: unknown 'seq'; valid: \['sequence', 'sequence_sum', 'token'\]"):
         ppo_loss(b, ratio_level="seq")
-    with pytest.raises(ValueError, match=r"surrogate: unknown 'sapo'; valid: \['cispo', 'clip'\]"):
-        ppo_loss(b, surrogate="sapo")
+    with pytest.raises(ValueError, match=r"surrogate: unknown 'spo'; valid: \['cispo', 'clip', 'sapo', 'vespo'\]"):
+        ppo_loss(b, surrogate="spo")
     with pytest.raises(ValueError, match=r"mode: unknown.*'mean'.*token_mean"):
         ppo_loss(b, agg="mean")
     with pytest.raises(ValueError, match="kind: unknown KL estimator"):
         ppo_loss(b, kl_coef=0.1, kl="k4")
     with pytest.raises(ValueError, match="clip_ratio_c: dual clip applies to surrogate='clip'"):
         ppo_loss(b, surrogate="cispo", clip_ratio_c=3.0)
-    assert set(SURROGATES) == {"clip", "cispo"}
+    assert set(SURROGATES) == {"clip", "cispo", "sapo", "vespo"}
 
 
 def test_doctests():
     result = doctest.testmod(ppo, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+# --- hyper-parameters out of range, and the metrics at the edge of the range -------------------
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kw", [dict(clip_eps_low=-0.1), dict(clip_eps_low=_NAN), dict(clip_eps_high=-0.2),
+                                dict(clip_eps_high=_NAN), dict(cliprange_value=-0.2), dict(cliprange_value=_NAN),
+                                dict(vf_coef=-0.1), dict(vf_coef=_NAN), dict(entropy_coef=_NAN),
+                                dict(kl_coef=-0.1), dict(kl_coef=_NAN), dict(log_ratio_clamp=-20.0),
+                                dict(log_ratio_clamp=0.0), dict(ratio_threshold=_NAN), dict(ratio_threshold=-1.0)])
+def test_ppo_loss_refuses_hyper_parameters_out_of_range(kw):
+    """A negative or NaN clip range, weight or bound used to invert a term or make the loss NaN."""
+    (name, value), = kw.items()
+    with pytest.raises(ValueError, match=rf"^{name}: expected .* got {value}"):
+        ppo_loss(rollout(), **kw)
+
+
+@pytest.mark.parametrize("surrogate", ["clip", "cispo"])
+def test_surrogate_kernels_refuse_bad_clip_ranges(surrogate):
+    x = torch.zeros(3)
+    for kw in (dict(clip_eps_low=-0.1), dict(clip_eps_high=_NAN)):
+        with pytest.raises(ValueError, match=rf"^{next(iter(kw))}: expected a number \(inf allowed\) >= 0"):
+            if surrogate == "clip":
+                clipped_surrogate(x, x, **kw)
+            else:
+                cispo_surrogate(x, x, x, **kw)
+    with pytest.raises(ValueError, match=r"^clamp: expected a number \(inf allowed\) > 0, got -1.0"):
+        importance_log_ratio(x, x, torch.ones(3, dtype=torch.bool), clamp=-1.0)
+    with pytest.raises(ValueError, match=r"^kl_coef: expected a float or a 0-d tensor, got a tensor of shape \[6\]"):
+        ppo_loss(rollout(), kl_coef=torch.full((6,), 0.1))
+    # no clip on a side (inf) and a tensor β are valid
+    assert torch.isfinite(ppo_loss(rollout(), clip_eps_high=_INF, kl_coef=torch.tensor(0.1, dtype=F64))[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
+def test_ppo_metrics_are_finite_at_the_edge_of_the_range(dtype):
+    """log-probs at ±3e38: the loss stayed finite, but lp − old overflowed in the metrics (k3: inf − inf)."""
+    b = rollout(2, 3, dtype=dtype, empty_rows=0).exclude(K.VALUE_PREDS)
+    lp = torch.tensor([[3e38, -3e38, -1.0], [-3e38, 0.0, 3e38]], dtype=dtype)
+    old = torch.tensor([[-3e38, 3e38, -1.0], [0.0, -3e38, -3e38]], dtype=dtype)
+    b = put(b, logprobs=lp.requires_grad_(), old_logprobs=old, response_mask=torch.ones(2, 3, dtype=torch.bool))
+    loss, metrics = ppo_loss(b)
+    (g,) = torch.autograd.grad(loss, lp)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    assert all(torch.isfinite(v) for v in metrics.values()), dict(metrics.items())
+    big = torch.finfo(dtype).max
+    assert metrics["approx_kl_k3"] == big or dtype == F64  # float64: a mean of values capped at e^709.78
+    # k1 = mean(old − lp) = (−6e38 + 6e38 + 0 + 3e38 − 3e38 − 6e38) / 6 = −1e38, exact in float64
+    torch.testing.assert_close(metrics["approx_kl_k1"], torch.tensor(-1e38, dtype=F64).to(dtype))
+    lr = torch.tensor([[100.0, 1.0]], dtype=dtype)
+    assert approx_kl_k3(lr, torch.ones(1, 2, dtype=torch.bool)) == big if dtype != F64 else True
+    lr64 = torch.tensor([1e-3, 0.5, -3.0, 700.0], dtype=F64)  # float64: the formula, exactly
+    want = (torch.expm1(lr64) - lr64).mean()
+    assert approx_kl_k3(lr64, torch.ones(4, dtype=torch.bool)) == want

@@ -116,6 +116,9 @@ def plain_aggregate(values, mask, mode, max_length=None):
         return sum(sum(r) for r in per_row) / max(len(per_row), 1)
     if mode == "seq_mean_token_mean":
         return sum(sum(r) / len(r) for r in per_row) / max(len(per_row), 1)
+    if mode == "local_token_mean":  # alone (no step counts): the batch's token mean
+        flat = [v for r in per_row for v in r]
+        return sum(flat) / max(len(flat), 1)
     L = values.shape[-1] if max_length is None else max_length
     return sum(sum(r) for r in per_row) / (max(len(per_row), 1) * L)
 
@@ -127,7 +130,7 @@ def test_aggregate_against_loops(mode):
     torch.testing.assert_close(got, torch.tensor(plain_aggregate(x, m, mode, 16), dtype=x.dtype))
 
 
-@pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
+@pytest.mark.parametrize("mode", sorted(set(AGGREGATIONS) - {"local_token_mean"}))
 def test_global_denominators_make_microbatches_add_up(mode):
     """Summing micro-batch losses computed with the step's global counts gives the full loss."""
     x, m = random_case(8, 6, seed=5)
@@ -136,6 +139,18 @@ def test_global_denominators_make_microbatches_add_up(mode):
     parts = [aggregate(x[i:i + 2], m[i:i + 2], mode, num_tokens=num_tokens, num_seqs=num_seqs,
                        max_length=6) for i in range(0, 8, 2)]
     torch.testing.assert_close(sum(parts), full)
+
+
+def test_local_token_mean_is_the_mean_of_the_micro_batches_token_means():
+    """TRL's bnpo: each micro-batch normalised by its own tokens, weighted by its share of the rows."""
+    x, m = random_case(8, 6, seed=5)
+    m[:, 0], x[:, 0] = True, x[:, 0].nan_to_num(0.5)  # no empty row: every micro-batch's share is 2 / 8
+    num_tokens, num_seqs = m.sum(), m.any(-1).sum()
+    parts = [aggregate(x[i:i + 2], m[i:i + 2], "local_token_mean", num_tokens=num_tokens, num_seqs=num_seqs)
+             for i in range(0, 8, 2)]
+    means = [plain_aggregate(x[i:i + 2], m[i:i + 2], "token_mean") for i in range(0, 8, 2)]
+    torch.testing.assert_close(sum(parts), torch.tensor(sum(means) / 4, dtype=x.dtype))
+    assert not torch.allclose(sum(parts), aggregate(x, m, "token_mean"))  # it depends on the cut, by definition
 
 
 @pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
@@ -170,7 +185,7 @@ def test_bad_input_messages():
         masked_mean(x, torch.ones(3, 5, dtype=torch.bool))
     with pytest.raises(TypeError, match=r"values: expected a floating-point tensor"):
         masked_sum(torch.ones(3, 4, dtype=torch.long), torch.ones(3, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"mode: unknown 'mean'; valid: \['seq_mean_token_mean'"):
+    with pytest.raises(ValueError, match=r"mode: unknown 'mean'; valid: \['local_token_mean', 'seq_mean_token_mean'"):
         aggregate(x, x > 0, "mean")
     with pytest.raises(ValueError, match=r"values: expected at least 1 dims"):
         aggregate(torch.tensor(1.0), torch.tensor(True))

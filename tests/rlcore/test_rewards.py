@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -217,6 +218,37 @@ def test_bad_inputs():
         compute_rewards(score, lp, ref, GAPPED, kl="full")
     with pytest.raises(TypeError, match=r"score: expected a floating-point tensor"):
         compute_rewards(torch.ones(6, dtype=torch.long), lp, ref, GAPPED)
+
+
+@pytest.mark.parametrize("coef,shape", [(torch.full((6,), 0.1), "[6]"), (torch.full((6, 1), 0.1), "[6, 1]"),
+                                         (torch.full((1, 6), 0.1), "[1, 6]"), (torch.full((1,), 0.1), "[1]")])
+def test_kl_coef_of_another_shape_is_refused(coef, shape):
+    """A [T] (or [B, 1], ...) β broadcast silently: one coefficient per token or per row."""
+    score, lp, ref = _inputs()
+    with pytest.raises(ValueError, match=rf"^kl_coef: expected a float or a 0-d tensor, got a tensor of shape {re.escape(shape)}"):
+        compute_rewards(score, lp, ref, GAPPED, kl_coef=coef)
+
+
+@pytest.mark.parametrize("coef", [float("nan"), -0.1, float("inf"), torch.tensor(float("nan")), torch.tensor(-0.1),
+                                  torch.tensor(float("inf"), dtype=torch.float64), True, "0.1"])
+def test_kl_coef_out_of_range_is_refused(coef):
+    """A NaN β made every reward NaN; a negative one rewards drifting from the reference."""
+    score, lp, ref = _inputs()
+    with pytest.raises(ValueError, match=r"^kl_coef: expected a finite number >= 0, got "):
+        compute_rewards(score, lp, ref, GAPPED, kl_coef=coef)
+    with pytest.raises(ValueError, match=r"^kl_coef: "):
+        with_rewards(make_rollout(2, 3), kl_coef=coef)
+
+
+def test_kl_coef_tensor_must_be_float_and_clamp_positive():
+    score, lp, ref = _inputs()
+    with pytest.raises(TypeError, match=r"^kl_coef: expected a floating-point tensor, got dtype torch.int64"):
+        compute_rewards(score, lp, ref, GAPPED, kl_coef=torch.tensor(1))
+    for clamp in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"^clamp: expected a number \(inf allowed\) > 0, got "):
+            compute_rewards(score, lp, ref, GAPPED, clamp=clamp)
+    zero, _ = compute_rewards(score, lp, ref, GAPPED, kl_coef=0)  # 0 and an int are a valid β
+    torch.testing.assert_close(zero, compute_rewards(score, lp, ref, GAPPED, kl_coef=torch.tensor(0.0))[0])
 
 
 def test_compile():

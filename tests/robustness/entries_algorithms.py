@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import torch
 from tensordict import TensorDict
@@ -19,6 +20,10 @@ from tests.robustness.fuzz import F32, F64, Case, Draw, Entry
 
 _ANY = ("grow", "drop", "add")
 SAFE_REALS = ("unit", "zero", "tiny", "ties")  # |x| < ~10: exp(x) stays finite in every dtype
+NAN = float("nan")
+# hyper-parameters out of range, each refused with a ValueError naming it (fuzz.check_bad_inputs)
+BAD_BETA = {"beta": (0.0, -0.1, NAN)}
+BAD_CLIP = {"clip_eps_low": (-0.1, NAN), "clip_eps_high": (-0.2, NAN)}
 
 
 # --- sft ---------------------------------------------------------------------------------------
@@ -133,6 +138,15 @@ def _squared(kw: dict, loss_type: str) -> dict:
     return dict(overflow=("out",), grad_overflow=True) if squared else {}
 
 
+def _bad_dpo_hyper(loss_type: str) -> dict:
+    bad = dict(BAD_BETA)
+    if loss_type in ("sigmoid", "aot", "aot_unpaired"):  # cDPO's smoothing: past 0.5 the labels flip
+        bad["label_smoothing"] = (0.6, -0.1, NAN)
+    if loss_type == "discopop":
+        bad["discopop_tau"] = (0.0, NAN)
+    return bad
+
+
 def _four_logps(d: Draw, dtype, B: int) -> dict:
     return dict(chosen_logps=d.logprobs((B,), dtype), rejected_logps=d.logprobs((B,), dtype),
                 ref_chosen_logps=d.logprobs((B,), dtype), ref_rejected_logps=d.logprobs((B,), dtype))
@@ -144,7 +158,8 @@ def dpo_kernel(loss_type: str | None):
         B = d.size()
         kw = _four_logps(d, dtype, B) | _dpo_hyper(d, name) | dict(
             chosen_lengths=d.ints((B,), 0, 20), rejected_lengths=d.ints((B,), 0, 20))
-        return Case(dpo_variants.DPO_LOSSES[name], kw, grad=("chosen_logps", "rejected_logps"), **_squared(kw, name))
+        return Case(dpo_variants.DPO_LOSSES[name], kw, grad=("chosen_logps", "rejected_logps"),
+                    bad_hyper=_bad_dpo_hyper(name), **_squared(kw, name))
     return Entry(make)
 
 
@@ -156,7 +171,8 @@ def dpo_loss(d: Draw, dtype):
         chosen_lengths=d.ints((B,), 0, 20), rejected_lengths=d.ints((B,), 0, 20))
     if kw["reference_free"] and d.flag("none_refs"):
         kw["ref_chosen_logps"] = kw["ref_rejected_logps"] = None
-    return Case(dpo.dpo_loss, kw, grad=("chosen_logps", "rejected_logps"), **_squared(kw, name))
+    return Case(dpo.dpo_loss, kw, grad=("chosen_logps", "rejected_logps"), bad_hyper=_bad_dpo_hyper(name),
+                **_squared(kw, name))
 
 
 def f_divergence(d: Draw, dtype):
@@ -167,7 +183,8 @@ def f_divergence(d: Draw, dtype):
 
 def smoothed_sigmoid(d: Draw, dtype):
     kw = dict(logits=d.reals(rows(d), dtype), label_smoothing=d.choice([0.0, 0.1, 0.5], "eps"))
-    return Case(dpo_variants.smoothed_sigmoid_loss, kw, grad=("logits",))
+    return Case(dpo_variants.smoothed_sigmoid_loss, kw, grad=("logits",),
+                bad_hyper={"label_smoothing": (0.6, -0.1, NAN)})
 
 
 def chosen_nll(d: Draw, dtype):
@@ -207,7 +224,8 @@ def dpo_batch(d: Draw, dtype):
     name = d.choice(sorted(dpo_variants.DPO_LOSSES), "loss_type")
     kw = dict(batch=preference_batch(d, dtype), loss_type=name, reference_free=d.flag("reference_free"),
               rpo_alpha=d.choice([None, 1.0], "rpo_alpha")) | _dpo_hyper(d, name)
-    return Case(dpo.dpo, kw, grad=_PREF_GRAD, ok=_FREE_SEQUENCE_KEYS, **_squared(kw, name))
+    return Case(dpo.dpo, kw, grad=_PREF_GRAD, ok=_FREE_SEQUENCE_KEYS, **_squared(kw, name),
+                bad_hyper=_bad_dpo_hyper(name) | {"rpo_alpha": (-1.0, NAN)})
 
 
 # Input ids and attention masks are carried, not read, by the losses on summed log-probs; the width
@@ -229,12 +247,13 @@ def odds_ratio(d: Draw, dtype):
     B = d.size()
     kw = dict(chosen_logps_avg=d.logprobs((B,), dtype), rejected_logps_avg=d.logprobs((B,), dtype),
               beta=d.choice([0.1, 1.0], "beta"))
-    return Case(preference.odds_ratio_loss, kw, grad=("chosen_logps_avg", "rejected_logps_avg"))
+    return Case(preference.odds_ratio_loss, kw, grad=("chosen_logps_avg", "rejected_logps_avg"),
+                bad_hyper={"beta": (-0.1, NAN)})
 
 
 def orpo(d: Draw, dtype):
     return Case(preference.orpo, dict(batch=preference_batch(d, dtype), beta=d.choice([0.1, 1.0], "beta")),
-                grad=_PREF_GRAD, ok=_FREE_SEQUENCE_KEYS)
+                grad=_PREF_GRAD, ok=_FREE_SEQUENCE_KEYS, bad_hyper={"beta": (-0.1, NAN)})
 
 
 _ALPHAS = (0.0, 0.25, 1.0)
@@ -250,7 +269,8 @@ def simpo_loss(d: Draw, dtype):
     kw = dict(chosen_logps_avg=d.logprobs((B,), dtype), rejected_logps_avg=d.logprobs((B,), dtype),
               beta=d.choice([2.0, 0.1], "beta"), gamma=d.choice([1.0, 0.0], "gamma"),
               label_smoothing=d.choice([0.0, 0.1], "eps"), alpha=d.choice(_ALPHAS, "alpha"))
-    return Case(preference.simpo_loss, kw, grad=("chosen_logps_avg", "rejected_logps_avg"))
+    return Case(preference.simpo_loss, kw, grad=("chosen_logps_avg", "rejected_logps_avg"),
+                bad_hyper=BAD_BETA | {"gamma": (NAN,), "label_smoothing": (0.6, NAN), "alpha": (NAN,)})
 
 
 def cpo_loss(d: Draw, dtype):
@@ -258,21 +278,24 @@ def cpo_loss(d: Draw, dtype):
     kw = dict(chosen_logps=d.logprobs((B,), dtype), rejected_logps=d.logprobs((B,), dtype),
               beta=d.choice([0.1, 1.0], "beta"), label_smoothing=d.choice([0.0, 0.1], "eps"),
               alpha=d.choice(_ALPHAS, "alpha"))
-    return Case(preference.cpo_loss, kw, grad=("chosen_logps", "rejected_logps"))
+    return Case(preference.cpo_loss, kw, grad=("chosen_logps", "rejected_logps"),
+                bad_hyper=BAD_BETA | {"label_smoothing": (0.6, NAN)})
 
 
 def simpo(d: Draw, dtype):
     kw = dict(batch=preference_batch(d, dtype), beta=d.choice([2.0, 0.1], "beta"), gamma=d.choice([1.0, 0.0], "g"),
               label_smoothing=d.choice([0.0, 0.1], "eps"), alpha=d.choice(_ALPHAS, "alpha"),
               cpo_alpha=d.choice([0.0, 1.0], "cpo_alpha"))
-    return Case(preference.simpo, kw, grad=_PREF_GRAD, ok=_FREE_SEQUENCE_KEYS)
+    return Case(preference.simpo, kw, grad=_PREF_GRAD, ok=_FREE_SEQUENCE_KEYS,
+                bad_hyper=BAD_BETA | {"cpo_alpha": (-1.0, NAN)})
 
 
 def cpo(d: Draw, dtype):
     kw = dict(batch=preference_batch(d, dtype), beta=d.choice([0.1, 1.0], "beta"),
               label_smoothing=d.choice([0.0, 0.1], "eps"), alpha=d.choice(_ALPHAS, "alpha"),
               cpo_alpha=d.choice([0.0, 1.0], "cpo_alpha"))
-    return Case(preference.cpo, kw, grad=_PREF_GRAD, ok=_FREE_SEQUENCE_KEYS)
+    return Case(preference.cpo, kw, grad=_PREF_GRAD, ok=_FREE_SEQUENCE_KEYS,
+                bad_hyper=BAD_BETA | {"cpo_alpha": (-1.0, NAN)})
 
 
 def _kto_inputs(d: Draw, dtype, B: int) -> dict:
@@ -285,7 +308,8 @@ def kto_loss(d: Draw, dtype):
     kw = _kto_inputs(d, dtype, d.size()) | dict(beta=d.choice([0.1, 1.0], "beta"),
                                                 desirable_weight=d.choice([1.0, 1.33], "wd"),
                                                 undesirable_weight=d.choice([1.0, 0.5], "wu"))
-    return Case(preference.kto_loss, kw, grad=("logps",), ok={"kl_logps": ("grow", "drop"), "ref_kl_logps": ("grow",)})
+    return Case(preference.kto_loss, kw, grad=("logps",), ok={"kl_logps": ("grow", "drop"), "ref_kl_logps": ("grow",)},
+                bad_hyper=BAD_BETA | {"desirable_weight": (0.0, NAN), "undesirable_weight": (-1.0,)})
 
 
 def unpaired_batch(d: Draw, dtype) -> TensorDict:
@@ -299,7 +323,7 @@ def unpaired_batch(d: Draw, dtype) -> TensorDict:
 def kto(d: Draw, dtype):
     kw = dict(batch=unpaired_batch(d, dtype), beta=d.choice([0.1, 1.0], "beta"),
               desirable_weight=d.choice([1.0, 1.33], "wd"), undesirable_weight=d.choice([1.0, 0.5], "wu"))
-    return Case(preference.kto, kw, grad=(("batch", K.LOGPS),))
+    return Case(preference.kto, kw, grad=(("batch", K.LOGPS),), bad_hyper=BAD_BETA)
 
 
 def preference_losses(d: Draw, dtype):
@@ -331,7 +355,9 @@ def log_ratio(fn):
         elif fn is ratios.importance_log_ratio:
             kw |= dict(level=d.choice(sorted(ratios.RATIO_LEVELS), "level"), clamp=d.choice([None, 20.0], "clamp"))
         known = {} if call is ratios.importance_log_ratio else _RATIO_KNOWN  # the levels check no shapes
-        return Case(call, kw, grad=("logprobs",), masks={"mask": ("logprobs", "old_logprobs")}, known=known)
+        bad = {"clamp": (0.0, -20.0, NAN)} if call is ratios.importance_log_ratio else {}
+        return Case(call, kw, grad=("logprobs",), masks={"mask": ("logprobs", "old_logprobs")}, known=known,
+                    bad_hyper=bad)
     return Entry(make)
 
 
@@ -348,22 +374,41 @@ def clipped_surrogate(d: Draw, dtype):
     shape = rows(d)
     kw = dict(log_ratio=d.reals(shape, dtype, SAFE_REALS), advantages=d.reals(shape, dtype), **_clip_hyper(d),
               clip_ratio_c=d.choice([None, 3.0], "c"))
-    return Case(ppo.clipped_surrogate, kw, grad=("log_ratio",))
+    return Case(ppo.clipped_surrogate, kw, grad=("log_ratio",), bad_hyper=BAD_CLIP | {"clip_ratio_c": (1.0, NAN)})
 
 
 def cispo_surrogate(d: Draw, dtype):
     shape = rows(d)
     lp, old = _lp_old(d, dtype, shape, extreme=True)
     kw = dict(log_ratio=lp - old, logprobs=lp, advantages=d.reals(shape, dtype), **_clip_hyper(d))
-    return Case(ppo.cispo_surrogate, kw, grad=("logprobs",))
+    return Case(ppo.cispo_surrogate, kw, grad=("logprobs",), bad_hyper=BAD_CLIP)
+
+
+def sapo_surrogate(d: Draw, dtype):
+    shape = rows(d)
+    lp, old = _lp_old(d, dtype, shape, extreme=True)  # the gate is evaluated in float64, ρ capped at e^700
+    kw = dict(log_ratio=lp - old, advantages=d.reals(shape, dtype), temperature_pos=d.choice([1.0, 0.1, 10.0], "tau_pos"),
+              temperature_neg=d.choice([1.05, 0.1, 10.0], "tau_neg"))
+    return Case(ppo.sapo_surrogate, kw, grad=("log_ratio",),
+                bad_hyper={"temperature_pos": (0.0, NAN), "temperature_neg": (-1.05, NAN)})
+
+
+def vespo_surrogate(d: Draw, dtype):
+    shape = rows(d)
+    lp, old = _lp_old(d, dtype, shape, extreme=True)  # log w is clamped to [log 1e-8, 20]
+    kw = dict(log_ratio=lp - old, logprobs=lp, advantages=d.reals(shape, dtype),
+              k_pos=d.choice([2.0, 0.5], "k_pos"), lambda_pos=d.choice([3.0, 1e-6], "lambda_pos"),
+              k_neg=d.choice([3.0, 0.5], "k_neg"), lambda_neg=d.choice([2.0, 1e-6], "lambda_neg"))
+    return Case(ppo.vespo_surrogate, kw, grad=("logprobs",),
+                bad_hyper={"k_pos": (0.0, NAN), "lambda_pos": (-3.0,), "k_neg": (NAN,), "lambda_neg": (0.0,)})
 
 
 def surrogates(d: Draw, dtype):
     name = d.choice(sorted(ppo.SURROGATES), "surrogate")
     shape = rows(d)
-    lp, old = _lp_old(d, dtype, shape, extreme=name == "cispo")
+    lp, old = _lp_old(d, dtype, shape, extreme=name != "clip")
     kw = dict(log_ratio=lp - old, logprobs=lp, advantages=d.reals(shape, dtype), **_clip_hyper(d),
-              clip_ratio_c=None if name == "cispo" else d.choice([None, 3.0], "c"))
+              clip_ratio_c=None if name != "clip" else d.choice([None, 3.0], "c"))
     return Case(ppo.SURROGATES[name], kw, grad=("log_ratio", "logprobs"))
 
 
@@ -372,7 +417,8 @@ def value_loss(d: Draw, dtype):
     clip = d.choice([None, 0.2], "cliprange")
     kw = dict(value_preds=d.reals(shape, dtype), values=d.reals(shape, dtype) if clip or d.flag("values") else None,
               returns=d.reals(shape, dtype), cliprange_value=clip)
-    return Case(ppo.clipped_value_loss, kw, grad=("value_preds",))
+    return Case(ppo.clipped_value_loss, kw, grad=("value_preds",),
+                bad_hyper={"cliprange_value": (-0.2, NAN)} if clip else {})
 
 
 def diagnostic(fn, safe: bool = False):
@@ -421,7 +467,7 @@ def rl_batch(d: Draw, dtype, *, critic: bool, clamp: float | None, kl_kind: str 
 
 
 _RL_GUARDED = (K.LOGPROBS, K.OLD_LOGPROBS, K.ADVANTAGES, K.REF_LOGPROBS, K.ENTROPY, K.VALUE_PREDS, K.VALUES, K.RETURNS)
-_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_sum_norm")
+_AGGS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_sum_norm", "local_token_mean")
 
 
 def _rl_case(fn, d: Draw, dtype, *, critic: bool, hyper: dict) -> Case:
@@ -435,16 +481,20 @@ def _rl_case(fn, d: Draw, dtype, *, critic: bool, hyper: dict) -> Case:
               **hyper)
     grad = tuple(("batch", k) for k in (K.LOGPROBS, K.ENTROPY, K.VALUE_PREDS) if k in batch.keys())
     guarded = tuple(("batch", k) for k in _RL_GUARDED if k in batch.keys())
-    # reported: approx_kl_k3 (of the unclamped log-ratio) overflows past ~88 nats, explained_variance
-    # when Var(returns) is ~1e-40 in float32: metrics only
-    return Case(fn, kw, grad=grad, masks={("batch", K.RESPONSE_MASK): guarded},
-                overflow=("approx_kl_k3", "explained_variance"))
+    # reported: explained_variance overflows when Var(returns) is ~1e-40 in float32: a metric only
+    surrogate = hyper.get("surrogate", getattr(fn, "keywords", {}).get("surrogate", "clip"))
+    clip = BAD_CLIP if surrogate in ("clip", "cispo") else {}  # the soft surrogates read no clip range
+    bad = clip | {"vf_coef": (-0.1, NAN), "entropy_coef": (NAN,), "kl_coef": (-0.1, NAN, torch.zeros(2)),
+                  "log_ratio_clamp": (0.0, -20.0), "ratio_threshold": (NAN, -1.0), "cliprange_value": (-0.2, NAN)}
+    bad = {k: v for k, v in bad.items() if k in inspect.signature(fn).parameters}  # policy losses: no critic
+    return Case(fn, kw, grad=grad, masks={("batch", K.RESPONSE_MASK): guarded}, overflow=("explained_variance",),
+                bad_hyper=bad)
 
 
 def ppo_loss(d: Draw, dtype):
     surrogate = d.choice(sorted(ppo.SURROGATES), "surrogate")
     hyper = dict(surrogate=surrogate, ratio_level=d.choice(sorted(ratios.RATIO_LEVELS), "level"),
-                 clip_ratio_c=None if surrogate == "cispo" else d.choice([None, 3.0], "c"),
+                 clip_ratio_c=None if surrogate != "clip" else d.choice([None, 3.0], "c"),
                  cliprange_value=d.choice([None, 0.2], "cliprange"), vf_coef=d.choice([0.1, 1.0], "vf_coef"),
                  agg=d.choice(_AGGS, "agg"), **_clip_hyper(d))
     return _rl_case(ppo.ppo_loss, d, dtype, critic=d.flag("critic"), hyper=hyper)
@@ -513,20 +563,29 @@ def ddim_predictions(d: Draw, dtype):
                 grad=("model_output",), ok={"alpha_t": _ANY})
 
 
+# log-probs anywhere in [−3e38, 0] (their difference past exp's range), advantages of every regime
+_DDPO_HYPER = (("clip", (1e-4, 0.2, 1.0, 0.0)), ("adv_clip", (5.0, 1e4, float("inf"))))
+_BAD_DDPO = {"clip_range": (-0.1, NAN, float("inf")), "adv_clip_max": (-1.0, NAN)}
+
+
+def _ddpo_hyper(d: Draw) -> dict:
+    (clip, clips), (adv, advs) = _DDPO_HYPER
+    return dict(clip_range=d.choice(clips, clip), adv_clip_max=d.choice(advs, adv))
+
+
 def ddpo_ratio(d: Draw, dtype):
     shape = (*lead(d),)
-    lp, old = _lp_old(d, dtype, shape, extreme=False)
-    kw = dict(logprobs=lp, old_logprobs=old, advantages=d.reals(shape, dtype),
-              clip_range=d.choice([1e-4, 0.2], "clip"), adv_clip_max=d.choice([5.0, 1e4], "adv_clip"))
-    return Case(ddpo.ddpo_ratio_loss, kw, grad=("logprobs",))
+    lp, old = _lp_old(d, dtype, shape, extreme=True)
+    kw = dict(logprobs=lp, old_logprobs=old, advantages=d.reals(shape, dtype), **_ddpo_hyper(d))
+    return Case(ddpo.ddpo_ratio_loss, kw, grad=("logprobs",), bad_hyper=_BAD_DDPO)
 
 
 def ddpo_loss(d: Draw, dtype):
     B = d.size(lo=1)
-    lp, old = _lp_old(d, dtype, (B,), extreme=False)
+    lp, old = _lp_old(d, dtype, (B,), extreme=True)
     batch = TensorDict({K.LOGPROBS: lp, K.OLD_LOGPROBS: old, K.ADVANTAGES: d.reals((B,), dtype)}, [B])
-    kw = dict(batch=batch, clip_range=d.choice([1e-4, 0.2], "clip"), adv_clip_max=d.choice([5.0, 1e4], "adv_clip"))
-    return Case(ddpo.ddpo_loss, kw, grad=(("batch", K.LOGPROBS),))
+    return Case(ddpo.ddpo_loss, dict(batch=batch, **_ddpo_hyper(d)), grad=(("batch", K.LOGPROBS),),
+                bad_hyper=_BAD_DDPO)
 
 
 def batch_advantages(d: Draw, dtype):
@@ -617,10 +676,12 @@ FUZZ = {
     "rlcore.algorithms.ratios.importance_log_ratio": log_ratio(ratios.importance_log_ratio),
     "rlcore.algorithms.ppo.clipped_surrogate": Entry(clipped_surrogate),
     "rlcore.algorithms.ppo.cispo_surrogate": Entry(cispo_surrogate),
+    "rlcore.algorithms.ppo.sapo_surrogate": Entry(sapo_surrogate),
+    "rlcore.algorithms.ppo.vespo_surrogate": Entry(vespo_surrogate),
     "rlcore.algorithms.ppo.SURROGATES": Entry(surrogates),
     "rlcore.algorithms.ppo.clipped_value_loss": Entry(value_loss),
     "rlcore.algorithms.ppo.approx_kl_k1": diagnostic(ppo.approx_kl_k1),
-    "rlcore.algorithms.ppo.approx_kl_k3": diagnostic(ppo.approx_kl_k3, safe=True),
+    "rlcore.algorithms.ppo.approx_kl_k3": diagnostic(ppo.approx_kl_k3),
     "rlcore.algorithms.ppo.clip_fraction": Entry(clip_fraction),
     "rlcore.algorithms.ppo.ratio_stats": diagnostic(ppo.ratio_stats, safe=True),
     "rlcore.algorithms.ppo.explained_variance": Entry(explained_variance),
@@ -629,7 +690,7 @@ FUZZ = {
     "rlcore.algorithms.policy_gradient.policy_loss": pg_loss(policy_gradient.policy_loss),
     **{f"rlcore.algorithms.policy_gradient.{name}": pg_loss(getattr(policy_gradient, name))
        for name in ("grpo_loss", "dr_grpo_loss", "dapo_loss", "gspo_loss", "rloo_loss", "reinforce_pp_loss",
-                    "remax_loss", "cispo_loss")},
+                    "remax_loss", "cispo_loss", "bnpo_loss", "luspo_loss", "sapo_loss", "vespo_loss")},
     "rlcore.algorithms.policy_gradient.POLICY_LOSSES": pg_loss("registry"),
     "rlcore.algorithms.ddpo.ddim_step_logprob": Entry(step_logprob),
     "rlcore.algorithms.ddpo.ddim_step": Entry(ddim_step),

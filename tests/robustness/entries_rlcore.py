@@ -120,7 +120,7 @@ def kl_estimate(d: Draw, dtype):
     kind = d.choice(sorted(kl.KL_ESTIMATORS) + sorted(kl.KL_ALIASES), "kind")
     k3 = kl.KL_ALIASES.get(kind, kind) == "k3"
     kw = _kl_inputs(d, dtype, k3) | dict(kind=kind, straight_through=d.flag("st"))
-    return Case(kl.kl_estimate, kw, grad=("logprobs", "ref_logprobs"))
+    return Case(kl.kl_estimate, kw, grad=("logprobs", "ref_logprobs"), bad_hyper={"clamp": (0.0, -1.0, float("nan"))})
 
 
 def kl_registry(d: Draw, dtype):
@@ -307,6 +307,12 @@ def soft_overlong(d: Draw, dtype):
                                                     factor=d.choice([0.0, 1.0, 1e30], "factor")))
 
 
+# β: a float or a 0-d tensor, >= 0 and finite (a [T] tensor weighed each token differently); clamp > 0
+_BAD_REWARD_HYPER = {"kl_coef": (float("nan"), -0.1, torch.tensor(float("nan")), torch.full((3,), 0.1),
+                                 torch.tensor(1)),
+                     "clamp": (0.0, -1.0, float("nan"))}
+
+
 def _reward_kwargs(d: Draw, dtype, name: str):
     kind = d.choice(sorted(kl.KL_ESTIMATORS) + sorted(kl.KL_ALIASES), "kl")
     clamp = d.choice([None, 20.0], "clamp")
@@ -322,8 +328,7 @@ def compute_rewards(d: Draw, dtype):
     lp_kw = {"regimes": regimes} if regimes else {}
     kw = dict(score=d.reals(shape[:-1], dtype), logprobs=d.logprobs(shape, dtype, **lp_kw),
               ref_logprobs=d.logprobs(shape, dtype, **lp_kw), mask=d.mask(shape), **hyper)
-    return Case(rewards.compute_rewards, kw, masks={"mask": ("logprobs", "ref_logprobs")},
-                ok={"kl_coef": _ANY})  # a scalar coefficient: any broadcastable tensor is accepted
+    return Case(rewards.compute_rewards, kw, masks={"mask": ("logprobs", "ref_logprobs")}, bad_hyper=_BAD_REWARD_HYPER)
 
 
 def _moments(d: Draw, dtype=F64, n_updates: int | None = None):
@@ -337,7 +342,7 @@ def _moments(d: Draw, dtype=F64, n_updates: int | None = None):
 def process_scores(d: Draw, dtype):
     kw = dict(scores=d.reals((d.size(),), dtype), moments=_moments(d), scale=d.flag("scale"),
               normalize=d.flag("normalize"), clip=d.choice([None, 5.0], "clip"), eps=d.choice([1e-8, 1e-4], "eps"))
-    return Case(rewards.process_scores, kw, grad=("scores",))
+    return Case(rewards.process_scores, kw, grad=("scores",), bad_hyper={"clip": (-1.0, float("nan")), "eps": (-1e-8,)})
 
 
 def with_rewards(d: Draw, dtype):
@@ -350,7 +355,7 @@ def with_rewards(d: Draw, dtype):
                         K.REF_LOGPROBS: d.logprobs((B, R), dtype, **lp_kw)}, [B])
     guarded = (("batch", K.OLD_LOGPROBS), ("batch", K.REF_LOGPROBS))
     return Case(rewards.with_rewards, dict(batch=batch, **hyper), masks={("batch", K.RESPONSE_MASK): guarded},
-                ok={"kl_coef": _ANY})
+                bad_hyper=_BAD_REWARD_HYPER)
 
 
 # --- transforms --------------------------------------------------------------------------------
@@ -481,6 +486,7 @@ FUZZ = {
     "rlcore.masked.seq_mean_token_sum": aggregation(masked.seq_mean_token_sum),
     "rlcore.masked.seq_mean_token_mean": aggregation(masked.seq_mean_token_mean),
     "rlcore.masked.seq_sum_norm": aggregation(masked.seq_sum_norm),
+    "rlcore.masked.local_token_mean": aggregation(masked.local_token_mean),
     "rlcore.kl.kl_k1": kl_estimator(kl.kl_k1),
     "rlcore.kl.kl_abs": kl_estimator(kl.kl_abs),
     "rlcore.kl.kl_k2": kl_estimator(kl.kl_k2),
@@ -546,6 +552,9 @@ EXEMPT_MODULES = {
     "rlcore.seeding": "seeding of global RNGs (impure by design) and generator construction",
     "rlcore._kernels": "the compiled kernels' loader and autograd functions; the token_logprobs and entropy entries "
                        "run them (float32 / bfloat16 logits on CPU)",
+    "rlcore._kernel_build": "how the compiled kernels are built (at install, or on first use into a per-user cache); "
+                            "tests/test_install.py runs it",
+    "rlcore.kernels": "the `python -m rlcore.kernels` report of the active log-probs path; no tensor functions",
 }
 EXEMPT = {
     "rlcore.masked.in_float64": "a decorator; the DPO variants, ReFT edits and DDIM predictions it wraps are fuzzed",

@@ -11,7 +11,9 @@ checks run on cases:
   last dim dropped, a trailing dim added) raises ``ValueError`` / ``TypeError`` naming the
   argument (or key) and quoting a shape, or is provably unused (output unchanged); a float or
   integer mask raises ``TypeError`` naming it; a missing TensorDict key raises ``KeyError``
-  naming it (or is optional: the call succeeds);
+  naming it (or is optional: the call succeeds); a hyper-parameter out of its range (``Case.bad_hyper``:
+  NaN, a negative clip range or weight, a wrongly shaped tensor coefficient) raises ``ValueError``
+  (``TypeError`` for a wrong dtype) whose message starts with its name;
 - counting: every example run is counted per module (:data:`CASES`), reported at the end of the
   session by ``conftest.py``.
 
@@ -204,6 +206,7 @@ class Case:
             documented exceptions (a perplexity, an exp-based diagnostic).
         grad_overflow: gradients may overflow to ±inf too, never NaN (an overflowing loss).
         pure: run ``assert_pure``.
+        bad_hyper: keyword -> values out of its range, each to be refused naming the keyword.
     """
 
     fn: Callable
@@ -216,6 +219,7 @@ class Case:
     overflow: tuple = ()
     grad_overflow: bool = False
     pure: bool = True
+    bad_hyper: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,8 +418,23 @@ def _rewinding(case: Case) -> Case:
     return dataclasses.replace(case, fn=fn)
 
 
+def _expect_refused(case: Case, what: str, name: str, value: Any) -> None:
+    """``fn`` with the keyword ``name`` set to ``value`` raises ``ValueError`` (or ``TypeError``) whose
+    message starts with ``name``."""
+    try:
+        case.fn(**replaced(case.kwargs, name, value))
+    except (ValueError, TypeError) as e:
+        assert str(e).startswith(f"{name}: "), f"{what}: {name}={value!r} raised {type(e).__name__} not naming it: {e}"
+        return
+    except Exception as e:  # noqa: BLE001 - the point: anything but the documented error types
+        raise AssertionError(f"{what}: {name}={value!r} raised {type(e).__name__} instead of a ValueError "
+                             f"naming {name!r}: {e}") from e
+    raise AssertionError(f"{what}: {name}={value!r} was accepted (out of its range)")
+
+
 def check_bad_inputs(case: Case, what: str) -> int:
-    """Mutate every tensor argument / TensorDict leaf; return how many mutations were tried."""
+    """Mutate every tensor argument / TensorDict leaf, and set each ``case.bad_hyper`` keyword to its
+    values out of range; return how many mutations were tried."""
     case = _rewinding(case)
     clean = _detached(case.fn(**case.kwargs))
     kernel_tensors = [p for p, v in case.kwargs.items() if isinstance(v, torch.Tensor)]
@@ -446,4 +465,8 @@ def check_bad_inputs(case: Case, what: str) -> int:
             except Exception as e:  # noqa: BLE001
                 raise AssertionError(f"{what}: deleting {path} raised {type(e).__name__} instead of a "
                                      f"KeyError naming it: {e}") from e
+    for name, values in case.bad_hyper.items():
+        for value in values:
+            tried += 1
+            _expect_refused(case, what, name, value)
     return tried

@@ -111,6 +111,9 @@ def test_adaptive_kl_coefficient_can_turn_negative_past_five_horizons():
     """Documented in adaptive_kl_update: β·(1 + e·n/h) with e = −0.2 is negative once n > 5h."""
     state = adaptive_kl_update(adaptive_kl_init(0.2), torch.tensor(0.0), 60000, target=6.0, horizon=10000)
     assert state.coef < 0
+    lp, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"^kl_coef: expected a finite number >= 0, got -"):  # never used as a β
+        compute_rewards(torch.zeros(1), lp, lp, mask, kl_coef=state.coef)
     assert adaptive_kl_update(adaptive_kl_init(0.2), torch.tensor(0.0), 40000, horizon=10000).coef > 0
 
 
@@ -223,6 +226,53 @@ def test_ddim_step_logprob_std_may_not_widen_the_sample():
                                          r"\[1, 1, 2, 2\]"):
         ddpo.ddim_step_logprob(x, x, torch.ones(2))
     assert ddpo.ddim_step_logprob(x, x, torch.ones(1)).shape == (1,)
+
+
+# --- hyper-parameters checked by the functions themselves; DDPO's ratio bounded -------------------
+def test_ddpo_ratio_of_far_apart_log_probs_is_finite():
+    """exp(lp − old) overflowed: ddpo_ratio_loss([100.], [0.], [0.]) was NaN, loss and gradient."""
+    lp = torch.tensor([100.0], requires_grad=True)
+    loss = ddpo.ddpo_ratio_loss(lp, torch.zeros(1), torch.zeros(1))
+    loss.sum().backward()
+    assert loss.item() == 0 and lp.grad.item() == 0
+    batch = TensorDict({K.LOGPROBS: torch.tensor([0.0, -3e38]), K.OLD_LOGPROBS: torch.tensor([-3e38, 0.0]),
+                        K.ADVANTAGES: torch.tensor([-1.0, 1.0])}, [2])
+    loss, metrics = ddpo.ddpo_loss(batch)
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_compute_rewards_refuses_a_per_token_or_nan_kl_coef():
+    """A [T] β was broadcast over the tokens; a NaN one made every reward NaN."""
+    lp, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"^kl_coef: expected a float or a 0-d tensor, got a tensor of shape \[3\]"):
+        compute_rewards(torch.zeros(2), lp, lp, mask, kl_coef=torch.full((3,), 0.1))
+    for bad in (float("nan"), torch.tensor(float("nan"))):
+        with pytest.raises(ValueError, match=r"^kl_coef: expected a finite number >= 0, got nan"):
+            compute_rewards(torch.zeros(2), lp, lp, mask, kl_coef=bad)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "apo_zero"])
+@pytest.mark.parametrize("beta", [0.0, -0.1, float("nan")])
+def test_dpo_refuses_a_beta_that_is_not_positive(loss_type, beta):
+    """β ≤ 0 trained toward the rejected answer (the config layer refused it, the function did not)."""
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match=rf"^beta: expected a finite number > 0, got {beta}"):
+        dpo.dpo_loss(x, x, x, x, beta=beta, loss_type=loss_type, chosen_lengths=x, rejected_lengths=x)
+    with pytest.raises(ValueError, match=r"^beta: "):
+        dpo.dpo(make_preference_batch(2), beta=beta, loss_type=loss_type)
+
+
+def test_ddpo_and_policy_losses_refuse_negative_or_nan_clip_settings():
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"^adv_clip_max: expected a number \(inf allowed\) >= 0, got -1.0"):
+        ddpo.ddpo_ratio_loss(x, x, x, adv_clip_max=-1.0)
+    with pytest.raises(ValueError, match=r"^clip_range: expected a finite number >= 0, got nan"):
+        ddpo.ddpo_ratio_loss(x, x, x, clip_range=float("nan"))
+    from rlcore.algorithms.policy_gradient import grpo_loss
+    from rlcore.testing import make_rollout
+    for kw in (dict(clip_eps_low=-0.2), dict(clip_eps_high=float("nan"))):
+        with pytest.raises(ValueError, match=rf"^{next(iter(kw))}: expected"):
+            grpo_loss(make_rollout(2, 3).update({K.ADVANTAGES: torch.ones(2, 3)}), **kw)
 
 
 def test_a_checkpoint_set_aside_by_an_interrupted_re_save_still_counts(tmp_path):

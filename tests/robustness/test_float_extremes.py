@@ -85,3 +85,16 @@ def test_ppo_losses_of_huge_advantages_and_values():
     assert all(torch.isfinite(v) for v in metrics.values())
     preds = torch.tensor([3e38], requires_grad=True)
     _finite_with_grad(clipped_value_loss(preds, torch.zeros(1), torch.tensor([-3e38])), preds)
+
+
+def test_ppo_metrics_of_log_probs_near_the_edge():
+    """The loss stayed finite at ±3e38 log-probs while lp − old overflowed in the KL metrics (k3: NaN)."""
+    batch = make_rollout(2, 3).exclude("value_preds", "values")
+    batch["logprobs"] = torch.tensor([[3e38, -3e38, 0.0], [-3e38, 0.0, 3e38]], requires_grad=True)
+    batch["old_logprobs"] = torch.tensor([[-3e38, 3e38, 0.0], [0.0, -3e38, -3e38]])
+    batch["response_mask"] = torch.ones(2, 3, dtype=torch.bool)
+    batch["advantages"] = torch.tensor([[1.0, -1.0, 0.0], [-1.0, 1.0, -1.0]])
+    loss, metrics = ppo_loss(batch, kl_coef=0.1)
+    _finite_with_grad(loss, batch["logprobs"])
+    assert all(torch.isfinite(v) for v in metrics.values()), dict(metrics.items())
+    assert metrics["approx_kl_k3"] == BIG
