@@ -9,7 +9,8 @@ Laid out by role:
   base: shared fields, YAML, checks), ``recipe`` (models, data splits, the run), ``data`` →
   ``tokenization`` → ``collate`` (datasets to batches),
   ``tasks``, ``models``, ``lora``, ``shapes``, ``checkpoint`` (with ``checkpoint_codec``, its
-  pickle-free storage, and ``run_dir``, one run per folder), ``logging``, ``diffusion`` (with
+  pickle-free storage, ``checkpoint_config``, its stored config read as data, and ``run_dir``,
+  one run per folder), ``logging``, ``diffusion`` (with
   ``images``: JPEG rewards, grids; ``sd``: Stable Diffusion pipelines; ``aesthetic``: an
   aesthetic-style image reward),
   ``reft_data`` / ``reft_model``; the ``cli`` and the ``demo``;
@@ -29,6 +30,7 @@ from importlib import import_module as _import_module
 from rlcore.loops.aesthetic import *  # noqa: F401,F403
 from rlcore.loops.checkpoint import *  # noqa: F401,F403
 from rlcore.loops.checkpoint_codec import *  # noqa: F401,F403
+from rlcore.loops.checkpoint_config import *  # noqa: F401,F403
 from rlcore.loops.chunks import *  # noqa: F401,F403
 from rlcore.loops.collate import *  # noqa: F401,F403
 from rlcore.loops.collect import *  # noqa: F401,F403
@@ -63,7 +65,7 @@ from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.tokenization import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
 
-_MODULES = ("aesthetic", "checkpoint", "checkpoint_codec", "chunks", "collate", "collect", "config", "data",
+_MODULES = ("aesthetic", "checkpoint", "checkpoint_codec", "checkpoint_config", "chunks", "collate", "collect", "config", "data",
             "diffusion", "engines", "evaluate", "filters", "fold", "images", "logging", "lora", "models", "online",
             "recipe", "reft_data", "reft_model", "reward_fns", "run_dir", "scale.async_learners", "scale.async_rl",
             "scale.distributed", "scale.placement", "scale.vllm_engine", "scale.workers", "score", "sd", "shapes",

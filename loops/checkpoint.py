@@ -63,6 +63,7 @@ _NAME = re.compile(r"^checkpoint-(?P<step>\d+)$")
 _OLD = re.compile(r"^\.old-(?P<name>checkpoint-(?P<step>\d+))-[0-9a-f]+$")  # set aside by a re-save
 _SCRATCH = (".tmp-", ".old-", ".del-")
 _SPECIAL = ("models", "optimizer", "scheduler")
+_MANIFEST_BYTES = 16 << 20  # a manifest lists files: names, sizes, hashes
 
 
 # --- nested values <-> (JSON tree, flat dict of tensors) -------------------------------------
@@ -192,7 +193,7 @@ def verify_checkpoint(path: str | Path) -> None:
     path = Path(path)
     if path.is_symlink() or not (path / "manifest.json").is_file():
         raise CheckpointError(f"{path}: not a complete checkpoint (no manifest.json, or a symbolic link)")
-    manifest = read_json(path / "manifest.json")
+    manifest = read_json(path / "manifest.json", max_bytes=_MANIFEST_BYTES)
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         raise CheckpointError(f"{path / 'manifest.json'}: expected {{'files': {{name: {{size, sha256}}}}}}")
@@ -426,7 +427,10 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
     """
     path = Path(path)
     verify_checkpoint(path)
-    meta = read_json(path / "trainer_state.json")
+    meta = read_json(path / "trainer_state.json", expect=dict)
+    if not (isinstance(meta.get("models"), list) and all(isinstance(n, str) for n in meta["models"])):
+        raise CheckpointError(f"{path / 'trainer_state.json'}: expected 'models': a list of names, "
+                              f"got {meta.get('models')!r:.200}")
     absent = sorted(set(meta["models"]) - set(state_template.models))
     if absent:
         raise CheckpointError(f"{path}: models {absent} are stored but not in the template "
@@ -447,14 +451,18 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
             if f.name not in _SPECIAL}
     restored = read_pair(path, "state", like=rest)
     if restore_global_rng:
-        _set_global_rng(read_pair(path, "rng"))
+        try:
+            _set_global_rng(read_pair(path, "rng"))
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a well-formed file of the wrong shape
+            raise CheckpointError(f"{path / 'rng.json'}: not the global RNG states rlcore stores "
+                                  f"({type(e).__name__}: {e})") from e
     return dataclasses.replace(state_template, **{k: v for k, v in restored.items() if k in rest})
 
 
 def checkpoint_info(path: str | Path) -> dict[str, Any]:
     """``trainer_state.json`` of a checkpoint (step, time, models, metrics, extra) plus its ``config``."""
     path = Path(path)
-    return {**read_json(path / "trainer_state.json"), "config": read_json(path / "config.json")}
+    return {**read_json(path / "trainer_state.json", expect=dict), "config": read_json(path / "config.json")}
 
 
 def resume(run_dir: str | Path, state: TrainState, **kwargs: Any) -> TrainState:

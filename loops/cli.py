@@ -15,6 +15,13 @@ language-model policy (``ddpo``, the ``reft`` recipes) rebuilds it with its own 
 ``rlcore export RECIPE --checkpoint DIR --out DIR`` writes a checkpoint's policy as a plain
 ``from_pretrained`` folder with its tokenizer; a LoRA policy's adapter is merged into its base
 (``loops.lora.export_merged``).
+
+A checkpoint is data: ``eval`` and ``export`` take its stored hyper-parameters (sizes, lengths,
+sampling) but every setting that runs code, opens a path or widens trust (reward functions,
+``trust_remote_code``, model / dataset locations, ``init_from``, devices) comes from this command
+line and its ``--config`` only; a stored one that differs is reported on stderr, not obeyed
+(``loops.checkpoint_config``). ``--init_from`` names the checkpoint the evaluated run started
+from: the reference for KL, and the base of an adapter checkpoint whose run started from one.
 """
 
 from __future__ import annotations
@@ -90,27 +97,34 @@ def _recipe_parser(parser: argparse.ArgumentParser, config_cls: type) -> None:
                            help=f"{docs.get(f.name, '')} [default: {default!r}]".strip())
 
 
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields the caller set: the ``--config`` YAML, then the ``--field`` flags (both read by
+    ``loops.config``'s bounded YAML loader)."""
+    from rlcore.loops.config import read_config_file
+
+    values: dict[str, Any] = {}
+    if args.config is not None:
+        values.update(read_config_file(args.config))
+    values.update({k[len("field_"):]: _parse_value(v, f"--{k[len('field_'):]}") for k, v in vars(args).items()
+                   if k.startswith("field_") and v is not None})
+    return values
+
+
 def _config(module: ModuleType, args: argparse.Namespace, base: dict[str, Any] | None = None,
             forced: dict[str, Any] | None = None) -> Any:
     """The recipe's ``Config``: defaults < ``base`` < the ``--config`` YAML < ``--field`` flags < ``forced``."""
-    import yaml
-
     from rlcore.loops.config import load_config
 
-    values = dict(base or {})
-    if args.config is not None:
-        values.update(yaml.safe_load(Path(args.config).read_text()) or {})
-    values.update({k[len("field_"):]: _parse_value(v) for k, v in vars(args).items()
-                   if k.startswith("field_") and v is not None})
-    values.update(forced or {})
+    values = {**(base or {}), **_given(args), **(forced or {})}
     return load_config(module.Config, None, values)
 
 
-def _parse_value(text: str) -> Any:
-    """Command-line text -> a YAML scalar (so ``--lr 1e-4``, ``--packing true``, ``--top_k null`` work)."""
-    import yaml
+def _parse_value(text: str, where: str = "a flag") -> Any:
+    """Command-line text -> a YAML scalar (so ``--lr 1e-4``, ``--packing true``, ``--top_k null`` work),
+    read by ``loops.config.parse_yaml`` (bounded); ``where`` names the flag in its errors."""
+    from rlcore.loops.config import parse_yaml
 
-    return yaml.safe_load(text)
+    return parse_yaml(text, where)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -130,18 +144,26 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _saved_run(module: ModuleType, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint ``--checkpoint`` names (a run directory: its latest) and the fields of its
-    stored config that the recipe's ``Config`` has."""
+def _saved_run(module: ModuleType, args: argparse.Namespace) -> tuple[Path, dict[str, Any], Any]:
+    """The checkpoint ``--checkpoint`` names (a run directory: its latest; its files are verified
+    against its manifest where they are loaded); the hyper-parameters of its stored config that the
+    recipe's ``Config`` has; and the caller's own ``Config`` (defaults < YAML < flags).
+
+    The stored config is data (``loops.checkpoint_config``): its code, paths, devices and
+    permissions are never taken; each such stored value that differs from the caller's is reported
+    on stderr."""
     from rlcore.loops.checkpoint import latest_checkpoint
+    from rlcore.loops.checkpoint_config import data_settings, report_ignored, stored_config
+    from rlcore.loops.config import config_dict
 
     path = Path(args.checkpoint)
     if not (path / "trainer_state.json").exists():  # a run directory: its latest checkpoint
         path = latest_checkpoint(path) or path
-    saved = path / "config.json"
-    start = json.loads(saved.read_text()) if saved.exists() else {}
-    known = {f.name for f in dataclasses.fields(module.Config)}
-    return path, {k: v for k, v in start.items() if k in known}
+    caller = _config(module, args)
+    fields = [f.name for f in dataclasses.fields(module.Config)]
+    start, ignored = data_settings(stored_config(path), fields, config_dict(caller), _given(args))
+    report_ignored(path / "config.json", ignored, command=f"rlcore {args.command}")
+    return path, start, caller
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -150,14 +172,17 @@ def _eval(args: argparse.Namespace) -> int:
     from rlcore.loops.state import init_state
 
     module = recipe_module(args.recipe)
-    path, start = _saved_run(module, args)
+    path, start, caller = _saved_run(module, args)
     if hasattr(module, "checkpoint_state"):  # recipes whose state is not a language-model policy
         config = _config(module, args, start, {"resume": False})
         state = module.checkpoint_state(config, path)
     else:
-        config = _config(module, args, start, {"init_from": str(path), "resume": False})  # the reference for KL: the policy the run started from (its own init_from, or a fresh init)
+        # the reference for KL: the policy the run started from, as the caller names it (--init_from,
+        # which is also the base of an adapter checkpoint whose run started from a checkpoint), or a fresh init
+        base_from = caller.init_from
+        config = _config(module, args, start, {"init_from": str(path), "resume": False})
         reference, _ = build_policy(_config(module, args, start, {"resume": False}))
-        policy, _ = build_policy(config)
+        policy, _ = build_policy(config, base_from=base_from)
         state = init_state({"policy": policy, "ref": make_reference(reference)}, seed=config.seed)
     print(json.dumps(module.evaluate(state, config), indent=2))
     return 0
@@ -174,11 +199,11 @@ def _export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"rlcore export: --out {out} exists and is not empty")
-    path, start = _saved_run(module, args)
+    path, start, caller = _saved_run(module, args)
     # the checkpoint's policy as plain weights: an adapter merged into its base, no new adapter
     config = _config(module, args, start, {"init_from": str(path), "resume": False, "use_peft": False,
                                            "gradient_checkpointing": False, "device": "cpu"})
-    model, tokenizer = build_policy(config)
+    model, tokenizer = build_policy(config, base_from=caller.init_from)
     export_merged(model, tokenizer, out)
     print(json.dumps({"exported": str(out), "from": str(path)}))
     return 0
@@ -237,7 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     handler = {"train": _train, "eval": _eval, "export": _export, "demo": _demo, "recipes": _recipes}[args.command]
-    return handler(args)
+    from rlcore.loops.fold import Interrupted
+    from rlcore.loops.run_dir import interrupted_report
+
+    try:
+        return handler(args)
+    except Interrupted as stopped:  # SIGINT / SIGTERM: the run saved its last step; say how to go on
+        print(interrupted_report(stopped, argv), file=sys.stderr, flush=True)
+        return stopped.exit_code
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from rlcore.loops.collate import collate_prompts
 from rlcore.loops.engines import BEHAVIOUR_LOGPROBS, ENGINES, SAMPLERS
 from rlcore.loops.models import model_device, pad_token_id
 from rlcore.loops.score import score_rollout
-from rlcore.loops.tokenization import tokenize_example
+from rlcore.loops.tokenization import check_context, model_context, tokenize_example
 
 __all__ = ["generate_rollout", "draw_seed", "response_budget", "response_mask_from_ids", "left_align",
            "check_length_range", "uniform_length_sampler"]
@@ -146,15 +146,13 @@ def _prompts(prompts, tokenizer, pad: int, max_prompt_length: int | None) -> Ten
 
 
 def _check_context(model: nn.Module, prompt_mask: torch.Tensor, max_new_tokens: int) -> None:
-    """Refuse prompts that, with the response budget, run past the model's context (positions beyond
-    ``max_position_embeddings`` index past GPT-2's position table, or leave Llama's trained range)."""
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    """Refuse prompts that, with the response budget, run past the model's context
+    (``loops.tokenization.check_context``)."""
     longest = int(prompt_mask.sum(-1).max()) if prompt_mask.numel() else 0
-    if isinstance(context, int) and longest + max_new_tokens > context:
-        raise ValueError(f"prompts: the longest has {longest} tokens, which with max_new_tokens={max_new_tokens} "
-                         f"exceeds the model's context of {context} (max_position_embeddings); set "
-                         f"max_prompt_length <= {max(context - max_new_tokens, 0)} to keep each prompt's last tokens, "
-                         "or lower max_new_tokens")
+    room = max((model_context(model) or 0) - max_new_tokens, 0)
+    check_context(model, longest + max_new_tokens,
+                  f"prompts: the longest has {longest} tokens, which with max_new_tokens={max_new_tokens}",
+                  f"set max_prompt_length <= {room} to keep each prompt's last tokens, or lower max_new_tokens")
 
 
 def response_budget(max_new_tokens: int, length_sampler: Callable[[], int] | tuple[int, int] | None,

@@ -7,7 +7,9 @@
   whose field a config has);
 - :func:`load_config` / :func:`config_dict`: configs from safe YAML plus overrides (unknown keys
   raise, naming the nearest field or TRL's name; values are coerced to the field types) and back
-  to a plain dict."""
+  to a plain dict;
+- :func:`parse_yaml` / :func:`read_config_file`: YAML read with bounds on size, nesting and
+  aliases (expanded), so no file or flag can make reading it take unbounded time or memory."""
 
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from rlcore.loops.collect import check_length_range
 from rlcore.loops.engines import ENGINES, SAMPLERS
+from rlcore.loops.reward_fns import NONFINITE_REWARDS
 from rlcore.loops.logging import check_trackers
 
 __all__ = ["RunConfig", "DTYPES", "TINY_MODELS", "loading_kwargs", "quantization_kwargs", "check_quantization",
-           "autocast_dtype", "FIELD_RULES", "check_config", "TRL_NAMES", "load_config", "config_dict"]
+           "autocast_dtype", "FIELD_RULES", "check_config", "TRL_NAMES", "load_config", "config_dict", "parse_yaml",
+           "read_config_file", "YAML_MAX_BYTES", "YAML_MAX_DEPTH", "YAML_MAX_ALIASES", "YAML_MAX_NODES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +95,7 @@ class RunConfig:
     log_every: int = 10                       # progress line period in steps
     report_to: tuple[str, ...] = ()           # trackers besides metrics.jsonl: tensorboard (run_dir/tensorboard), wandb (TRL report_to)
     resume: bool = False                      # continue from the latest checkpoint of run_dir
+    overwrite: bool = False                   # start over in a run_dir holding another run: delete that run's files (checkpoints, logs) first
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -149,6 +154,108 @@ def autocast_dtype(config: Any) -> torch.dtype | None:
     return torch.bfloat16 if config.mixed_precision == "bf16" else None
 
 
+# --- bounded YAML ---------------------------------------------------------------------------------
+# A config is a small mapping: these bounds hold every real one many times over, and refuse what
+# would take unbounded time or memory to read. Aliases are allowed (``lr: &lr 1e-4`` ... ``*lr``),
+# but counted, and the document they stand for once every alias is expanded is bounded too: ten
+# nested anchors of ten aliases each are 90 alias uses but 10^10 values (a "billion laughs").
+YAML_MAX_BYTES = 1 << 20      # size of a config file or of a value's YAML text
+YAML_MAX_DEPTH = 32           # nesting of mappings and sequences, aliases expanded
+YAML_MAX_ALIASES = 100        # alias uses (``*name``)
+YAML_MAX_NODES = 10_000       # values (scalars, mappings, sequences), aliases expanded
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` (plain data only: no Python objects) that counts alias uses and nesting
+    while it composes, and refuses a document whose expanded form passes the bounds above before
+    any Python value is built from it."""
+
+    def __init__(self, stream: str, where: str):
+        super().__init__(stream)
+        self.where, self.aliases, self.depth = where, 0, 0
+
+    def refuse(self, what: str) -> ValueError:
+        return ValueError(f"{self.where}: {what}; a config is a small mapping of field: value")
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > YAML_MAX_ALIASES:
+                raise self.refuse(f"more than {YAML_MAX_ALIASES} alias uses (*name)")
+        self.depth += 1
+        try:
+            if self.depth > YAML_MAX_DEPTH:
+                raise self.refuse(f"nested deeper than {YAML_MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_document(self, node: Any) -> Any:
+        self.expanded(node, 1, {}, set())
+        return super().construct_document(node)
+
+    def expanded(self, node: Any, level: int, sizes: dict[int, tuple[int, int]], open_: set[int]) -> tuple[int, int]:
+        """``(values, depth)`` of ``node`` with every alias expanded (memoised: shared nodes are
+        walked once); refuses a cycle, a depth past ``YAML_MAX_DEPTH`` or a count past ``YAML_MAX_NODES``."""
+        if level > YAML_MAX_DEPTH:
+            raise self.refuse(f"nested deeper than {YAML_MAX_DEPTH} levels once aliases are expanded")
+        key = id(node)
+        if key in open_:
+            raise self.refuse("an alias refers to a value that contains it (a cycle)")
+        if key not in sizes:
+            children = (node.value if isinstance(node, yaml.SequenceNode) else
+                        [x for pair in node.value for x in pair] if isinstance(node, yaml.MappingNode) else [])
+            open_.add(key)
+            parts = [self.expanded(child, level + 1, sizes, open_) for child in children]
+            open_.discard(key)
+            sizes[key] = (1 + sum(n for n, _ in parts), 1 + max((d for _, d in parts), default=0))
+        count, depth = sizes[key]
+        if level - 1 + depth > YAML_MAX_DEPTH:
+            raise self.refuse(f"nested deeper than {YAML_MAX_DEPTH} levels once aliases are expanded")
+        if count > YAML_MAX_NODES:
+            raise self.refuse(f"more than {YAML_MAX_NODES} values once aliases are expanded")
+        return count, depth
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """The plain data of YAML ``text`` (safe: mappings, sequences, scalars), within the bounds above
+    (``YAML_MAX_BYTES``, ``_DEPTH``, ``_ALIASES``, ``_NODES``); ``where`` (a file, a ``--field``)
+    starts every error. Raises ``ValueError`` for text past a bound or that is not YAML."""
+    if len(text) > YAML_MAX_BYTES:
+        raise ValueError(f"{where}: {len(text)} characters of YAML, more than {YAML_MAX_BYTES}")
+    loader = _BoundedLoader(text, where)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise ValueError(f"{where}: not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The ``field: value`` mapping of a YAML config file (``parse_yaml``; an empty file is ``{}``).
+    Raises ``ValueError`` naming the file for one larger than ``YAML_MAX_BYTES``, not UTF-8, not
+    YAML, past the bounds, or whose top level is not a mapping with text keys."""
+    path = Path(path)
+    with path.open("rb") as f:
+        data = f.read(YAML_MAX_BYTES + 1)
+    if len(data) > YAML_MAX_BYTES:
+        raise ValueError(f"{path}: a config file of more than {YAML_MAX_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    loaded = parse_yaml(text, str(path))
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"{path}: expected a mapping of field: value, got {type(loaded).__name__}")
+    keys = [k for k in loaded if not isinstance(k, str)]
+    if keys:
+        raise ValueError(f"{path}: expected field names as keys, got {keys[:3]!r}")
+    return dict(loaded)
+
+
 _NONE = ("none", "null", "~", "")
 
 
@@ -157,10 +264,10 @@ def _adapter(tp: Any) -> TypeAdapter:
     return TypeAdapter(tp, config=ConfigDict(coerce_numbers_to_str=True))
 
 
-def _from_text(value: Any, tp: Any) -> Any:
+def _from_text(value: Any, tp: Any, where: str) -> Any:
     """The command line's conventions pydantic lacks: ``none`` / ``null`` / ``~`` / an empty string
     for ``None`` of an optional field, comma-separated items for a tuple or list, YAML text for a
-    mapping."""
+    mapping (``parse_yaml``: bounded)."""
     if not isinstance(value, str):
         return value
     origin = typing.get_origin(tp)
@@ -170,13 +277,13 @@ def _from_text(value: Any, tp: Any) -> Any:
     kinds = {typing.get_origin(p) or p for p in parts}
     if kinds & {tuple, list}:
         return [item.strip() for item in value.split(",")]
-    return yaml.safe_load(value) if dict in kinds else value
+    return parse_yaml(value, where) if dict in kinds else value
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """``value`` as type ``tp``: pydantic's lax validation (numbers from text, ``true`` / ``no`` as
     bools, lists as tuples, numbers as text) after :func:`_from_text`; a bool is no number."""
-    value = _from_text(value, tp)
+    value = _from_text(value, tp, where)
     origin = typing.get_origin(tp)
     parts = typing.get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
     if isinstance(value, bool) and bool not in parts and {int, float} & set(parts):
@@ -213,25 +320,136 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "pretrain_steps", "lr", "weight_decay", "kl_coef", "vf_coef", "clip_eps_low", "clip_eps_high", "cliprange_value",
                      "ratio_threshold", "train_learning_rate", "pretrain_learning_rate", "train_clip_range",
                      "train_adv_clip_max", "train_adam_weight_decay", "sample_eta", "eps", "rpo_alpha", "cpo_alpha",
-                     "missing_eos_penalty", "overlong_penalty_factor",
+                     "missing_eos_penalty", "overlong_penalty_factor", "reward_timeout",
                      "center_rewards_coefficient", "per_prompt_stat_tracking_buffer_size",
                      "per_prompt_stat_tracking_min_count"], _AT_LEAST_0),
     **dict.fromkeys(["temperature", "beta", "max_grad_norm", "train_max_grad_norm", "horizon", "target",
                      "train_adam_epsilon", "discopop_tau", "desirable_weight", "undesirable_weight", "lora_alpha"],
                     _POSITIVE),
-    **dict.fromkeys(["lam", "label_smoothing", "train_adam_beta1", "train_adam_beta2", "ref_model_mixup_alpha"],
+    "label_smoothing": (lambda v: 0 <= v <= 0.5, "in [0, 0.5] (past 0.5 the smoothed loss prefers the rejected answer)"),
+    **dict.fromkeys(["lam", "train_adam_beta1", "train_adam_beta2", "ref_model_mixup_alpha"],
                     _UNIT),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "train_timestep_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)"),     # torch generators, NumPy and datasets' shuffles
+    "eval_seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),  # also seeds NumPy's global generator
 }
+
+
+_INT64 = 2**63
+
+
+def _value_fault(name: str, value: Any) -> str | None:
+    """What is wrong with one value, or ``None``: an integer outside int64 or a float that is not
+    finite (any field, a keyword, an item of a tuple), else the range of its ``FIELD_RULES`` entry."""
+    if isinstance(value, (tuple, list)):  # items have no rule of their own
+        return next((fault for item in value if (fault := _value_fault("", item))), None)
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int) and not -_INT64 <= value < _INT64:
+        return f"expected an integer within int64 [-2**63, 2**63), got {value}"
+    rule = FIELD_RULES.get(name)
+    if rule is None:
+        return None if math.isfinite(value) else f"expected a finite number, got {value!r}"
+    allowed, what = rule
+    return None if math.isfinite(value) and allowed(value) else f"expected {what}, got {value!r}"
+
+
+@functools.lru_cache(maxsize=None)
+def _strict(tp: Any) -> TypeAdapter:
+    return TypeAdapter(tp, config=ConfigDict(strict=True, arbitrary_types_allowed=True))
+
+
+def _tuples(value: Any) -> Any:
+    """``value`` with its lists as tuples (YAML and JSON have no tuples)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """Whether ``value`` is of type ``tp`` as it is (pydantic's strict mode: no text read as a
+    number, no bool as a number; an int is a float; a list may stand for a tuple)."""
+    try:
+        adapter = _strict(tp)
+    except (TypeError, NameError):  # an annotation pydantic cannot check (a forward reference): not checked
+        return True
+    for candidate in (value, _tuples(value)):
+        try:
+            adapter.validate_python(candidate)
+            return True
+        except ValidationError:
+            pass
+    return False
+
+
+def _type_name(tp: Any) -> str:
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def _type_hints(fn: Any) -> dict[str, Any]:
+    """The resolved annotations of ``fn`` (through ``functools.partial``); ``{}`` where they cannot
+    be resolved."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    try:
+        return typing.get_type_hints(fn)
+    except (NameError, TypeError, AttributeError):  # an annotation naming what its module does not import at run time
+        return {}
+
+
+def _type_faults(config: Any) -> list[str]:
+    """Each field whose value is not of its declared type (a config built in Python skips
+    ``load_config``'s coercion), and each entry of a ``*_kwargs`` field whose value is not of the
+    type its keyword is annotated with in the function the field feeds: ``config.keyword_functions()``,
+    ``{field: the bound function}``, whose binding checks the keywords' names (its error is a fault)."""
+    hints = _type_hints(type(config))
+    faults = [f"{f.name}: expected {_type_name(hints[f.name])}, got {getattr(config, f.name)!r}"
+              for f in dataclasses.fields(config) if f.name in hints and not _fits(getattr(config, f.name), hints[f.name])]
+    if faults or not hasattr(config, "keyword_functions"):
+        return faults
+    try:
+        bound = config.keyword_functions()
+    except ValueError as e:  # an unknown loss or estimator, a keyword it does not take
+        return [str(e)]
+    for field, fn in bound.items():
+        annotations = _type_hints(fn)
+        faults += [f"{field}.{key}: expected {_type_name(annotations[key])}, got {value!r}"
+                   for key, value in getattr(config, field).items()
+                   if key in annotations and not _fits(value, annotations[key])]
+    return faults
+
+
+def _device_fault(value: Any) -> str | None:
+    """What keeps ``value`` from naming a device of this machine and torch build, or ``None``: 'cpu',
+    'cuda' / 'cuda:N' with CUDA available and ``N`` below the device count, 'mps' where available."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        return f"expected a device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}"
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return (f"got {value!r}, but this torch build ({torch.__version__}) sees no CUDA device "
+                    "(torch.cuda.is_available() is False); use 'cpu'")
+        if device.index is not None and device.index >= count:
+            return f"got {value!r}, but this machine has {count} CUDA device(s): 'cuda:0' to 'cuda:{count - 1}'"
+        return None
+    if device.type == "cpu" or (device.type == "mps" and torch.backends.mps.is_available()):
+        return None
+    if device.type == "meta":
+        return "got 'meta', which holds shapes but no data: a run needs 'cpu' or 'cuda'"
+    return f"expected 'cpu' or 'cuda[:N]', got {value!r} (device type {device.type!r} is not available here)"
 
 
 def check_config(config: Any) -> Any:
     """``config`` itself when every field it shares with ``FIELD_RULES`` is in range, and every entry
-    of its ``loss_kwargs`` / ``advantage_kwargs`` that a rule names; else a ``ValueError`` naming
-    each field (or ``loss_kwargs.<name>``) at fault, its value and what is allowed (all at once).
+    of its ``loss_kwargs`` / ``advantage_kwargs`` that a rule names; when every value is of its
+    field's type, and every ``*_kwargs`` entry of the type of the keyword it feeds (the loss's or
+    estimator's signature); when every integer fits int64 and every float is finite; and when each
+    device is one this machine has (``cuda`` needs a CUDA build and device, ``cuda:N`` an ``N``
+    below the count; ``meta`` is refused). Else a ``ValueError`` naming each field (or
+    ``loss_kwargs.<name>``) at fault, its value and what is allowed (all at once).
 
     ``load_config`` runs it on every config it builds and ``run`` on the config of every recipe it
     starts, so a bad value fails before any model is built (CLI, YAML) or any step is taken (Python).
@@ -242,20 +460,12 @@ def check_config(config: Any) -> Any:
         given = getattr(config, kwargs, None)
         if isinstance(given, Mapping):
             values += [(str(k), f"{kwargs}.{k}", v) for k, v in given.items()]
-    for name, where, value in values:
-        rule = FIELD_RULES.get(name)
-        if rule is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        allowed, what = rule
-        if not (math.isfinite(value) and allowed(value)):
-            faults.append(f"{where}: expected {what}, got {value!r}")
+    faults += [f"{where}: {fault}" for name, where, value in values if (fault := _value_fault(name, value))]
+    faults += _type_faults(config)
     for name in ("device", "ref_device", "reward_device"):
         value = getattr(config, name, None)
-        if value is not None:
-            try:
-                torch.device(value)
-            except (RuntimeError, TypeError):
-                faults.append(f"{name}: expected a device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}")
+        if value is not None and (fault := _device_fault(value)):
+            faults.append(f"{name}: {fault}")
     buffer, budget = getattr(config, "overlong_buffer", None), getattr(config, "max_new_tokens", None)
     if isinstance(buffer, int) and isinstance(budget, int) and buffer > budget:
         faults.append(f"overlong_buffer: expected at most max_new_tokens={budget}, got {buffer}")
@@ -268,7 +478,8 @@ def check_config(config: Any) -> Any:
             check_length_range(config.length_sampler)
         except ValueError as e:
             faults.append(str(e))
-    for name, registry in (("engine", ENGINES), ("sampler", SAMPLERS)):  # the generation engine and its rule
+    # the generation engine and its rule; what a NaN or infinite reward does
+    for name, registry in (("engine", ENGINES), ("sampler", SAMPLERS), ("nonfinite_rewards", NONFINITE_REWARDS)):
         value = getattr(config, name, None)
         if value is not None and value not in registry:
             faults.append(f"{name}: expected one of {sorted(registry)}, got {value!r}")
@@ -316,7 +527,7 @@ def _did_you_mean(key: str, fields: Mapping[str, Any]) -> str:
 
 
 def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Any:
-    """A ``cls`` (frozen dataclass) from a YAML file (``yaml.safe_load``) and overrides.
+    """A ``cls`` (frozen dataclass) from a YAML file (``read_config_file``: safe and bounded) and overrides.
 
     ``overrides`` (e.g. parsed ``--field value`` pairs, strings allowed) win over the file; both
     may give any subset of the fields, the rest keep their defaults. Values are coerced to the
@@ -324,14 +535,10 @@ def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[st
 
     Raises:
         ValueError: an unknown key (the message lists the valid fields), a value that does not fit
-            its field's type, or a YAML file whose top level is not a mapping.
+            its field's type or range (``check_config``), or a YAML file past the bounds of
+            ``parse_yaml`` or whose top level is not a mapping.
     """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
-        if loaded is not None and not isinstance(loaded, Mapping):
-            raise ValueError(f"{path}: expected a mapping of field: value, got {type(loaded).__name__}")
-        raw.update(loaded or {})
+    raw: dict[str, Any] = read_config_file(path) if path is not None else {}
     raw.update(overrides or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields))

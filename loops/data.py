@@ -30,6 +30,12 @@ language_modeling  text                             as prompt_completion, loss o
 prompt_only        prompt                           prompt_ids (left padded), prompt_mask
 ================== ================================ ==============================================
 
+Rows remember where they came from: errors about a row read from a file name the file and its
+line (``.jsonl``) or row (other formats), also after the train / held-out split
+(:func:`split_held_out`, :func:`row_origin`). A ``.jsonl`` file holds one JSON object per line
+(blank lines are skipped); a NUL byte or a line that is not an object (``[1, 2]``, ``5``) is
+refused naming the file and line.
+
 Any text field may be a conversation (a list of ``{"role", "content"}`` dicts): it is rendered
 with ``tokenizer.apply_chat_template`` (prompt with ``add_generation_prompt=True``, completion as
 the continuation of the rendered conversation). Sequence batches are right padded; prompt
@@ -39,14 +45,19 @@ batches are left padded (ready for generation).
 from __future__ import annotations
 
 import codecs
+import dataclasses
+from array import array
+import json
 import re
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import datasets
 from datasets import Dataset
 
-__all__ = ["formats_help", "FORMATS", "detect_format", "load_local", "load_source"]
+__all__ = ["formats_help", "FORMATS", "detect_format", "load_local", "load_source", "split_held_out", "row_origin",
+           "row_origins"]
 
 # Required columns per format, most specific first: detection takes the first whose columns are
 # all present.
@@ -124,22 +135,137 @@ def _check_utf8(path: Path) -> None:
             raise ValueError(f"source: {path} is not UTF-8 text: it ends inside a multi-byte character") from None
 
 
+def _jsonl_lines(path: Path) -> array:
+    """The line (from 1) of each row of a ``.jsonl`` file, blank lines skipped as ``datasets`` does;
+    a ``ValueError`` naming the file and line for a NUL byte or a line that is not a JSON object."""
+    lines = array("q")
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if b"\x00" in line:
+                raise ValueError(f"source: {path}, line {number}: holds a NUL byte (at column {line.index(0) + 1}); "
+                                 "JSON text has none (write it as \\u0000 inside a string)")
+            text = line.strip().removeprefix(b"\xef\xbb\xbf") if number == 1 else line.strip()
+            if not text:
+                continue
+            if not text.startswith(b"{"):
+                raise ValueError(f"source: {path}, line {number}: expected a JSON object ({{\"column\": value, ...}}) "
+                                 f"per line, got {text[:40].decode(errors='replace')!r}")
+            lines.append(number)
+    return lines
+
+
+def _json_kind(value) -> str:
+    return {bool: "bool", int: "number", float: "number", str: "str", list: "list", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def _bad_json_line(path: Path) -> str:
+    """Where and why the first line of a ``.jsonl`` file that ``datasets`` cannot read fails ("" if
+    none is found): not JSON, not an object, or a column holding another kind of value (text,
+    number, list, object) than on the lines before (one column has one type)."""
+    kinds: dict[str, tuple[str, int]] = {}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                return f", line {number}: not valid JSON ({e})"
+            if not isinstance(row, dict):
+                return f", line {number}: expected a JSON object, got {type(row).__name__}"
+            for column, value in row.items():
+                if value is None:
+                    continue
+                kind, first = kinds.setdefault(column, (_json_kind(value), number))
+                if _json_kind(value) != kind:
+                    return (f", line {number}: column {column!r} holds {_json_kind(value)} {value!r:.40} where line "
+                            f"{first} holds {kind} (a column holds one type)")
+    return ""
+
+
 def _read_file(path: Path) -> Dataset:
-    """One data file as a ``Dataset``: text formats checked to be UTF-8 first, and a file without
-    rows refused (both with the file named), before any model is built."""
+    """One data file as a ``Dataset``: text formats checked to be UTF-8 first (and ``.jsonl`` to hold
+    one object per line), and a file without rows refused (all with the file named), before any
+    model is built. The dataset remembers its rows' file and lines (:func:`row_origin`)."""
     if path.suffix != ".parquet":
         _check_utf8(path)
+    lines = _jsonl_lines(path) if path.suffix == ".jsonl" else None
     try:
         data = _LOADERS[path.suffix](str(path), keep_in_memory=True)
     except StopIteration:  # what datasets raises for a file without a row (json) ...
         data = None
-    except ValueError as e:  # ... and for a csv of a header alone
-        if "corresponds to no data" not in str(e):
-            raise
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        if "corresponds to no data" not in str(e):  # a csv of a header alone has no data
+            where = _bad_json_line(path) if path.suffix == ".jsonl" else ""
+            raise ValueError(f"source: {path}{where}: datasets cannot read it "
+                             f"({type(e.__cause__ or e).__name__}: {e.__cause__ or e})") from e
         data = None
     if data is None or data.num_rows == 0:
         raise ValueError(f"source: {path} holds no rows")
+    if lines is not None and any(isinstance(f, datasets.features.Json) for f in data.features.values()):
+        mixed = _bad_json_line(path)  # datasets keeps such a column as JSON text and decodes "11" to 11
+        if mixed:
+            raise ValueError(f"source: {path}{mixed}")
+    if lines is not None and len(lines) != data.num_rows:
+        lines = None  # rows and lines do not pair up: name rows, not lines
+    _ORIGINS[data] = _Origin(files=((path, lines, data.num_rows),))
     return data
+
+
+# --- where rows come from --------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Origin:
+    """The files a dataset was read from (path, line of each row or ``None``, rows), in order, and
+    for a split, the row of the read data each of its rows is (``None``: the same)."""
+
+    files: tuple[tuple[Path, Sequence[int] | None, int], ...]
+    rows: Sequence[int] | None = None
+
+
+_ORIGINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Dataset -> _Origin
+
+
+def row_origin(dataset: Dataset, i: int) -> str | None:
+    """Where row ``i`` of ``dataset`` was read: ``"<file>, line <n>"`` for a ``.jsonl`` file (lines
+    from 1), ``"<file>, row <r>"`` for other files (rows from 0), through :func:`split_held_out`;
+    ``None`` for a dataset not read from a file by :func:`load_local` (or transformed since)."""
+    return row_origins(dataset)(i)
+
+
+def row_origins(dataset: Dataset) -> Callable[[int], str | None]:
+    """``i -> row_origin(dataset, i)``, holding what it needs of the origin but not ``dataset``
+    (cheap to hash in a ``Dataset.map`` function)."""
+    origin = _ORIGINS.get(dataset)
+
+    def where(i: int) -> str | None:
+        if origin is None:
+            return None
+        r = origin.rows[i] if origin.rows is not None else i
+        for path, lines, n in origin.files:
+            if r < n:
+                return f"{path}, line {lines[r]}" if lines is not None else f"{path}, row {r}"
+            r -= n
+        return None
+
+    return where
+
+
+def split_held_out(data: Dataset, n_eval: int, seed: int) -> tuple[Dataset, Dataset]:
+    """``(train, held_out)``: ``data.train_test_split(test_size=n_eval, seed=seed, shuffle=True)``,
+    each part remembering which row of ``data`` each of its rows is (:func:`row_origin` then names
+    the file and line of a row of either part)."""
+    column = "__rlcore_row__"
+    parts = data.add_column(column, list(range(len(data)))).train_test_split(test_size=n_eval, seed=seed,
+                                                                             shuffle=True)
+    origin, out = _ORIGINS.get(data), []
+    for key in ("train", "test"):
+        rows, part = parts[key][column], parts[key].remove_columns(column)
+        if origin is not None:
+            _ORIGINS[part] = dataclasses.replace(
+                origin, rows=array("q", rows if origin.rows is None else (origin.rows[r] for r in rows)))
+        out.append(part)
+    return out[0], out[1]
 
 
 # A hub dataset name, ``name`` or ``namespace/name``, with an optional ``:split``.
@@ -191,7 +317,10 @@ def _load_directory(path: Path) -> Dataset:
         raise ValueError(f"source: {path} holds {'no' if not files else 'mixed'} data files "
                          f"({sorted({f.suffix for f in files})}); expected files of one type of {sorted(_LOADERS)}, "
                          "or a save_to_disk directory")
-    return datasets.concatenate_datasets([_read_file(f) for f in files])
+    parts = [_read_file(f) for f in files]
+    data = datasets.concatenate_datasets(parts)
+    _ORIGINS[data] = _Origin(files=tuple(f for part in parts for f in _ORIGINS[part].files))
+    return data
 
 
 # --- truncation ------------------------------------------------------------------------------

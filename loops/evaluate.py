@@ -17,7 +17,7 @@ from rlcore.kl import kl_estimate
 from rlcore.loops.collect import generate_rollout
 from rlcore.loops.fold import to_floats
 from rlcore.loops.recipe import load_splits, policy_tokenizer
-from rlcore.loops.reward_fns import RewardFn, make_reward_fn, repeat_columns
+from rlcore.loops.reward_fns import RewardFn, make_reward_fn, repeat_columns, reward_settings
 from rlcore.loops.score import score_rollout
 from rlcore.loops.state import TrainState
 from rlcore.loops.tasks import exact_match, task_dataset
@@ -39,7 +39,7 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     gen = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length, seed=seed,
                engine=config.engine, sampler=config.sampler, engine_options=config.engine_options)
     scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
-                   reward_columns=columns)
+                   reward_columns=columns, **reward_settings(config))
     greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)
     reward, ref_reward = score_rollout(greedy, **scoring)[K.SCORE], reference_scores
     if ref_reward is None:

@@ -22,6 +22,13 @@ Distributed (``loops.scale.distributed``): every rank runs the same fold on its 
 callbacks see them, so every rank logs, evaluates and stops on the same numbers. Every rank must
 report the same metric names.
 
+Signals: while a fold runs in the main thread, SIGINT (Ctrl-C) and SIGTERM stop it at the next step
+boundary: the step in progress finishes, its callbacks run, then every ``on_end`` (a
+``Checkpointer`` saves the step), and the fold raises :class:`Interrupted` (a ``KeyboardInterrupt``)
+with the signal, the step and the exit code (``128 + signal``: 130, 143). A second signal stops at
+once, the step in progress lost; a signal during the last step ends the run as usual. Signals the
+process ignores stay ignored, and the previous handlers are restored when the fold returns.
+
 Resuming: ``state.step`` is the number of items already consumed. A resumed fold skips exactly
 that many items of ``source`` before the first step, so with a deterministic source (a list, a
 seeded shuffle, a ``datasets`` split) the resumed run sees the items the uninterrupted run would
@@ -34,15 +41,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import signal
+import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
-from rlcore.loops.scale.distributed import reduce_metrics
+from rlcore.loops.scale.distributed import all_reduce_sum, dist_info, reduce_metrics
 
-__all__ = ["fold", "to_floats", "every", "stop_when", "STOP"]
+__all__ = ["fold", "to_floats", "every", "stop_when", "STOP", "Interrupted", "STOP_SIGNALS"]
 
 STOP = "stop"
 
@@ -104,6 +114,94 @@ def _items(source: Iterable | Callable[[int], Iterable], start: int) -> Iterator
     return it
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # stop a fold at its next step boundary
+
+
+class Interrupted(KeyboardInterrupt):  # noqa: N818 -- a KeyboardInterrupt: code catching Exception lets it pass
+    """A fold stopped by a signal (SIGINT, SIGTERM): at a step boundary, or at once on a second signal.
+
+    Attributes:
+        signum: the signal's number.  step: ``state.step`` when the fold stopped (at a boundary:
+            its steps all done, every ``on_end`` run) or at the start of the step lost (at once).
+        at_once: stopped inside a step by a second signal; that step is lost.
+        exit_code: ``128 + signum`` (130 for SIGINT, 143 for SIGTERM), a shell's code for the signal.
+        run_dir, checkpoint: the run's folder and the checkpoint a resume starts from (``None``:
+            nothing saved), set by ``loops.recipe.run``.
+    """
+
+    def __init__(self, signum: int, step: int | None, *, at_once: bool = False, total: int | None = None):
+        super().__init__(signum, step)
+        self.signum, self.step, self.at_once, self.total = signum, step, at_once, total
+        self.exit_code = 128 + signum
+        self.run_dir: str | None = None
+        self.checkpoint: str | None = None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def summary(self) -> str:
+        """Where the run stopped and what a resume starts from."""
+        of = f" of {self.total}" if self.total is not None else ""
+        if self.at_once:
+            head = f"stopped at once by a second {self.signal_name} during step {(self.step or 0) + 1}{of} (lost)"
+        else:
+            head = f"stopped by {self.signal_name} after step {self.step}{of}"
+        if not self.run_dir:
+            return f"{head}; no run_dir: nothing saved"
+        if self.checkpoint is None:
+            return f"{head}; {self.run_dir} holds no checkpoint: a resume starts over"
+        return f"{head}; a resume continues from {self.checkpoint}"
+
+    def __str__(self) -> str:
+        if not self.run_dir:
+            return self.summary
+        return f"{self.summary} (resume=True, run_dir={str(self.run_dir)!r}; --resume true on the command line)"
+
+
+class _StopSignals:
+    """While active: SIGINT / SIGTERM set ``received`` (the fold stops at its next step boundary); a
+    second one raises :class:`Interrupted` at once. Installed only in the main thread and for
+    signals not ignored; the previous handlers are restored on exit."""
+
+    def __init__(self, total: int | None):
+        self.total, self.step = total, 0
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                previous = signal.getsignal(signum)
+                if previous is not signal.SIG_IGN:
+                    self._previous[signum] = previous
+                    signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            raise Interrupted(signum, self.step, at_once=True, total=self.total)
+        self.received = signum
+        name = signal.Signals(signum).name
+        print(f"rlcore: {name}: stopping after step {self.step + 1} (its checkpoint saved where there is a "
+              f"run_dir); {name} again stops at once", file=sys.stderr, flush=True)
+
+    def stop(self) -> bool:
+        """Whether to stop now: a signal received here (or, under torch.distributed, on any rank)."""
+        if not dist_info().distributed:
+            return self.received is not None
+        flag = all_reduce_sum(torch.tensor([0.0 if self.received is None else 1.0]))
+        if flag.item() > 0 and self.received is None:
+            self.received = signal.SIGTERM  # another rank's signal: every rank stops at the same step
+        return self.received is not None
+
+
 def _hook(callbacks: Sequence, name: str, state: Any) -> None:
     for cb in callbacks:
         hook = getattr(cb, name, None)
@@ -147,27 +245,35 @@ def fold(step: Callable[[Any, Any], tuple[Any, Metrics]], state: Any,
     if not (dataclasses.is_dataclass(state) and isinstance(getattr(state, "step", None), int)):
         raise TypeError(f"state: expected a dataclass with an int field 'step', got {type(state).__name__}")
     items = _items(source, state.step)
-    _hook(callbacks, "on_start", state)
-    history: list[dict[str, float]] = []
-    stop = False
-    while not stop and (num_steps is None or state.step < num_steps):
-        try:
-            item = next(items)
-        except StopIteration:
-            break
-        new_state, metrics = step(state, item)
-        state = dataclasses.replace(new_state, step=state.step + 1)
-        logged = to_floats(reduce_metrics(metrics))  # the mean over ranks under torch.distributed
-        for cb in callbacks:
-            out = cb(state, logged)
-            if isinstance(out, str):
-                if out != STOP:
-                    raise ValueError(f"callback {cb!r} returned {out!r}; expected None, {STOP!r} or a mapping")
-                stop = True
-            elif out is not None:
-                logged.update(to_floats(out))
-        history.append(logged)
-    _hook(callbacks, "on_end", state)
+    with _StopSignals(num_steps) as signals:
+        signals.step = state.step
+        _hook(callbacks, "on_start", state)
+        history: list[dict[str, float]] = []
+        stop = cut = False
+        while not stop and (num_steps is None or state.step < num_steps):
+            if signals.stop():
+                cut = True
+                break
+            try:
+                item = next(items)
+            except StopIteration:
+                break
+            new_state, metrics = step(state, item)
+            state = dataclasses.replace(new_state, step=state.step + 1)
+            logged = to_floats(reduce_metrics(metrics))  # the mean over ranks under torch.distributed
+            for cb in callbacks:
+                out = cb(state, logged)
+                if isinstance(out, str):
+                    if out != STOP:
+                        raise ValueError(f"callback {cb!r} returned {out!r}; expected None, {STOP!r} or a mapping")
+                    stop = True
+                elif out is not None:
+                    logged.update(to_floats(out))
+            history.append(logged)
+            signals.step = state.step
+        _hook(callbacks, "on_end", state)
+        if cut:  # a signal during the last step or on_end: the run is complete
+            raise Interrupted(signals.received, state.step, total=num_steps)
     return state, history
 
 

@@ -127,7 +127,10 @@ class JsonlLogger:
     Values are floats (``null`` for NaN/inf, so every line is strict JSON). On start, lines with a
     step beyond ``state.step`` (written by a crashed run after its last checkpoint) are dropped, so
     a resumed run does not log those steps twice. Each line is written and closed at once: a
-    killed run loses at most the line being written.
+    killed run loses at most the line being written, and a last line that is no such object (torn
+    by a kill) is dropped on start. Any earlier line that is not a JSON object with a numeric
+    ``"step"`` is refused on start with a ``ValueError`` naming the file and the line: the file is
+    rewritten on start, and a line it cannot place is never dropped silently.
     """
 
     def __init__(self, run_dir: str | Path, *, filename: str = "metrics.jsonl", every: int = 1):
@@ -137,10 +140,21 @@ class JsonlLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and _step_of(line) <= state.step]
+        lines = self.path.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
+        numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+        keep = []
+        for n, line in numbered:
+            step = _step_of(line)
+            if step is None:
+                if n == numbered[-1][0]:
+                    continue  # the torn last line of a killed run
+                shown = line if len(line) <= 80 else line[:77] + "..."
+                raise ValueError(f"{self.path}: line {n}: expected a JSON object with a numeric \"step\" (one line "
+                                 f"per logged step), got {shown!r}; correct or delete that line, then resume")
+            if step <= state.step:
+                keep.append(line)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8", errors="surrogateescape")
         os.replace(tmp, self.path)
 
     def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
@@ -150,11 +164,17 @@ class JsonlLogger:
                                 **{k: _json_number(float(v)) for k, v in metrics.items()}})
 
 
-def _step_of(line: str) -> float:
+def _step_of(line: str) -> float | None:
+    """The ``"step"`` of a metrics line, or ``None`` for a line that is no JSON object with a
+    numeric step (a torn line, another file's text, nesting too deep to parse)."""
     try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf  # a torn last line of a killed run: drop it
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        return None
+    return step
 
 
 def _duration(seconds: float) -> str:

@@ -24,7 +24,6 @@ https://arxiv.org/abs/2106.09685
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -227,9 +226,11 @@ def with_adapter(base: nn.Module, directory: str | Path) -> nn.Module:
     does not fit ``base`` or whose configuration is not a LoRA one.
     """
     peft, directory = _peft(), Path(directory)
+    from rlcore.loops.checkpoint_codec import CheckpointError, load_tensors, read_json
+
     try:
-        stored = json.loads((directory / "adapter_config.json").read_text())
-    except (OSError, ValueError) as e:
+        stored = read_json(directory / "adapter_config.json")  # bounded in size and depth
+    except CheckpointError as e:
         raise ValueError(f"{directory}/adapter_config.json: unreadable ({e})") from e
     if not isinstance(stored, dict) or stored.get("peft_type") != "LORA":
         raise ValueError(f"{directory}/adapter_config.json: expected a LoRA adapter (peft_type 'LORA'), got "
@@ -237,10 +238,12 @@ def with_adapter(base: nn.Module, directory: str | Path) -> nn.Module:
     weights_file = directory / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise ValueError(f"{directory}: an adapter_config.json without its adapter_model.safetensors")
+    try:
+        weights = load_tensors(weights_file)  # its header checked before anything is allocated
+    except CheckpointError as e:
+        raise ValueError(str(e)) from e
     model = _wrap(base, peft.LoraConfig.from_pretrained(str(directory)), seed=0)  # A and B overwritten next
-    from safetensors.torch import load_file
-
-    load_adapter_weights(model, load_file(str(weights_file)), str(directory))
+    load_adapter_weights(model, weights, str(directory))
     return model.merge_and_unload()
 
 

@@ -22,6 +22,7 @@ import math
 import string
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -36,7 +37,7 @@ __all__ = ["build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS
            "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS", "disable_dropout",
            "position_ids_from_mask", "last_token_index", "trunk_hidden", "cache_keyword", "cache_length", "ValueHead",
            "policy_and_values", "token_values", "reward_model_scores", "make_reference", "mix_into_reference",
-           "model_device"]
+           "model_device", "saved_task", "load_exact", "vocabulary_size", "check_vocabulary"]
 
 # --- tokenizers ------------------------------------------------------------------------------
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -251,6 +252,79 @@ def load_model(name_or_path: str, *, task: str = "causal_lm", trust_remote_code:
         raise ValueError(f"model: {name_or_path} ships its own modelling code (its config's auto_map), which is "
                          "not run by default; read it, then set trust_remote_code: true (--trust_remote_code true) "
                          "to run it") from e
+
+
+# The head an architecture's class name ends with -> the task (``TASKS``) it serves.
+_HEADS = {"ForCausalLM": "causal_lm", "LMHeadModel": "causal_lm", "ForSequenceClassification": "reward",
+          "ForTokenClassification": "value"}
+
+
+def saved_task(directory: str | Path) -> str | None:
+    """The task (``TASKS``) of the model saved in ``directory``: its ``config.json``'s
+    ``architectures`` read as data (bounded, ``loops.checkpoint_codec.read_json``); ``None`` when it
+    names no head of ``_HEADS``."""
+    from rlcore.loops.checkpoint_codec import read_json
+
+    path = Path(directory) / "config.json"
+    archs = read_json(path, expect=dict).get("architectures") if path.is_file() else None
+    names = archs if isinstance(archs, list) else []
+    found = {task for name in names if isinstance(name, str) for head, task in _HEADS.items() if name.endswith(head)}
+    return found.pop() if len(found) == 1 else None
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """transformers' load report off (missing and unexpected keys are checked by the caller)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def load_exact(directory: str | Path, *, task: str = "causal_lm", new_head: bool = False, **kwargs) -> PreTrainedModel:
+    """``load_model`` of a saved model folder that must fill the model it builds: a weight the
+    folder lacks (left at its random init) or holds without a place in the model is an error
+    naming the keys, not a load report on stderr.
+
+    Args:
+        task: the Auto class, as ``load_model``.
+        new_head: the folder holds another task's model (a causal LM read as a reward or value
+            model): keys outside the shared trunk (``base_model_prefix``), the old and the new
+            head, may be missing or unused; the trunk must still match exactly.
+        kwargs: passed to ``load_model``.
+    Raises:
+        ValueError: naming the folder and the missing, unexpected or differently shaped keys.
+    """
+    with _quiet_loading():
+        model, info = load_model(str(directory), task=task, output_loading_info=True, **kwargs)
+    trunk = f"{model.base_model_prefix}."
+    keep = (lambda k: k.startswith(trunk)) if new_head else (lambda k: True)  # noqa: E731
+    missing = sorted(k for k in info.get("missing_keys", ()) if keep(k))
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if keep(k))
+    shapes = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys", ()))
+    if missing or unexpected or shapes:
+        raise ValueError(f"{directory}: the saved weights do not fill a {type(model).__name__}: missing "
+                         f"{missing[:8]}, unexpected {unexpected[:8]}, other shapes {shapes[:8]}")
+    return model
+
+
+def vocabulary_size(model: nn.Module) -> int:
+    """Rows of ``model``'s input embedding: the token ids it can read."""
+    return model.get_input_embeddings().weight.shape[0]
+
+
+def check_vocabulary(model: nn.Module, expected: int, where: str, other: str) -> None:
+    """Raise ``ValueError`` unless ``model`` reads exactly ``expected`` token ids (those of
+    ``other``, e.g. "the policy"): a model of another vocabulary would index tokens it does not
+    have, or score other tokens than its partner's."""
+    found = vocabulary_size(model)
+    if found != expected:
+        raise ValueError(f"{where} has a vocabulary of {found} tokens, {other} {expected}; it must share "
+                         f"{other}'s tokenizer")
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:

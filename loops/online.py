@@ -27,7 +27,10 @@ or the global RNG, so evaluating does not change training.
 Rewards: ``reward_fn`` (a Python function ``(prompts, completions, **columns) -> scores``, by
 default ``loops.tasks.task_reward(config.task)``, which reads the ``answer`` column) or, with
 ``config.reward_model``, a sequence-classification reward model sharing the policy's tokenizer
-(``loops.models.reward_model_scores``); with both, their sum.
+(``loops.models.reward_model_scores``); with both, their sum. Each reward function call may take
+``config.reward_timeout`` seconds; a NaN or infinite score from either source is refused naming
+the rows, or with ``nonfinite_rewards: drop`` leaves training as an unscored sample
+(``loops.reward_fns.check_finite_scores``).
 """
 
 from __future__ import annotations
@@ -46,16 +49,18 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.baselines import ADVANTAGE_ESTIMATORS
 from rlcore.checks import bind_keywords, lookup
-from rlcore.kl import kl_estimate
+from rlcore.kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
+from rlcore.loops.data import row_origin
 from rlcore.loops.config import RunConfig, autocast_dtype, loading_kwargs
 from rlcore.loops.filters import exclude_unscored, mask_truncated, prompt_refill, refill_informative
-from rlcore.loops.tokenization import check_text, text_window, tokenize_example
+from rlcore.loops.tokenization import check_text, model_context, text_window, tokenize_example
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_values
 from rlcore.loops.recipe import batch_source, build_policy, build_reference, init_train_state, load_splits, run
-from rlcore.loops.reward_fns import RewardFn, make_reward_fn, missing_eos_penalty, repeat_columns, reward_columns
+from rlcore.loops.reward_fns import (RewardFn, make_reward_fn, missing_eos_penalty, repeat_columns, reward_columns,
+                                     reward_settings)
 from rlcore.loops.score import score_rollout, sequences, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
 from rlcore.loops.tasks import task_dataset
@@ -63,7 +68,7 @@ from rlcore.loops.update import update
 from rlcore.rewards import soft_overlong_penalty
 from rlcore.transforms import observed_kl
 
-__all__ = ["OnlineConfig", "Correction", "advantage_fn", "check_prompt_data", "check_prompt_lengths",
+__all__ = ["OnlineConfig", "Correction", "ESTIMATOR_NEEDS", "check_kl_name", "runnable_estimators", "advantage_fn", "check_prompt_data", "check_prompt_lengths",
            "build_online_state", "prompt_source", "update_sizes", "generate_kwargs", "collect_rollout",
            "collect_groups", "replay_seed_draw", "critic_values", "score_collected", "with_policy_logprobs",
            "policy_loss_fn", "policy_update", "rollout_metrics", "LIVE", "train_online"]
@@ -89,6 +94,8 @@ class OnlineConfig(RunConfig):
     reward_device: str | None = None  # where the reward model lives (None: device)
     reward_funcs: tuple[str, ...] = ()  # "package.module:function" reward functions to import (TRL reward_funcs)
     reward_weights: tuple[float, ...] | None = None  # one weight per reward function (TRL reward_weights; None: all 1)
+    reward_timeout: float | None = 300.0  # seconds a reward function call may take; past it the step fails naming it (None or 0: no limit; the stuck call goes on in a background thread)
+    nonfinite_rewards: str = "raise"  # a NaN/inf score from a reward function or model: raise (names the rows) | drop (as a None score: out of the loss and group statistics)
     # --- generation (collect) ---
     num_samples: int = 1             # G samples per prompt (TRL num_generations)
     max_new_tokens: int = 16         # response budget (TRL max_completion_length / response_length)
@@ -124,25 +131,39 @@ class OnlineConfig(RunConfig):
 # --- building -----------------------------------------------------------------------------------
 
 
+def _row(data: Dataset, i: int, split: str) -> str:
+    """``dataset: <file>, line <n>`` for a row read from a file (``loops.data.row_origin``), else
+    ``dataset: the <split> split, row <i>``."""
+    return f"dataset: {row_origin(data, i) or f'the {split} split, row {i}'}"
+
+
 def check_prompt_data(reward: RewardFn | None, **splits: Dataset) -> None:
     """Fail before training when a prompt dataset cannot feed the run: every split needs a ``prompt``
     column, and the columns the reward function reads (``reward_columns``: ``answer`` for the
     built-in task reward), and every prompt must be non-empty text or a conversation
-    (``loops.tokenization.check_text``). The error names the split, its columns and what is missing, or
-    the row and what it holds."""
-    wanted = ("prompt", *(reward_columns(reward) if reward is not None else ()))
+    (``loops.tokenization.check_text``). A null in a column the reward function requires (a
+    parameter without a default, e.g. the task reward's ``answer``) is refused too: it would be
+    graded as a wrong answer; give the parameter a default to take rows without one. The error
+    names the split, its columns and what is missing, or the row (its file and line when read from
+    a file) and what it holds."""
+    needed = reward_columns(reward) if reward is not None else ()
+    wanted = ("prompt", *needed)
+    reader = getattr(reward, "__name__", "the reward function")
     for where, data in splits.items():
         missing = [c for c in wanted if c not in data.column_names]
         if missing:
-            reader = getattr(reward, "__name__", "the reward function")
             raise ValueError(f"dataset: the {where} split has columns {data.column_names} but the run needs {missing} "
                              f"('prompt' to generate from; the others are read by {reader}); add them, or pass a "
                              "reward function (reward_funcs) or a reward_model that needs no answer")
         for i, prompt in enumerate(data["prompt"]):
-            check_text("prompt", prompt, f"dataset: the {where} split, row {i}")
+            check_text("prompt", prompt, _row(data, i, where))
             if not prompt:
-                raise ValueError(f"dataset: the {where} split, row {i}: empty prompt (generation needs at least one "
-                                 "prompt token)")
+                raise ValueError(f"{_row(data, i, where)}: empty prompt (generation needs at least one prompt token)")
+        for column in needed:
+            for i, value in enumerate(data[column]):
+                if value is None:
+                    raise ValueError(f"{_row(data, i, where)}: column {column!r} is null, and {reader} requires it "
+                                     "(a row without it would be graded as wrong); fill it or drop the row")
 
 
 def check_prompt_lengths(config: Any, tokenizer, model: nn.Module, **splits: Dataset) -> None:
@@ -150,8 +171,8 @@ def check_prompt_lengths(config: Any, tokenizer, model: nn.Module, **splits: Dat
     the longest ``length_sampler`` draw) runs past ``model``'s context (``max_position_embeddings``),
     once cut to ``max_prompt_length``: the error names the split, the row and the lengths. Each
     prompt is tokenised through ``text_window`` (memory bounded by the context, whatever its size)."""
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if not isinstance(context, int):
+    context = model_context(model)  # as every context check (loops.tokenization.check_context)
+    if context is None:
         return
     sampler = getattr(config, "length_sampler", None)
     budget = max(config.max_new_tokens, sampler[1] - 1 if sampler else 0)
@@ -163,9 +184,9 @@ def check_prompt_lengths(config: Any, tokenizer, model: nn.Module, **splits: Dat
         for i, prompt in enumerate(data["prompt"]):
             ids = tokenize_example({"prompt": text_window(prompt, tokenizer, context, "keep_end")}, tokenizer,
                                    format="prompt_only", max_prompt_length=config.max_prompt_length,
-                                   where=f"dataset: the {where} split, row {i}")["prompt_ids"]
+                                   where=_row(data, i, where))["prompt_ids"]
             if len(ids) > room:
-                raise ValueError(f"dataset: the {where} split, row {i}: its prompt has {len(ids)} tokens, which with "
+                raise ValueError(f"{_row(data, i, where)}: its prompt has {len(ids)} tokens, which with "
                                  f"a response budget of {budget} exceeds the model's context of {context} "
                                  f"(max_position_embeddings); set max_prompt_length <= {room} to keep each prompt's "
                                  "last tokens, or drop the row")
@@ -316,7 +337,7 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
     rollout = score_rollout(rollout, ref=reference, value_fn=critic_values(state),
                             reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                             reward_columns=repeat_columns(rows, G), temperature=config.temperature,
-                            rows_per_forward=getattr(config, "forward_batch_size", None))
+                            rows_per_forward=getattr(config, "forward_batch_size", None), **reward_settings(config))
     penalty = getattr(config, "missing_eos_penalty", None)
     if penalty:  # a response cut at max_new_tokens, with no stop token, loses `penalty`
         stops = [tokenizer.eos_token_id, *getattr(config, "stop_token_ids", ())]
@@ -332,11 +353,54 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
     return advance(state, samples_seen=B, episodes=B, tokens_seen=rollout[K.RESPONSE_MASK].sum()), rollout
 
 
+# What an estimator of ``ADVANTAGE_ESTIMATORS`` reads beyond every rollout's ``score`` and
+# ``response_mask``, and where it comes from: a recipe whose learner batch (its Config's
+# ``advantage_inputs``) lacks one cannot run that estimator.
+ESTIMATOR_NEEDS: dict[str, dict[str, str]] = {
+    "gae": {K.REWARDS: "rewards [B, R] (per-token rewards)",
+            K.VALUES: "values [B, R] (a critic's, which only the PPO recipe trains)"},
+    "reinforce_pp": {K.REWARDS: "rewards [B, R] (per-token rewards with the KL folded in, as RLOO's)"},
+    "remax": {K.REWARDS: "rewards [B, R] (per-token rewards)",
+              K.BASELINE_SCORE: "baseline_score [B] (the score of a greedy response per prompt, which no recipe "
+                                "generates)"},
+}
+
+
+def check_kl_name(config: Any, *, full: bool = False) -> None:
+    """Refuse a ``kl`` that names no estimator of ``rlcore.kl`` (``KL_ESTIMATORS``, ``KL_ALIASES``;
+    ``"full"``, the exact KL over the vocabulary, only where the recipe computes it: ``full``)."""
+    valid = [*KL_ESTIMATORS, *KL_ALIASES, *(["full"] if full else [])]
+    if config.kl not in valid:
+        hint = "" if full or config.kl != "full" else " ('full' needs the vocabulary-wide KL, which only the PPO recipe computes)"
+        raise ValueError(f"kl: expected one of {valid}, got {config.kl!r}{hint}")
+
+
+def runnable_estimators(config: Any) -> list[str]:
+    """The keys of ``ADVANTAGE_ESTIMATORS`` whose inputs (``ESTIMATOR_NEEDS``) the learner batch of
+    ``config``'s recipe holds (``config.advantage_inputs``)."""
+    held = set(getattr(config, "advantage_inputs", ()))
+    return sorted(name for name in ADVANTAGE_ESTIMATORS if set(ESTIMATOR_NEEDS.get(name, {})) <= held)
+
+
 def advantage_fn(config: Any) -> Callable[[TensorDictBase], TensorDictBase]:
     """The estimator a policy-gradient recipe's config selects: ``ADVANTAGE_ESTIMATORS[config.advantage]``
     (``rlcore.baselines``) with ``config.advantage_kwargs`` bound, each keyword checked against its
-    signature (``rlcore.checks.bind_keywords``). Scored rollout → rollout + ``advantages``, ``returns``."""
+    signature (``rlcore.checks.bind_keywords``). Scored rollout → rollout + ``advantages``, ``returns``.
+
+    Raises ``ValueError`` for an estimator the recipe cannot feed (``runnable_estimators``), naming
+    the recipe, the estimator and what its batch lacks, and for ``group_size`` in ``advantage_kwargs``
+    (the rollout's groups are fixed by ``num_samples``)."""
     estimator = lookup(ADVANTAGE_ESTIMATORS, config.advantage, what="advantage")
+    if "group_size" in config.advantage_kwargs:
+        raise ValueError(f"advantage_kwargs.group_size: the rollout's groups are its prompts' samples (num_samples="
+                         f"{config.num_samples}, by group_id), not a setting; got {config.advantage_kwargs['group_size']!r}")
+    held = set(getattr(config, "advantage_inputs", ()))
+    missing = [what for key, what in ESTIMATOR_NEEDS.get(config.advantage, {}).items() if key not in held]
+    if missing:
+        recipe = type(config).__module__.rsplit(".", 1)[-1]
+        raise ValueError(f"advantage: the {recipe} recipe cannot run {config.advantage!r}: it reads "
+                         f"{' and '.join(missing)}, which the {recipe} recipe's rollout does not hold; choose one "
+                         f"of {runnable_estimators(config)}")
     return bind_keywords(estimator, config.advantage_kwargs, what="advantage_kwargs", name=config.advantage)
 
 

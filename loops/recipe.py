@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -37,17 +36,19 @@ from datasets import Dataset
 from torch import nn
 
 from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, verify_checkpoint
-from rlcore.loops.run_dir import check_resume, run_dir_lock
+from rlcore.loops.run_dir import check_resume, open_run_dir
 from rlcore.loops.config import FIELD_RULES, TINY_MODELS, check_config, config_dict, loading_kwargs, quantization_kwargs
-from rlcore.loops.data import load_source
-from rlcore.loops.fold import every, fold, to_floats
+from rlcore.loops.data import load_source, split_held_out
+from rlcore.loops.fold import Interrupted, every, fold, to_floats
 from rlcore.loops.logging import make_loggers
 from rlcore.loops.lora import adapter_off, apply_lora, is_adapter_dir, is_peft, with_adapter
-from rlcore.loops.models import (build_model, build_tokenizer, disable_dropout, load_model, load_tokenizer,
-                                 make_reference)
+from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, read_json
+from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, disable_dropout, load_exact,
+                                 load_model, load_tokenizer, make_reference, saved_task, vocabulary_size)
 from rlcore.loops.scale.distributed import is_main, shard_source
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.update import enable_gradient_checkpointing, make_optimizer, make_scheduler
+from rlcore.seeding import set_seed
 
 __all__ = ["build_reference", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state",
            "load_splits", "batch_source", "mean_metrics", "run"]
@@ -106,10 +107,7 @@ def build_reference(config: Any, policy: nn.Module) -> nn.Module:
     if (source / "manifest.json").is_file() or latest_checkpoint(source) is not None:
         source = checkpoint_model_dir(source)
     ref = load_model(str(source), task="causal_lm", **loading_kwargs(config))
-    sizes = [m.get_output_embeddings().weight.shape[0] for m in (policy, ref)]
-    if sizes[0] != sizes[1]:
-        raise ValueError(f"ref_model: {path} has a vocabulary of {sizes[1]} tokens, the policy {sizes[0]}; the "
-                         "reference must share the policy's tokenizer")
+    check_vocabulary(ref, vocabulary_size(policy), f"ref_model: {path}", "the policy")
     disable_dropout(ref)
     return ref.to(device or next(policy.parameters()).device).eval().requires_grad_(False)
 
@@ -125,7 +123,8 @@ def policy_tokenizer(config: Any) -> Any:
                           **({"revision": revision} if revision else {}))
 
 
-def build_policy(config: Any, *, task: str | None = None, depth: int = 0) -> tuple[nn.Module, Any]:
+def build_policy(config: Any, *, task: str | None = None, depth: int = 0,
+                 base_from: str | None = None) -> tuple[nn.Module, Any]:
     """The model and tokenizer a config names, offline for the tiny ones.
 
     ``config.model`` in ``TINY_MODELS``: ``build_model(arch, tokenizer=build_tokenizer(),
@@ -134,7 +133,11 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0) -> tup
     (a checkpoint directory, or a run directory: its latest checkpoint) the weights of the
     checkpoint's ``policy`` are loaded instead (same tokenizer, architecture from the stored
     config; a checkpoint holding a LoRA adapter: the adapter merged into the base its run
-    started from). With ``config.use_peft`` the model then gets a fresh LoRA adapter
+    started from, as the caller vouches for it: ``_vouched_base``; ``base_from`` is the checkpoint
+    the caller names as that run's start). A checkpoint is data: its safetensors headers are
+    checked, a classifier is refused as a policy, every weight must be loaded (missing or extra
+    keys are an error naming them) and its vocabulary must be that of ``config.model`` (the check
+    ``build_reference`` makes of a ``ref_model``). With ``config.use_peft`` the model then gets a fresh LoRA adapter
     (``loops.lora.apply_lora``; a policy or reward model, not a value model), so a run started
     from a checkpoint has that checkpoint's policy as its reference. Dropout is set to 0
     (``disable_dropout``, the adapter's included) unless ``config.disable_dropout`` is False
@@ -158,7 +161,8 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0) -> tup
     tokenizer = policy_tokenizer(config)
     loading = loading_kwargs(config)
     if init_from:
-        model = _checkpoint_policy(config, checkpoint_model_dir(init_from), task, depth)
+        model = _checkpoint_policy(config, checkpoint_model_dir(init_from), task, depth, base_from)
+        check_vocabulary(model, _vocabulary(config, tokenizer), f"init_from: {init_from}", f"the model {name!r}")
     elif name in TINY_MODELS:
         model = build_model(TINY_MODELS[name], tokenizer=tokenizer, hidden_size=config.hidden_size,
                             num_layers=config.num_layers, num_heads=config.num_heads,
@@ -199,7 +203,7 @@ class _BaseOf:
     and no gradient checkpointing of its own. Everything that runs code or moves data
     (``trust_remote_code``, ``device``, dtype) stays the caller's."""
 
-    def __init__(self, config: Any, stored: Mapping[str, Any], where: Path):
+    def __init__(self, config: Any, stored: Mapping[str, Any], where: Path, base_from: str | None = None):
         self._config = config
         base = {k: stored.get(k) for k in _BASE_FIELDS}
         for name, value in base.items():  # the stored config is a file: typed and ranged before use
@@ -213,6 +217,7 @@ class _BaseOf:
                 what = f"an int {what}".strip()
             if not ok:
                 raise ValueError(f"init_from: {where}: {name}: expected {what}, got {value!r}")
+        base.update(_vouched_base(config, base, where, base_from))
         self._fields = {**{k: v for k, v in base.items() if v is not None or k in ("revision", "init_from")},
                         "use_peft": False, "gradient_checkpointing": False, "disable_dropout": True}
 
@@ -221,25 +226,88 @@ class _BaseOf:
         return fields[name] if name in fields else getattr(self.__dict__["_config"], name)
 
 
-def _checkpoint_policy(config: Any, model_dir: Path, task: str, depth: int) -> nn.Module:
-    """The weights of a checkpoint's model folder: full weights as saved (``from_pretrained``), or
-    an adapter merged into the base its run was trained on (that run's own ``init_from`` followed,
-    at most ``_MAX_ADAPTER_CHAIN`` deep)."""
+def _vouched_base(config: Any, base: Mapping[str, Any], where: Path, base_from: str | None) -> dict[str, Any]:
+    """The base-model location of an adapter checkpoint, as the caller vouches for it: a location
+    stored in a checkpoint is never loaded on its own word.
+
+    - ``model``: a built-in offline name (``TINY_MODELS``) is taken as stored (it names no
+      location); any other stored model must be the caller's ``model`` (and its ``revision`` the
+      caller's ``revision``);
+    - ``init_from`` (the adapter's run started from a checkpoint): followed only when it is the
+      checkpoint the caller names as that start, ``base_from`` (``rlcore eval`` / ``export``'s
+      ``--init_from``).
+
+    Raises ``ValueError`` naming the stored value, the caller's, and how to give it."""
+    model, revision, start = base.get("model"), base.get("revision"), base.get("init_from")
+    if model is not None and model not in TINY_MODELS and model != config.model:
+        raise ValueError(f"init_from: {where}: model: the adapter was trained on {model!r}, the model given is "
+                         f"{config.model!r}; a base model named only by a checkpoint is not loaded: give --model "
+                         f"{model!r} (model: in the config) if you trust it")
+    if model is not None and model not in TINY_MODELS and revision != config.revision:
+        raise ValueError(f"init_from: {where}: revision: the adapter was trained on revision {revision!r} of "
+                         f"{model!r}, the revision given is {config.revision!r}; give --revision {revision!r}")
+    if start is not None and (base_from is None or Path(start).resolve() != Path(base_from).resolve()):
+        raise ValueError(f"init_from: {where}: init_from: the adapter's run started from {start!r}, a path stored "
+                         f"in a checkpoint, which is not followed (given: {base_from!r}): name it yourself "
+                         f"(rlcore eval / export --init_from {start!r}) if you trust it, or start from a merged "
+                         "export of that run (rlcore export)")
+    return {"init_from": base_from} if start is not None else {}
+
+
+def _vocabulary(config: Any, tokenizer: Any) -> int:
+    """Token ids of the model ``config.model`` names: the tokenizer's for a built-in offline model,
+    else its configuration's ``vocab_size`` (``AutoConfig``, the caller's loading settings)."""
+    if config.model in TINY_MODELS:
+        return len(tokenizer)
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code,
+                                        **({"revision": config.revision} if config.revision else {}))
+    return loaded.get_text_config().vocab_size
+
+
+# What a model of each task (``loops.models.TASKS``) is, in messages.
+_TASK_NAMES = {"causal_lm": "a causal language model (a policy)", "reward": "a sequence classifier (a reward model)",
+               "value": "a token classifier (a value model)"}
+
+
+def _checkpoint_weights(model_dir: Path, task: str, loading: Mapping[str, Any]) -> nn.Module:
+    """A checkpoint's full weights as a model of ``task``, every weight accounted for: a classifier
+    (reward, value) is refused as a policy (its LM head would be random); a policy's trunk may
+    start a reward or value model (the new head is the only weight not loaded)."""
+    saved = saved_task(model_dir)
+    if task == "causal_lm" and saved not in (None, "causal_lm"):
+        raise ValueError(f"init_from: {model_dir} holds {_TASK_NAMES[saved]}; this recipe trains "
+                         f"{_TASK_NAMES[task]} and would start from a random LM head: start from a policy "
+                         "checkpoint (an SFT run, or a model folder)")
+    try:
+        return load_exact(model_dir, task=task, new_head=saved is not None and saved != task,
+                          **_head_kwargs(task), **loading)
+    except ValueError as e:
+        raise ValueError(f"init_from: {e}") from e
+
+
+def _checkpoint_policy(config: Any, model_dir: Path, task: str, depth: int, base_from: str | None = None) -> nn.Module:
+    """The weights of a checkpoint's model folder, every safetensors header checked first: full
+    weights as saved (``_checkpoint_weights``), or an adapter merged into the base its run was
+    trained on, as the caller vouches for it (``_vouched_base``)."""
+    for f in sorted(model_dir.glob("*.safetensors")):
+        check_safetensors(f)  # crafted headers refused before transformers reads a byte of data
     loading = {k: v for k, v in loading_kwargs(config).items() if k != "revision"}  # the hub model's, not ours
     if not is_adapter_dir(model_dir):
-        return load_model(str(model_dir), task=task, **_head_kwargs(task), **loading)
+        return _checkpoint_weights(model_dir, task, loading)
     if depth >= _MAX_ADAPTER_CHAIN:
         raise ValueError(f"init_from: {model_dir} is an adapter whose base is an adapter, {depth} deep; "
                          "export the chain merged (rlcore export) and start from that")
     stored_path = model_dir.parent.parent / "config.json"
     try:
-        stored = json.loads(stored_path.read_text())
-    except (OSError, ValueError) as e:
+        stored = read_json(stored_path)
+    except CheckpointError as e:
         raise ValueError(f"init_from: {model_dir} holds an adapter but {stored_path} (its run's config, naming "
                          f"the base model) is unreadable: {e}") from e
     if not isinstance(stored, dict):
         raise ValueError(f"init_from: {stored_path}: expected a mapping, got {type(stored).__name__}")
-    base, _ = build_policy(_BaseOf(config, stored, stored_path), task=task, depth=depth + 1)
+    base, _ = build_policy(_BaseOf(config, stored, stored_path, base_from), task=task, depth=depth + 1)
     return with_adapter(base, model_dir)
 
 
@@ -268,7 +336,7 @@ def load_splits(config: Any, make_task: Callable[..., Dataset]) -> tuple[Dataset
     - ``config.dataset`` set: ``load_source(dataset)`` (a local file or directory, or a hub name
       ``namespace/name[:split]``); the held-out split is ``load_source(config.eval_dataset)`` when
       given, else ``num_eval`` rows split off the data with a seeded shuffle
-      (``train_test_split(seed=config.seed)``).
+      (``loops.data.split_held_out``: ``train_test_split(seed=config.seed)``).
     - otherwise ``make_task(config.task, n, seed=config.seed, split=...)`` (``task_dataset`` or
       ``preference_dataset``) with ``n = num_train`` / ``num_eval``: disjoint prompts.
     """
@@ -280,8 +348,7 @@ def load_splits(config: Any, make_task: Callable[..., Dataset]) -> tuple[Dataset
         if not 0 < n_eval < len(data):
             raise ValueError(f"num_eval: expected 0 < num_eval < {len(data)} (rows of {config.dataset}) to hold "
                              f"rows out, got {n_eval}; or pass eval_dataset")
-        parts = data.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
-        return parts["train"], parts["test"]
+        return split_held_out(data, n_eval, seed)  # rows keep naming their file and line
     task = config.task
     if not task:
         raise ValueError("config: set `task` (a built-in task name) or `dataset` (a local jsonl/json/parquet/csv)")
@@ -348,8 +415,8 @@ def mean_metrics(results: Iterable[tuple[int, Mapping[str, Any]]]) -> dict[str, 
 def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], Iterable], *, config: Any,
         num_steps: int, eval_fn: Callable[[TrainState], Mapping[str, float]] | None = None,
         name: str | None = None, callbacks: Sequence[Callable] = (), tokenizer: Any = None,
-        save_models: Sequence[str] | None = None,
-        live: Sequence[str] | None = None) -> tuple[TrainState, list[dict[str, float]]]:
+        save_models: Sequence[str] | None = None, live: Sequence[str] | None = None,
+        restored: bool = False) -> tuple[TrainState, list[dict[str, float]]]:
     """``fold(step, state, source)`` with the standard callbacks of a recipe, from ``config``.
 
     In order after each step: ``callbacks`` (extra ones, first); ``eval_fn(state)`` every
@@ -359,8 +426,14 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     ``save_every`` steps and after the last one, keeping ``keep_last``. With ``resume`` the state
     is first restored from the latest checkpoint of ``run_dir`` (if any; ``check_resume`` refuses
     another recipe's run or changed settings) and the fold continues from its ``step`` to
-    ``num_steps``. The main rank holds ``run_dir``'s lock (``run_dir_lock``) for the whole run: a
-    second writer gets an error.
+    ``num_steps``. The main rank holds ``run_dir``'s lock for the whole run (``open_run_dir``): a
+    second writer gets an error, and a new run (no ``resume``) into a folder holding another run's
+    files is refused before anything is written, unless ``overwrite`` (a config field) deletes them
+    first (``claim_run_dir``). The global generators of Python, NumPy and torch are seeded with
+    ``config.seed`` first (``set_seed``; a resume then restores the checkpoint's), so a reward
+    function drawing random numbers repeats under the same seed. SIGINT / SIGTERM stop the fold at
+    the next step boundary (``fold``): the step is saved when there is a ``run_dir``, and the
+    ``Interrupted`` raised names the folder and the checkpoint a resume starts from.
     ``eval_every`` of 0 (or None) never evaluates, ``save_every`` of 0 saves at the end only;
     ``run_dir`` None or ``""`` writes nothing (no checkpoint, no log file).
 
@@ -373,6 +446,9 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
         tokenizer: saved in every checkpoint beside the policy (``save_checkpoint``).
         save_models: frozen models that change during the run (a TR-DPO reference), saved in every
             checkpoint and restored on resume besides the trainable ones.
+        restored: the caller has already restored ``state`` from ``run_dir``'s latest checkpoint
+            (``config.resume``: an asynchronous run, whose generator needs the weights first); the
+            folder is claimed as a resume and nothing is loaded again.
     Returns:
         ``(state, history)`` of ``fold``.
     """
@@ -381,8 +457,11 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     name = name or type(config).__module__.rsplit(".", 1)[-1]
     run_dir = config.run_dir
     settings = {**config_dict(config), "recipe": name} if dataclasses.is_dataclass(config) else {"recipe": name}
-    with run_dir_lock(run_dir) if run_dir and is_main() else contextlib.nullcontext():
-        latest = latest_checkpoint(run_dir) if run_dir and config.resume else None
+    if getattr(config, "seed", None) is not None:
+        set_seed(config.seed)  # before a resume, which restores the checkpoint's global generators
+    claim = dict(resume=bool(config.resume or restored), overwrite=bool(getattr(config, "overwrite", False)))
+    with open_run_dir(run_dir, **claim) if run_dir and is_main() else contextlib.nullcontext():
+        latest = latest_checkpoint(run_dir) if run_dir and config.resume and not restored else None
         if latest is not None:
             check_resume(latest, settings, name)
             state = resume(run_dir, state)
@@ -406,7 +485,13 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
                                     keep_last=config.keep_last, config=settings, tokenizer=tokenizer,
                                     models=saved))
         # Under torchrun each item of the source is the global batch and every rank takes its share.
-        return fold(step, state, shard_source(source), num_steps=num_steps, callbacks=cbs)
+        try:
+            return fold(step, state, shard_source(source), num_steps=num_steps, callbacks=cbs)
+        except Interrupted as stopped:  # SIGINT / SIGTERM: say where the run can continue from
+            if run_dir:
+                latest = latest_checkpoint(run_dir)
+                stopped.run_dir, stopped.checkpoint = str(run_dir), str(latest) if latest else None
+            raise
 
 
 # --- configs -----------------------------------------------------------------------------------

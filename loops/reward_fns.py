@@ -2,25 +2,34 @@
 by name, weighting several into one, and the response-level penalties added to their scores.
 
 A reward function is fn(prompts, completions, **columns) -> scores: one score (or None,
-no opinion) per completion; columns are the dataset's other columns, one value per completion."""
+no opinion) per completion; columns are the dataset's other columns, one value per completion.
+
+Scores are untrusted: what a function returns is checked for its type and length
+(:func:`call_reward_fn`), each call may be bounded in time (``reward_timeout``), and a NaN or
+infinite score, from a function or a reward model, goes through one policy
+(:func:`check_finite_scores`, ``nonfinite_rewards``: refuse naming the rows, or drop those samples)."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
 import math
+import numbers
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlcore.checks import check_mask, check_ndim, check_same_shape
 from rlcore.loops.tasks import task_reward
 
 __all__ = ["make_reward_fn", "repeat_columns", "RewardFn", "call_reward_fn", "MAX_ABS_REWARD", "check_reward_range",
-           "reward_columns", "import_reward_fn", "combine_rewards", "missing_eos_penalty"]
+           "NONFINITE_REWARDS", "check_finite_scores", "reward_columns", "import_reward_fn", "combine_rewards",
+           "missing_eos_penalty", "reward_settings"]
 
 
 RewardFn = Callable[..., "Sequence[float | None] | torch.Tensor"]
@@ -36,7 +45,96 @@ def _by_keyword(fn: RewardFn) -> bool:
     return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
 
 
-def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], **columns) -> torch.Tensor:
+def _reward_name(fn: RewardFn) -> str:
+    return f"reward function {getattr(fn, '__name__', repr(fn))}"
+
+
+def _invoke(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Any]) -> Any:
+    """``fn``'s raw return, called by keyword (TRL's convention) or positionally (``call_reward_fn``)."""
+    if not _by_keyword(fn):
+        return fn(list(prompts), list(completions), **columns)
+    kwargs = {"prompts": list(prompts), "completions": list(completions), **columns}
+    parameters = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in parameters}
+    return fn(**kwargs)
+
+
+def _within(call: Callable[[], Any], timeout: float | None, name: str) -> Any:
+    """``call()``, or a ``TimeoutError`` naming ``name`` when it has not returned after ``timeout``
+    seconds (``None`` or 0: no limit, called in this thread).
+
+    The call runs in a daemon thread (with this thread's grad mode) that this one joins with the
+    limit. Python cannot stop a thread: a call past the limit keeps running in the background until
+    it returns (its result is then discarded), and a daemon thread does not keep the process alive.
+    """
+    if not timeout:
+        return call()
+    outcome: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()
+
+    def target() -> None:
+        try:
+            with torch.set_grad_enabled(grad):
+                outcome["value"] = call()
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=target, name=f"rlcore {name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise TimeoutError(f"{name}: no result after reward_timeout={timeout:g} s; the step fails here (the call "
+                           "goes on in a background thread, which Python cannot stop). Make the function return "
+                           "sooner (e.g. bound its own work), or raise reward_timeout (null or 0: no limit)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _is_real(value: Any) -> bool:
+    """A real number a score may be: bool, int, float and NumPy's, or a 0-d real tensor / array."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.ndim == 0 and not value.dtype.is_complex if isinstance(value, torch.Tensor) \
+            else value.ndim == 0 and value.dtype.kind in "biuf"
+    return isinstance(value, (numbers.Real, np.bool_))
+
+
+def _as_scores(out: Any, n: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores [n] float32, opinion [n] bool)`` of a reward function's return, non-finite values
+    kept: a sequence (list, tuple) of real numbers or ``None`` (no opinion), or a 1-D tensor or
+    NumPy array of ``n`` real numbers. Anything else is a ``ValueError`` naming the function, what
+    it returned and what was expected."""
+    if isinstance(out, np.ndarray):
+        if out.dtype.kind not in "biuf":
+            raise ValueError(f"{name}: expected {n} real scores, got a NumPy array of dtype {out.dtype}")
+        out = torch.from_numpy(np.ascontiguousarray(out, dtype=np.float64))
+    if isinstance(out, torch.Tensor):
+        if out.dtype.is_complex:
+            raise ValueError(f"{name}: expected {n} real scores, got a tensor of dtype {out.dtype}")
+        scores = out.detach().cpu().to(torch.float32)
+        if scores.shape != (n,):
+            raise ValueError(f"{name}: expected {n} scores [B], got shape {list(scores.shape)}")
+        return scores, torch.ones(n, dtype=torch.bool)
+    if isinstance(out, (str, bytes, Mapping)) or not isinstance(out, Sequence):
+        hint = " (a mapping is not read by position: return a list in the order of the completions)" \
+            if isinstance(out, Mapping) else ""
+        raise ValueError(f"{name}: expected a list of {n} scores or a [B] tensor, got {type(out).__name__}{hint}")
+    values = list(out)
+    if len(values) != n:
+        raise ValueError(f"{name}: expected {n} scores [B], got shape [{len(values)}] (a {type(out).__name__} "
+                         f"of {len(values)}; one score per completion)")
+    for i, v in enumerate(values):
+        if v is not None and not _is_real(v):
+            raise ValueError(f"{name}: every score must be a number or None (int, float or bool); score {i} is "
+                             f"{type(v).__name__} {v!r:.60}")
+    opinion = torch.tensor([v is not None for v in values], dtype=torch.bool)
+    scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32)
+    return scores, opinion
+
+
+def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], *,
+                   reward_timeout: float | None = None, nonfinite_rewards: str = "raise", **columns) -> torch.Tensor:
     """Call a reward function and return its ``[B]`` scores as float32.
 
     A function that names a ``completions`` parameter is called by keyword as TRL calls one,
@@ -44,10 +142,21 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[s
     left out when it takes no ``**kwargs``), so ``def correct(completions, answer, **kw)`` works;
     any other is called positionally, ``fn(prompts, completions, **columns)``.
 
-    ``fn`` returns ``B`` scores: a list whose ``None`` entries mean "no opinion" (returned as NaN:
-    the online recipes leave such samples out of training and of the group statistics, and count
-    them), or a ``[B]`` tensor (detached). Raises ``ValueError`` naming the function for another
-    number or shape of scores, and for a NaN or infinite score (return ``None`` for no opinion).
+    ``fn`` returns ``B`` scores, one per completion in their order: a list or tuple whose entries
+    are real numbers (``int``, ``float``, ``bool`` (1 / 0), NumPy scalars) or ``None`` ("no
+    opinion": returned as NaN; the online recipes leave such samples out of training and of the
+    group statistics, and count them), or a 1-D ``[B]`` tensor or NumPy array of real numbers
+    (detached). A dict, a string, nested lists, another length or shape is a ``ValueError`` naming
+    the function, what was expected and what it returned.
+
+    Args:
+        reward_timeout: seconds the call may take (``None`` or 0: no limit); past it a
+            ``TimeoutError`` names the function and the limit (the call runs in a daemon thread,
+            which goes on in the background: Python cannot stop it). A function that needs the main
+            thread (``signal.alarm``) needs ``None``.
+        nonfinite_rewards: a NaN or infinite score: ``"raise"`` (a ``ValueError`` naming the function
+            and the rows) or ``"drop"`` (returned as NaN, as ``None``: those samples leave training).
+            ``check_finite_scores``.
 
     >>> call_reward_fn(lambda p, c: [len(x) for x in c], ["q", "q"], ["ab", ""])
     tensor([2., 0.])
@@ -56,37 +165,48 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[s
     >>> call_reward_fn(correct, ["1+1=", "2+2="], ["2", "5"], answer=["2", "4"])
     tensor([1., 0.])
     """
-    if _by_keyword(fn):
-        kwargs = {"prompts": list(prompts), "completions": list(completions), **columns}
-        parameters = inspect.signature(fn).parameters
-        if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
-            kwargs = {k: v for k, v in kwargs.items() if k in parameters}
-        out = fn(**kwargs)
-    else:
-        out = fn(list(prompts), list(completions), **columns)
-    name = f"reward function {getattr(fn, '__name__', repr(fn))}"
-    if isinstance(out, torch.Tensor):
-        scores = out.detach().to(torch.float32)
-        opinion = torch.ones_like(scores, dtype=torch.bool)
-    else:
-        try:
-            values = list(out)
-        except TypeError:
-            raise ValueError(f"{name}: expected a list of {len(completions)} scores or a [B] tensor, got "
-                             f"{type(out).__name__}") from None
-        opinion = torch.tensor([v is not None for v in values], dtype=torch.bool)
-        try:
-            scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{name}: every score must be a number or None, got {values[:4]!r}... ({e})") from None
-    if scores.shape != (len(completions),):
-        raise ValueError(f"{name}: expected {len(completions)} scores [B], got shape {list(scores.shape)}")
-    bad = (~torch.isfinite(scores) & opinion).nonzero().flatten().tolist()
-    if bad:
-        raise ValueError(f"{name}: non-finite scores {scores[bad[:4]].tolist()} at rows {bad[:8]}; return None "
-                         "for a sample it has no opinion on")
-    check_reward_range(scores[opinion], name)
-    return torch.where(opinion, scores, math.nan)
+    own = getattr(fn, "reward_scores", None)
+    if own is not None:  # combine_rewards: each of its functions called, timed and checked by its own name
+        return own(prompts, completions, reward_timeout=reward_timeout, nonfinite_rewards=nonfinite_rewards, **columns)
+    name = _reward_name(fn)
+    out = _within(lambda: _invoke(fn, prompts, completions, columns), reward_timeout, name)
+    scores, opinion = _as_scores(out, len(completions), name)
+    return check_finite_scores(torch.where(opinion, scores, math.nan), name, nonfinite_rewards=nonfinite_rewards,
+                               opinion=opinion)
+
+
+# What a NaN or infinite score (from a reward function or a reward model) does: ``raise`` refuses it
+# naming the rows; ``drop`` leaves those samples out of training, as a reward function's ``None``.
+NONFINITE_REWARDS = ("raise", "drop")
+
+
+def check_finite_scores(scores: torch.Tensor, name: str, *, nonfinite_rewards: str = "raise",
+                        opinion: torch.Tensor | None = None) -> torch.Tensor:
+    """``scores [B]`` under the one policy for NaN and infinite scores, whatever their source.
+
+    Rows where ``opinion`` is False (a reward function's ``None``) are NaN already and stay so. A
+    non-finite score elsewhere is, with ``nonfinite_rewards="raise"``, a ``ValueError`` naming
+    ``name`` (the reward function or model), the values and the rows; with ``"drop"`` it becomes
+    NaN, which the online recipes treat as "no opinion" (``loops.filters.exclude_unscored``): the
+    sample's tokens leave the loss, it leaves its group's statistics (a group of its own, advantage
+    0) and ``rollout/unscored`` counts it. Finite scores are then range-checked
+    (``check_reward_range``).
+
+    >>> check_finite_scores(torch.tensor([1.0, float("inf")]), "judge", nonfinite_rewards="drop")
+    tensor([1., nan])
+    """
+    if nonfinite_rewards not in NONFINITE_REWARDS:
+        raise ValueError(f"nonfinite_rewards: expected one of {list(NONFINITE_REWARDS)}, got {nonfinite_rewards!r}")
+    opinion = torch.ones_like(scores, dtype=torch.bool) if opinion is None else opinion.to(scores.device)
+    bad = ~torch.isfinite(scores) & opinion
+    rows = bad.nonzero().flatten().tolist()
+    if rows and nonfinite_rewards == "raise":
+        more = f" ({len(rows)} of {scores.shape[0]} rows)" if len(rows) > 8 else ""
+        raise ValueError(f"{name}: non-finite scores {scores[rows[:4]].tolist()} at rows {rows[:8]}{more}; return "
+                         "None for a sample it has no opinion on, or set nonfinite_rewards: drop to leave such "
+                         "samples out of training")
+    check_reward_range(torch.where(opinion & ~bad, scores, torch.zeros_like(scores)), name)
+    return torch.where(bad | ~opinion, torch.full_like(scores, math.nan), scores)
 
 
 # The largest reward magnitude the recipes take: squares (value losses, variances) and sums over a
@@ -157,6 +277,9 @@ def combine_rewards(funcs: Sequence[RewardFn], weights: Sequence[float] | None =
 
     A function that returns ``None`` for a row abstains there (weight renormalisation is not
     applied: the other terms are summed as they are). ``weights`` default to 1.
+    ``call_reward_fn`` calls each function on its own (its ``reward_scores`` attribute): each
+    checked, timed with ``reward_timeout`` and named in errors; with ``nonfinite_rewards="drop"``
+    a row where any term is NaN or infinite is dropped whole (NaN), not summed without it.
 
     Returns:
         A reward function with the same signature, returning ``B`` floats (``None``: no opinion).
@@ -169,13 +292,27 @@ def combine_rewards(funcs: Sequence[RewardFn], weights: Sequence[float] | None =
     if len(weights) != len(funcs):
         raise ValueError(f"weights: expected {len(funcs)} weights (one per function), got {len(weights)}")
 
-    def combined(prompts, completions, **columns) -> list[float | None]:
-        r = torch.stack([call_reward_fn(f, prompts, completions, **columns) for f in funcs])  # [K, B]
-        w = torch.tensor(weights, dtype=r.dtype)[:, None]
+    def reward_scores(prompts, completions, *, reward_timeout: float | None = None, nonfinite_rewards: str = "raise",
+                      **columns) -> torch.Tensor:
+        terms, dropped = [], torch.zeros(len(completions), dtype=torch.bool)
+        for f in funcs:
+            name = _reward_name(f)
+            out = _within(lambda f=f: _invoke(f, prompts, completions, columns), reward_timeout, name)
+            scores, opinion = _as_scores(out, len(completions), name)
+            dropped |= opinion & ~torch.isfinite(scores)
+            terms.append(check_finite_scores(torch.where(opinion, scores, math.nan), name, opinion=opinion,
+                                             nonfinite_rewards=nonfinite_rewards))
+        r = torch.stack(terms)  # [K, B]
         missing = torch.isnan(r)
-        total = torch.where(missing, 0.0, w * r).sum(0)
-        return [None if gone else value for gone, value in zip(missing.all(0).tolist(), total.tolist())]
+        total = torch.where(missing, 0.0, torch.tensor(weights, dtype=r.dtype)[:, None] * r).sum(0)
+        total = torch.where(missing.all(0) | dropped, math.nan, total)
+        check_reward_range(torch.nan_to_num(total, nan=0.0), "combine_rewards")
+        return total
 
+    def combined(prompts, completions, **columns) -> list[float | None]:
+        return [None if math.isnan(v) else v for v in reward_scores(prompts, completions, **columns).tolist()]
+
+    combined.reward_scores = reward_scores
     combined.required_columns = tuple(dict.fromkeys(c for f in funcs for c in reward_columns(f)))
     return combined
 
@@ -230,3 +367,10 @@ def repeat_columns(rows: Mapping[str, Sequence], num_samples: int, *,
     """Each column but ``skip`` with every value repeated ``num_samples`` times in place
     (``[a, b] → [a, a, b, b]``), aligned with the prompt-major rows of a rollout."""
     return {k: [v for v in col for _ in range(num_samples)] for k, col in rows.items() if k not in skip}
+
+
+def reward_settings(config: Any) -> dict[str, Any]:
+    """The config's ``reward_timeout`` and ``nonfinite_rewards`` as keywords of ``score_rollout`` /
+    ``call_reward_fn`` (a config without them: no time limit, non-finite scores refused)."""
+    return {"reward_timeout": getattr(config, "reward_timeout", None),
+            "nonfinite_rewards": getattr(config, "nonfinite_rewards", "raise")}

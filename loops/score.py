@@ -29,7 +29,7 @@ from rlcore.logprobs import entropy_from_logits, sequence_logprobs, token_logpro
 from rlcore.lm_head import hidden_logprobs
 from rlcore.loops.lora import linear_weights
 from rlcore.loops.models import model_device, position_ids_from_mask, reward_model_scores, trunk_hidden
-from rlcore.loops.reward_fns import call_reward_fn, check_reward_range
+from rlcore.loops.reward_fns import call_reward_fn, check_finite_scores
 
 __all__ = ["token_logprobs_from_model", "full_kl_from_models", "sequences", "score_rollout", "score_sequences",
            "concatenated_forward", "precompute_reference_logps"]
@@ -184,6 +184,12 @@ def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def _reward_model_name(model: nn.Module) -> str:
+    """``reward model <its path or name>`` for error messages (``reward model`` when it has none)."""
+    where = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    return f"reward model {where}".strip()
+
+
 def _decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     return tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
 
@@ -192,7 +198,8 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
                   value_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                   reward_fn: Callable | None = None, reward_model: nn.Module | None = None, tokenizer=None,
                   reward_columns: Mapping[str, Sequence] | None = None, temperature: float = 1.0,
-                  chunked: bool = True, rows_per_forward: int | None = None) -> TensorDict:
+                  chunked: bool = True, rows_per_forward: int | None = None, reward_timeout: float | None = None,
+                  nonfinite_rewards: str = "raise") -> TensorDict:
     """Add log-probs, values and scores to a rollout: one no-grad forward per model given
     (``rows_per_forward`` rows at a time, ``None``: all).
 
@@ -210,7 +217,12 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
     - ``score [B]``: ``reward_model_scores(reward_model, ...)`` (the model must share the
       policy's tokenizer) plus, with ``reward_fn``, ``reward_fn(prompts, completions,
       **reward_columns)`` on texts decoded with ``tokenizer`` (special tokens skipped). With both,
-      the score is their sum (use ``combine_rewards`` for weights).
+      the score is their sum (use ``combine_rewards`` for weights). A reward function's ``None``
+      gives NaN ("no opinion"). Scores from either source pass one check
+      (``loops.reward_fns.check_finite_scores``): a NaN or infinite score is a ``ValueError``
+      naming the reward function or model and the rows (``nonfinite_rewards="raise"``) or NaN,
+      like ``None`` (``"drop"``); a reward function's call may take ``reward_timeout`` seconds
+      (``None``: no limit) before a ``TimeoutError`` names it.
 
     Token quantities are 0 where ``response_mask`` is False.
 
@@ -263,12 +275,13 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
         if reward_model is not None:
             from_model = _at_least_fp32(by_rows(lambda i, m: _on_model_device(
                 reward_model, lambda i, m: reward_model_scores(reward_model, i, m), i, m)))
-            check_reward_range(from_model[torch.isfinite(from_model)], "reward_model")
-            scores.append(from_model)
+            scores.append(check_finite_scores(from_model, _reward_model_name(reward_model),
+                                              nonfinite_rewards=nonfinite_rewards))
         if reward_fn is not None:
             prompts = _decode(tokenizer, rollout[K.PROMPT_IDS], prompt_mask)
             completions = _decode(tokenizer, rollout[K.RESPONSE_IDS], response_mask)
-            scores.append(call_reward_fn(reward_fn, prompts, completions, **(reward_columns or {})).to(ids.device))
+            scores.append(call_reward_fn(reward_fn, prompts, completions, reward_timeout=reward_timeout,
+                                         nonfinite_rewards=nonfinite_rewards, **(reward_columns or {})).to(ids.device))
         if scores:
             new[K.SCORE] = torch.stack(scores).sum(0)
     return rollout.copy().update(new)

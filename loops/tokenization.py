@@ -10,10 +10,11 @@ from typing import Any
 
 from datasets import Dataset
 
-from rlcore.loops.data import FORMATS, detect_format, formats_help
+from rlcore.loops.data import FORMATS, detect_format, formats_help, row_origins
 
 __all__ = ["PROMPT_CUTS", "TRUNCATIONS", "check_text", "max_token_chars", "text_window", "split_implicit_prompt",
-           "preference_format", "tokenize_example", "tokenize_dataset"]
+           "preference_format", "tokenize_example", "tokenize_dataset", "model_context", "check_context", "PAIR_SIDES",
+           "check_rows_fit"]
 
 
 # Each entry cuts (prompt, completion) token lists to at most ``limit`` tokens in total and has
@@ -302,15 +303,55 @@ def tokenize_dataset(dataset: Dataset, tokenizer, *, format: str | None = None,
     """``tokenize_example`` over a dataset: adds the id columns, keeps every other column.
 
     The format is detected once from ``dataset.column_names`` (or from the first formatted row
-    with ``formatting_func``). Error messages name the failing row index.
+    with ``formatting_func``). Error messages name the failing row: its file and line when it was
+    read from a file (``loops.data.row_origin``), else its index.
     """
     if formatting_func is None and format is None:
         format = detect_format(dataset.column_names)
+
+    origin = row_origins(dataset)
 
     def fn(row, index):
         return tokenize_example(row, tokenizer, format=format, formatting_func=formatting_func,
                                 max_prompt_length=max_prompt_length, max_length=max_length, truncation=truncation,
                                 prompt_truncation=prompt_truncation, prompt_cut=prompt_cut, add_eos=add_eos,
-                                assistant_only_loss=assistant_only_loss, where=f"row {index}")
+                                assistant_only_loss=assistant_only_loss, where=origin(index) or f"row {index}")
 
     return dataset.map(fn, with_indices=True, keep_in_memory=True, load_from_cache_file=False)
+
+
+def model_context(model: Any) -> int | None:
+    """The positions ``model`` reads: its config's ``max_position_embeddings`` (GPT-2's
+    ``n_positions`` answers to that name too), or ``None`` for a model that states none."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
+
+
+def check_context(model: Any, tokens: int, what: str, fix: str) -> None:
+    """Refuse a sequence of ``tokens`` positions past ``model``'s context (``model_context``):
+    positions beyond ``max_position_embeddings`` index past GPT-2's position table (an
+    ``IndexError`` mid-forward) or leave Llama's trained range. The one context check of every
+    recipe: generation (``loops.collect``) and the training rows of the offline recipes
+    (``check_rows_fit``). Raises ``ValueError``: ``"{what} exceeds the model's context of C
+    (max_position_embeddings); {fix}"``."""
+    context = model_context(model)
+    if context is not None and tokens > context:
+        raise ValueError(f"{what} exceeds the model's context of {context} (max_position_embeddings); {fix}")
+
+
+PAIR_SIDES = (("prompt_ids", "chosen_ids"), ("prompt_ids", "rejected_ids"))  # the two sequences of a tokenised pair
+
+
+def check_rows_fit(model: Any, sides: Sequence[Sequence[str]], field: str = "max_length", **splits: Dataset) -> None:
+    """Refuse, after the model is built and before the first step, a tokenised split whose longest
+    sequence runs past ``model``'s context (``check_context``). ``sides``: the id columns that make
+    one sequence, e.g. ``[("prompt_ids", "completion_ids")]`` (SFT), or one tuple per side of a
+    pair. The error names the split, the row, its length, and the setting that cuts rows (``field``)."""
+    context = model_context(model)
+    for where, data in splits.items():
+        for columns in sides:
+            lengths = [sum(map(len, parts)) for parts in zip(*(data[c] for c in columns))]
+            if lengths:
+                i = max(range(len(lengths)), key=lengths.__getitem__)
+                check_context(model, lengths[i], f"dataset: the {where} split, row {i}: {' + '.join(columns)} "
+                              f"of {lengths[i]} tokens", f"set {field} <= {context} to cut longer rows")

@@ -142,6 +142,7 @@ class Config:
     log_every: int = 1                     # progress line every N epochs
     report_to: tuple[str, ...] = ()           # trackers besides metrics.jsonl: tensorboard, wandb (TRL report_to)
     resume: bool = False                   # continue from the latest checkpoint of run_dir
+    overwrite: bool = False                # start over in a run_dir holding another run: delete that run's files (checkpoints, logs, images) first
 
     def __post_init__(self):
         if self.sample_batch_size % self.train_batch_size:

@@ -45,7 +45,7 @@ from rlcore import keys as K
 from rlcore.algorithms.dpo import dpo
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.collate import collate_mismatched, collate_preference, collate_unpaired, iterate_batches
-from rlcore.loops.tokenization import preference_format, tokenize_dataset
+from rlcore.loops.tokenization import PAIR_SIDES, check_rows_fit, preference_format, tokenize_dataset
 from rlcore.loops.models import mix_into_reference, model_device, pad_token_id
 from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
                                  mean_metrics, policy_tokenizer, run)
@@ -85,6 +85,11 @@ class Config(RunConfig):
     chunked: bool = True                   # log-probs from hidden states in vocabulary chunks
     lr: float = 5e-4
     run_dir: str | None = "runs/dpo"
+
+    def keyword_functions(self) -> dict[str, Callable]:
+        """The loss ``loss_kwargs`` feeds, bound (``bind_loss``): ``check_config`` checks each keyword's
+        name and type against it when the config is loaded."""
+        return {"loss_kwargs": bind_loss(self)}
 
 
 # --- the loss ------------------------------------------------------------------------------------
@@ -270,6 +275,7 @@ def _setup(config: Config):
     tokenizer = policy_tokenizer(config)  # the data is read and checked before any model is built
     train_data, held_out = (_prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
     model, tokenizer = build_policy(config)
+    check_rows_fit(model, PAIR_SIDES, "max_length", train=train_data, held_out=held_out)
     models = {"policy": model}
     if needs_reference(config) and config.precompute_ref:  # the untrained policy (or ref_model) is the reference
         ref = build_reference(config, model) if config.ref_model else model

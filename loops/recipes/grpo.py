@@ -6,7 +6,8 @@ One step reads top to bottom (:func:`step`: collect, then :func:`learn`)::
               scored by the task reward (or a reward model), with reference log-probs
     learn     advantages by the estimator named in `advantage` (rlcore.baselines.ADVANTAGE_ESTIMATORS), by
               default A_i = (r_i − μ_group)/(σ + eps) broadcast to the tokens (with_grpo_advantage;
-              advantage_kwargs {scale: none} is Dr. GRPO's, {scale: batch} TRL's batch σ), then POLICY_LOSSES[loss_type] (grpo / dr_grpo / dapo / gspo / cispo / ...), with
+              advantage_kwargs {scale: none} is Dr. GRPO's, {scale: batch} TRL's batch σ), then POLICY_LOSSES[loss_type]
+              (grpo / dr_grpo / dapo / bnpo / gspo / luspo / cispo / sapo / vespo / ...), with
               kl_coef·k3(π‖π_ref) in the loss when kl_coef > 0, `epochs` passes of minibatches
 
 :func:`learn` is also what the asynchronous learners (``loops.scale.async_learners``) run on a rollout
@@ -34,16 +35,17 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from tensordict import TensorDict, TensorDictBase
 
+from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES
 from rlcore.checks import lookup
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
-from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, collect_groups, policy_update,
-                                 train_online)
+from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_kl_name, collect_groups,
+                                 policy_update, train_online)
 from rlcore.loops.state import TrainState
 
 __all__ = ["Config", "build_state", "learn", "step", "train", "evaluate", "grpo_loss_fn"]
@@ -78,11 +80,23 @@ class Config(OnlineConfig):
         seen through nested partials), which the asynchronous importance correction weights at."""
         return inspect.signature(grpo_loss_fn(self)).parameters["ratio_level"].default
 
+    # the learner batch's keys an estimator may read (loops.online.ESTIMATOR_NEEDS): scores, no token rewards
+    advantage_inputs: ClassVar[tuple[str, ...]] = (K.SCORE, K.RESPONSE_MASK)
+
     def check(self) -> None:
-        """Fail on a bad config before any model is built (an unknown ``loss_type`` or ``advantage``, a
-        keyword the estimator does not take)."""
+        """Fail on a bad config before any model is built (an unknown ``loss_type``, ``kl`` or ``advantage``,
+        an estimator this recipe cannot feed, a keyword the estimator does not take, or one sample per
+        prompt, where every group-relative advantage is 0)."""
         grpo_loss_fn(self)
+        check_kl_name(self)
         advantage_fn(self)
+        if self.num_samples == 1:  # (below 1: the range check's, FIELD_RULES)
+            raise ValueError(f"num_samples: the {self.advantage!r} advantage compares the samples of one prompt, so "
+                             f"GRPO needs at least 2 (with 1 every advantage is 0), got {self.num_samples}")
+
+    def keyword_functions(self) -> dict[str, Callable]:
+        """The estimator ``advantage_kwargs`` feeds, bound (``check_config`` checks each keyword's type)."""
+        return {"advantage_kwargs": advantage_fn(self)}
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:

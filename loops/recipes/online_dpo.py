@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -81,6 +82,11 @@ class Config(OnlineConfig):
                              f"got {self.num_samples}")
         bind_loss(self)
         check_reference_sync(self)
+
+    def keyword_functions(self) -> dict[str, Callable]:
+        """The loss ``loss_kwargs`` feeds, bound as the DPO recipe binds it (``check_config`` checks
+        each keyword's type against it)."""
+        return {"loss_kwargs": bind_loss(self)}
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:

@@ -41,7 +41,7 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.algorithms.reft import trainable_parameters
 from rlcore.loops.recipes.dpo import preference_loss_fn, with_reference
-from rlcore.loops.tokenization import tokenize_dataset
+from rlcore.loops.tokenization import check_rows_fit, tokenize_dataset
 from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import build_online_state, collect_groups, train_online
@@ -277,6 +277,7 @@ def train_reft_sft(config: ReftConfig, *, model: nn.Module | None = None, tokeni
     state = init_train_state({"policy": model, "ref": model, "interventions": interventions}, config,
                              trainable=("interventions",))
     train, held_out = (tokenize_dataset(d, tokenizer, max_length=config.max_length) for d in splits)
+    check_rows_fit(model, [("prompt_ids", "completion_ids")], "max_length", train=train, held_out=held_out)
     eval_batches = _eval_batches(held_out, tokenizer, config)
     step = functools.partial(reft_sft_step, agg=config.agg, micro_batch_size=config.micro_batch_size,
                              max_grad_norm=config.max_grad_norm, autocast_dtype=recipe_autocast(config))

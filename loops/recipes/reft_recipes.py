@@ -45,6 +45,7 @@ from rlcore.loops.reft_data import collate_reft, with_intervention_locations
 from rlcore.loops.reft_model import with_interventions
 from rlcore.loops.state import TrainState
 from rlcore.loops.tasks import preference_dataset
+from rlcore.loops.tokenization import PAIR_SIDES, check_rows_fit
 
 __all__ = ["ReftGrpoConfig", "ReftRlooConfig", "ReftDpoConfig", "ReftRewardConfig", "train_reft_policy_gradient",
            "online_checkpoint_state", "train_reft_dpo", "evaluate_reft_dpo", "dpo_checkpoint_state",
@@ -114,6 +115,7 @@ def _reft_dpo_setup(config: ReftDpoConfig):
     tokenizer = policy_tokenizer(config)  # the data is read and checked before any model is built
     train, held_out = (dpo._prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
     model, tokenizer = build_policy(config)
+    check_rows_fit(model, PAIR_SIDES, "max_length", train=train, held_out=held_out)
     model.requires_grad_(False)
     models = {"policy": model, "interventions": new_interventions(model, reft_spec(config), config.zero_init,
                                                                    config.seed)}
@@ -185,6 +187,7 @@ def _reft_reward_setup(config: ReftRewardConfig):
         raise ValueError("dataset: the interventions edit prompt positions, and these pairs have no prompt "
                          "(pre-tokenised input_ids_chosen / input_ids_rejected); give prompt / chosen / rejected text")
     model, tokenizer = build_policy(config)  # a sequence classifier (reward.Config.MODEL_TASK)
+    check_rows_fit(model, PAIR_SIDES, "max_length", train=train, held_out=held_out)
     model.requires_grad_(False)
     _score_head(model).requires_grad_(True)
     spec = reft_spec(config)

@@ -36,7 +36,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.reward import reward_loss
 from rlcore.loops.collate import collate_preference
-from rlcore.loops.tokenization import preference_format, tokenize_dataset
+from rlcore.loops.tokenization import PAIR_SIDES, check_rows_fit, preference_format, tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
                                  policy_tokenizer, run)
@@ -187,6 +187,7 @@ def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainS
     tokenizer = policy_tokenizer(config)  # the data is read and checked before any model is built
     train_data, held_out = (_prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
     model, tokenizer = build_policy(config)  # a reward model: Config.MODEL_TASK
+    check_rows_fit(model, PAIR_SIDES, "max_length", train=train_data, held_out=held_out)
     state = init_train_state({"policy": model}, config)
     collate = functools.partial(collate_pairs, pad_id=pad_token_id(tokenizer), margin_key=config.margin_key)
     source = batch_source(train_data, config.batch_size, collate, seed=config.seed)

@@ -30,11 +30,12 @@ from typing import ClassVar
 
 from tensordict import TensorDict, TensorDictBase
 
+from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import rloo_loss
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
-from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, collect_groups, policy_update,
-                                 train_online)
+from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_kl_name, collect_groups,
+                                 policy_update, train_online)
 from rlcore.loops.state import TrainState
 from rlcore.rewards import with_rewards
 
@@ -58,14 +59,22 @@ class Config(OnlineConfig):
     run_dir: str | None = "runs/rloo"
 
     ratio_level: ClassVar[str] = "sequence_sum"  # the loss's ratio exp(Σ_t lp − Σ_t old), for the importance correction
+    # the learner batch's keys an estimator may read (loops.online.ESTIMATOR_NEEDS): scores and KL-penalised token rewards
+    advantage_inputs: ClassVar[tuple[str, ...]] = (K.SCORE, K.RESPONSE_MASK, K.REWARDS)
 
     def check(self) -> None:
         """Fail on a bad config before any model is built: RLOO needs ``num_samples ≥ 2``; an unknown
-        ``advantage`` or a keyword its estimator does not take."""
+        ``advantage`` or ``kl`` (``full`` included: its rollout holds no vocabulary-wide KL), an estimator
+        this recipe cannot feed, or a keyword the estimator does not take."""
         if self.num_samples < 2:
             raise ValueError(f"num_samples: RLOO needs at least 2 samples per prompt (a leave-one-out baseline), "
                              f"got {self.num_samples}")
+        check_kl_name(self)
         advantage_fn(self)
+
+    def keyword_functions(self) -> dict[str, Callable]:
+        """The estimator ``advantage_kwargs`` feeds, bound (``check_config`` checks each keyword's type)."""
+        return {"advantage_kwargs": advantage_fn(self)}
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:

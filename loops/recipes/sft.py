@@ -35,7 +35,7 @@ from rlcore import keys as K
 from rlcore.algorithms.sft import sft_loss
 from rlcore.loops.collect import generate_rollout
 from rlcore.loops.collate import collate_sequences, pack_sequences
-from rlcore.loops.tokenization import tokenize_dataset
+from rlcore.loops.tokenization import check_context, check_rows_fit, model_context, tokenize_dataset
 from rlcore.loops.fold import to_floats
 from rlcore.loops.models import pad_token_id, position_ids_from_mask
 from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
@@ -45,7 +45,7 @@ from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import exact_match, task_dataset
 from rlcore.loops.update import update
 
-__all__ = ["Config", "scoring_mask", "sft_loss_fn", "sft_step", "evaluate", "train"]
+__all__ = ["Config", "scoring_mask", "sft_loss_fn", "sft_step", "check_lengths", "evaluate", "train"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +153,15 @@ def _collate_fn(data, tokenizer, config: Config) -> Callable[[dict], TensorDict]
     return make if config.completion_only_loss else lambda rows: _whole_sequence_loss(make(rows))
 
 
+def check_lengths(model, config: Config, **splits) -> None:
+    """Refuse, before the first step, rows (or packed rows of ``max_length``) longer than the model's
+    context (``loops.tokenization.check_context``), naming ``max_length``."""
+    if config.packing and config.max_length is not None:
+        check_context(model, config.max_length, f"max_length: packed rows of {config.max_length} tokens",
+                      f"set max_length <= {model_context(model)}")
+    check_rows_fit(model, [("prompt_ids", "completion_ids")], "max_length", **splits)
+
+
 # --- evaluation --------------------------------------------------------------------------------
 @torch.no_grad()
 def _evaluate(state: TrainState, data, tokenizer, config: Config) -> dict[str, float]:
@@ -202,6 +211,7 @@ def train(config: Config, *, formatting_func: Callable[[dict], str | dict] | Non
     train_data, held_out = (_prepare(d, tokenizer, config, formatting_func)
                             for d in load_splits(config, task_dataset))
     model, tokenizer = build_policy(config)
+    check_lengths(model, config, train=train_data, held_out=held_out)
     state = init_train_state({"policy": model}, config)
     source = batch_source(train_data, config.batch_size, _collate_fn(train_data, tokenizer, config), seed=config.seed)
     step = functools.partial(sft_step, agg=config.agg, chunked=config.chunked, micro_batch_size=config.micro_batch_size,

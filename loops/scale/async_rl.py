@@ -59,6 +59,7 @@ from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset
+from rlcore.seeding import set_seed
 
 __all__ = ["check_max_lag", "GeneratorHandle", "generator_process", "push_weights", "rollout_source", "train_async"]
 
@@ -101,10 +102,11 @@ def _copy_weights(dst: nn.Module, src: nn.Module) -> None:
 
 
 def _generator_main(weights, cond, steps_done, version, requests, results, stop, max_lag, tokenizer,
-                    generate_kwargs, device, threads) -> None:
+                    generate_kwargs, device, threads, seed) -> None:
     """The generator's loop: request -> wait for fresh-enough weights -> generate -> result."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle: it stops us
     torch.set_num_threads(threads)
+    set_seed(seed)  # Python, NumPy and torch's global generators, as the learner's run seeds its own
     parent = multiprocessing.parent_process()  # None only if started oddly: then never "orphaned"
 
     def orphaned() -> bool:
@@ -155,7 +157,8 @@ def push_weights(handle: GeneratorHandle, policy: nn.Module, *, steps_done: int,
 @contextlib.contextmanager
 def generator_process(policy: nn.Module, tokenizer, *, max_lag: int, steps_done: int, version: int,
                       generate_kwargs: Mapping[str, Any], device: str | torch.device = "cpu",
-                      start_method: str = "spawn", threads: int | None = None) -> Iterator[GeneratorHandle]:
+                      start_method: str = "spawn", threads: int | None = None,
+                      seed: int = 0) -> Iterator[GeneratorHandle]:
     """Run a generator process for the duration of the ``with`` block; always stop it on exit.
 
     On exit (normal, exception or ``KeyboardInterrupt``) the generator is told to stop, joined,
@@ -173,6 +176,8 @@ def generator_process(policy: nn.Module, tokenizer, *, max_lag: int, steps_done:
             (only before the learner has run multi-threaded work: a fork after OpenMP ran can
             deadlock).
         threads: the generator's ``torch.set_num_threads`` (default: the learner's).
+        seed: the generator process's global generators (``set_seed``: Python, NumPy, torch); each
+            rollout's sampling has its own seed from the learner.
     """
     check_max_lag(max_lag)
     ctx = process_context(start_method)
@@ -182,7 +187,7 @@ def generator_process(policy: nn.Module, tokenizer, *, max_lag: int, steps_done:
     requests, results = ctx.Queue(), ctx.Queue(maxsize=max_lag + 1)
     proc = ctx.Process(target=_generator_main, daemon=True, name="rlcore-generator",
                        args=(weights, cond, steps, ver, requests, results, stop, max_lag, tokenizer,
-                             dict(generate_kwargs), str(device), threads or torch.get_num_threads()))
+                             dict(generate_kwargs), str(device), threads or torch.get_num_threads(), seed))
     proc.start()
     handle = GeneratorHandle(proc, requests, results, weights, cond, steps, ver, stop, max_lag)
     try:
@@ -307,13 +312,13 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
     with generator_process(state.model("policy"), tokenizer, max_lag=max_lag, steps_done=state.step,
                            version=state.policy_version, generate_kwargs=generate_kwargs(config),
                            start_method=start_method, device=generator_device or config.device,
-                           threads=generator_threads) as handle:
+                           threads=generator_threads, seed=config.seed) as handle:
         step = functools.partial(_async_step, handle=handle, config=config, tokenizer=tokenizer, reward_fn=reward,
                                  is_clip=is_clip)
         eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
                                     reward_fn=reward,
                                     reference_cache=None if getattr(config, "sync_ref_model", False) else {})
         source = rollout_source(handle, prompt_source(train_ds, config), state.rng)
-        return run(step, state, source, config=dataclasses.replace(config, resume=False), num_steps=config.steps,
+        return run(step, state, source, config=config, num_steps=config.steps, restored=bool(config.resume),
                    eval_fn=eval_fn, name=f"async-{recipe.__name__.rsplit('.', 1)[-1]}", callbacks=callbacks,
                    save_models=reference_models(config))

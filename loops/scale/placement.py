@@ -68,12 +68,13 @@ from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import disable_dropout
 from rlcore.loops.online import build_online_state, generate_kwargs, prompt_source
-from rlcore.loops.reward_fns import make_reward_fn, repeat_columns
+from rlcore.loops.reward_fns import make_reward_fn, repeat_columns, reward_settings
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import build_policy, load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset
 from rlcore.loops.scale.workers import compute_log_probs, compute_rewards
+from rlcore.seeding import set_seed
 
 __all__ = ["RAY_INSTALL", "ROLES", "require_ray", "cpu_state_dict", "WeightPush", "GeneratorWorker",
            "ScorerWorker", "LearnerWorker", "placed_source", "train_placed"]
@@ -132,6 +133,7 @@ class GeneratorWorker:
 
     def __init__(self, config: Any, *, threads: int | None = None):
         _set_threads(threads)
+        set_seed(config.seed)  # its global generators, as the async generator process's
         self.policy, self.tokenizer = build_policy(config)
         disable_dropout(self.policy)
         self.version = 0
@@ -154,6 +156,7 @@ class ScorerWorker:
 
     def __init__(self, config: Any, *, reward_fn: Callable | None = None, threads: int | None = None):
         _set_threads(threads)
+        set_seed(config.seed)  # the reward function's global generators, as a run seeds its own
         state, self.tokenizer = build_online_state(config)  # policy (for evaluation), ref, reward
         self.state = TrainState(models=state.models)
         self.config = config
@@ -168,7 +171,7 @@ class ScorerWorker:
         if reference:
             _, rollout = compute_log_probs(self.state, rollout, model="ref", temperature=c.temperature)
         _, rollout = compute_rewards(self.state, rollout, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
-                                     reward_columns=repeat_columns(rows, c.num_samples))
+                                     reward_columns=repeat_columns(rows, c.num_samples), **reward_settings(c))
         return rollout.to("cpu")
 
     def evaluate(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -249,7 +252,7 @@ class LearnerWorker:
         def eval_fn(s: TrainState) -> dict[str, float]:
             return ray.get(scorer.evaluate.remote(cpu_state_dict(s.model("policy"))))
 
-        self.state, history = run(step, state, source, config=dataclasses.replace(config, resume=False),
+        self.state, history = run(step, state, source, config=config, restored=bool(config.resume),
                                   num_steps=config.steps, eval_fn=eval_fn, name=f"placed-{self.recipe.__name__.rsplit('.', 1)[-1]}",
                                   callbacks=callbacks)
         weights.wait()  # the last push: its error fails the run too

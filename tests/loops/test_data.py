@@ -499,3 +499,21 @@ def test_load_source_keeps_local_paths_local(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "1+1="}\n')
     assert load_source(str(path))[0] == {"prompt": "1+1="}
+
+
+def test_split_held_out_is_train_test_split_and_rows_keep_their_file_and_line(tmp_path):
+    import json
+    from rlcore.loops.data import row_origin, split_held_out
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.jsonl").write_text("".join(json.dumps({"prompt": f"a{i}"}) + "\n\n" for i in range(6)))
+    (tmp_path / "d" / "b.jsonl").write_text("".join(json.dumps({"prompt": f"b{i}"}) + "\n" for i in range(6)))
+    data = load_local(tmp_path / "d")
+    train, held_out = split_held_out(data, 4, seed=3)
+    parts = data.train_test_split(test_size=4, seed=3, shuffle=True)
+    assert train.to_list() == parts["train"].to_list() and held_out.to_list() == parts["test"].to_list()
+    for split in (train, held_out):
+        for i, prompt in enumerate(split["prompt"]):
+            name, k = prompt[0], int(prompt[1:])
+            line = 2 * k + 1 if name == "a" else k + 1  # a.jsonl has a blank line after each row
+            assert row_origin(split, i) == f"{tmp_path / 'd' / f'{name}.jsonl'}, line {line}"
+    assert row_origin(load_local([{"prompt": "x"}]), 0) is None  # rows in memory: no file to name

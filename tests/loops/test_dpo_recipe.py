@@ -286,3 +286,10 @@ def test_sync_ref_model_needs_a_moving_reference():
         train(Config(precompute_ref=True, sync_ref_model=True, **TINY))
     with pytest.raises(ValueError, match=r"ref_model_mixup_alpha: expected in \[0, 1\], got 2.0"):
         load_config(Config, overrides={"sync_ref_model": "true", "ref_model_mixup_alpha": "2"})
+
+
+def test_pairs_past_the_model_context_are_refused_before_the_first_step():
+    config = Config(**{**TINY, "max_length": 400}, model="tiny-gpt2", max_position_embeddings=8, steps=1)
+    with pytest.raises(ValueError, match=r"dataset: the train split, row \d+: prompt_ids \+ chosen_ids of \d+ tokens "
+                                         r"exceeds the model's context of 8 .*set max_length <= 8"):
+        train(config)

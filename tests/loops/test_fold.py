@@ -195,3 +195,68 @@ def test_state_helpers():
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.step = 3  # type: ignore[misc]
     assert STOP == "stop" and isinstance(s, TrainState)
+
+
+# --- signals -----------------------------------------------------------------------------------------
+class EndRecorder:
+    def __init__(self):
+        self.ends = []
+
+    def __call__(self, state, metrics):
+        return None
+
+    def on_end(self, state):
+        self.ends.append(state.step)
+
+
+def signalling_step(signum, at_step, times=1):
+    import os
+
+    def step(state, x):
+        if state.step == at_step:
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+        return dataclasses.replace(state, total=state.total + x), {"x": x}
+    return step
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_stops_the_fold_after_the_step_in_progress(name):
+    import signal
+
+    from rlcore.loops.fold import Interrupted
+
+    signum = getattr(signal, name)
+    before, recorder = signal.getsignal(signum), EndRecorder()
+    with pytest.raises(Interrupted) as stopped:
+        fold(signalling_step(signum, at_step=1), S(), range(10), num_steps=10, callbacks=[recorder])
+    assert recorder.ends == [2]  # step 2 finished, then every on_end (a Checkpointer saves there)
+    assert (stopped.value.step, stopped.value.exit_code, stopped.value.at_once) == (2, 128 + signum, False)
+    assert str(stopped.value) == f"stopped by {name} after step 2 of 10; no run_dir: nothing saved"
+    assert isinstance(stopped.value, KeyboardInterrupt)
+    assert signal.getsignal(signum) is before  # restored
+
+
+def test_a_second_signal_stops_at_once_and_a_signal_in_the_last_step_ends_normally():
+    import signal
+
+    from rlcore.loops.fold import Interrupted
+
+    recorder = EndRecorder()
+    with pytest.raises(Interrupted) as stopped:
+        fold(signalling_step(signal.SIGINT, at_step=1, times=2), S(), range(10), num_steps=10, callbacks=[recorder])
+    assert stopped.value.at_once and stopped.value.step == 1 and recorder.ends == []
+    assert str(stopped.value).startswith("stopped at once by a second SIGINT during step 2 of 10 (lost)")
+    state, history = fold(signalling_step(signal.SIGINT, at_step=2), S(), range(10), num_steps=3)
+    assert state.step == 3 and len(history) == 3  # nothing left to stop: the run is complete
+
+
+def test_a_fold_outside_the_main_thread_leaves_signals_alone():
+    import signal
+    import threading
+
+    before, out = signal.getsignal(signal.SIGINT), []
+    thread = threading.Thread(target=lambda: out.append(fold(lambda s, x: (s, {"x": x}), S(), range(3))))
+    thread.start()
+    thread.join()
+    assert out[0][0].step == 3 and signal.getsignal(signal.SIGINT) is before

@@ -32,7 +32,7 @@ def test_grpo_raises_the_reward():
     assert after["kl_ref"] > before["kl_ref"]  # it moved away from the reference
 
 
-@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo", "gspo", "cispo"])
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo", "gspo", "cispo", "bnpo", "luspo", "sapo", "vespo"])
 def test_presets_run_by_name(loss_type):
     config = grpo.Config(**TINY, steps=2, batch_size=2, num_samples=3, lr=1e-3, loss_type=loss_type)
     state, history = grpo.train(config, reward_fn=digit_fraction)
@@ -185,3 +185,16 @@ def test_no_reference_forward_without_a_kl_term(monkeypatch):
     _, on = grpo.train(grpo.Config(**TINY, steps=1, num_samples=2, kl_coef=0.1), reward_fn=digit_fraction)
     assert calls == [False, True]
     assert "rollout/kl_ref" not in off[0] and "rollout/kl_ref" in on[0]
+
+
+@pytest.mark.parametrize("advantage", ["remax", "gae", "reinforce_pp"])
+def test_an_estimator_grpo_cannot_feed_is_refused_when_the_config_is_made(advantage):
+    """GRPO's rollout holds scores, not token rewards, values or a greedy baseline."""
+    with pytest.raises(ValueError, match=rf"advantage: the grpo recipe cannot run '{advantage}'.*choose one of "
+                                         r"\['dr_grpo', 'grpo', 'opo', 'rloo'\]"):
+        grpo.Config(**TINY, advantage=advantage)
+
+
+def test_one_sample_per_prompt_is_refused():
+    with pytest.raises(ValueError, match=r"num_samples: the 'grpo' advantage compares the samples of one prompt"):
+        grpo.Config(**TINY, num_samples=1)

@@ -5,6 +5,7 @@ import json
 import math
 import textwrap
 
+import numpy as np
 import pytest
 from rlcore import keys as K
 import torch
@@ -233,3 +234,185 @@ def test_a_reward_module_in_the_working_directory_is_found(tmp_path, monkeypatch
     before = list(sys.path)
     fn = import_reward_fn("cwd_task_rewards:correct")
     assert fn(["p"], ["c"]) == [1.0] and sys.path == before
+
+
+# --- what a reward function may return ---------------------------------------------------------------
+@pytest.mark.parametrize("out,message", [
+    ({0: 5.0, 1: 5.0}, r"expected a list of 2 scores or a \[B\] tensor, got dict \(a mapping is not read by position"),
+    (["1.0", "2"], r"every score must be a number or None \(int, float or bool\); score 0 is str '1.0'"),
+    ([[1.0], [2.0]], r"every score must be a number or None .*score 0 is list \[1.0\]"),
+    ([1.0, "x"], r"every score .*; score 1 is str 'x'"),
+    ("ab", r"expected a list of 2 scores or a \[B\] tensor, got str"),
+    ((s for s in [1.0, 2.0]), r"expected a list of 2 scores or a \[B\] tensor, got generator"),
+    ({1.0, 2.0}, r"expected a list of 2 scores .*, got set"),
+    ([1.0, 2.0, 3.0], r"expected 2 scores \[B\], got shape \[3\] \(a list of 3; one score per completion\)"),
+    (np.array(["a", "b"]), r"expected 2 real scores, got a NumPy array of dtype <U1"),
+    (np.ones((2, 2)), r"expected 2 scores \[B\], got shape \[2, 2\]"),
+    (torch.ones(2, dtype=torch.complex64), r"expected 2 real scores, got a tensor of dtype torch.complex64"),
+])
+def test_return_types_are_checked_and_named(out, message):
+    def judge(prompts, completions, **kw):
+        return out
+    with pytest.raises(ValueError, match=rf"reward function judge: {message}"):
+        call_reward_fn(judge, ["a", "b"], ["x", "y"])
+
+
+@pytest.mark.parametrize("out", [(1, 0.5), [True, False], [np.float32(1.0), np.int64(0)], [np.bool_(True), None],
+                                 np.array([1.0, 0.0]), np.array([True, False]), [torch.tensor(1.0), 0],
+                                 torch.tensor([1, 0])])
+def test_real_numbers_in_a_sequence_tensor_or_array_are_scores(out):
+    got = call_reward_fn(lambda p, c: out, ["a", "b"], ["x", "y"])
+    assert got.dtype == torch.float32 and got[0] == 1.0 and (got[1] in (0.0, 0.5) or math.isnan(got[1]))
+
+
+# --- non-finite scores: one policy -------------------------------------------------------------------
+def test_nonfinite_scores_raise_or_drop_by_the_setting():
+    def judge(prompts, completions, **kw):
+        return [1.0, float("nan"), None, float("-inf")]
+    args = (["q"] * 4, ["a"] * 4)
+    with pytest.raises(ValueError, match=r"reward function judge: non-finite scores \[nan, -inf\] at rows \[1, 3\]; "
+                                         r"return None .*or set nonfinite_rewards: drop"):
+        call_reward_fn(judge, *args)
+    dropped = call_reward_fn(judge, *args, nonfinite_rewards="drop")
+    assert dropped[0] == 1.0 and torch.isnan(dropped[1:]).all()  # dropped as None is: NaN, "no opinion"
+    tensor = call_reward_fn(lambda p, c: torch.tensor([0.5, float("inf"), 1.0, 2.0]), *args, nonfinite_rewards="drop")
+    assert tensor[1].isnan() and tensor[[0, 2, 3]].tolist() == [0.5, 1.0, 2.0]
+    with pytest.raises(ValueError, match=r"nonfinite_rewards: expected one of \['raise', 'drop'\], got 'skip'"):
+        call_reward_fn(judge, *args, nonfinite_rewards="skip")
+
+
+def test_combined_functions_are_named_and_drop_a_row_whole():
+    from rlcore.loops.reward_fns import combine_rewards
+
+    def ok(prompts, completions):
+        return [1.0, 1.0, None]
+
+    def broken(prompts, completions):
+        return [float("nan"), 2.0, 3.0]
+    combined = combine_rewards([ok, broken])
+    with pytest.raises(ValueError, match=r"reward function broken: non-finite scores \[nan\] at rows \[0\]"):
+        call_reward_fn(combined, ["q"] * 3, ["a"] * 3)
+    out = call_reward_fn(combined, ["q"] * 3, ["a"] * 3, nonfinite_rewards="drop")
+    assert math.isnan(out[0]) and out[1:].tolist() == [3.0, 3.0]  # row 0 dropped, not scored 1.0 by `ok` alone
+
+
+def test_reward_settings_are_checked_with_the_config():
+    from rlcore.loops.config import check_config
+    with pytest.raises(ValueError, match=r"reward_timeout: expected >= 0, got -1.*nonfinite_rewards: expected one of "
+                                         r"\['drop', 'raise'\], got 'skip'"):
+        check_config(grpo.Config(**TINY, reward_timeout=-1, nonfinite_rewards="skip"))
+    assert grpo.Config().reward_timeout == 300.0 and grpo.Config().nonfinite_rewards == "raise"
+
+
+# --- a per-call time limit ---------------------------------------------------------------------------
+def test_a_reward_function_that_never_returns_fails_the_call_by_name():
+    import threading
+    import time
+    release = threading.Event()
+
+    def stuck(prompts, completions):
+        release.wait()
+        return [0.0] * len(completions)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"reward function stuck: no result after reward_timeout=0.2 s; .*background"):
+        call_reward_fn(stuck, ["q"], ["a"], reward_timeout=0.2)
+    assert time.monotonic() - start < 5
+    left = [t for t in threading.enumerate() if t.name == "rlcore reward function stuck"]
+    assert left and all(t.daemon for t in left)  # still running, and never keeps the process alive
+    release.set()
+    from rlcore.loops.reward_fns import combine_rewards
+    combined = combine_rewards([lambda p, c: [1.0], stuck])
+    release.clear()
+    with pytest.raises(TimeoutError, match=r"reward function stuck: no result after reward_timeout=0.2 s"):
+        call_reward_fn(combined, ["q"], ["a"], reward_timeout=0.2)  # the function of the combination is named
+    release.set()
+
+
+def test_within_the_limit_errors_pass_through_and_none_means_this_thread():
+    import threading
+
+    def failing(prompts, completions):
+        raise KeyError("missing column")
+    with pytest.raises(KeyError, match="missing column"):
+        call_reward_fn(failing, ["q"], ["a"], reward_timeout=5)
+    where = []
+    call_reward_fn(lambda p, c: where.append(threading.current_thread()) or [1.0], ["q"], ["a"], reward_timeout=None)
+    assert where == [threading.main_thread()]
+    with torch.no_grad():  # the caller's grad mode holds inside the worker thread
+        modes = []
+        call_reward_fn(lambda p, c: modes.append(torch.is_grad_enabled()) or [1.0], ["q"], ["a"], reward_timeout=5)
+    assert modes == [False]
+
+
+def test_a_stuck_reward_function_fails_the_grpo_step_by_name():
+    import threading
+    release = threading.Event()
+
+    def stuck(prompts, completions, **kw):
+        release.wait()
+        return [0.0] * len(completions)
+    try:
+        with pytest.raises(TimeoutError, match=r"reward function stuck: no result after reward_timeout=0.5 s"):
+            grpo.train(grpo.Config(**TINY, steps=1, batch_size=2, num_samples=2, reward_timeout=0.5), reward_fn=stuck)
+    finally:
+        release.set()
+
+
+# --- non-finite scores in a step: drop is "no opinion" -----------------------------------------------
+def _spied_step(config, reward_fn, monkeypatch, state_models=None):
+    from rlcore.loops import online
+    from rlcore.loops.online import build_online_state, prompt_source
+    from rlcore.loops.recipe import load_splits
+    from rlcore.loops.tasks import task_dataset
+    state, tokenizer = build_online_state(config)
+    if state_models:
+        state = dataclasses.replace(state, models={**state.models, **state_models})
+    rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
+    seen, real = [], online.policy_loss_fn
+
+    def spy(state, batch, **kw):
+        seen.append(batch)
+        return real(state, batch, **kw)
+    monkeypatch.setattr(online, "policy_loss_fn", spy)
+    new_state, metrics = grpo.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    return new_state, metrics, seen[0]
+
+
+def _assert_first_of_each_group_left_out(new_state, metrics, batch):
+    from rlcore.baselines import grpo_advantage
+    assert new_state.optimizer_steps == 1 and math.isfinite(float(metrics["loss"]))
+    assert float(metrics["rollout/unscored"]) == 2.0
+    mask = batch[K.RESPONSE_MASK]
+    assert not mask[0].any() and not mask[4].any() and mask[1:4].any(-1).all()
+    per_sample = torch.where(mask, batch[K.ADVANTAGES], 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+    expected = grpo_advantage(batch[K.SCORE][1:4][None])[0]  # the three scored samples of prompt 0 alone
+    torch.testing.assert_close(per_sample[1:4], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_nonfinite_function_scores_dropped_leave_the_loss_and_the_group(monkeypatch):
+    def judge(prompts, completions, **kw):  # NaN on the first sample of each prompt
+        return [math.nan if i % 4 == 0 else float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
+    config = grpo.Config(**TINY, steps=1, batch_size=2, num_samples=4, lr=1e-3, nonfinite_rewards="drop")
+    _assert_first_of_each_group_left_out(*_spied_step(config, judge, monkeypatch))
+    with pytest.raises(ValueError, match=r"reward function judge: non-finite scores \[nan, nan\] at rows \[0, 4\]"):
+        _spied_step(dataclasses.replace(config, nonfinite_rewards="raise"), judge, monkeypatch)
+
+
+def test_nonfinite_reward_model_scores_raise_or_drop_like_a_function(monkeypatch):
+    """A reward model's NaN made every sample "unscored" (gradient 0, no error): it now goes through
+    the same check as a reward function's scores."""
+    from rlcore.loops import score
+    from rlcore.loops.models import build_reward_model, build_tokenizer
+    real = score.reward_model_scores
+
+    def nan_first_of_each_group(model, ids, mask):
+        out = real(model, ids, mask)
+        return torch.where(torch.arange(len(out)) % 4 == 0, math.nan, out)
+    monkeypatch.setattr(score, "reward_model_scores", nan_first_of_each_group)
+    rm = build_reward_model(tokenizer=build_tokenizer(), hidden_size=16, num_layers=1, num_heads=2)
+    config = grpo.Config(**TINY, steps=1, batch_size=2, num_samples=4, lr=1e-3)
+    with pytest.raises(ValueError, match=r"reward model.*: non-finite scores \[nan, nan\] at rows \[0, 4\]; .*"
+                                         r"nonfinite_rewards: drop"):
+        _spied_step(config, None, monkeypatch, state_models={"reward": rm})
+    dropped = dataclasses.replace(config, nonfinite_rewards="drop")
+    _assert_first_of_each_group_left_out(*_spied_step(dropped, None, monkeypatch, state_models={"reward": rm}))

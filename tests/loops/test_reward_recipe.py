@@ -145,3 +145,10 @@ def test_pre_tokenised_pairs_as_trl_gives_them(tmp_path):
     bad = load_local([{"input_ids_chosen": [1, 2], "attention_mask_chosen": [1], "input_ids_rejected": [3]}])
     with pytest.raises(ValueError, match=r"row 0: attention_mask_chosen has 1 entries, input_ids_chosen 2"):
         reward._prepare(bad, tok, Config(**TINY))
+
+
+def test_pairs_past_the_model_context_are_refused_before_the_first_step():
+    config = Config(**{**TINY, "max_length": 400}, model="tiny-gpt2", max_position_embeddings=8, steps=1)
+    with pytest.raises(ValueError, match=r"dataset: the train split, row \d+: prompt_ids \+ chosen_ids of \d+ tokens "
+                                         r"exceeds the model's context of 8 .*set max_length <= 8"):
+        train(config)

@@ -75,3 +75,19 @@ def test_minibatches_and_epochs():
     assert state.optimizer_steps == 2 * 3  # ⌈8 / 3⌉ minibatches per epoch
     state, _ = rloo.train(dataclasses.replace(config, minibatch_size=100), reward_fn=digit_fraction)  # capped
     assert state.optimizer_steps == 2
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"advantage": "remax"}, r"advantage: the rloo recipe cannot run 'remax': it reads baseline_score"),
+    ({"advantage": "gae"}, r"advantage: the rloo recipe cannot run 'gae': it reads values"),
+    ({"kl": "full"}, r"kl: expected one of .*got 'full'"),
+])
+def test_a_setting_rloo_cannot_run_is_refused_when_the_config_is_made(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        rloo.Config(**TINY, **kwargs)
+
+
+def test_reinforce_pp_runs_on_rloo_token_rewards():
+    state, history = rloo.train(rloo.Config(**TINY, steps=1, batch_size=2, advantage="reinforce_pp"),
+                                reward_fn=digit_fraction)
+    assert state.step == 1 and math.isfinite(history[-1]["loss"])

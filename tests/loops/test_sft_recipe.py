@@ -241,3 +241,14 @@ def test_formatting_func_from_python_as_trl(tmp_path):
     assert tok.decode(whole[0]["completion_ids"]) == "0+1=1</s>"  # a string: language modelling on all of it
     with pytest.raises(ValueError, match=r"format"):
         train(config)  # no formatting_func: the columns fit no format
+
+
+def test_rows_past_the_model_context_are_refused_before_the_first_step():
+    """GPT-2's position table ends at its context: a row past it would raise IndexError mid-forward."""
+    config = Config(**{**TINY, "max_length": 400}, model="tiny-gpt2", max_position_embeddings=8, steps=1)
+    with pytest.raises(ValueError, match=r"dataset: the train split, row \d+: prompt_ids \+ completion_ids of \d+ "
+                                         r"tokens exceeds the model's context of 8 \(max_position_embeddings\); "
+                                         r"set max_length <= 8"):
+        train(config)
+    with pytest.raises(ValueError, match=r"max_length: packed rows of 24 tokens exceeds the model's context of 16"):
+        train(Config(**TINY, model="tiny-gpt2", max_position_embeddings=16, packing=True, steps=1))

@@ -68,11 +68,13 @@ def test_every_recipe_default_passes_and_every_rule_names_a_real_field():
 
 
 def test_the_rules_reach_the_keywords_of_a_loss_or_an_estimator():
-    with pytest.raises(ValueError, match=r"loss_kwargs.label_smoothing: expected in \[0, 1\], got 1.5; "
+    with pytest.raises(ValueError, match=r"loss_kwargs.label_smoothing: expected in \[0, 0.5\] \(past 0.5 .*\), got 1.5; "
                                          r"loss_kwargs.rpo_alpha: expected >= 0, got -1"):
         check_config(dpo.Config(loss_kwargs={"label_smoothing": 1.5, "rpo_alpha": -1}))
     with pytest.raises(ValueError, match=r"advantage_kwargs.eps: expected >= 0, got -0.5"):
         check_config(grpo.Config(advantage_kwargs={"eps": -0.5}))
+    with pytest.raises(ValueError, match=r"loss_kwargs.label_smoothing: expected in \[0, 0.5\]"):
+        check_config(dpo.Config(loss_kwargs={"label_smoothing": 0.7}))  # the cDPO losses refuse it too
     assert check_config(dpo.Config(loss_kwargs={"label_smoothing": 0.1})).loss_kwargs == {"label_smoothing": 0.1}
 
 
@@ -82,3 +84,204 @@ def test_a_yaml_file_must_be_a_mapping(tmp_path, text):
     path.write_text(text)
     with pytest.raises(ValueError, match=r"bad.yaml: expected a mapping of field: value, got (list|int|str)"):
         load_config(dpo.Config, path)
+
+
+# --- bounded YAML ------------------------------------------------------------------------------------
+def _alias_bomb(levels: int = 9) -> str:
+    """About 1 KB of YAML that stands for 10**levels values: nested anchors under loss_kwargs."""
+    lines = ["loss_kwargs:", "  a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    import time
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb())
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"bomb.yaml: more than 10000 values once aliases are expanded"):
+        load_config(dpo.Config, path)
+    with pytest.raises(ValueError, match=r"bomb.yaml: more than 10000 values once aliases are expanded"):
+        cli.main(["train", "dpo", "--config", str(path), "--run_dir", "null"])
+    with pytest.raises(ValueError, match=r"--loss_kwargs: more than 10000 values once aliases are expanded"):
+        cli.main(["train", "dpo", "--loss_kwargs", "{" + _alias_bomb().split("\n", 1)[1].replace("\n", ", ") + "}",
+                  "--run_dir", "null"])
+    assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("text,message", [
+    ("loss_kwargs: " + "[" * 40 + "]" * 40 + "\n", r"nested deeper than 32 levels"),
+    ("a: &a [1]\n" + "".join(f"a{i}: &a{i} [*a{i - 1 if i else ''}]\n" for i in range(40)),
+     r"nested deeper than 32 levels once aliases are expanded"),
+    ("loss_kwargs: &a {x: *a}\n", r"an alias refers to a value that contains it \(a cycle\)"),
+    ("x: &x 1\n" + "".join(f"k{i}: *x\n" for i in range(101)), r"more than 100 alias uses"),
+    ("lr: [1, 2\n", r"not valid YAML"),
+])
+def test_yaml_past_its_bounds_is_refused_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"bad.yaml: " + message):
+        load_config(dpo.Config, path)
+
+
+def test_yaml_size_and_encoding_are_bounded(tmp_path):
+    from rlcore.loops.config import YAML_MAX_BYTES
+
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * YAML_MAX_BYTES + "\n")
+    with pytest.raises(ValueError, match=rf"big.yaml: a config file of more than {YAML_MAX_BYTES} bytes"):
+        load_config(dpo.Config, big)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"lr: \xff\xfe\n")
+    with pytest.raises(ValueError, match=r"binary.yaml: not UTF-8 text"):
+        load_config(dpo.Config, binary)
+
+
+def test_a_few_aliases_still_load(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("lr: &lr 0.002\nsteps: &n 3\nloss_kwargs: &kw {label_smoothing: 0.1}\nsave_every: *n\n")
+    config = load_config(dpo.Config, path)
+    assert (config.lr, config.steps, config.save_every, config.loss_kwargs) == (0.002, 3, 3, {"label_smoothing": 0.1})
+
+
+@pytest.mark.parametrize("text,kind", [("- steps: 3\n- lr: 0.1\n", "list"), ("3\n", "int"), ("just a string\n", "str")])
+def test_the_cli_refuses_a_yaml_config_that_is_not_a_mapping(tmp_path, text, kind):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"bad.yaml: expected a mapping of field: value, got {kind}"):
+        cli.main(["train", "sft", "--config", str(path), "--run_dir", "null"])
+
+
+def test_every_shipped_yaml_config_loads():
+    from pathlib import Path
+
+    from rlcore.loops.config import read_config_file
+
+    configs = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        assert isinstance(read_config_file(path), dict), path
+
+
+# --- types, loss_kwargs / advantage_kwargs against the signature -----------------------------------------
+@pytest.mark.parametrize("recipe,kwargs,message", [
+    ("dpo", {"loss_kwargs": {"label_smoothing": "abc"}}, r"loss_kwargs.label_smoothing: expected float, got 'abc'"),
+    ("dpo", {"loss_kwargs": {"rpo_alpha": True}}, r"loss_kwargs.rpo_alpha: expected float \| None, got True"),
+    ("dpo", {"loss_kwargs": {"reference_free": "yes"}}, r"loss_kwargs.reference_free: expected bool, got 'yes'"),
+    ("dpo", {"loss_kwargs": {"gamma": 1.0}}, r"loss_kwargs: 'sigmoid' takes no \['gamma'\]"),
+    ("dpo", {"loss_type": "simpo", "loss_kwargs": {"gamma": [1, 2]}}, r"loss_kwargs.gamma: expected float, got \[1, 2\]"),
+    ("online_dpo", {"loss_kwargs": {"label_smoothing": "0.1"}},
+     r"loss_kwargs.label_smoothing: expected float, got '0.1'"),
+    ("grpo", {"advantage_kwargs": {"eps": "small"}}, r"advantage_kwargs.eps: expected float, got 'small'"),
+    ("rloo", {"advantage": "reinforce_pp", "advantage_kwargs": {"group_baseline": 1}},
+     r"advantage_kwargs.group_baseline: expected bool, got 1"),
+])
+def test_loss_and_estimator_keywords_are_type_checked_at_load(recipe, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(recipe_module(recipe).Config, None, kwargs)
+
+
+def test_a_wrong_type_inside_loss_kwargs_fails_before_any_model_is_built(monkeypatch):
+    from rlcore.loops import recipe
+    built = []
+    monkeypatch.setattr(recipe, "build_model", lambda *a, **k: built.append(1))
+    with pytest.raises(ValueError, match=r"loss_kwargs.label_smoothing: expected float, got 'abc'"):
+        cli.main(["train", "dpo", "--loss_kwargs", "{label_smoothing: abc}", "--run_dir", "null"])
+    with pytest.raises(ValueError, match=r"loss_kwargs.label_smoothing: expected float, got 'abc'"):
+        dpo.train(dpo.Config(loss_kwargs={"label_smoothing": "abc"}, run_dir=None))
+    assert built == []
+
+
+def test_fields_set_in_python_are_type_checked():
+    with pytest.raises(ValueError, match=r"lr: expected float, got '1e-3'"):
+        check_config(sft.Config(lr="1e-3"))
+    with pytest.raises(ValueError, match=r"report_to: expected tuple\[str, \.\.\.\], got 'wandb'"):
+        check_config(sft.Config(report_to="wandb"))
+    assert check_config(sft.Config(lr=1, report_to=[])).lr == 1  # an int is a float, a list a tuple
+
+
+# --- devices -------------------------------------------------------------------------------------------
+def test_devices_are_checked_against_this_machine():
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device: got 'cuda', but this torch build .* sees no CUDA device"):
+            cli.main(["train", "sft", "--device", "cuda", "--run_dir", "null"])
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=rf"ref_device: got 'cuda:{count}'"):
+        check_config(grpo.Config(ref_device=f"cuda:{count}"))
+    with pytest.raises(ValueError, match=r"device: got 'meta', which holds shapes but no data"):
+        cli.main(["train", "sft", "--device", "meta", "--run_dir", "null"])
+    with pytest.raises(ValueError, match=r"reward_device: expected 'cpu' or 'cuda\[:N\]', got 'ipu'"):
+        check_config(grpo.Config(reward_device="ipu"))
+    with pytest.raises(ValueError, match=r"device: expected a device such as 'cpu', 'cuda' or 'cuda:1', got 'gpu'"):
+        check_config(sft.Config(device="gpu"))
+
+
+# --- integers and floats -------------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe,flag,value,message", [
+    ("sft", "seed", str(2**70), r"seed: expected an integer within int64 \[-2\*\*63, 2\*\*63\), got 1180591620717411303424"),
+    ("sft", "seed", "-1", r"seed: expected in \[0, 2\*\*63\), got -1"),
+    ("sft", "steps", str(2**64), r"steps: expected an integer within int64"),
+    ("grpo", "stop_token_ids", f"1,{2**64}", r"stop_token_ids: expected an integer within int64"),
+    ("ppo", "target_kl", "nan", r"target_kl: expected a finite number, got nan"),
+    ("grpo", "reward_weights", "1.0,inf", r"reward_weights: expected a finite number, got inf"),
+    ("dpo", "loss_kwargs", "{alpha: .nan}", r"loss_kwargs.alpha: expected a finite number, got nan"),
+])
+def test_numbers_out_of_range_are_refused_naming_the_field(recipe, flag, value, message):
+    with pytest.raises(ValueError, match=message):
+        cli.main(["train", recipe, f"--{flag}", value, "--run_dir", "null"])
+
+
+# --- combinations a recipe cannot run --------------------------------------------------------------------
+@pytest.mark.parametrize("recipe,estimator,missing", [
+    ("grpo", "remax", r"baseline_score \[B\]"),
+    ("grpo", "gae", r"values \[B, R\]"),
+    ("grpo", "reinforce_pp", r"rewards \[B, R\]"),
+    ("rloo", "remax", r"baseline_score \[B\]"),
+    ("rloo", "gae", r"values \[B, R\]"),
+])
+def test_an_estimator_without_its_inputs_is_refused_at_load(recipe, estimator, missing):
+    with pytest.raises(ValueError, match=rf"advantage: the {recipe} recipe cannot run '{estimator}': it reads .*"
+                                         rf"{missing}.*which the {recipe} recipe's rollout does not hold; choose one of"):
+        cli.main(["train", recipe, "--advantage", estimator, "--num_samples", "2", "--run_dir", "null"])
+
+
+def test_the_estimator_table_matches_what_each_estimator_reads():
+    """Each recipe's learner batch (its ``advantage_inputs``) feeds exactly the estimators
+    ``runnable_estimators`` names: the others fail on that batch for a key it lacks."""
+    import torch
+    from tensordict import TensorDict
+
+    from rlcore import keys as K
+    from rlcore.baselines import ADVANTAGE_ESTIMATORS
+    from rlcore.loops.online import runnable_estimators
+
+    values = {K.SCORE: torch.tensor([1.0, 0.0, 2.0, 1.0]), K.RESPONSE_MASK: torch.ones(4, 3, dtype=torch.bool),
+              K.REWARDS: torch.rand(4, 3), K.VALUES: torch.rand(4, 3), K.BASELINE_SCORE: torch.rand(4)}
+    for recipe in (grpo, recipe_module("rloo")):
+        held = recipe.Config.advantage_inputs
+        batch = TensorDict({k: values[k] for k in held} | {K.GROUP_ID: torch.tensor([0, 0, 1, 1])}, batch_size=[4])
+        runnable = runnable_estimators(recipe.Config)
+        for name, estimator in ADVANTAGE_ESTIMATORS.items():
+            if name in runnable:
+                assert K.ADVANTAGES in estimator(batch).keys(), (recipe.__name__, name)
+            else:
+                with pytest.raises(KeyError, match="missing"):
+                    estimator(batch)
+
+
+@pytest.mark.parametrize("recipe,kwargs,message", [
+    ("grpo", {"kl": "bogus", "kl_coef": 0.1}, r"kl: expected one of \['k1', .*\], got 'bogus'"),
+    ("rloo", {"kl": "full"}, r"kl: expected one of .*got 'full' \('full' needs the vocabulary-wide KL, which only "
+                             r"the PPO recipe computes\)"),
+    ("grpo", {"advantage_kwargs": {"group_size": 3}, "num_samples": 2},
+     r"advantage_kwargs.group_size: the rollout's groups are its prompts' samples"),
+    ("rloo", {"advantage_kwargs": {"group_size": 2}}, r"advantage_kwargs.group_size"),
+    ("grpo", {"num_samples": 1}, r"num_samples: the 'grpo' advantage compares the samples of one prompt, so GRPO "
+                                 r"needs at least 2"),
+])
+def test_other_combinations_an_online_recipe_cannot_run_are_refused_at_load(recipe, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(recipe_module(recipe).Config, None, kwargs)

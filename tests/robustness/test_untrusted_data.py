@@ -64,9 +64,9 @@ def test_online_prompts_must_be_non_empty_text_before_any_model(tmp_path, monkey
     built = []
     monkeypatch.setattr(online, "build_online_state", lambda *a, **k: built.append(1))
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
-    for bad, message in ((None, r"row 7: column 'prompt' must hold text"), ("", r"row 7: empty prompt")):
+    for bad, message in ((None, r"line 8: column 'prompt' must hold text"), ("", r"line 8: empty prompt")):
         path = write_jsonl(tmp_path / "p.jsonl", rows[:7] + [{"prompt": bad, "answer": "1"}] + rows[8:])
-        with pytest.raises(ValueError, match=rf"dataset: the (train|held_out) split, {message}"):
+        with pytest.raises(ValueError, match=rf"dataset: .*p\.jsonl, {message}"):  # the file's line
             grpo.train(grpo.Config(**TINY, dataset=str(path), eval_dataset=str(path)))
     assert built == []
 
@@ -102,7 +102,7 @@ def test_a_prompt_past_the_context_is_refused_before_the_first_step(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     run = tmp_path / "run"
     config = grpo.Config(**{**TINY, "run_dir": str(run), "num_eval": 4}, dataset=str(path), max_position_embeddings=64)
-    with pytest.raises(ValueError, match=r"dataset: the (train|held_out) split, row \d+: its prompt has \d+ tokens, "
+    with pytest.raises(ValueError, match=r"dataset: .*p\.jsonl, line 12: its prompt has \d+ tokens, "
                                          r"which with a response budget of 8 exceeds the model's context of 64 "
                                          r"\(max_position_embeddings\); set max_prompt_length <= 56"):
         grpo.train(config)
@@ -153,3 +153,73 @@ def test_group_baselines_are_finite_at_the_edge_of_float32():
     torch.testing.assert_close(group_mean(edge), torch.full((1, 4), 1e38))
     big = torch.finfo(torch.float32).max
     assert rloo_advantage(torch.tensor([[3e38, -3e38]])).tolist() == [[big, -big]]  # 6e38 saturates
+
+
+# --- rows named by their file and line -----------------------------------------------------------
+@pytest.mark.parametrize("line,shown", [(b"[1, 2]", r"'\[1, 2\]'"), (b"5", r"'5'"), (b'"text"', r"'\"text\"'")])
+def test_a_jsonl_line_that_is_not_an_object_is_named(tmp_path, line, shown):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n\n' + line + b"\n")
+    with pytest.raises(ValueError, match=rf"source: .*rows.jsonl, line 3: expected a JSON object .* per line, "
+                                         rf"got {shown}"):
+        load_local(path)
+
+
+def test_nul_bytes_and_broken_json_lines_are_named(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "a\x00b", "answer": "3"}\n')
+    with pytest.raises(ValueError, match=r"source: .*rows.jsonl, line 2: holds a NUL byte \(at column 14\)"):
+        load_local(path)
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n')
+    with pytest.raises(ValueError, match=r"source: .*rows.jsonl, line 2: not valid JSON .*: datasets cannot read it"):
+        load_local(path)
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": 7, "answer": "3"}\n')
+    with pytest.raises(ValueError, match=r"source: .*rows.jsonl, line 3: column 'prompt' holds number 7 where line 1 "
+                                         r"holds str \(a column holds one type\): datasets cannot read it"):
+        load_local(path)
+    path.write_text('{"prompt": "a\\u0000b", "answer": "3"}\n')  # an escaped NUL is JSON text: read as is
+    assert load_local(path)["prompt"] == ["a\x00b"]
+
+
+def test_rows_are_named_by_file_and_line_after_the_held_out_split(tmp_path, monkeypatch):
+    """The held-out rows are split off with a shuffle: the error names the file's line (blank lines
+    counted), not the row's place in the shuffled split."""
+    from rlcore.loops import online
+    monkeypatch.setattr(online, "build_online_state", lambda *a, **k: pytest.fail("a model was built"))
+    lines = [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(30)]
+    lines[20] = json.dumps({"prompt": "", "answer": "1"})
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines[:10]) + "\n\n" + "\n".join(lines[10:]) + "\n")  # a blank line 11
+    with pytest.raises(ValueError, match=r"dataset: .*p\.jsonl, line 22: empty prompt"):
+        grpo.train(grpo.Config(**{**TINY, "num_eval": 10}, dataset=str(path)))
+
+
+def test_sft_rows_are_named_by_file_and_line_after_the_held_out_split(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(30)]
+    rows[13]["completion"] = ""
+    path = write_jsonl(tmp_path / "s.jsonl", rows)
+    with pytest.raises(ValueError, match=r"s\.jsonl, line 14: empty completion"):
+        sft.train(sft.Config(task=None, dataset=str(path), **SFT_TINY))
+    rows[13]["completion"] = ["not", "text"]  # a column of text and lists: datasets would read "11" as 11
+    path = write_jsonl(tmp_path / "s.jsonl", rows)
+    with pytest.raises(ValueError, match=r"s\.jsonl, line 14: column 'completion' holds list \['not', 'text'\] where "
+                                         r"line 1 holds str \(a column holds one type\)"):
+        sft.train(sft.Config(task=None, dataset=str(path), **SFT_TINY))
+
+
+def test_a_null_answer_is_refused_not_graded_zero(tmp_path, monkeypatch):
+    from rlcore.loops import online
+    built = []
+    monkeypatch.setattr(online, "build_online_state", lambda *a, **k: built.append(1))
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    rows[4]["answer"] = None
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(ValueError, match=r"dataset: .*p\.jsonl, line 5: column 'answer' is null, and add_reward "
+                                         r"requires it \(a row without it would be graded as wrong\)"):
+        grpo.train(grpo.Config(**TINY, dataset=str(path)))
+    assert built == []
+
+    def lenient(completions, answer=None, **kw):  # a default: rows without an answer are its to judge
+        return [0.0 if a is None else float(c == a) for c, a in zip(completions, answer)]
+    from rlcore.loops.online import check_prompt_data
+    check_prompt_data(lenient, train=load_local(path))
