@@ -13,7 +13,8 @@ Laid out by role:
   one run per folder), ``logging``, ``diffusion`` (with
   ``images``: JPEG rewards, grids; ``sd``: Stable Diffusion pipelines; ``aesthetic``: an
   aesthetic-style image reward),
-  ``reft_data`` / ``reft_model``; the ``cli`` and the ``demo``;
+  ``reft_data`` / ``reft_model``; ``trl_defaults`` (TRL's defaults where rlcore's differ); the ``cli``
+  and the ``demo``;
 - ``rlcore.loops.recipes``: one module per trainer (``sft``, ``reward``, ``dpo``, ``ppo``,
   ``rloo``, ``grpo``, ``online_dpo``, ``ddpo``, ``reft``), each with a ``Config``,
   ``train(config)`` and ``evaluate(state, config)``; the ``rlcore`` command runs them
@@ -23,9 +24,16 @@ Laid out by role:
   ``workers``) and the vLLM engine (``vllm_engine``).
 
 The building blocks of the pieces and of ``scale`` are exported here; recipes are imported by
-name (``from rlcore.loops.recipes import grpo``)."""
+name (``from rlcore.loops.recipes import grpo``).
+
+Importing it silences, by their exact text, the warnings of third-party packages that say nothing
+to a user of rlcore (``loops/_quiet.py``): transformers' note that an image processor falls back
+to its PIL backend without torchvision (diffusers' Stable Diffusion pipeline names CLIP's image
+processor on import; the fallback is what a torchvision-free install uses). Every other warning passes."""
 
 from importlib import import_module as _import_module
+
+from rlcore.loops import _quiet  # noqa: F401  (first: its filter is in place before transformers logs)
 
 from rlcore.loops.aesthetic import *  # noqa: F401,F403
 from rlcore.loops.checkpoint import *  # noqa: F401,F403
@@ -63,11 +71,12 @@ from rlcore.loops.shapes import *  # noqa: F401,F403
 from rlcore.loops.state import *  # noqa: F401,F403
 from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.tokenization import *  # noqa: F401,F403
+from rlcore.loops.trl_defaults import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
 
 _MODULES = ("aesthetic", "checkpoint", "checkpoint_codec", "checkpoint_config", "chunks", "collate", "collect", "config", "data",
             "diffusion", "engines", "evaluate", "filters", "fold", "images", "logging", "lora", "models", "online",
             "recipe", "reft_data", "reft_model", "reward_fns", "run_dir", "scale.async_learners", "scale.async_rl",
             "scale.distributed", "scale.placement", "scale.vllm_engine", "scale.workers", "score", "sd", "shapes",
-            "state", "tasks", "tokenization", "update")
+            "state", "tasks", "tokenization", "trl_defaults", "update")
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

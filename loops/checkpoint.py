@@ -62,7 +62,7 @@ FORMAT_VERSION = 1
 _NAME = re.compile(r"^checkpoint-(?P<step>\d+)$")
 _OLD = re.compile(r"^\.old-(?P<name>checkpoint-(?P<step>\d+))-[0-9a-f]+$")  # set aside by a re-save
 _SCRATCH = (".tmp-", ".old-", ".del-")
-_SPECIAL = ("models", "optimizer", "scheduler")
+_SPECIAL = ("models", "optimizer", "scheduler", "reward_fn")  # not stored as state: code, rebuilt by the run
 _MANIFEST_BYTES = 16 << 20  # a manifest lists files: names, sizes, hashes
 
 

@@ -22,6 +22,12 @@ sampling) but every setting that runs code, opens a path or widens trust (reward
 line and its ``--config`` only; a stored one that differs is reported on stderr, not obeyed
 (``loops.checkpoint_config``). ``--init_from`` names the checkpoint the evaluated run started
 from: the reference for KL, and the base of an adapter checkpoint whose run started from one.
+
+A fault of the settings or the data (an unknown field, a value out of range, a config file that is
+not YAML, a dataset row that cannot be read, a missing file) is printed as one message naming the
+field or row and what is allowed, with exit status 2 and no traceback; ``--traceback`` (or
+``RLCORE_TRACEBACK=1``) shows the traceback. An error raised once the run has started is shown
+with its traceback (``main``).
 """
 
 from __future__ import annotations
@@ -88,13 +94,33 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _recipe_parser(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """The ``--config`` option, one ``--FIELD`` per field of ``config_cls`` (its documentation, the
+    TRL names that set it, its default) and, for a recipe with a TRL table (``loops.trl_config``),
+    one ``--NAME`` per TRL name: translated ones listed with what they set, the others accepted
+    quietly so that ``load_config`` answers them (their value allowed, or the reason they are refused)."""
+    from rlcore.loops.trl_config import Accept, table_for, trl_names_by_field
+
     parser.add_argument("--config", type=Path, help="a YAML file of fields (configs/<recipe>.yaml)")
     docs = field_docs(config_cls)
+    found = table_for(config_cls)
+    recipe, table = found if found else ("", {})
+    trl = trl_names_by_field(recipe)
     group = parser.add_argument_group("fields of the recipe's Config (YAML keys, or --flags here)")
+    fields = [f.name for f in dataclasses.fields(config_cls)]
     for f in dataclasses.fields(config_cls):
         default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        names = f" (TRL: {', '.join(trl[f.name])})" if f.name in trl else ""
         group.add_argument(f"--{f.name}", dest=f"field_{f.name}", default=None, metavar="VALUE",
-                           help=f"{docs.get(f.name, '')} [default: {default!r}]".strip())
+                           help=f"{docs.get(f.name, '')}{names} [default: {default!r}]".strip())
+    if not table:
+        return
+    group = parser.add_argument_group("TRL's names (translated with TRL's meaning; docs/from_trl.md lists every one)")
+    for name, entry in table.items():
+        if name in fields:
+            continue
+        shown = isinstance(entry, Accept)
+        group.add_argument(f"--{name}", dest=f"field_{name}", default=None, metavar="VALUE",
+                           help=f"→ {', '.join(entry.to)}: {entry.note}" if shown else argparse.SUPPRESS)
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,9 +162,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.run_async:
         from rlcore.loops.scale.async_rl import train_async
 
-        _, history = train_async(config, max_lag=args.max_lag, is_clip=args.is_clip)
+        _, history = train_async(config, max_lag=args.max_lag, is_clip=args.is_clip, callbacks=[args.started])
     else:
-        _, history = module.train(config)
+        _, history = module.train(config, callbacks=[args.started])
     if history:
         print(json.dumps({"final": history[-1]}, indent=None))
     return 0
@@ -184,6 +210,7 @@ def _eval(args: argparse.Namespace) -> int:
         reference, _ = build_policy(_config(module, args, start, {"resume": False}))
         policy, _ = build_policy(config, base_from=base_from)
         state = init_state({"policy": policy, "ref": make_reference(reference)}, seed=config.seed)
+    args.started.on_start(state)
     print(json.dumps(module.evaluate(state, config), indent=2))
     return 0
 
@@ -204,6 +231,7 @@ def _export(args: argparse.Namespace) -> int:
     config = _config(module, args, start, {"init_from": str(path), "resume": False, "use_peft": False,
                                            "gradient_checkpointing": False, "device": "cpu"})
     model, tokenizer = build_policy(config, base_from=caller.init_from)
+    args.started.on_start(None)
     export_merged(model, tokenizer, out)
     print(json.dumps({"exported": str(out), "from": str(path)}))
     return 0
@@ -239,6 +267,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     for command, help_text in commands:
         p = sub.add_parser(command, help=help_text)
         p.add_argument("recipe", choices=sorted(RECIPES), help="which recipe")
+        # read (and removed) by main before parsing; listed here for --help
+        p.add_argument("--traceback", action="store_true",
+                       help="show the traceback of a settings or data error (also RLCORE_TRACEBACK=1)")
         if command in ("eval", "export"):
             p.add_argument("--checkpoint", required=True, help="a checkpoint directory or a run directory")
         if command == "export":
@@ -258,18 +289,78 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+class _FirstStep:
+    """A fold callback that notes the start of the first step (``on_start``): a fault raised before it
+    comes from the settings or the data, one raised after it from the run."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def on_start(self, state: Any) -> None:
+        self.started = True
+
+    def __call__(self, state: Any, metrics: dict) -> None:
+        return None
+
+
+def _setting_fault(error: BaseException, started: bool) -> bool:
+    """Whether ``error`` is a fault of what the user gave, to be reported as its message: a
+    ``ConfigError`` at any time; before the first step (or the evaluation, or the export) also a
+    ``ValueError`` (every check of a config, a dataset row, a model folder raises one), a file that
+    is missing or unreadable, a checkpoint that fails its checks, a package or reward-function
+    module that cannot be imported. Anything else, and any of these
+    once the run has started, is a fault of the program: its traceback is shown."""
+    from rlcore.loops.checkpoint_codec import CheckpointError
+    from rlcore.loops.config import ConfigError
+
+    setup = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, CheckpointError,
+             ImportError)
+    return isinstance(error, ConfigError) or (not started and isinstance(error, setup))
+
+
+def main(argv: Sequence[str] | None = None, *, report: bool | None = None) -> int:
+    """Run the ``rlcore`` command on ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    With ``report`` (the default when ``argv`` is None, that is for the command itself), a fault of
+    the settings or the data (``_setting_fault``: an unknown field, a bad value, a config file that
+    is not YAML, a bad dataset row, a missing file) prints one line, ``rlcore COMMAND RECIPE: error:
+    MESSAGE`` (the message names the field or row and what is allowed), and returns 2, as a bad
+    option does; ``--traceback`` anywhere on the command line, or ``RLCORE_TRACEBACK=1``, raises it
+    with its traceback instead. Without ``report`` (a caller passing ``argv`` from Python) every
+    exception reaches the caller. SIGINT / SIGTERM during a run stop it at a step boundary, save it
+    and print the command that resumes it (exit status 130 / 143); a Ctrl-C before the first step
+    prints that nothing was saved (130)."""
+    import os
+
+    report = argv is None if report is None else report
     argv = list(sys.argv[1:] if argv is None else argv)
+    show = "--traceback" in argv or os.environ.get("RLCORE_TRACEBACK", "") not in ("", "0")
+    argv = [a for a in argv if a != "--traceback"]
     args = build_parser(argv).parse_args(argv)
+    args.started = _FirstStep()
     handler = {"train": _train, "eval": _eval, "export": _export, "demo": _demo, "recipes": _recipes}[args.command]
     from rlcore.loops.fold import Interrupted
     from rlcore.loops.run_dir import interrupted_report
 
+    where = " ".join(["rlcore", args.command, *([args.recipe] if getattr(args, "recipe", None) else [])])
     try:
         return handler(args)
     except Interrupted as stopped:  # SIGINT / SIGTERM: the run saved its last step; say how to go on
         print(interrupted_report(stopped, argv), file=sys.stderr, flush=True)
         return stopped.exit_code
+    except KeyboardInterrupt:
+        if not report or show:
+            raise
+        said = ("interrupted at once (a second signal): the step in progress was not saved" if args.started.started
+                else "interrupted before the first step: nothing was saved")
+        print(f"{where}: {said}", file=sys.stderr, flush=True)
+        return 130
+    except Exception as error:
+        if not report or show or not _setting_fault(error, args.started.started):
+            raise
+        print(f"{where}: error: {error}\n(--traceback or RLCORE_TRACEBACK=1 shows where it was raised)",
+              file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -31,10 +31,49 @@ from rlcore.loops.collect import check_length_range
 from rlcore.loops.engines import ENGINES, SAMPLERS
 from rlcore.loops.reward_fns import NONFINITE_REWARDS
 from rlcore.loops.logging import check_trackers
+from rlcore.loops.trl_config import translate as translate_trl_names
 
-__all__ = ["RunConfig", "DTYPES", "TINY_MODELS", "loading_kwargs", "quantization_kwargs", "check_quantization",
+__all__ = ["ConfigError", "RunConfig", "coerce_tuples", "DTYPES", "TINY_MODELS", "loading_kwargs", "quantization_kwargs", "check_quantization",
            "autocast_dtype", "FIELD_RULES", "check_config", "TRL_NAMES", "load_config", "config_dict", "parse_yaml",
            "read_config_file", "YAML_MAX_BYTES", "YAML_MAX_DEPTH", "YAML_MAX_ALIASES", "YAML_MAX_NODES"]
+
+
+class ConfigError(ValueError):
+    """A setting that cannot run: an unknown field, a value outside its type or range, a config file
+    that is not a small YAML mapping. The message names the field (or file) and what is allowed. A
+    ``ValueError``, so code that catches those catches it; the ``rlcore`` command prints it without a
+    traceback and exits with status 2 (``loops.cli.main``)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _tuple_fields(cls: type) -> dict[str, bool]:
+    """``{field: takes text items}`` of each field of ``cls`` annotated with a tuple (or an optional one)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):
+        return {}
+    out = {}
+    for f in dataclasses.fields(cls):
+        tp = hints.get(f.name)
+        parts = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        tuples = [p for p in parts if typing.get_origin(p) is tuple]
+        if tuples and str not in parts:
+            out[f.name] = any(typing.get_args(p)[:1] == (str,) for p in tuples)
+    return out
+
+
+def coerce_tuples(config: Any) -> None:
+    """Give each tuple field of the frozen dataclass ``config`` a tuple, in place (for ``__post_init__``):
+    one string given to a ``tuple[str, ...]`` field becomes a one-item tuple
+    (``lora_target_modules="all-linear"`` → ``("all-linear",)``, ``reward_funcs="my.mod:fn"``), and a
+    list becomes a tuple. A string is a sequence of characters, so taken as it is it would become a
+    tuple of one-letter names; anything else is left for ``check_config`` to judge."""
+    for name, text_items in _tuple_fields(type(config)).items():
+        value = getattr(config, name)
+        if isinstance(value, str) and text_items:
+            object.__setattr__(config, name, (value,))
+        elif isinstance(value, list):
+            object.__setattr__(config, name, tuple(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +135,9 @@ class RunConfig:
     report_to: tuple[str, ...] = ()           # trackers besides metrics.jsonl: tensorboard (run_dir/tensorboard), wandb (TRL report_to)
     resume: bool = False                      # continue from the latest checkpoint of run_dir
     overwrite: bool = False                   # start over in a run_dir holding another run: delete that run's files (checkpoints, logs) first
+
+    def __post_init__(self):
+        coerce_tuples(self)  # lora_target_modules="all-linear" is one name, not ten characters
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -174,8 +216,8 @@ class _BoundedLoader(yaml.SafeLoader):
         super().__init__(stream)
         self.where, self.aliases, self.depth = where, 0, 0
 
-    def refuse(self, what: str) -> ValueError:
-        return ValueError(f"{self.where}: {what}; a config is a small mapping of field: value")
+    def refuse(self, what: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {what}; a config is a small mapping of field: value")
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
@@ -222,12 +264,12 @@ def parse_yaml(text: str, where: str) -> Any:
     (``YAML_MAX_BYTES``, ``_DEPTH``, ``_ALIASES``, ``_NODES``); ``where`` (a file, a ``--field``)
     starts every error. Raises ``ValueError`` for text past a bound or that is not YAML."""
     if len(text) > YAML_MAX_BYTES:
-        raise ValueError(f"{where}: {len(text)} characters of YAML, more than {YAML_MAX_BYTES}")
+        raise ConfigError(f"{where}: {len(text)} characters of YAML, more than {YAML_MAX_BYTES}")
     loader = _BoundedLoader(text, where)
     try:
         return loader.get_single_data()
     except yaml.YAMLError as e:
-        raise ValueError(f"{where}: not valid YAML: {e}") from None
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
     finally:
         loader.dispose()
 
@@ -240,19 +282,19 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     with path.open("rb") as f:
         data = f.read(YAML_MAX_BYTES + 1)
     if len(data) > YAML_MAX_BYTES:
-        raise ValueError(f"{path}: a config file of more than {YAML_MAX_BYTES} bytes")
+        raise ConfigError(f"{path}: a config file of more than {YAML_MAX_BYTES} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     loaded = parse_yaml(text, str(path))
     if loaded is None:
         return {}
     if not isinstance(loaded, Mapping):
-        raise ValueError(f"{path}: expected a mapping of field: value, got {type(loaded).__name__}")
+        raise ConfigError(f"{path}: expected a mapping of field: value, got {type(loaded).__name__}")
     keys = [k for k in loaded if not isinstance(k, str)]
     if keys:
-        raise ValueError(f"{path}: expected field names as keys, got {keys[:3]!r}")
+        raise ConfigError(f"{path}: expected field names as keys, got {keys[:3]!r}")
     return dict(loaded)
 
 
@@ -287,11 +329,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     parts = typing.get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
     if isinstance(value, bool) and bool not in parts and {int, float} & set(parts):
-        raise ValueError(f"{where}: expected a number, got {value!r}")
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
     try:
         return _adapter(tp).validate_python(value)
     except ValidationError as e:
-        raise ValueError(f"{where}: cannot read {value!r} as {tp}: {e.errors()[0]['msg']}") from None
+        raise ConfigError(f"{where}: cannot read {value!r} as {tp}: {e.errors()[0]['msg']}") from None
 
 
 # The ranges of the fields recipes share, by name: ``(allowed?, what is allowed)``. ``None`` of an
@@ -448,7 +490,7 @@ def check_config(config: Any) -> Any:
     field's type, and every ``*_kwargs`` entry of the type of the keyword it feeds (the loss's or
     estimator's signature); when every integer fits int64 and every float is finite; and when each
     device is one this machine has (``cuda`` needs a CUDA build and device, ``cuda:N`` an ``N``
-    below the count; ``meta`` is refused). Else a ``ValueError`` naming each field (or
+    below the count; ``meta`` is refused). Else a ``ConfigError`` (a ``ValueError``) naming each field (or
     ``loss_kwargs.<name>``) at fault, its value and what is allowed (all at once).
 
     ``load_config`` runs it on every config it builds and ``run`` on the config of every recipe it
@@ -486,32 +528,33 @@ def check_config(config: Any) -> Any:
     if getattr(config, "engine_options", None) and getattr(config, "engine", None) != "vllm":
         faults.append(f"engine_options: only for engine='vllm', got engine={config.engine!r}")
     if faults:
-        raise ValueError(f"{type(config).__name__}: " + "; ".join(faults))
+        raise ConfigError(f"{type(config).__name__}: " + "; ".join(faults))
     if getattr(config, "mixed_precision", None) not in (None, "bf16"):
-        raise ValueError(f"{type(config).__name__}: mixed_precision: expected 'bf16' or None, got "
+        raise ConfigError(f"{type(config).__name__}: mixed_precision: expected 'bf16' or None, got "
                          f"{config.mixed_precision!r} (float16 autocast needs loss scaling, which is not offered)")
     if getattr(config, "dtype", "float32") not in DTYPES:
-        raise ValueError(f"{type(config).__name__}: dtype: expected one of {list(DTYPES)}, got {config.dtype!r}")
+        raise ConfigError(f"{type(config).__name__}: dtype: expected one of {list(DTYPES)}, got {config.dtype!r}")
     check_trackers(getattr(config, "report_to", ()))
     if isinstance(config, RunConfig):  # a language-model recipe's (DDPO's config loads no such model)
         check_quantization(config)
     return config
 
 
-# TRL's names for the fields of rlcore's recipes (a config written for TRL gets "did you mean" for them).
-# Batch sizes are absent on purpose: TRL's count completions per device, rlcore's ``batch_size`` prompts
-# (docs/from_trl.md); gradient accumulation maps to ``micro_batch_size``, which sets rows per forward.
+# TRL's names as hints ("did you mean") for recipes without a translation table: the recipes of
+# ``loops.trl_config.TABLES`` (sft, dpo, reward, grpo, rloo, ppo) read TRL's names themselves.
+# Batch sizes are absent on purpose: TRL's count completions per device and accumulation steps,
+# rlcore's ``batch_size`` prompts or pairs over all ranks (docs/from_trl.md).
 TRL_NAMES: dict[str, tuple[str, ...]] = {
     "learning_rate": ("lr",), "max_steps": ("steps",), "num_train_epochs": ("steps", "num_epochs"),
     "save_steps": ("save_every",), "eval_steps": ("eval_every",), "logging_steps": ("log_every",),
     "output_dir": ("run_dir",), "save_total_limit": ("keep_last",), "num_generations": ("num_samples",),
-    "max_completion_length": ("max_new_tokens", "max_length"), "response_length": ("max_new_tokens",),
+    "max_completion_length": ("max_new_tokens",), "response_length": ("max_new_tokens",),
     "beta": ("kl_coef", "beta"), "model_name_or_path": ("model",), "resume_from_checkpoint": ("resume",),
     "lr_scheduler_type": ("schedule",), "num_iterations": ("epochs",), "ppo_epochs": ("epochs",),
     "cliprange": ("clip_eps_low", "clip_eps_high"), "epsilon": ("clip_eps_low", "clip_eps_high"),
     "kl_penalty": ("kl",), "init_kl_coef": ("kl_coef",), "adap_kl_ctrl": ("kl_controller",),
     "dataset_name": ("dataset",), "loss_type": ("loss_type", "loss"), "reward_model_path": ("reward_model",),
-    "sft_model_path": ("init_from",), "gradient_accumulation_steps": ("micro_batch_size",),
+    "sft_model_path": ("init_from",),
     "epsilon_high": ("clip_eps_high",), "train_dataset": ("dataset",), "num_completions_to_print": ("log_completions",),
     "torch_dtype": ("dtype",), "model_revision": ("revision",), "bf16": ("mixed_precision",),
 }
@@ -532,6 +575,9 @@ def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[st
     ``overrides`` (e.g. parsed ``--field value`` pairs, strings allowed) win over the file; both
     may give any subset of the fields, the rest keep their defaults. Values are coerced to the
     field types (``"1e-4"`` → float, ``"true"`` → bool, ``"null"`` → None for optional fields).
+    TRL's names are read first for the recipes of ``loops.trl_config.TABLES``: translated with TRL's
+    meaning (``per_device_train_batch_size`` → ``batch_size``, ``beta`` → ``kl_coef``) or refused
+    with the reason; a TRL name and its rlcore field given with different values are an error.
 
     Raises:
         ValueError: an unknown key (the message lists the valid fields), a value that does not fit
@@ -541,12 +587,14 @@ def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[st
     raw: dict[str, Any] = read_config_file(path) if path is not None else {}
     raw.update(overrides or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    # TRL's names (loops.trl_config): translated to the fields, units converted, or refused with the reason
+    raw = translate_trl_names(cls, raw, lambda k, v: _coerce(v, hints[k], f"{cls.__name__}.{k}"))
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         hints = "".join(f"; {k}: {hint}" for k in unknown if (hint := _did_you_mean(k, fields)))
-        raise ValueError(f"{path or cls.__name__}: unknown keys {unknown}{hints}; valid fields of {cls.__name__}: "
+        raise ConfigError(f"{path or cls.__name__}: unknown keys {unknown}{hints}; valid fields of {cls.__name__}: "
                          f"{sorted(fields)}")
-    hints = typing.get_type_hints(cls)
     return check_config(cls(**{k: _coerce(v, hints[k], f"{cls.__name__}.{k}") for k, v in raw.items()}))
 
 

@@ -17,7 +17,7 @@ from rlcore.kl import kl_estimate
 from rlcore.loops.collect import generate_rollout
 from rlcore.loops.fold import to_floats
 from rlcore.loops.recipe import load_splits, policy_tokenizer
-from rlcore.loops.reward_fns import RewardFn, make_reward_fn, repeat_columns, reward_settings
+from rlcore.loops.reward_fns import RewardFn, make_reward_fn, repeat_columns, reward_settings, trainer_state
 from rlcore.loops.score import score_rollout
 from rlcore.loops.state import TrainState
 from rlcore.loops.tasks import exact_match, task_dataset
@@ -34,12 +34,13 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
                    seed: int, reference_scores: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-prompt ``[b]`` evaluation quantities of one chunk of held-out rows (``reference_scores``:
     the reference's greedy scores of this chunk when already known; ``_reference_scores`` in the result)."""
-    columns, prompts = repeat_columns(rows, 1), list(rows["prompt"])
+    prompts = list(rows["prompt"])
+    columns = {**repeat_columns(rows, 1), "trainer_state": trainer_state(state.step, getattr(config, "steps", None))}
     policy = state.model("policy")
     gen = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length, seed=seed,
                engine=config.engine, sampler=config.sampler, engine_options=config.engine_options)
     scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
-                   reward_columns=columns, **reward_settings(config))
+                   prompts=prompts, reward_columns=columns, **reward_settings(config))
     greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)
     reward, ref_reward = score_rollout(greedy, **scoring)[K.SCORE], reference_scores
     if ref_reward is None:
@@ -84,7 +85,11 @@ def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: 
 
     Args:
         dataset: the held-out split (default: ``load_splits(config, task_dataset)[1]``).
-        tokenizer, reward_fn: as in training (defaults from ``config``).
+        tokenizer: as in training (default from ``config``).
+        reward_fn: the reward as ``train`` takes it (``make_reward_fn(config, reward_fn)``: with the
+            config's ``reward_funcs`` and ``reward_weights``). ``None``: the one the state carries
+            (``state.reward_fn``: what ``train`` built, so ``evaluate(state, config)`` on its
+            returned state scores exactly as training did), else the config's own.
         reference_cache: a dict kept across the evaluations of one run whose reference is frozen
             (``train_online`` passes one unless TR-DPO moves the reference): the reference's
             greedy scores of each chunk are computed at the first evaluation only (its answers
@@ -94,7 +99,8 @@ def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: 
     """
     tokenizer = tokenizer if tokenizer is not None else policy_tokenizer(config)
     dataset = dataset if dataset is not None else load_splits(config, task_dataset)[1]
-    reward_fn = make_reward_fn(config, reward_fn)
+    carried = getattr(state, "reward_fn", None)
+    reward_fn = make_reward_fn(config, reward_fn) if reward_fn is not None or carried is None else carried
     n, size = len(dataset), config.eval_batch_size
     cache = {} if reference_cache is None else reference_cache
     chunks = [_evaluate_rows(state, dataset[i:i + size], config, tokenizer=tokenizer, reward_fn=reward_fn,

@@ -12,6 +12,13 @@ Every logger is a callback ``cb(state, metrics)`` (``metrics`` already plain flo
   ``run_dir/samples.jsonl`` and ``run_dir/samples.md``;
 - :class:`PeakMemory` hands the loggers each step's peak memory (process RSS; CUDA's
   ``max_memory_allocated`` when the run is on a GPU) beside its metrics.
+- :class:`TrlNames` hands them each metric under TRL's name too (:data:`TRL_METRIC_NAMES`,
+  :func:`trl_names`: ``clip_ratio/low_mean``, ``reward``, ``num_tokens``, ...), so a dashboard
+  built for TRL's trainers finds its curves; docs/metrics.md explains every name.
+
+The trackers group the tags as TRL's trainers do: ``train/<name>`` for a step's metrics and
+``eval/<name>`` for a held-out evaluation's (which the metrics already carry as ``eval/<key>``);
+``metrics.jsonl`` keeps the names as they are (:func:`tracker_tag`).
 
 :func:`make_loggers` builds the usual set in one call.
 """
@@ -30,7 +37,7 @@ from typing import IO, Any
 
 __all__ = ["JsonlLogger", "ProgressDisplay", "TensorBoardLogger", "WandbLogger", "SampleTable", "make_loggers",
            "markdown_table", "CompletionsToTrackers", "ImagesToTrackers", "TRACKERS", "check_trackers", "read_jsonl", "PeakMemory",
-           "peak_memory"]
+           "peak_memory", "TRL_METRIC_NAMES", "trl_names", "TrlNames", "tracker_tag"]
 
 _GIB = 2.0 ** 30
 
@@ -101,6 +108,72 @@ class PeakMemory:
         metrics = {**metrics, **peak_memory(self.device)}
         for logger in self.loggers:
             logger(state, metrics)
+
+
+# rlcore's metric -> TRL's name for the same quantity, added beside it at the logging boundary (the
+# losses keep their own keys). clip_ratio/region_mean is the sum of the two clip fractions (a token
+# is clipped below or above, never both); num_tokens is the state's tokens_seen counter (trl_names).
+TRL_METRIC_NAMES: dict[str, str] = {
+    "rollout/score": "reward",
+    "rollout/score_std": "reward_std",
+    "clipfrac_low": "clip_ratio/low_mean",
+    "clipfrac_high": "clip_ratio/high_mean",
+    "kl_ref": "kl",
+    "lr": "learning_rate",
+}
+
+
+def trl_names(metrics: Mapping[str, float], state: Any = None) -> dict[str, float]:
+    """``metrics`` plus TRL's name of each one :data:`TRL_METRIC_NAMES` maps, ``clip_ratio/region_mean``
+    (``clipfrac_low + clipfrac_high``) and, from a ``state`` that has counted tokens, ``num_tokens``
+    (``state.tokens_seen``: cumulative prompt + completion tokens, checkpointed, so a resumed run
+    continues the count). A name the metrics already hold is left as it is.
+
+    >>> trl_names({"clipfrac_low": 0.25, "clipfrac_high": 0.5})["clip_ratio/region_mean"]
+    0.75
+    """
+    out = dict(metrics)
+    for ours, theirs in TRL_METRIC_NAMES.items():
+        if ours in metrics and theirs not in metrics:
+            out[theirs] = metrics[ours]
+    if "clipfrac_low" in metrics and "clipfrac_high" in metrics and "clip_ratio/region_mean" not in metrics:
+        out["clip_ratio/region_mean"] = metrics["clipfrac_low"] + metrics["clipfrac_high"]
+    if getattr(state, "tokens_seen", 0) and "num_tokens" not in metrics:
+        out["num_tokens"] = float(state.tokens_seen)
+    return out
+
+
+class TrlNames:
+    """Loggers wrapped so each sees the step's metrics with TRL's names added (:func:`trl_names`).
+    The history ``fold`` returns is left as it is."""
+
+    def __init__(self, loggers: Sequence[Callable]):
+        self.loggers = list(loggers)
+
+    def on_start(self, state: Any) -> None:
+        for logger in self.loggers:
+            if hasattr(logger, "on_start"):
+                logger.on_start(state)
+
+    def on_end(self, state: Any) -> None:
+        for logger in self.loggers:
+            if hasattr(logger, "on_end"):
+                logger.on_end(state)
+
+    def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
+        metrics = trl_names(metrics, state)
+        for logger in self.loggers:
+            logger(state, metrics)
+
+
+def tracker_tag(name: str) -> str:
+    """A metric's tag in TensorBoard and wandb, grouped as TRL's trainers group theirs: ``eval/<key>``
+    stays, anything else goes under ``train/``.
+
+    >>> tracker_tag("loss"), tracker_tag("eval/reward")
+    ('train/loss', 'eval/reward')
+    """
+    return name if name.startswith(("eval/", "train/")) else f"train/{name}"
 
 
 def _json_number(v: float) -> float | None:
@@ -253,7 +326,8 @@ class ProgressDisplay:
 
 
 class TensorBoardLogger:
-    """Scalars to TensorBoard (``torch.utils.tensorboard``), one point per metric and step."""
+    """Scalars to TensorBoard (``torch.utils.tensorboard``), one point per metric and step, tagged
+    ``train/<name>`` or ``eval/<key>`` (:func:`tracker_tag`)."""
 
     def __init__(self, log_dir: str | Path, *, every: int = 1):
         try:
@@ -265,7 +339,7 @@ class TensorBoardLogger:
     def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
         if state.step % self.every == 0:
             for k, v in metrics.items():
-                self.writer.add_scalar(k, v, state.step)
+                self.writer.add_scalar(tracker_tag(k), v, state.step)
 
     def log_table(self, name: str, rows: Sequence[Mapping[str, Any]], step: int) -> None:
         """``rows`` as a markdown table in TensorBoard's text tab."""
@@ -282,7 +356,8 @@ class TensorBoardLogger:
 
 
 class WandbLogger:
-    """Metrics to Weights & Biases: ``wandb.init(project=..., config=..., **init_kwargs)`` at once."""
+    """Metrics to Weights & Biases, tagged as :class:`TensorBoardLogger`'s:
+    ``wandb.init(project=..., config=..., **init_kwargs)`` at once."""
 
     def __init__(self, project: str | None = None, *, config: Any = None, every: int = 1, **init_kwargs: Any):
         try:
@@ -293,7 +368,7 @@ class WandbLogger:
 
     def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
         if state.step % self.every == 0:
-            self.run.log(dict(metrics), step=state.step)
+            self.run.log({tracker_tag(k): v for k, v in metrics.items()}, step=state.step)
 
     def log_table(self, name: str, rows: Sequence[Mapping[str, Any]], step: int) -> None:
         """``rows`` as a ``wandb.Table`` (the union of their keys as columns)."""
@@ -438,7 +513,8 @@ def make_loggers(run_dir: str | Path, *, total: int | None = None, stage: str = 
     tracker, the completions evaluations write to ``run_dir/completions.jsonl`` go to it as tables
     (``CompletionsToTrackers``) and the PNGs written to ``run_dir/images`` as images
     (``ImagesToTrackers``). The JSONL lines and the trackers carry each step's peak memory
-    (``PeakMemory`` on ``device``)."""
+    (``PeakMemory`` on ``device``) and TRL's names of the metrics (``TrlNames``); the trackers tag
+    them ``train/<name>`` / ``eval/<key>``."""
     check_trackers(report_to)
     callbacks: list = [JsonlLogger(run_dir)]
     trackers: list = []
@@ -447,7 +523,7 @@ def make_loggers(run_dir: str | Path, *, total: int | None = None, stage: str = 
     if "wandb" in report_to:
         trackers.append(WandbLogger(config=dict(config or {}), **{"name": Path(run_dir).name, "dir": str(run_dir),
                                                                    **(wandb_kwargs or {})}))
-    measured = PeakMemory(callbacks + trackers, device)
+    measured = PeakMemory([TrlNames(callbacks + trackers)], device)
     display = [ProgressDisplay(total, stage=stage, keys=progress_keys, every=progress_every, stream=stream)
                ] if progress else []
     to_trackers = [CompletionsToTrackers(Path(run_dir) / "completions.jsonl", list(trackers)),

@@ -24,8 +24,10 @@ carries on (the input state's generator is untouched), so a resumed run samples 
 responses of an uninterrupted one. Evaluation uses a fixed seed and never touches ``state.rng``
 or the global RNG, so evaluating does not change training.
 
-Rewards: ``reward_fn`` (a Python function ``(prompts, completions, **columns) -> scores``, by
-default ``loops.tasks.task_reward(config.task)``, which reads the ``answer`` column) or, with
+Rewards: ``reward_fn`` (a Python function called as TRL calls one, every argument by keyword:
+``fn(prompts=, completions=, completion_ids=, trainer_state=, **columns) -> scores``, described in
+``loops.reward_fns``; by default ``loops.tasks.task_reward(config.task)``, which reads the
+``answer`` column) or, with
 ``config.reward_model``, a sequence-classification reward model sharing the policy's tokenizer
 (``loops.models.reward_model_scores``); with both, their sum. Each reward function call may take
 ``config.reward_timeout`` seconds; a NaN or infinite score from either source is refused naming
@@ -59,8 +61,8 @@ from rlcore.loops.tokenization import check_text, model_context, text_window, to
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_values
 from rlcore.loops.recipe import batch_source, build_policy, build_reference, init_train_state, load_splits, run
-from rlcore.loops.reward_fns import (RewardFn, make_reward_fn, missing_eos_penalty, repeat_columns, reward_columns,
-                                     reward_settings)
+from rlcore.loops.reward_fns import (RewardFn, make_reward_fn, missing_eos_penalty, repeat_columns, repeat_prompts,
+                                     reward_columns, reward_settings, trainer_state)
 from rlcore.loops.score import score_rollout, sequences, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
 from rlcore.loops.tasks import task_dataset
@@ -71,7 +73,8 @@ from rlcore.transforms import observed_kl
 __all__ = ["OnlineConfig", "Correction", "ESTIMATOR_NEEDS", "check_kl_name", "runnable_estimators", "advantage_fn", "check_prompt_data", "check_prompt_lengths",
            "build_online_state", "prompt_source", "update_sizes", "generate_kwargs", "collect_rollout",
            "collect_groups", "replay_seed_draw", "critic_values", "score_collected", "with_policy_logprobs",
-           "policy_loss_fn", "policy_update", "rollout_metrics", "LIVE", "train_online"]
+           "policy_loss_fn", "policy_update", "rollout_metrics", "group_metrics", "length_metrics",
+           "reward_term_metrics", "LIVE", "train_online"]
 
 # the asynchronous learners' importance correction: a batch with advantages -> (the batch the loss sees, metrics)
 Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
@@ -121,6 +124,7 @@ class OnlineConfig(RunConfig):
     log_completions: int = 0         # held-out prompts whose greedy completions and rewards each evaluation writes to run_dir/completions.jsonl (TRL num_sample_generations / log_completions)
 
     def __post_init__(self):
+        super().__post_init__()  # a single name given to a tuple field is a one-item tuple (coerce_tuples)
         self.check()  # a Config that exists is one the recipe can run
 
     def check(self) -> None:
@@ -315,8 +319,10 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
     ``score_rollout`` with the models the state holds: ``ref_logprobs`` from ``models["ref"]``
     (unless the recipe's config has ``rollout_ref_logprobs = False``: online DPO's pairs get
     theirs), ``values`` from a critic (:func:`critic_values`) and ``score`` from the reward
-    (``reward_fn`` on the decoded texts with the other dataset columns repeated per sample, plus
-    ``models["reward"]``); then the counters. The seed draw is the caller's: ``collect_rollout``
+    (``reward_fn`` called as TRL calls one: the batch's prompts as the data holds them, the
+    completions in the same shape, their ids, the other dataset columns repeated per sample and a
+    ``trainer_state`` at ``state.step`` of ``config.steps``; plus ``models["reward"]``); then the
+    counters. The seed draw is the caller's: ``collect_rollout``
     draws it; a learner scoring a rollout generated elsewhere (``loops.scale.async_rl``,
     ``loops.scale.placement``) first replays it (:func:`replay_seed_draw`), and is then left
     exactly as the synchronous ``collect_rollout`` leaves it. A learner whose state holds no
@@ -329,14 +335,17 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
         num_samples: ``G`` (default ``config.num_samples``).
     Returns:
         ``(state, rollout)``: the state with ``samples_seen``, ``episodes`` (``+B``) and
-        ``tokens_seen`` (``+Σ response_mask``) advanced (the input state is untouched); a shallow
+        ``tokens_seen`` (``+Σ prompt_mask + Σ response_mask``: prompt and completion tokens, as
+        TRL's ``num_tokens`` counts them) advanced (the input state is untouched); a shallow
         copy of the rollout with the scores.
     """
     reference = state.models.get("ref") if getattr(config, "rollout_ref_logprobs", True) else None
     G = config.num_samples if num_samples is None else num_samples
     rollout = score_rollout(rollout, ref=reference, value_fn=critic_values(state),
                             reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
-                            reward_columns=repeat_columns(rows, G), temperature=config.temperature,
+                            prompts=repeat_prompts(rows, G), temperature=config.temperature,
+                            reward_columns={**repeat_columns(rows, G),
+                                            "trainer_state": trainer_state(state.step, getattr(config, "steps", None))},
                             rows_per_forward=getattr(config, "forward_batch_size", None), **reward_settings(config))
     penalty = getattr(config, "missing_eos_penalty", None)
     if penalty:  # a response cut at max_new_tokens, with no stop token, loses `penalty`
@@ -348,9 +357,10 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
         rollout[K.SCORE] = rollout[K.SCORE] + soft_overlong_penalty(
             rollout[K.RESPONSE_MASK], max_length=config.max_new_tokens, buffer=buffer,
             factor=config.overlong_penalty_factor).to(rollout[K.SCORE])
+    tokens = rollout[K.PROMPT_MASK].sum() + rollout[K.RESPONSE_MASK].sum()  # as TRL's num_tokens: prompt + completion
     rollout = exclude_unscored(rollout)
     B = rollout.batch_size[0]
-    return advance(state, samples_seen=B, episodes=B, tokens_seen=rollout[K.RESPONSE_MASK].sum()), rollout
+    return advance(state, samples_seen=B, episodes=B, tokens_seen=tokens), rollout
 
 
 # What an estimator of ``ADVANTAGE_ESTIMATORS`` reads beyond every rollout's ``score`` and
@@ -487,11 +497,16 @@ def policy_update(state: TrainState, batch: TensorDictBase, loss: Callable[..., 
 
 
 def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
-    """Detached scalars describing a scored rollout: ``rollout/score`` (mean), ``rollout/score_std``,
-    ``rollout/length`` (mean response tokens) over the scored samples, ``rollout/unscored`` (samples
-    a reward function had no opinion on, when any), ``rollout/truncated`` (the fraction of responses
-    that used the whole token budget with no stop token) and, with reference log-probs, ``rollout/kl_ref``
-    (``mean_b Σ_t (old − ref)``: k1 of whole responses, ``rlcore.transforms.observed_kl``)."""
+    """Detached scalars describing a scored rollout (docs/metrics.md explains each):
+
+    - ``rollout/score`` (mean), ``rollout/score_std``, ``rollout/length`` (mean response tokens) over
+      the scored samples, ``rollout/unscored`` (samples a reward function had no opinion on, when
+      any), ``rollout/truncated`` (the fraction of responses that used the whole token budget with
+      no stop token) and, with reference log-probs, ``rollout/kl_ref`` (``mean_b Σ_t (old − ref)``:
+      k1 of whole responses under the sampling policy, ``rlcore.transforms.observed_kl``);
+    - under TRL's names, :func:`group_metrics` (``frac_reward_zero_std``), :func:`length_metrics`
+      (``completions/...``) and :func:`reward_term_metrics` (``rewards/<name>/mean|std``).
+    """
     mask = rollout[K.RESPONSE_MASK]
     scored = mask.any(-1)  # exclude_unscored empties the mask of a sample with no score
     score = rollout[K.SCORE].detach()[scored]
@@ -505,6 +520,75 @@ def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
             else torch.zeros(())
     if K.REF_LOGPROBS in rollout.keys():
         out["rollout/kl_ref"] = observed_kl(kl_estimate(rollout[K.OLD_LOGPROBS], rollout[K.REF_LOGPROBS], "k1"), mask)
+    if K.GROUP_ID in rollout.keys():
+        out.update(group_metrics(rollout[K.SCORE].detach(), rollout[K.GROUP_ID], scored))
+    out.update(length_metrics(mask, rollout.get(K.TRUNCATED, None), scored))
+    if K.REWARD_TERMS in rollout.keys():
+        out.update(reward_term_metrics(rollout[K.REWARD_TERMS]))
+    return out
+
+
+def group_metrics(score: torch.Tensor, group_id: torch.Tensor, scored: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``frac_reward_zero_std`` (TRL's name): the fraction of prompt groups whose scored samples all
+    have the same score (zero std: every group-relative advantage of the group is 0).
+
+    Args:
+        score: ``[B]`` float.  group_id: ``[B]`` long, the prompt of each sample.
+        scored: ``[B]`` bool, the samples with a score (the others take no part).
+    Returns:
+        ``{"frac_reward_zero_std": []}``, 0 when no sample is scored.
+
+    >>> group_metrics(torch.tensor([1., 1., 0., 1.]), torch.tensor([0, 0, 1, 1]), torch.ones(4, dtype=torch.bool))
+    {'frac_reward_zero_std': tensor(0.5000)}
+    """
+    if not bool(scored.any()):
+        return {"frac_reward_zero_std": torch.zeros(())}
+    groups, index = torch.unique(group_id[scored], return_inverse=True)
+    s = score[scored].to(torch.float64)
+    high = s.new_full((len(groups),), -math.inf).scatter_reduce(0, index, s, "amax")
+    low = s.new_full((len(groups),), math.inf).scatter_reduce(0, index, s, "amin")
+    return {"frac_reward_zero_std": (high == low).to(score.dtype).mean()}
+
+
+def length_metrics(mask: torch.Tensor, truncated: torch.Tensor | None, scored: torch.Tensor) -> dict[str, torch.Tensor]:
+    """TRL's completion-length statistics over the scored samples, in tokens: ``completions/mean_length``,
+    ``/min_length``, ``/max_length``; ``completions/clipped_ratio`` (the fraction cut at the token
+    budget with no stop token, ``truncated``) and ``completions/mean_terminated_length``,
+    ``/min_terminated_length``, ``/max_terminated_length`` over the others (0 when none ended).
+
+    Args:
+        mask: ``response_mask [B, R]`` bool.  truncated: ``[B]`` bool or ``None`` (none truncated).
+        scored: ``[B]`` bool.
+    """
+    lengths = mask[scored].sum(-1).to(torch.float32)
+    cut = torch.zeros_like(lengths, dtype=torch.bool) if truncated is None else truncated[scored].bool()
+    ended = lengths[~cut] if bool((~cut).any()) else lengths.new_zeros(1)
+    lengths = lengths if lengths.numel() else lengths.new_zeros(1)
+    return {"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": cut.to(torch.float32).mean() if cut.numel() else torch.zeros(()),
+            "completions/mean_terminated_length": ended.mean(), "completions/min_terminated_length": ended.min(),
+            "completions/max_terminated_length": ended.max()}
+
+
+def reward_term_metrics(terms: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``rewards/<name>/mean`` and ``rewards/<name>/std`` (TRL's names) of each reward source's own
+    unweighted scores ``[B]`` (``reward_terms``, ``loops.score.score_rollout``), over the samples it
+    scored (NaN: no opinion); the std is the sample std (0 below two scores), the mean NaN when it
+    scored none.
+
+    >>> reward_term_metrics({"correct": torch.tensor([1.0, 0.0, float("nan")])})["rewards/correct/mean"].item()
+    0.5
+    """
+    out = {}
+    for name, x in terms.items():
+        x = x.detach().to(torch.float64)
+        valid = ~torch.isnan(x)
+        n = valid.sum()
+        mean = torch.where(valid, x, 0.0).sum() / n
+        var = torch.where(valid, (x - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1)
+        out[f"rewards/{name}/mean"] = mean
+        out[f"rewards/{name}/std"] = var.sqrt()
     return out
 
 
@@ -525,7 +609,10 @@ def train_online(config: Any, build_state: Callable[[Any], tuple[TrainState, Any
     """Run an online recipe: ``run(step, state, prompt_source(train), eval_fn=evaluate_policy)``.
 
     The data are loaded and checked first, then ``build_state(config) -> (state, tokenizer)`` (the
-    recipe's: it checks the config, then builds its models); ``step(state, rows, *, config,
+    recipe's: it checks the config, then builds its models). The reward (``make_reward_fn(config,
+    reward_fn)``: functions and weights) is built once and kept in the state (``state.reward_fn``):
+    the step scores with it and evaluation (during the run, and ``evaluate(state, config)`` on the
+    returned state) scores with it too; ``step(state, rows, *, config,
     tokenizer, reward_fn) -> (state, metrics)`` is the recipe's step, bound here with
     ``functools.partial``. ``callbacks`` run first after each step (``run``'s extra callbacks);
     ``save_models`` names the frozen models a checkpoint keeps too (``run``).
@@ -538,12 +625,13 @@ def train_online(config: Any, build_state: Callable[[Any], tuple[TrainState, Any
     reward = make_reward_fn(config, reward_fn)
     check_prompt_data(reward, train=train_ds, held_out=eval_ds)  # before any model is built
     state, tokenizer = build_state(config)
+    state = dataclasses.replace(state, reward_fn=reward)  # built once: training and evaluation score with it
     check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)
     refill = {"refill": prompt_refill(train_ds, config)} if getattr(config, "dynamic_sampling", False) else {}
     bound = functools.partial(step, config=config, tokenizer=tokenizer, reward_fn=reward, **refill)
     frozen = not getattr(config, "sync_ref_model", False)  # TR-DPO moves the reference: its answers change
     eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
-                                reward_fn=reward, reference_cache={} if frozen else None)
+                                reference_cache={} if frozen else None)  # scores with state.reward_fn
     return run(bound, state, prompt_source(train_ds, config), config=config, num_steps=config.steps,
                eval_fn=eval_fn, name=name, callbacks=callbacks, tokenizer=tokenizer,
                save_models=save_models, live=LIVE)

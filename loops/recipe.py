@@ -47,6 +47,7 @@ from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary,
                                  load_model, load_tokenizer, make_reference, saved_task, vocabulary_size)
 from rlcore.loops.scale.distributed import is_main, shard_source
 from rlcore.loops.state import TrainState, init_state
+from rlcore.loops.trl_defaults import report_defaults
 from rlcore.loops.update import enable_gradient_checkpointing, make_optimizer, make_scheduler
 from rlcore.seeding import set_seed
 
@@ -431,7 +432,9 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     files is refused before anything is written, unless ``overwrite`` (a config field) deletes them
     first (``claim_run_dir``). The global generators of Python, NumPy and torch are seeded with
     ``config.seed`` first (``set_seed``; a resume then restores the checkpoint's), so a reward
-    function drawing random numbers repeats under the same seed. SIGINT / SIGTERM stop the fold at
+    function drawing random numbers repeats under the same seed. A run on a model other than a
+    built-in tiny one first prints the fields still at rlcore's defaults whose TRL defaults differ
+    (``loops.trl_defaults.report_defaults``). SIGINT / SIGTERM stop the fold at
     the next step boundary (``fold``): the step is saved when there is a ``run_dir``, and the
     ``Interrupted`` raised names the folder and the checkpoint a resume starts from.
     ``eval_every`` of 0 (or None) never evaluates, ``save_every`` of 0 saves at the end only;
@@ -454,6 +457,8 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     """
     if dataclasses.is_dataclass(config):
         check_config(config)
+        if is_main():  # a model other than a built-in tiny one: the defaults that differ from TRL's, said once
+            report_defaults(config)
     name = name or type(config).__module__.rsplit(".", 1)[-1]
     run_dir = config.run_dir
     settings = {**config_dict(config), "recipe": name} if dataclasses.is_dataclass(config) else {"recipe": name}

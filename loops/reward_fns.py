@@ -1,8 +1,19 @@
 """Reward functions: calling them (TRL's convention), checking what they return, importing them
 by name, weighting several into one, and the response-level penalties added to their scores.
 
-A reward function is fn(prompts, completions, **columns) -> scores: one score (or None,
-no opinion) per completion; columns are the dataset's other columns, one value per completion.
+A reward function is called as TRL calls one, every argument by keyword::
+
+    fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., **columns) -> scores
+
+one score (or None, no opinion) per completion. ``prompts`` and ``completions`` have the data's
+shape: for conversational data (a prompt is a list of ``{"role", "content"}`` messages) each prompt
+is its message list and each completion ``[{"role": "assistant", "content": text}]``; for standard
+data both are strings (the prompt as the dataset holds it). ``completion_ids`` are the completions'
+token ids (lists of ints, up to and including the stop token); ``columns`` are the dataset's other
+columns, one value per completion; ``trainer_state`` a ``transformers.TrainerState`` with
+``global_step`` and ``max_steps`` (:func:`trainer_state`). A function takes the keywords it names
+and ignores the rest through ``**kwargs`` (one without ``**kwargs`` gets only those it names); an
+``async def`` function is awaited.
 
 Scores are untrusted: what a function returns is checked for its type and length
 (:func:`call_reward_fn`), each call may be bounded in time (``reward_timeout``), and a NaN or
@@ -11,6 +22,8 @@ infinite score, from a function or a reward model, goes through one policy
 
 from __future__ import annotations
 
+import functools
+import asyncio
 import importlib
 import inspect
 import math
@@ -26,38 +39,78 @@ import torch
 
 from rlcore.checks import check_mask, check_ndim, check_same_shape
 from rlcore.loops.tasks import task_reward
+from rlcore.loops.tokenization import is_conversation
 
 __all__ = ["make_reward_fn", "repeat_columns", "RewardFn", "call_reward_fn", "MAX_ABS_REWARD", "check_reward_range",
            "NONFINITE_REWARDS", "check_finite_scores", "reward_columns", "import_reward_fn", "combine_rewards",
-           "missing_eos_penalty", "reward_settings"]
+           "missing_eos_penalty", "reward_settings", "PASSED_TO_ALL", "check_reward_fn", "repeat_prompts",
+           "as_completions", "trainer_state", "reward_fn_names", "call_reward_terms"]
 
 
 RewardFn = Callable[..., "Sequence[float | None] | torch.Tensor"]
 
 
-def _by_keyword(fn: RewardFn) -> bool:
-    """Whether ``fn`` names ``completions`` as a keyword it accepts (TRL's calling convention)."""
+# The keywords every reward function receives besides the dataset's columns (TRL's).
+PASSED_TO_ALL = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+def _parameters(fn: RewardFn) -> Mapping[str, inspect.Parameter]:
+    """``fn``'s parameters; a ``ValueError`` naming it when they cannot be read or one cannot be given
+    by keyword (positional-only, without a default), as every reward function is called."""
     try:
         parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # builtins and C callables: positional
-        return False
-    param = parameters.get("completions")
-    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+    except (TypeError, ValueError):
+        raise ValueError(f"{_reward_name(fn)}: its signature cannot be read, and reward functions are called by "
+                         "keyword (prompts=, completions=, completion_ids=, each dataset column); wrap it in a "
+                         "def taking those names and **kwargs") from None
+    positional = [p.name for p in parameters.values() if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional:
+        raise ValueError(f"{_reward_name(fn)}: positional-only parameters {positional}, but reward functions are "
+                         "called by keyword as TRL calls them: fn(prompts=..., completions=..., completion_ids=..., "
+                         "**columns); name its parameters after those, e.g. def reward(completions, **kwargs)")
+    return parameters
+
+
+def check_reward_fn(fn: RewardFn) -> RewardFn:
+    """``fn`` if it can be called by keyword, as every reward function is; else a ``ValueError``
+    naming it and the fix (a function that takes none of the keywords it would be given and no
+    ``**kwargs``, e.g. ``lambda p, c: ...``, is refused too).
+
+    >>> check_reward_fn(lambda p, c: [0.0] * len(c))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: reward function <lambda>: its parameters ['p', 'c'] name none of prompts, completions, ...
+    """
+    if getattr(fn, "reward_scores", None) is not None:  # combine_rewards: its functions were checked
+        return fn
+    parameters = _parameters(fn)
+    keyword = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    if not keyword and not set(parameters) & set(PASSED_TO_ALL):
+        raise ValueError(f"{_reward_name(fn)}: its parameters {list(parameters)} name none of "
+                         f"{', '.join(PASSED_TO_ALL)} and it takes no **kwargs: reward functions are called by "
+                         "keyword, as TRL calls them; e.g. def reward(prompts, completions, **kwargs)")
+    return fn
 
 
 def _reward_name(fn: RewardFn) -> str:
     return f"reward function {getattr(fn, '__name__', repr(fn))}"
 
 
-def _invoke(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], columns: Mapping[str, Any]) -> Any:
-    """``fn``'s raw return, called by keyword (TRL's convention) or positionally (``call_reward_fn``)."""
-    if not _by_keyword(fn):
-        return fn(list(prompts), list(completions), **columns)
+def _invoke(fn: RewardFn, prompts: Sequence, completions: Sequence, columns: Mapping[str, Any]) -> Any:
+    """``fn``'s raw return, every argument by keyword (TRL's convention); a function without
+    ``**kwargs`` gets only the keywords it names."""
     kwargs = {"prompts": list(prompts), "completions": list(completions), **columns}
-    parameters = inspect.signature(fn).parameters
+    parameters = _parameters(check_reward_fn(fn))
+    missing = [k for k, p in parameters.items() if k not in kwargs and p.default is p.empty
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        given = sorted(set(columns) - set(PASSED_TO_ALL))
+        raise ValueError(f"{_reward_name(fn)}: requires {missing}, which it is not given: reward functions receive "
+                         f"{', '.join(PASSED_TO_ALL)} and the dataset's columns ({given}) by keyword, as TRL calls "
+                         "them; name its parameters after those (e.g. def reward(completions, **kwargs))")
     if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in parameters}
-    return fn(**kwargs)
+    out = fn(**kwargs)
+    return asyncio.run(out) if inspect.iscoroutine(out) else out  # an `async def` function: awaited
 
 
 def _within(call: Callable[[], Any], timeout: float | None, name: str) -> Any:
@@ -133,14 +186,15 @@ def _as_scores(out: Any, n: int, name: str) -> tuple[torch.Tensor, torch.Tensor]
     return scores, opinion
 
 
-def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], *,
+def call_reward_fn(fn: RewardFn, prompts: Sequence, completions: Sequence, *,
                    reward_timeout: float | None = None, nonfinite_rewards: str = "raise", **columns) -> torch.Tensor:
     """Call a reward function and return its ``[B]`` scores as float32.
 
-    A function that names a ``completions`` parameter is called by keyword as TRL calls one,
-    ``fn(prompts=..., completions=..., **columns)`` (``prompts`` and columns it does not accept are
-    left out when it takes no ``**kwargs``), so ``def correct(completions, answer, **kw)`` works;
-    any other is called positionally, ``fn(prompts, completions, **columns)``.
+    Every argument goes by keyword, as TRL calls one: ``fn(prompts=..., completions=...,
+    **columns)``, ``columns`` holding ``completion_ids`` and ``trainer_state`` when the caller has
+    them (``loops.score.score_rollout`` does) and the dataset's other columns; a function without
+    ``**kwargs`` gets only the keywords it names, so ``def correct(completions, answer)`` works.
+    A function that cannot be called so is a ``ValueError`` (:func:`check_reward_fn`).
 
     ``fn`` returns ``B`` scores, one per completion in their order: a list or tuple whose entries
     are real numbers (``int``, ``float``, ``bool`` (1 / 0), NumPy scalars) or ``None`` ("no
@@ -158,7 +212,7 @@ def call_reward_fn(fn: RewardFn, prompts: Sequence[str], completions: Sequence[s
             and the rows) or ``"drop"`` (returned as NaN, as ``None``: those samples leave training).
             ``check_finite_scores``.
 
-    >>> call_reward_fn(lambda p, c: [len(x) for x in c], ["q", "q"], ["ab", ""])
+    >>> call_reward_fn(lambda completions, **kw: [len(x) for x in completions], ["q", "q"], ["ab", ""])
     tensor([2., 0.])
     >>> def correct(completions, answer, **kwargs):
     ...     return [float(c == a) for c, a in zip(completions, answer)]
@@ -226,7 +280,8 @@ def check_reward_range(scores: torch.Tensor, name: str) -> None:
 def reward_columns(fn: RewardFn) -> tuple[str, ...]:
     """The dataset columns ``fn`` cannot run without: its ``required_columns`` attribute when set
     (``combine_rewards`` sets the union of its functions'), else the parameters its signature
-    requires besides ``prompts`` and ``completions`` (no default, not ``*args`` / ``**kwargs``).
+    requires besides those every function receives (``PASSED_TO_ALL``: ``prompts``, ``completions``,
+    ``completion_ids``, ``trainer_state``), with no default, not ``*args`` / ``**kwargs``.
 
     >>> def correct(completions, answer, **kwargs): ...
     >>> reward_columns(correct)
@@ -234,26 +289,38 @@ def reward_columns(fn: RewardFn) -> tuple[str, ...]:
     """
     if hasattr(fn, "required_columns"):
         return tuple(fn.required_columns)
-    try:
-        parameters = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return ()
-    named = parameters if _by_keyword(fn) else parameters[2:]
-    return tuple(p.name for p in named if p.default is p.empty and p.name not in ("prompts", "completions")
+    return tuple(p.name for p in _parameters(fn).values() if p.default is p.empty and p.name not in PASSED_TO_ALL
                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+# the names TRL's CLI (`trl grpo`, `trl rloo`) gives its own reward functions, with the arguments it calls
+# a factory with
+TRL_CLI_REWARDS: dict[str, dict[str, int] | None] = {
+    "accuracy_reward": None, "reasoning_accuracy_reward": None, "think_format_reward": None,
+    "get_soft_overlong_punishment": {"max_completion_len": 1280, "soft_punish_cache": 256}}
 
 
 def import_reward_fn(spec: str) -> RewardFn:
     """The reward function ``"package.module:function"`` names (a config's ``reward_funcs``): an
-    installed module, or one in the working directory (as ``python -m`` would find it).
+    installed module, or one in the working directory (as ``python -m`` would find it). TRL's CLI
+    forms work too: a dotted path ``package.module.function`` and the bare names of TRL's own
+    functions (``accuracy_reward``, ``think_format_reward``, ... from ``trl.rewards``;
+    ``get_soft_overlong_punishment`` built with the values TRL's CLI uses).
 
     Naming a function in a config runs that code, as a script would: pass only configs you trust.
     Raises ``ValueError`` naming the spec when it is malformed, the module cannot be imported or
     the attribute is missing or not callable.
     """
     module_name, sep, attr = str(spec).partition(":")
+    if not sep and str(spec) in TRL_CLI_REWARDS:
+        factory_args = TRL_CLI_REWARDS[str(spec)]
+        fn = import_reward_fn(f"trl.rewards:{spec}")
+        return fn(**factory_args) if factory_args is not None else fn
+    if not sep and "." in str(spec):  # TRL's CLI: module path, then the function after the last dot
+        module_name, sep, attr = str(spec).rpartition(".")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward_funcs: expected 'package.module:function', got {spec!r}")
+        raise ValueError(f"reward_funcs: expected 'package.module:function', got {spec!r} (or TRL's "
+                         f"'package.module.function', or one of {', '.join(TRL_CLI_REWARDS)})")
     cwd = os.getcwd()
     added = cwd not in sys.path  # a module of the working directory, as `python -m` finds it
     try:
@@ -270,6 +337,40 @@ def import_reward_fn(spec: str) -> RewardFn:
     if not callable(obj):
         raise ValueError(f"reward_funcs: {spec!r} is not callable (a {type(obj).__name__})")
     return obj
+
+
+def reward_fn_names(funcs: Sequence[RewardFn]) -> list[str]:
+    """The names the metrics give ``funcs`` (``rewards/<name>/mean``, as TRL): a function's
+    ``__name__`` (through ``functools.partial``), else its class's name; a name taken by an earlier
+    function gets ``_2``, ``_3``, ...
+
+    >>> def correct(completions, **kw): ...
+    >>> reward_fn_names([correct, functools.partial(correct), len])
+    ['correct', 'correct_2', 'len']
+    """
+    names: list[str] = []
+    for fn in funcs:
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        base = getattr(fn, "__name__", type(fn).__name__)
+        name, n = base, 1
+        while name in names:
+            n += 1
+            name = f"{base}_{n}"
+        names.append(name)
+    return names
+
+
+def call_reward_terms(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str], **kwargs
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``call_reward_fn``'s ``[B]`` scores and, beside them, each reward function's own unweighted
+    scores by name (``reward_fn_names``; NaN where it had no opinion): those of every function of a
+    ``combine_rewards``, or ``{name: scores}`` for a single function."""
+    own = getattr(fn, "reward_terms", None)
+    if own is not None:
+        return own(prompts, completions, **kwargs)
+    scores = call_reward_fn(fn, prompts, completions, **kwargs)
+    return scores, {reward_fn_names([fn])[0]: scores}
 
 
 def combine_rewards(funcs: Sequence[RewardFn], weights: Sequence[float] | None = None) -> RewardFn:
@@ -291,9 +392,10 @@ def combine_rewards(funcs: Sequence[RewardFn], weights: Sequence[float] | None =
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
         raise ValueError(f"weights: expected {len(funcs)} weights (one per function), got {len(weights)}")
+    names = reward_fn_names(funcs)
 
-    def reward_scores(prompts, completions, *, reward_timeout: float | None = None, nonfinite_rewards: str = "raise",
-                      **columns) -> torch.Tensor:
+    def reward_terms(prompts, completions, *, reward_timeout: float | None = None, nonfinite_rewards: str = "raise",
+                     **columns) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         terms, dropped = [], torch.zeros(len(completions), dtype=torch.bool)
         for f in funcs:
             name = _reward_name(f)
@@ -307,12 +409,16 @@ def combine_rewards(funcs: Sequence[RewardFn], weights: Sequence[float] | None =
         total = torch.where(missing, 0.0, torch.tensor(weights, dtype=r.dtype)[:, None] * r).sum(0)
         total = torch.where(missing.all(0) | dropped, math.nan, total)
         check_reward_range(torch.nan_to_num(total, nan=0.0), "combine_rewards")
-        return total
+        return total, dict(zip(names, terms))
+
+    def reward_scores(prompts, completions, **kwargs) -> torch.Tensor:
+        return reward_terms(prompts, completions, **kwargs)[0]
 
     def combined(prompts, completions, **columns) -> list[float | None]:
         return [None if math.isnan(v) else v for v in reward_scores(prompts, completions, **columns).tolist()]
 
     combined.reward_scores = reward_scores
+    combined.reward_terms = reward_terms  # (total [B], {name: unweighted scores [B]}): the per-function metrics
     combined.required_columns = tuple(dict.fromkeys(c for f in funcs for c in reward_columns(f)))
     return combined
 
@@ -350,9 +456,11 @@ def make_reward_fn(config: Any, reward_fn: RewardFn | Sequence[RewardFn] | None 
     """The reward function of a run: ``reward_fn`` (one function or a list) and the functions the
     config names in ``reward_funcs`` (``import_reward_fn``), summed with ``reward_weights``
     (``combine_rewards``); with none, ``task_reward(config.task)`` unless a ``reward_model`` scores
-    instead (then ``None``)."""
+    instead (then ``None``). Built once per run: training and evaluation score with the same value
+    (``train_online`` keeps it in the state, ``TrainState.reward_fn``). Each function must take its
+    arguments by keyword (:func:`check_reward_fn`)."""
     given = [] if reward_fn is None else list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
-    funcs = given + [import_reward_fn(spec) for spec in getattr(config, "reward_funcs", ())]
+    funcs = [check_reward_fn(f) for f in given + [import_reward_fn(spec) for spec in getattr(config, "reward_funcs", ())]]
     weights = getattr(config, "reward_weights", None)
     if weights is not None and len(weights) != len(funcs):
         raise ValueError(f"reward_weights: expected one weight per reward function ({len(funcs)}), got "
@@ -363,10 +471,41 @@ def make_reward_fn(config: Any, reward_fn: RewardFn | Sequence[RewardFn] | None 
 
 
 def repeat_columns(rows: Mapping[str, Sequence], num_samples: int, *,
-                   skip: Sequence[str] = ("prompt", "completion")) -> dict[str, list]:
+                   skip: Sequence[str] = ("prompt", "completion", "completion_ids", "trainer_state")
+                   ) -> dict[str, list]:
     """Each column but ``skip`` with every value repeated ``num_samples`` times in place
-    (``[a, b] → [a, a, b, b]``), aligned with the prompt-major rows of a rollout."""
+    (``[a, b] → [a, a, b, b]``), aligned with the prompt-major rows of a rollout (the columns a
+    reward function receives by keyword; the skipped ones it receives as TRL gives them)."""
     return {k: [v for v in col for _ in range(num_samples)] for k, col in rows.items() if k not in skip}
+
+
+def repeat_prompts(rows: Mapping[str, Sequence], num_samples: int) -> list | None:
+    """The batch's ``prompt`` column as the data holds it (text, or message lists), each repeated
+    ``num_samples`` times: the ``prompts`` a reward function receives (``None`` without the column)."""
+    return None if "prompt" not in rows else [p for p in rows["prompt"] for _ in range(num_samples)]
+
+
+def as_completions(prompts: Sequence | None, texts: Sequence[str]) -> list:
+    """Completions in the shape of the data (TRL's): ``[{"role": "assistant", "content": text}]``
+    each where the prompts are conversations (message lists), the texts themselves otherwise.
+
+    >>> as_completions([[{"role": "user", "content": "2+2="}]], ["4"])
+    [[{'role': 'assistant', 'content': '4'}]]
+    >>> as_completions(["2+2="], ["4"])
+    ['4']
+    """
+    if prompts and is_conversation(prompts[0]):
+        return [[{"role": "assistant", "content": t}] for t in texts]
+    return list(texts)
+
+
+def trainer_state(step: int, max_steps: int | None) -> Any:
+    """What a reward function receives as ``trainer_state``: a ``transformers.TrainerState`` (the
+    type TRL passes) with ``global_step = step`` (loop steps done) and ``max_steps`` (the run's
+    ``steps``), so ``trainer_state.global_step / trainer_state.max_steps`` is the run's progress;
+    its other fields keep their defaults. A fresh value per call."""
+    from transformers import TrainerState
+    return TrainerState(global_step=int(step), max_steps=int(max_steps or 0))
 
 
 def reward_settings(config: Any) -> dict[str, Any]:

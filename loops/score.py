@@ -29,7 +29,7 @@ from rlcore.logprobs import entropy_from_logits, sequence_logprobs, token_logpro
 from rlcore.lm_head import hidden_logprobs
 from rlcore.loops.lora import linear_weights
 from rlcore.loops.models import model_device, position_ids_from_mask, reward_model_scores, trunk_hidden
-from rlcore.loops.reward_fns import call_reward_fn, check_finite_scores
+from rlcore.loops.reward_fns import as_completions, call_reward_terms, check_finite_scores
 
 __all__ = ["token_logprobs_from_model", "full_kl_from_models", "sequences", "score_rollout", "score_sequences",
            "concatenated_forward", "precompute_reference_logps"]
@@ -190,6 +190,13 @@ def _reward_model_name(model: nn.Module) -> str:
     return f"reward model {where}".strip()
 
 
+def _reward_model_id(model: nn.Module) -> str:
+    """A reward model's name in the metrics (``rewards/<name>/mean``): the last part of its path, as
+    TRL names one (``reward_model`` when it has none)."""
+    where = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "").rstrip("/")
+    return where.rsplit("/", 1)[-1] or "reward_model"
+
+
 def _decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     return tokenizer.batch_decode([row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True)
 
@@ -199,7 +206,7 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
                   reward_fn: Callable | None = None, reward_model: nn.Module | None = None, tokenizer=None,
                   reward_columns: Mapping[str, Sequence] | None = None, temperature: float = 1.0,
                   chunked: bool = True, rows_per_forward: int | None = None, reward_timeout: float | None = None,
-                  nonfinite_rewards: str = "raise") -> TensorDict:
+                  nonfinite_rewards: str = "raise", prompts: Sequence | None = None) -> TensorDict:
     """Add log-probs, values and scores to a rollout: one no-grad forward per model given
     (``rows_per_forward`` rows at a time, ``None``: all).
 
@@ -215,14 +222,23 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
       (e.g. ``functools.partial(token_values, critic)``), read at the position before each
       response token: ``values[:, j] = V(x_{≤P-1+j})``, the state in which token ``j`` was sampled;
     - ``score [B]``: ``reward_model_scores(reward_model, ...)`` (the model must share the
-      policy's tokenizer) plus, with ``reward_fn``, ``reward_fn(prompts, completions,
-      **reward_columns)`` on texts decoded with ``tokenizer`` (special tokens skipped). With both,
+      policy's tokenizer) plus, with ``reward_fn``, ``reward_fn(prompts=, completions=,
+      completion_ids=, **reward_columns)``, every argument by keyword as TRL passes them
+      (``loops.reward_fns``): ``prompts`` as given (the data's: text, or message lists), else the
+      prompt ids decoded; ``completions`` the response ids decoded with ``tokenizer`` (special
+      tokens skipped), each as ``[{"role": "assistant", "content": text}]`` when the prompts are
+      conversations (``as_completions``); ``completion_ids`` each response's ids up to and
+      including its stop token (lists of ints). With both,
       the score is their sum (use ``combine_rewards`` for weights). A reward function's ``None``
       gives NaN ("no opinion"). Scores from either source pass one check
       (``loops.reward_fns.check_finite_scores``): a NaN or infinite score is a ``ValueError``
       naming the reward function or model and the rows (``nonfinite_rewards="raise"``) or NaN,
       like ``None`` (``"drop"``); a reward function's call may take ``reward_timeout`` seconds
-      (``None``: no limit) before a ``TimeoutError`` names it.
+      (``None``: no limit) before a ``TimeoutError`` names it;
+    - ``reward_terms``, beside ``score``: a TensorDict ``[B]`` of each source's own unweighted scores
+      by name (every function of a ``combine_rewards`` or the one function,
+      ``loops.reward_fns.call_reward_terms``; the reward model under the last part of its path),
+      NaN where it had no opinion: the per-function reward metrics read it.
 
     Token quantities are 0 where ``response_mask`` is False.
 
@@ -230,6 +246,10 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
         rollout: TensorDict ``[B]`` with ``prompt_ids``, ``prompt_mask``, ``response_ids``,
             ``response_mask``.
         temperature: the sampling temperature ``τ`` (log-probs of ``softmax(logits/τ)``).
+        prompts: ``B`` prompts as the data holds them, one per row (``loops.reward_fns.repeat_prompts``),
+            which the reward function receives; ``None``: the prompt ids decoded.
+        reward_columns: the other keywords the reward function receives: the dataset's columns, one
+            value per row (``loops.reward_fns.repeat_columns``), and ``trainer_state`` when known.
     Returns:
         A shallow copy of ``rollout`` with the new keys; the input is not modified. Every prompt
         needs at least one real token (its last one predicts the first response token).
@@ -271,19 +291,28 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
                                                                   temperature=temperature, chunked=chunked), i, m)))
         if value_fn is not None:
             new[K.VALUES] = response_only(_at_least_fp32(by_rows(value_fn)[:, P - 1:P - 1 + R]))
-        scores = []
+        scores, terms = [], {}
         if reward_model is not None:
             from_model = _at_least_fp32(by_rows(lambda i, m: _on_model_device(
                 reward_model, lambda i, m: reward_model_scores(reward_model, i, m), i, m)))
             scores.append(check_finite_scores(from_model, _reward_model_name(reward_model),
                                               nonfinite_rewards=nonfinite_rewards))
+            terms[_reward_model_id(reward_model)] = scores[-1]
         if reward_fn is not None:
-            prompts = _decode(tokenizer, rollout[K.PROMPT_IDS], prompt_mask)
-            completions = _decode(tokenizer, rollout[K.RESPONSE_IDS], response_mask)
-            scores.append(call_reward_fn(reward_fn, prompts, completions, reward_timeout=reward_timeout,
-                                         nonfinite_rewards=nonfinite_rewards, **(reward_columns or {})).to(ids.device))
+            if prompts is None:
+                prompts = _decode(tokenizer, rollout[K.PROMPT_IDS], prompt_mask)
+            elif len(prompts) != rollout.batch_size[0]:
+                raise ValueError(f"prompts: expected one per rollout row ({rollout.batch_size[0]}), got {len(prompts)}")
+            completion_ids = [row[m].tolist() for row, m in zip(rollout[K.RESPONSE_IDS], response_mask)]
+            completions = as_completions(prompts, tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
+            total, by_fn = call_reward_terms(reward_fn, list(prompts), completions, reward_timeout=reward_timeout,
+                                             nonfinite_rewards=nonfinite_rewards,
+                                             **{**(reward_columns or {}), "completion_ids": completion_ids})
+            scores.append(total.to(ids.device))
+            terms.update({name: v.to(ids.device) for name, v in by_fn.items() if name not in terms})
         if scores:
             new[K.SCORE] = torch.stack(scores).sum(0)
+            new[K.REWARD_TERMS] = TensorDict(terms, batch_size=rollout.batch_size, device=rollout.device)
     return rollout.copy().update(new)
 
 

@@ -28,7 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TrainState", "COUNTERS", "init_state", "advance", "with_transforms", "copy_generator"]
+from rlcore import keys as K
+
+__all__ = ["TrainState", "COUNTERS", "init_state", "advance", "batch_tokens", "with_transforms", "copy_generator"]
 
 COUNTERS = ("step", "optimizer_steps", "samples_seen", "episodes", "tokens_seen", "policy_version",
             "skipped_steps")
@@ -54,6 +56,11 @@ class TrainState:
         policy_version: how many ``update`` calls changed the weights; stamps rollouts for
             asynchronous (off-policy) RLHF.
         skipped_steps: optimiser steps skipped by the non-finite guard of ``update``.
+        reward_fn: the run's reward function as built once from what training was given
+            (``loops.reward_fns.make_reward_fn``: the functions and weights of the config and of
+            ``train(..., reward_fn=)``), which evaluation scores with, exactly as training does;
+            ``None``: none given (a reward model alone, or a state built outside ``train``). Not
+            checkpointed: a resumed run builds it again.
     """
 
     models: Mapping[str, nn.Module] = dataclasses.field(default_factory=dict)
@@ -68,6 +75,7 @@ class TrainState:
     tokens_seen: int = 0
     policy_version: int = 0
     skipped_steps: int = 0
+    reward_fn: Any = None
 
     def model(self, name: str = "policy") -> nn.Module:
         """``self.models[name]``; a ``KeyError`` listing the model names otherwise."""
@@ -107,6 +115,21 @@ def advance(state: TrainState, **increments: int) -> TrainState:
     if unknown:
         raise ValueError(f"advance: unknown counters {unknown}; valid: {list(COUNTERS)}")
     return dataclasses.replace(state, **{k: getattr(state, k) + int(v) for k, v in increments.items()})
+
+
+def batch_tokens(batch: Any) -> torch.Tensor:
+    """The real tokens of a sequence batch, for ``tokens_seen`` (TRL's ``num_tokens``): ``Σ
+    attention_mask``, over both sides of a preference pair batch (prompt + chosen and prompt +
+    rejected, as TRL counts a pair).
+
+    >>> from tensordict import TensorDict
+    >>> side = TensorDict({"attention_mask": torch.tensor([[1, 1, 0]])}, batch_size=[1])
+    >>> int(batch_tokens(TensorDict({"chosen": side, "rejected": side}, batch_size=[1])))
+    4
+    """
+    if K.CHOSEN in batch.keys():
+        return batch[K.CHOSEN][K.ATTENTION_MASK].sum() + batch[K.REJECTED][K.ATTENTION_MASK].sum()
+    return batch[K.ATTENTION_MASK].sum()
 
 
 def with_transforms(state: TrainState, **states: Any) -> TrainState:

@@ -11,7 +11,7 @@ against the answer. Every task gives:
 - ``task_dataset(name, n, seed=, split=)``: a ``datasets.Dataset`` with columns ``prompt``,
   ``completion`` (the answer, for SFT) and ``answer`` (for the reward), train and held-out
   ``eval`` splits disjoint by construction (a prompt's split is a hash of its text);
-- ``task_reward(name)``: a reward function ``(prompts, completions, *, answer) -> list[float]``:
+- ``task_reward(name)``: a reward function ``(prompts, completions, *, answer, **kwargs) -> list[float]``:
   1 for an exact answer; for a task with partial credit (``Task.partial_credit``) otherwise
   ``0.5 ×`` the fraction of answer positions that match, so a tiny model gets a signal before it
   is ever exactly right; for the others (``count``, ``max``, ``parity``: a short answer is right
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datasets import Dataset
 
 __all__ = ["Task", "BUILTIN_TASKS", "get_task", "task_dataset", "task_reward", "preference_dataset", "exact_match",
-           "answer_reward"]
+           "answer_reward", "completion_text"]
 
 LETTERS = "abcdefghij"
 
@@ -160,13 +160,19 @@ def answer_reward(completions: Sequence[str], answers: Sequence[str]) -> list[fl
     return scores
 
 
+def completion_text(completion: str | Sequence[dict]) -> str:
+    """A completion's text: itself, or the content of its last message (a conversational completion,
+    ``[{"role": "assistant", "content": text}]``)."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
 def task_reward(name: str) -> Callable[..., list[float]]:
-    """The reward function of task ``name``: ``(prompts, completions, *, answer, **_) -> scores``."""
+    """The reward function of task ``name``: ``(prompts, completions, *, answer, **kwargs) -> scores``,
+    each completion a string or a conversational completion (its message's content is scored)."""
     score = answer_reward if get_task(name).partial_credit else exact_match
 
-    def reward(prompts: Sequence[str], completions: Sequence[str], *, answer: Sequence[str],
-               **columns) -> list[float]:
-        return score(completions, answer)
+    def reward(prompts: Sequence, completions: Sequence, *, answer: Sequence[str], **kwargs) -> list[float]:
+        return score([completion_text(c) for c in completions], answer)
 
     reward.__name__ = f"{name}_reward"
     return reward

@@ -12,7 +12,7 @@ from datasets import Dataset
 
 from rlcore.loops.data import FORMATS, detect_format, formats_help, row_origins
 
-__all__ = ["PROMPT_CUTS", "TRUNCATIONS", "check_text", "max_token_chars", "text_window", "split_implicit_prompt",
+__all__ = ["PROMPT_CUTS", "TRUNCATIONS", "is_conversation", "check_text", "max_token_chars", "text_window", "split_implicit_prompt",
            "preference_format", "tokenize_example", "tokenize_dataset", "model_context", "check_context", "PAIR_SIDES",
            "check_rows_fit"]
 
@@ -46,20 +46,21 @@ TRUNCATIONS: dict[str, Callable[[list, list, int, str], tuple[list, list]]] = {
 }
 
 
-def _is_conversation(x: Any) -> bool:
+def is_conversation(x: Any) -> bool:
+    """Whether ``x`` is a conversation: a list of message mappings (``{"role", "content"}``)."""
     return isinstance(x, list) and all(isinstance(m, Mapping) for m in x)
 
 
 def _render(tokenizer, prompt: Any, completion: Any | None, where: str) -> tuple[str, str | None, bool]:
     """(prompt text, completion text, templated?) with conversations rendered by the chat template."""
-    if not _is_conversation(prompt):
-        if _is_conversation(completion):
+    if not is_conversation(prompt):
+        if is_conversation(completion):
             raise ValueError(f"{where}: completion is a conversation but prompt is plain text; use both or neither")
         return prompt, completion, False
     prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     if completion is None:
         return prompt_text, None, True
-    if not _is_conversation(completion):
+    if not is_conversation(completion):
         return prompt_text, completion, True
     full = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
     if not full.startswith(prompt_text):
@@ -164,8 +165,8 @@ def split_implicit_prompt(chosen: Any, rejected: Any, where: str = "row") -> dic
     >>> split_implicit_prompt("Q: 1+1? A: 2", "Q: 1+1? A: 3")
     {'prompt': 'Q: 1+1? A:', 'chosen': ' 2', 'rejected': ' 3'}
     """
-    conversation = _is_conversation(chosen)
-    if conversation != _is_conversation(rejected):
+    conversation = is_conversation(chosen)
+    if conversation != is_conversation(rejected):
         raise ValueError(f"{where}: chosen and rejected must both be conversations or both be text")
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:

@@ -176,7 +176,8 @@ def enable_gradient_checkpointing(model: nn.Module) -> bool:
     Trades compute for memory: activations are recomputed in the backward pass. Call once while
     setting up. Returns whether the model supported it.
     """
-    enable = getattr(model, "gradient_checkpointing_enable", None)
+    # transformers 5.x names it activation_checkpointing_enable (the older name warns of its removal)
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
         return False
     enable()

@@ -77,6 +77,7 @@ TRUNCATED = "truncated"  # [B] bool, the response reached the token budget with 
 ENTROPY = "entropy"
 KL = "kl"  # [B, R] float, per-token KL estimate behind the reward penalty (rlcore.rewards)
 FULL_KL = "full_kl"  # [B, R] float, exact KL(π‖π_ref) over the vocabulary at each response token (PPO kl="full")
+REWARD_TERMS = "reward_terms"  # {name: [B] float}, each reward function's (or model's) unweighted score, NaN: no opinion
 
 # --- sequences (SFT, preference pairs, reward modelling) ------------------------------------
 INPUT_IDS = "input_ids"

@@ -63,6 +63,7 @@ from rlcore.loops.checkpoint import latest_checkpoint, load_checkpoint
 from rlcore.loops.diffusion import (build_denoiser, ddim_schedule, pretrain_denoiser, row_condition,
                                     sample_trajectories, step_logprobs, timestep_rows)
 from rlcore.loops.images import get_reward_fn, latents_to_images, save_image_grid, score_images
+from rlcore.loops.config import coerce_tuples
 from rlcore.loops.recipe import run
 from rlcore.loops.sd import (LORA_TARGETS, LatentDecoder, TextEncoder, apply_unet_lora, export_lora,
                              load_pipeline, pipeline_schedule, scheduler_config)
@@ -145,6 +146,7 @@ class Config:
     overwrite: bool = False                # start over in a run_dir holding another run: delete that run's files (checkpoints, logs, images) first
 
     def __post_init__(self):
+        coerce_tuples(self)  # prompts="a cat" is one prompt, lora_target_modules="to_q" one module
         if self.sample_batch_size % self.train_batch_size:
             raise ValueError(f"sample_batch_size ({self.sample_batch_size}) must be a multiple of "
                              f"train_batch_size ({self.train_batch_size})")

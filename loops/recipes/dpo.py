@@ -51,7 +51,7 @@ from rlcore.loops.recipe import (batch_source, build_policy, build_reference, in
                                  mean_metrics, policy_tokenizer, run)
 from rlcore.loops.config import RunConfig, autocast_dtype
 from rlcore.loops.score import concatenated_forward, precompute_reference_logps, score_sequences
-from rlcore.loops.state import TrainState, advance
+from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import update
 from rlcore.checks import bind_keywords, lookup
@@ -177,7 +177,7 @@ def _update(state, batch, *, loss, chunked, micro_batch_size, max_grad_norm, con
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
                             autocast_dtype=autocast_dtype(config) if config is not None else None,
                             max_grad_norm=max_grad_norm)
-    return advance(state, samples_seen=rows), metrics
+    return advance(state, samples_seen=rows, tokens_seen=batch_tokens(batch)), metrics
 
 
 def dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, chunked: bool = True,

@@ -41,6 +41,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES
+from rlcore.algorithms.ratios import RATIO_LEVELS
 from rlcore.checks import lookup
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
@@ -59,6 +60,13 @@ class Config(OnlineConfig):
     loss_type: str = "grpo"          # a key of algorithms.policy_gradient.POLICY_LOSSES (TRL loss_type)
     clip_eps_low: float | None = None   # ε_low, None: the preset's (TRL epsilon)
     clip_eps_high: float | None = None  # ε_high, None: the preset's (TRL epsilon_high)
+    importance_sampling_level: str | None = None  # the loss's ratio_level: token | sequence (GSPO) | sequence_sum (algorithms.ratios.RATIO_LEVELS), None: the preset's (TRL's name)
+    sapo_temperature_pos: float | None = None  # τ_pos of loss_type sapo, None: the preset's 1.0 (TRL sapo_temperature_pos)
+    sapo_temperature_neg: float | None = None  # τ_neg of loss_type sapo, None: the preset's 1.05 (TRL sapo_temperature_neg)
+    vespo_k_pos: float | None = None     # k of loss_type vespo for A > 0, None: the preset's 2.0 (TRL vespo_k_pos)
+    vespo_lambda_pos: float | None = None  # λ of loss_type vespo for A > 0, None: the preset's 3.0 (TRL vespo_lambda_pos)
+    vespo_k_neg: float | None = None     # k of loss_type vespo for A < 0, None: the preset's 3.0 (TRL vespo_k_neg)
+    vespo_lambda_neg: float | None = None  # λ of loss_type vespo for A < 0, None: the preset's 2.0 (TRL vespo_lambda_neg)
     kl_coef: float = 0.0             # β of the k3 KL in the loss (TRL beta); 0: no reference forward in the step, so no rollout/kl_ref (eval/kl_ref stays)
     kl: str = "k3"                   # KL estimator in the loss (rlcore.kl.KL_ESTIMATORS)
     advantage: str = "grpo"          # a key of rlcore.baselines.ADVANTAGE_ESTIMATORS (verl adv_estimator)
@@ -107,8 +115,16 @@ def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, 
 def grpo_loss_fn(config: Any):
     """The loss of a GRPO update: ``POLICY_LOSSES[loss_type]`` bound to the config's keywords."""
     loss = lookup(POLICY_LOSSES, config.loss_type, what="loss_type")
-    clip = {k: getattr(config, k) for k in ("clip_eps_low", "clip_eps_high") if getattr(config, k) is not None}
+    clip = {key: getattr(config, field) for field, key in LOSS_FIELDS.items() if getattr(config, field, None) is not None}
+    if clip.get("ratio_level", "token") not in RATIO_LEVELS:
+        raise ValueError(f"importance_sampling_level: expected one of {sorted(RATIO_LEVELS)}, got {clip['ratio_level']!r}")
     return functools.partial(loss, kl_coef=config.kl_coef, kl=config.kl, max_length=config.max_new_tokens, **clip)
+
+
+# field -> the loss keyword it overrides only when set (None: the preset's own)
+LOSS_FIELDS = {"clip_eps_low": "clip_eps_low", "clip_eps_high": "clip_eps_high", "importance_sampling_level": "ratio_level",
+               **{k: k for k in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+                                 "vespo_k_neg", "vespo_lambda_neg")}}
 
 
 def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,

@@ -114,7 +114,8 @@ def reft_sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token
     state, metrics = update(state, batch, loss_fn, micro_batch_size=micro_batch_size, mask_key=K.LOSS_MASK,
                             autocast_dtype=autocast_dtype,
                             max_grad_norm=max_grad_norm)
-    return advance(state, samples_seen=batch.batch_size[0], tokens_seen=batch.get(K.ATTENTION_MASK).sum()), metrics
+    return (advance(state, samples_seen=batch.batch_size[0], tokens_seen=batch.get(K.ATTENTION_MASK).sum()),
+            metrics.rename_key_("num_tokens", "scored_tokens"))  # as sft_step: num_tokens is the cumulative count
 
 
 def reft_dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, chunked: bool = True,

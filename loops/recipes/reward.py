@@ -41,7 +41,7 @@ from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
                                  policy_tokenizer, run)
 from rlcore.loops.config import RunConfig, autocast_dtype
-from rlcore.loops.state import TrainState, advance
+from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import update
 
@@ -116,7 +116,7 @@ def reward_step(state: TrainState, batch: TensorDictBase, *, margin_key: str | N
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
                             autocast_dtype=autocast_dtype,
                             max_grad_norm=max_grad_norm)
-    return advance(state, samples_seen=rows), metrics
+    return advance(state, samples_seen=rows, tokens_seen=batch_tokens(batch)), metrics
 
 
 # --- evaluation ----------------------------------------------------------------------------------

@@ -119,7 +119,9 @@ def sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean
                             autocast_dtype=autocast_dtype,
                             mask_key=K.LOSS_MASK, max_grad_norm=max_grad_norm)
     state = advance(state, samples_seen=examples or rows, tokens_seen=batch.get(K.ATTENTION_MASK).sum())
-    return state, metrics
+    # the loss's num_tokens (the step's scored tokens, per micro-batch) is logged as scored_tokens: num_tokens is
+    # TRL's cumulative count of every token seen (state.tokens_seen, loops.logging.trl_names)
+    return state, metrics.rename_key_("num_tokens", "scored_tokens")
 
 
 # --- data --------------------------------------------------------------------------------------

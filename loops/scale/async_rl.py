@@ -307,6 +307,7 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
         state = resume(config.run_dir, state)
     train_ds, eval_ds = load_splits(config, task_dataset)
     reward = make_reward_fn(config, reward_fn)
+    state = dataclasses.replace(state, reward_fn=reward)  # built once: training and evaluation score with it
     check_prompt_data(reward, train=train_ds, held_out=eval_ds)
     check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)
     with generator_process(state.model("policy"), tokenizer, max_lag=max_lag, steps_done=state.step,
@@ -316,7 +317,6 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
         step = functools.partial(_async_step, handle=handle, config=config, tokenizer=tokenizer, reward_fn=reward,
                                  is_clip=is_clip)
         eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
-                                    reward_fn=reward,
                                     reference_cache=None if getattr(config, "sync_ref_model", False) else {})
         source = rollout_source(handle, prompt_source(train_ds, config), state.rng)
         return run(step, state, source, config=config, num_steps=config.steps, restored=bool(config.resume),

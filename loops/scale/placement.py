@@ -68,7 +68,7 @@ from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import disable_dropout
 from rlcore.loops.online import build_online_state, generate_kwargs, prompt_source
-from rlcore.loops.reward_fns import make_reward_fn, repeat_columns, reward_settings
+from rlcore.loops.reward_fns import make_reward_fn, repeat_columns, repeat_prompts, reward_settings
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import build_policy, load_splits, run
 from rlcore.loops.state import TrainState, copy_generator
@@ -158,9 +158,9 @@ class ScorerWorker:
         _set_threads(threads)
         set_seed(config.seed)  # the reward function's global generators, as a run seeds its own
         state, self.tokenizer = build_online_state(config)  # policy (for evaluation), ref, reward
-        self.state = TrainState(models=state.models)
+        self.reward_fn = make_reward_fn(config, reward_fn)  # built once: scoring and evaluation use it
+        self.state = TrainState(models=state.models, reward_fn=self.reward_fn)
         self.config = config
-        self.reward_fn = make_reward_fn(config, reward_fn)
         self.eval_ds = None
         self.reference_cache = None if getattr(config, "sync_ref_model", False) else {}  # a frozen reference
 
@@ -171,6 +171,7 @@ class ScorerWorker:
         if reference:
             _, rollout = compute_log_probs(self.state, rollout, model="ref", temperature=c.temperature)
         _, rollout = compute_rewards(self.state, rollout, reward_fn=self.reward_fn, tokenizer=self.tokenizer,
+                                     prompts=repeat_prompts(rows, c.num_samples),
                                      reward_columns=repeat_columns(rows, c.num_samples), **reward_settings(c))
         return rollout.to("cpu")
 
@@ -180,7 +181,7 @@ class ScorerWorker:
         if self.eval_ds is None:
             self.eval_ds = load_splits(self.config, task_dataset)[1]
         return evaluate_policy(self.state, self.config, tokenizer=self.tokenizer, dataset=self.eval_ds,
-                               reward_fn=self.reward_fn, reference_cache=self.reference_cache)
+                               reference_cache=self.reference_cache)  # scores with self.state.reward_fn
 
 
 def placed_source(generator, scorer, prompts: Callable[[int], Any], seeds: torch.Generator, *, max_lag: int,

@@ -58,18 +58,18 @@ def compute_values(state: TrainState, batch: TensorDictBase, *, model: str = "va
 
 def compute_rewards(state: TrainState, batch: TensorDictBase, *, reward_fn: Callable | None = None, tokenizer=None,
                     reward_columns: Mapping[str, Sequence] | None = None, model: str = "reward",
-                    reward_timeout: float | None = None,
-                    nonfinite_rewards: str = "raise") -> tuple[TrainState, TensorDict]:
+                    reward_timeout: float | None = None, nonfinite_rewards: str = "raise",
+                    prompts: Sequence | None = None) -> tuple[TrainState, TensorDict]:
     """Add ``score [B]``: the reward model ``state.models[model]`` (when the state has it) plus
-    ``reward_fn(prompts, completions, **reward_columns)`` on the decoded texts (when given);
-    ``reward_timeout`` and ``nonfinite_rewards`` as in ``score_rollout``."""
+    ``reward_fn`` (when given) called as ``score_rollout`` calls it (``prompts``: the data's, one per
+    row; ``None``: decoded); ``reward_timeout`` and ``nonfinite_rewards`` as in ``score_rollout``."""
     reward_model = state.models.get(model)
     if reward_model is None and reward_fn is None:
         raise ValueError(f"compute_rewards: no reward model {model!r} in the state (it has {sorted(state.models)}) "
                          "and no reward_fn")
     return state, score_rollout(batch, reward_fn=reward_fn, reward_model=reward_model, tokenizer=tokenizer,
                                 reward_columns=reward_columns, reward_timeout=reward_timeout,
-                                nonfinite_rewards=nonfinite_rewards)
+                                nonfinite_rewards=nonfinite_rewards, prompts=prompts)
 
 
 def train_step(state: TrainState, batch: TensorDictBase, *, loss_fn: Callable[..., tuple],

@@ -354,3 +354,13 @@ def test_bad_input_names_argument_and_shapes():
     del b[K.REJECTED][K.LOSS_MASK]
     with pytest.raises(KeyError, match=r"orpo: batch is missing .*rejected.*loss_mask.* \[B, T\] bool"):
         orpo(b)
+
+
+def test_orpo_nll_is_the_token_mean_over_the_batch_not_the_mean_of_sequence_means():
+    """docs/differences.md: one chosen answer of 1 token at log-prob −3 and one of 5 tokens at −1 each give
+    (3 + 5) / 6 = 1.333 here, where ROLL's ORPO (each sequence's mean first) gives (3/1 + 5/5) / 2 = 2.000."""
+    from rlcore.algorithms.dpo import chosen_nll
+
+    nll = chosen_nll(torch.tensor([-3.0, -5.0]), torch.tensor([1, 5]))
+    torch.testing.assert_close(nll, torch.tensor(8.0 / 6.0))
+    torch.testing.assert_close((torch.tensor([3.0, 5.0]) / torch.tensor([1.0, 5.0])).mean(), torch.tensor(2.0))

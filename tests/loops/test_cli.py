@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,15 +81,11 @@ def test_a_recipe_runs_under_torchrun_with_two_ranks(tmp_path):
     assert len(lines) == 2  # rank 0 logs each step once
 
 
-@pytest.mark.parametrize("recipe,key,hint", [
-    ("grpo", "learning_rate", r"learning_rate: did you mean 'lr' \(TRL's learning_rate\)\?"),
-    ("grpo", "beta", r"beta: did you mean 'kl_coef' \(TRL's beta\)\?"),
-    ("grpo", "num_generations", r"num_generations: did you mean 'num_samples' \(TRL's num_generations\)\?"),
-    ("grpo", "max_completion_length",
+@pytest.mark.parametrize("recipe,key,hint", [  # (sft, dpo, reward, grpo, rloo, ppo read TRL's names: test_from_trl)
+    ("online_dpo", "learning_rate", r"learning_rate: did you mean 'lr' \(TRL's learning_rate\)\?"),
+    ("online_dpo", "max_completion_length",
      r"max_completion_length: did you mean 'max_new_tokens' \(TRL's max_completion_length\)\?"),
-    ("dpo", "max_completion_length",
-     r"max_completion_length: did you mean 'max_length' \(TRL's max_completion_length\)\?"),
-    ("sft", "max_steps", r"max_steps: did you mean 'steps' \(TRL's max_steps\)\?"),
+    ("online_dpo", "max_steps", r"max_steps: did you mean 'steps' \(TRL's max_steps\)\?"),
     ("sft", "stpes", r"stpes: did you mean 'steps'\?"),
 ])
 def test_unknown_keys_answer_did_you_mean(tmp_path, recipe, key, hint):
@@ -128,3 +125,101 @@ def test_the_reft_recipes_train_and_evaluate_from_the_cli(recipe, tmp_path, caps
     metrics = json.loads(capsys.readouterr().out)
     key = {"reft_dpo": "rewards/accuracies", "reft_reward": "accuracy"}.get(recipe, "reward")
     assert key in metrics
+
+
+# --- errors of the settings and the data: one line, exit status 2 --------------------------------
+@pytest.mark.parametrize("case,message", [
+    ("bad_value", r"rlcore train sft: error: Config: lr: expected >= 0, got -1.0"),
+    ("unknown_field", r"rlcore train sft: error: .*unknown keys \['stepz'\]; stepz: did you mean 'steps'\?"),
+    ("bad_yaml", r"rlcore train sft: error: .*bad.yaml: not valid YAML"),
+    ("missing_file", r"rlcore train sft: error: .*No such file or directory: .*absent.yaml"),
+    ("bad_row", r"rlcore train sft: error: source: .*rows.jsonl, line 2: not valid JSON"),
+])
+def test_a_settings_or_data_error_prints_its_message_and_exits_2(tmp_path, capsys, case, message):
+    (tmp_path / "bad.yaml").write_text("lr: [1\n")
+    (tmp_path / "key.yaml").write_text("stepz: 3\n")
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": 3\n')
+    given = {"bad_value": ["--lr", "-1"], "unknown_field": ["--config", str(tmp_path / "key.yaml")],
+             "bad_yaml": ["--config", str(tmp_path / "bad.yaml")],
+             "missing_file": ["--config", str(tmp_path / "absent.yaml")],
+             "bad_row": ["--dataset", str(tmp_path / "rows.jsonl")]}[case]
+    assert cli.main(["train", "sft", *given, "--run_dir", "null"], report=True) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "--traceback or RLCORE_TRACEBACK=1" in err
+    assert "Traceback" not in err
+
+
+def test_traceback_flag_or_variable_raises_the_error(monkeypatch):
+    from rlcore.loops.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"lr: expected >= 0"):
+        cli.main(["train", "sft", "--lr", "-1", "--traceback"], report=True)
+    monkeypatch.setenv("RLCORE_TRACEBACK", "1")
+    with pytest.raises(ConfigError, match=r"lr: expected >= 0"):
+        cli.main(["train", "sft", "--lr", "-1"], report=True)
+    monkeypatch.delenv("RLCORE_TRACEBACK")
+    with pytest.raises(ValueError, match=r"lr: expected >= 0"):  # from Python with an argument list: raised as is
+        cli.main(["train", "sft", "--lr", "-1"])
+
+
+def test_only_faults_before_the_first_step_lose_their_traceback(monkeypatch, capsys):
+    """A ValueError before the fold's first step is the settings' or the data's (a message, status 2); once
+    the run has started it is the program's, and so is any error of another kind: raised with its traceback."""
+    from rlcore.loops.config import ConfigError
+    from rlcore.loops.recipes import sft
+
+    def fails(error, started):
+        def train(config, *, callbacks=()):
+            if started:
+                for cb in callbacks:
+                    cb.on_start(None)
+            raise error
+        return train
+
+    monkeypatch.setattr(sft, "train", fails(ValueError("dataset: row 3: empty completion"), started=False))
+    assert cli.main(["train", "sft"], report=True) == 2
+    assert "rlcore train sft: error: dataset: row 3: empty completion" in capsys.readouterr().err
+    monkeypatch.setattr(sft, "train", fails(ValueError("a shape bug"), started=True))
+    with pytest.raises(ValueError, match="a shape bug"):
+        cli.main(["train", "sft"], report=True)
+    monkeypatch.setattr(sft, "train", fails(TypeError("a bug"), started=False))
+    with pytest.raises(TypeError, match="a bug"):
+        cli.main(["train", "sft"], report=True)
+    monkeypatch.setattr(sft, "train", fails(ConfigError("lr: a late check"), started=True))
+    assert cli.main(["train", "sft"], report=True) == 2
+    monkeypatch.setattr(sft, "train", fails(KeyboardInterrupt(), started=False))
+    assert cli.main(["train", "sft"], report=True) == 130
+    assert "interrupted before the first step: nothing was saved" in capsys.readouterr().err
+
+
+def test_the_command_prints_a_bad_value_without_a_traceback():
+    exe = Path(sys.executable).with_name("rlcore")
+    done = subprocess.run([str(exe), "train", "sft", "--lr", "abc"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.startswith("rlcore train sft: error: Config.lr: cannot read 'abc' as <class 'float'>")
+    assert "Traceback" not in done.stderr
+
+
+def test_importing_rlcore_and_listing_recipes_print_no_third_party_warnings():
+    exe = Path(sys.executable).with_name("rlcore")
+    done = subprocess.run([str(exe), "recipes"], capture_output=True, text=True, check=True)
+    assert "torchvision" not in done.stderr and "[transformers]" not in done.stderr, done.stderr
+
+
+def test_the_warning_filter_drops_only_the_torchvision_fallback_notes():
+    import logging
+
+    import rlcore.loops  # noqa: F401  (installs the filter)
+
+    logger = logging.getLogger("transformers.utils.import_utils")
+
+    def passes(message):
+        record = logger.makeRecord(logger.name, logging.WARNING, __file__, 0, message, (), None)
+        return all(f.filter(record) for f in logger.filters)
+
+    assert not passes("`CLIPImageProcessor` requires torchvision (not installed); falling back to "
+                      "`CLIPImageProcessorPil` for backward compatibility.")
+    assert passes("Could not import module 'X'")
+    assert all(f.filter(logging.LogRecord("transformers.modeling_utils", logging.WARNING, "", 0,
+                                          "requires torchvision (not installed); falling back to", (), None))
+               for f in logging.getLogger("transformers.modeling_utils").filters)

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from rlcore.loops.fold import fold
-from rlcore.loops.logging import (CompletionsToTrackers, ImagesToTrackers, JsonlLogger, PeakMemory, ProgressDisplay,
-                                  SampleTable, TensorBoardLogger, WandbLogger, check_trackers, make_loggers, read_jsonl)
+from rlcore.loops.fold import every, fold
+from rlcore.loops.logging import (TRL_METRIC_NAMES, CompletionsToTrackers, ImagesToTrackers, JsonlLogger, PeakMemory,
+                                  ProgressDisplay, SampleTable, TensorBoardLogger, TrlNames, WandbLogger, check_trackers,
+                                  make_loggers, read_jsonl, tracker_tag, trl_names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,12 +177,53 @@ def test_report_to_tensorboard_writes_every_metric_at_its_step(tmp_path):
     pytest.importorskip("tensorboard")
     callbacks = make_loggers(tmp_path, progress=False, report_to=["tensorboard"])
     assert [type(c) for c in callbacks] == [PeakMemory, CompletionsToTrackers, ImagesToTrackers]
-    assert [type(c) for c in callbacks[0].loggers] == [JsonlLogger, TensorBoardLogger]
+    assert [type(c) for c in callbacks[0].loggers] == [TrlNames]
+    assert [type(c) for c in callbacks[0].loggers[0].loggers] == [JsonlLogger, TensorBoardLogger]
     fold(step, S(), [1, 2, 3], callbacks=callbacks)
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
-    assert set(scalars) == {"loss", "reward", "n", "memory/peak_rss_gib"}
-    assert scalars["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0)]
-    assert [v for _, v in scalars["reward"]] == pytest.approx([0.1, 0.2, 0.3])
+    assert set(scalars) == {"train/loss", "train/reward", "train/n", "train/memory/peak_rss_gib"}
+    assert scalars["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert [v for _, v in scalars["train/reward"]] == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_tracker_tags_are_grouped_as_trl_s_and_metrics_jsonl_keeps_the_names(tmp_path):
+    pytest.importorskip("tensorboard")
+
+    def train_then_evaluate(state, x):  # 7 tokens a step
+        return dataclasses.replace(state, tokens_seen=state.tokens_seen + 7), {
+            "loss": torch.tensor(float(x)), "clipfrac_low": torch.tensor(0.25),
+                       "clipfrac_high": torch.tensor(0.5)}
+
+    evaluate = every(2, lambda s, m: {"eval/reward": 0.5})
+    callbacks = [evaluate, *make_loggers(tmp_path, progress=False, report_to=["tensorboard"])]
+    fold(train_then_evaluate, TokenState(), [1, 2], callbacks=callbacks)
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert scalars["eval/reward"] == [(2, 0.5)] and "train/eval/reward" not in scalars
+    assert scalars["train/clip_ratio/region_mean"] == [(1, 0.75), (2, 0.75)]
+    assert scalars["train/num_tokens"] == [(1, 7.0), (2, 14.0)]
+    assert {"train/loss", "train/clipfrac_low", "train/clip_ratio/low_mean", "train/clip_ratio/high_mean"} <= set(scalars)
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert lines[1]["eval/reward"] == 0.5 and lines[1]["loss"] == 2.0 and "train/loss" not in lines[1]
+    assert [line["num_tokens"] for line in lines] == [7.0, 14.0]
+    assert (tracker_tag("loss"), tracker_tag("eval/loss"), tracker_tag("rewards/correct/mean")) == \
+        ("train/loss", "eval/loss", "train/rewards/correct/mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenState:
+    step: int = 0
+    tokens_seen: int = 0
+
+
+def test_trl_names_map_rlcore_metrics_and_keep_what_is_there():
+    out = trl_names({"rollout/score": 1.5, "rollout/score_std": 0.5, "clipfrac_low": 0.1, "clipfrac_high": 0.2,
+                     "kl_ref": 0.03, "loss": 2.0, "lr": 1e-5}, TokenState(tokens_seen=40))
+    assert out["reward"] == 1.5 and out["reward_std"] == 0.5 and out["kl"] == 0.03 and out["num_tokens"] == 40.0
+    assert out["clip_ratio/low_mean"] == 0.1 and out["clip_ratio/high_mean"] == 0.2
+    assert out["clip_ratio/region_mean"] == pytest.approx(0.3) and out["loss"] == 2.0
+    assert set(TRL_METRIC_NAMES.values()) <= set(out)
+    # a name the step already logs is left as it is; no token count, no num_tokens
+    assert trl_names({"reward": 9.0, "rollout/score": 1.0}, TokenState()) == {"reward": 9.0, "rollout/score": 1.0}
 
 
 class FakeWandb:
@@ -213,8 +255,8 @@ def test_report_to_wandb_starts_a_run_named_after_the_run_dir_with_the_config(tm
                                       "dir": str(run_dir)})
     assert [c[:2] for c in fake.calls[1:3]] == [("log", 1), ("log", 2)]
     logged = fake.calls[2][2]
-    assert logged.pop("memory/peak_rss_gib") > 0 and fake.calls[-1] == ("finish",)
-    assert logged == pytest.approx({"loss": 2.0, "reward": 0.2, "n": 3.0})
+    assert logged.pop("train/memory/peak_rss_gib") > 0 and fake.calls[-1] == ("finish",)
+    assert logged == pytest.approx({"train/loss": 2.0, "train/reward": 0.2, "train/n": 3.0})
 
 
 def test_completions_reach_the_trackers_as_tables_once(tmp_path):

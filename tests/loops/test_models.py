@@ -257,7 +257,7 @@ def test_call_reward_fn_and_errors():
     assert out.dtype == torch.float32 and out.tolist() == [1.0, 0.0]
     assert torch.isnan(call_reward_fn(abstains_on_empty, ["q"], [""]))[0]
     with pytest.raises(ValueError, match=r"reward function .*: expected 2 scores \[B\], got shape \[1\]"):
-        call_reward_fn(lambda p, c: [1.0], ["a", "b"], ["x", "y"])
+        call_reward_fn(lambda completions, **kw: [1.0], ["a", "b"], ["x", "y"])
 
 
 def test_combine_rewards_golden():

@@ -74,7 +74,7 @@ def test_collect_rollout_layout_rng_and_counters(setup):
     assert torch.equal(state.rng.get_state(), rng_before)
     assert not torch.equal(new.rng.get_state(), rng_before)
     assert (new.samples_seen, new.episodes) == (P * G, P * G)
-    assert new.tokens_seen == int(rollout[K.RESPONSE_MASK].sum())
+    assert new.tokens_seen == int(rollout[K.PROMPT_MASK].sum() + rollout[K.RESPONSE_MASK].sum())  # TRL's num_tokens
     # the same state samples the same responses (generation is seeded from state.rng)
     _, again = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward)
     assert torch.equal(again[K.RESPONSE_IDS], rollout[K.RESPONSE_IDS])
@@ -127,8 +127,9 @@ def test_collect_rollout_is_generation_then_score_collected(setup):
     assert torch.equal(state.rng.get_state(), before) and not torch.equal(replayed.rng.get_state(), before)
     got_state, got = assert_pure(score_collected, replayed, rows, generated, config=config, tokenizer=tokenizer,
                                  reward_fn=digit_fraction)
-    assert set(got.keys()) == set(want.keys())
-    for key in want.keys():
+    leaves = dict(include_nested=True, leaves_only=True)  # reward_terms holds one [B] entry per reward function
+    assert set(got.keys(**leaves)) == set(want.keys(**leaves))
+    for key in want.keys(**leaves):
         assert torch.equal(got[key], want[key]), key
     assert torch.equal(got_state.rng.get_state(), want_state.rng.get_state())
     for counter in ("samples_seen", "episodes", "tokens_seen", "step", "policy_version"):

@@ -36,9 +36,23 @@ def test_trl_style_functions_are_called_by_keyword():
     assert call_reward_fn(prompts_second, PROMPTS, COMPLETIONS).tolist() == [5.0, 5.0, 6.0]
 
 
-def test_positional_functions_still_work():
-    assert call_reward_fn(lambda p, c, **kw: [len(x) for x in c], PROMPTS, COMPLETIONS).tolist() == [1.0, 1.0, 2.0]
-    assert call_reward_fn(lambda *args, **kw: [0.5] * len(args[1]), PROMPTS, COMPLETIONS).tolist() == [0.5] * 3
+def test_every_function_is_called_by_keyword_and_other_forms_are_refused_by_name():
+    def positional(p, c):
+        return [0.0] * len(c)
+
+    with pytest.raises(ValueError, match=r"reward function positional: its parameters \['p', 'c'\] name none of "
+                                         r"prompts, completions, completion_ids, trainer_state"):
+        call_reward_fn(positional, PROMPTS, COMPLETIONS)
+    with pytest.raises(ValueError, match=r"<lambda>: requires \['p', 'c'\], which it is not given: reward functions "
+                                         r"receive prompts, completions, completion_ids, trainer_state and the "
+                                         r"dataset's columns \(\['answer'\]\) by keyword"):
+        call_reward_fn(lambda p, c, **kw: [0.0] * len(c), PROMPTS, COMPLETIONS, answer=ANSWERS)
+    with pytest.raises(ValueError, match=r"reward function len: positional-only parameters \['obj'\]"):
+        make_reward_fn(grpo.Config(**TINY), [len])  # refused when the run's reward is built, before any model
+    seen = {}
+    assert call_reward_fn(lambda **kw: seen.update(kw) or [0.5] * 3, PROMPTS, COMPLETIONS, answer=ANSWERS,
+                          completion_ids=[[1], [2], [3]]).tolist() == [0.5] * 3
+    assert seen == {"prompts": PROMPTS, "completions": COMPLETIONS, "answer": ANSWERS, "completion_ids": [[1], [2], [3]]}
 
 
 def write_module(tmp_path, monkeypatch):
@@ -64,7 +78,8 @@ def test_a_config_names_reward_functions_and_their_weights(tmp_path, monkeypatch
     both = make_reward_fn(grpo.Config(**TINY, reward_funcs=("user_rewards:correct",), reward_weights=(2.0, 1.0)),
                           lambda prompts, completions, **kw: [1.0] * len(completions))
     assert call_reward_fn(both, PROMPTS, COMPLETIONS, answer=ANSWERS).tolist() == [3.0, 2.0, 3.0]  # 2·1 + correct
-    assert make_reward_fn(grpo.Config(**TINY), [len]) is len  # one function, no weights: itself
+    one = lambda completions, **kw: [1.0] * len(completions)  # noqa: E731
+    assert make_reward_fn(grpo.Config(**TINY), [one]) is one  # one function, no weights: itself
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -261,7 +276,7 @@ def test_return_types_are_checked_and_named(out, message):
                                  np.array([1.0, 0.0]), np.array([True, False]), [torch.tensor(1.0), 0],
                                  torch.tensor([1, 0])])
 def test_real_numbers_in_a_sequence_tensor_or_array_are_scores(out):
-    got = call_reward_fn(lambda p, c: out, ["a", "b"], ["x", "y"])
+    got = call_reward_fn(lambda completions, **kw: out, ["a", "b"], ["x", "y"])
     assert got.dtype == torch.float32 and got[0] == 1.0 and (got[1] in (0.0, 0.5) or math.isnan(got[1]))
 
 
@@ -275,7 +290,7 @@ def test_nonfinite_scores_raise_or_drop_by_the_setting():
         call_reward_fn(judge, *args)
     dropped = call_reward_fn(judge, *args, nonfinite_rewards="drop")
     assert dropped[0] == 1.0 and torch.isnan(dropped[1:]).all()  # dropped as None is: NaN, "no opinion"
-    tensor = call_reward_fn(lambda p, c: torch.tensor([0.5, float("inf"), 1.0, 2.0]), *args, nonfinite_rewards="drop")
+    tensor = call_reward_fn(lambda completions, **kw: torch.tensor([0.5, float("inf"), 1.0, 2.0]), *args, nonfinite_rewards="drop")
     assert tensor[1].isnan() and tensor[[0, 2, 3]].tolist() == [0.5, 1.0, 2.0]
     with pytest.raises(ValueError, match=r"nonfinite_rewards: expected one of \['raise', 'drop'\], got 'skip'"):
         call_reward_fn(judge, *args, nonfinite_rewards="skip")
@@ -321,7 +336,7 @@ def test_a_reward_function_that_never_returns_fails_the_call_by_name():
     assert left and all(t.daemon for t in left)  # still running, and never keeps the process alive
     release.set()
     from rlcore.loops.reward_fns import combine_rewards
-    combined = combine_rewards([lambda p, c: [1.0], stuck])
+    combined = combine_rewards([lambda completions, **kw: [1.0], stuck])
     release.clear()
     with pytest.raises(TimeoutError, match=r"reward function stuck: no result after reward_timeout=0.2 s"):
         call_reward_fn(combined, ["q"], ["a"], reward_timeout=0.2)  # the function of the combination is named
@@ -336,11 +351,11 @@ def test_within_the_limit_errors_pass_through_and_none_means_this_thread():
     with pytest.raises(KeyError, match="missing column"):
         call_reward_fn(failing, ["q"], ["a"], reward_timeout=5)
     where = []
-    call_reward_fn(lambda p, c: where.append(threading.current_thread()) or [1.0], ["q"], ["a"], reward_timeout=None)
+    call_reward_fn(lambda completions, **kw: where.append(threading.current_thread()) or [1.0], ["q"], ["a"], reward_timeout=None)
     assert where == [threading.main_thread()]
     with torch.no_grad():  # the caller's grad mode holds inside the worker thread
         modes = []
-        call_reward_fn(lambda p, c: modes.append(torch.is_grad_enabled()) or [1.0], ["q"], ["a"], reward_timeout=5)
+        call_reward_fn(lambda completions, **kw: modes.append(torch.is_grad_enabled()) or [1.0], ["q"], ["a"], reward_timeout=5)
     assert modes == [False]
 
 

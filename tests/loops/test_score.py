@@ -193,7 +193,7 @@ def test_score_rollout_reward_fn_gets_decoded_text(tokenizer):
 def test_score_rollout_sums_reward_model_and_functions(tokenizer):
     rollout = make_model_rollout(tokenizer)
     rm = build_reward_model(tokenizer=tokenizer, hidden_size=16, num_layers=1, num_heads=2)
-    both = score_rollout(rollout, reward_model=rm, reward_fn=lambda p, c: [1.0] * len(c), tokenizer=tokenizer)
+    both = score_rollout(rollout, reward_model=rm, reward_fn=lambda completions, **kw: [1.0] * len(completions), tokenizer=tokenizer)
     alone = score_rollout(rollout, reward_model=rm)
     torch.testing.assert_close(both[K.SCORE], alone[K.SCORE] + 1.0)
 
@@ -211,7 +211,7 @@ def test_score_rollout_errors(lm, tokenizer):
     with pytest.raises(KeyError, match=r"score_rollout: batch is missing 'response_mask' \[B, R\] bool"):
         score_rollout(rollout.exclude(K.RESPONSE_MASK), policy=lm)
     with pytest.raises(ValueError, match="tokenizer: reward_fn scores decoded text"):
-        score_rollout(rollout, reward_fn=lambda p, c: [0.0] * len(c))
+        score_rollout(rollout, reward_fn=lambda completions, **kw: [0.0] * len(completions))
     bad = rollout.copy().update({K.PROMPT_MASK: rollout[K.PROMPT_MASK].long()})
     with pytest.raises(TypeError, match="prompt_mask: expected a torch.bool mask"):
         score_rollout(bad, policy=lm)
@@ -342,7 +342,7 @@ def test_the_rollout_is_concatenated_once_per_step(lm, tokenizer):
     ids = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
     mask = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
     torch.testing.assert_close(sequences(rollout), (ids, mask), rtol=0, atol=0)
-    scored = score_rollout(rollout, reward_fn=lambda p, c: [1.0, None, 2.0, 3.0], tokenizer=tokenizer)
+    scored = score_rollout(rollout, reward_fn=lambda completions, **kw: [1.0, None, 2.0, 3.0], tokenizer=tokenizer)
     assert scored[K.INPUT_IDS].equal(ids) and scored[K.ATTENTION_MASK].equal(mask)
     stored = sequences(scored)
     assert stored[0] is scored[K.INPUT_IDS] and stored[1] is scored[K.ATTENTION_MASK]

@@ -196,8 +196,8 @@ def test_a_wrong_type_inside_loss_kwargs_fails_before_any_model_is_built(monkeyp
 def test_fields_set_in_python_are_type_checked():
     with pytest.raises(ValueError, match=r"lr: expected float, got '1e-3'"):
         check_config(sft.Config(lr="1e-3"))
-    with pytest.raises(ValueError, match=r"report_to: expected tuple\[str, \.\.\.\], got 'wandb'"):
-        check_config(sft.Config(report_to="wandb"))
+    with pytest.raises(ValueError, match=r"report_to: expected tuple\[str, \.\.\.\], got 5"):
+        check_config(sft.Config(report_to=5))  # (one name, "wandb", is a one-item tuple: coerce_tuples)
     assert check_config(sft.Config(lr=1, report_to=[])).lr == 1  # an int is a float, a list a tuple
 
 
@@ -285,3 +285,46 @@ def test_the_estimator_table_matches_what_each_estimator_reads():
 def test_other_combinations_an_online_recipe_cannot_run_are_refused_at_load(recipe, kwargs, message):
     with pytest.raises(ValueError, match=message):
         load_config(recipe_module(recipe).Config, None, kwargs)
+
+
+@pytest.mark.parametrize("make,field,value", [
+    (lambda **kw: sft.Config(**kw), "lora_target_modules", "all-linear"),
+    (lambda **kw: sft.Config(**kw), "lora_modules_to_save", "lm_head"),
+    (lambda **kw: sft.Config(**kw), "report_to", "tensorboard"),
+    (lambda **kw: grpo.Config(**kw), "reward_funcs", "my_rewards:correct"),
+    (lambda **kw: grpo.Config(**kw), "lora_target_modules", "q_proj"),
+])
+def test_one_name_given_to_a_tuple_of_names_is_a_one_item_tuple(make, field, value):
+    """From Python, a string where a tuple of strings is expected is one name, not its letters."""
+    config = make(**{field: value})
+    assert getattr(config, field) == (value,)
+    assert check_config(config) is config
+    assert getattr(dataclasses.replace(config, seed=1), field) == (value,)
+    assert getattr(make(**{field: [value, "x"]}), field) == (value, "x")  # a list is a tuple
+
+
+def test_one_prompt_given_to_ddpo_is_one_prompt():
+    from rlcore.loops.recipes import ddpo
+
+    assert ddpo.Config(prompts="a cat", lora_target_modules="to_q").prompts == ("a cat",)
+    assert ddpo.Config(lora_target_modules="to_q").lora_target_modules == ("to_q",)
+
+
+def test_a_string_where_numbers_are_expected_is_still_refused():
+    with pytest.raises(ValueError, match=r"stop_token_ids: expected tuple\[int, \.\.\.\], got '2'"):
+        check_config(grpo.Config(stop_token_ids="2"))
+
+
+def test_config_errors_are_value_errors_of_their_own_class(tmp_path):
+    from rlcore.loops.config import ConfigError
+
+    assert issubclass(ConfigError, ValueError)
+    with pytest.raises(ConfigError, match=r"lr: expected >= 0"):
+        check_config(sft.Config(lr=-1.0))
+    with pytest.raises(ConfigError, match=r"unknown keys \['stepz'\]"):
+        load_config(sft.Config, overrides={"stepz": 1})
+    (tmp_path / "bad.yaml").write_text("lr: [1\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML"):
+        load_config(sft.Config, tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match=r"cannot read 'abc'"):
+        load_config(sft.Config, overrides={"lr": "abc"})

@@ -120,7 +120,7 @@ def test_rewards_too_large_for_float32_losses_are_refused():
                                          + re.escape(f"±{MAX_ABS_REWARD:g}") + ", where the losses' squares and sums "
                                          "overflow float32"):
         call_reward_fn(huge, ["a"] * 3, ["b"] * 3)
-    ok = call_reward_fn(lambda p, c: [MAX_ABS_REWARD, -MAX_ABS_REWARD], ["a"] * 2, ["b"] * 2)
+    ok = call_reward_fn(lambda completions, **kw: [MAX_ABS_REWARD, -MAX_ABS_REWARD], ["a"] * 2, ["b"] * 2)
     assert ok.tolist() == [MAX_ABS_REWARD, -MAX_ABS_REWARD]
 
 
