@@ -13,7 +13,8 @@ Every variant is a kernel with the one signature of ``DPO_LOSSES``::
 Args (the same for every entry):
     chosen_logps, rejected_logps: ``[B]`` float, summed completion log-probs under the policy.
     ref_chosen_logps, ref_rejected_logps: ``[B]`` float, the same under the reference (detached).
-    beta: ``β``.  label_smoothing: ``ε`` (read by sigmoid, robust, exo_pair, aot, aot_unpaired).
+    beta: ``β``, at least 1e-12 (``rlcore.checks.MIN_DIVISOR``: IPO and SPPO divide by it).
+    label_smoothing: ``ε`` (read by sigmoid, robust, exo_pair, aot, aot_unpaired).
     divergence, alpha: the f-divergence of the scores (``F_DIVERGENCES``) and its ``α``.
     chosen_lengths, rejected_lengths: ``[B]`` completion token counts (ipo, sigmoid_norm only).
     discopop_tau: ``τ`` of discopop.
@@ -59,7 +60,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlcore.checks import check_float, check_number, check_same_shape, lookup
+from rlcore.checks import check_divisor, check_float, check_number, check_same_shape, lookup
 from rlcore.masked import in_float64
 
 __all__ = [
@@ -129,7 +130,7 @@ def _variant(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Tensor:
-        check_number("beta", kwargs.get("beta", beta_default), low=0.0, low_open=True)
+        check_divisor("beta", kwargs.get("beta", beta_default))  # >= 1e-12: IPO's and SPPO's 1/(2β) stay finite
         return wide_fn(*args, **kwargs)
     return run
 
@@ -399,7 +400,7 @@ def dpo_discopop(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_lo
     References: Chris Lu et al., "Discovering Preference Optimization Algorithms with and for
     Large Language Models", https://arxiv.org/abs/2406.08414 (Eq. 5, τ = 0.05).
     """
-    check_number("discopop_tau", discopop_tau, low=0.0, low_open=True)
+    check_divisor("discopop_tau", discopop_tau)  # >= 1e-12: x/τ stays finite
     sw, sl = _scores(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, divergence, alpha)
     x = beta * (sw - sl)
     z = x / discopop_tau

@@ -37,8 +37,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.ratios import importance_log_ratio
-from rlcore.checks import (check_float, check_mask, check_ndim, check_number, check_same_shape, check_scalar, lookup,
-                           require_keys, validated)
+from rlcore.checks import (check_divisor, check_float, check_mask, check_ndim, check_number, check_same_shape,
+                           check_scalar, lookup, require_keys, validated)
 from rlcore.kl import kl_estimate
 from rlcore.masked import aggregate, masked_mean, masked_var, saturate, wide, wide_sum, zero_outside
 
@@ -193,11 +193,12 @@ def sapo_surrogate(log_ratio: Tensor, advantages: Tensor, *, temperature_pos: fl
         log_ratio: ``[..., T]`` float, ``log ρ`` (``importance_log_ratio``, token or sequence level),
             differentiable.
         advantages: ``[..., T]`` float (detached).
-        temperature_pos, temperature_neg: ``τ > 0`` for ``A > 0`` and ``A ≤ 0``.
+        temperature_pos, temperature_neg: ``τ`` for ``A > 0`` and ``A ≤ 0``, at least 1e-12
+            (``rlcore.checks.MIN_DIVISOR``: below it ``4/τ`` overflows, and ``A = 0`` gives ``0·inf = NaN``).
     Returns:
         ``Surrogate``; nothing is clipped, so the three flags are all False.
     Raises:
-        ValueError: a temperature is not positive.
+        ValueError: a temperature is not a finite number >= 1e-12.
 
     >>> sapo_surrogate(torch.tensor([0.0, 0.0]), torch.tensor([1.0, -1.0])).loss
     tensor([-2.0000,  1.9048])
@@ -209,7 +210,8 @@ def sapo_surrogate(log_ratio: Tensor, advantages: Tensor, *, temperature_pos: fl
     """
     check_float("log_ratio", log_ratio)
     check_same_shape("log_ratio", log_ratio, advantages=advantages)
-    _positive(temperature_pos=temperature_pos, temperature_neg=temperature_neg)
+    for name, value in (("temperature_pos", temperature_pos), ("temperature_neg", temperature_neg)):
+        check_divisor(name, value)  # >= 1e-12 (rlcore.checks.MIN_DIVISOR): 4/τ stays finite, A·4/τ too
     adv = wide(advantages.detach())
     tau = torch.where(adv > 0, adv.new_tensor(temperature_pos), adv.new_tensor(temperature_neg))
     ratio = torch.exp(wide(log_ratio).clamp(max=_EXP_MAX))

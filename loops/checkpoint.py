@@ -61,7 +61,10 @@ __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_chec
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^checkpoint-(?P<step>\d+)$")
 _OLD = re.compile(r"^\.old-(?P<name>checkpoint-(?P<step>\d+))-[0-9a-f]+$")  # set aside by a re-save
-_SCRATCH = (".tmp-", ".old-", ".del-")
+# The scratch folders of a save, by the exact names it gives them (``.tmp-step-N-<hex>`` being written,
+# ``.old-checkpoint-N-<hex>`` set aside by a re-save, ``.del-checkpoint-N-<hex>`` being deleted): the
+# only folders ``_prune`` deletes besides the checkpoints ``keep_last`` drops; any other name is left alone.
+SCRATCH_NAME = re.compile(r"^(?:\.tmp-step-\d+|\.old-checkpoint-\d+|\.del-checkpoint-\d+)-[0-9a-f]+$")
 _SPECIAL = ("models", "optimizer", "scheduler", "reward_fn")  # not stored as state: code, rebuilt by the run
 _MANIFEST_BYTES = 16 << 20  # a manifest lists files: names, sizes, hashes
 
@@ -279,8 +282,8 @@ def _prune(run_dir: Path, keep_last: int | None) -> None:
         os.replace(p, run_dir / f".del-{p.name}-{secrets.token_hex(4)}")
     if doomed:
         _fsync(run_dir)
-    for p in run_dir.iterdir():
-        if p.name.startswith(_SCRATCH) and p.is_dir():
+    for p in run_dir.iterdir():  # only the save's own scratch names: never a folder of the user's
+        if SCRATCH_NAME.match(p.name) and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["CheckpointError", "write_pair", "read_pair", "read_json", "parse_json", "check_safetensors",
-           "load_tensors", "MAX_JSON_BYTES", "MAX_JSON_DEPTH"]
+__all__ = ["CheckpointError", "CheckpointMismatch", "write_pair", "read_pair", "read_json", "parse_json", "check_safetensors",
+           "load_tensors", "MAX_JSON_BYTES", "MAX_JSON_DEPTH", "json_depth"]
 
 MAX_JSON_BYTES = 64 << 20  # a checkpoint's JSON files: config, state, RNGs, optimiser (no tensors), manifest
 MAX_JSON_DEPTH = 64        # nesting of arrays and objects; rlcore writes at most about 10
@@ -36,6 +36,12 @@ MAX_HEADER_BYTES = 100 << 20  # a safetensors header (safetensors' own limit)
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated, corrupted, or does not fit the state it is loaded into."""
+
+
+class CheckpointMismatch(CheckpointError, ValueError):
+    """A checkpoint's weights do not fit the model its own configuration describes (missing, extra or
+    differently shaped keys, more layers than it holds); a ``ValueError`` too, as every other check
+    of a model folder raises."""
 
 
 def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -124,18 +130,19 @@ _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _DEPTH_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\x02\x02")
 
 
-def _depth(data: bytes) -> int:
-    """The deepest nesting of arrays and objects in JSON text, counted without parsing it (strings
-    skipped), so a deep document is refused before the parser recurses."""
+def json_depth(data: bytes, start: int = 0) -> int:
+    """The deepest nesting of arrays and objects in JSON text (``start`` levels deep at its first
+    byte, for a document read line by line), counted without parsing it (strings skipped), so a
+    deep document is refused before the parser recurses."""
     marks = _STRING.sub(b"", data).translate(_DEPTH_STEP, delete=bytes(c for c in range(256) if c not in b"[{]}"))
     steps = (1 if b == 1 else -1 for b in marks)
-    return max(itertools.accumulate(steps, initial=0))
+    return max(itertools.accumulate(steps, initial=start))
 
 
 def parse_json(data: bytes, where: str, *, expect: type | None = None, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``data`` (UTF-8 JSON) parsed with its nesting bounded by ``max_depth``; ``expect`` (``dict`` or
     ``list``) the type the top level must have. Errors are ``CheckpointError`` naming ``where``."""
-    depth = _depth(data)
+    depth = json_depth(data)
     if depth > max_depth:
         raise CheckpointError(f"{where}: JSON nested {depth} deep, more than the {max_depth} levels allowed")
     try:

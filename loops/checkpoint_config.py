@@ -15,6 +15,18 @@ A stored value of those that differs from the caller's is reported (one line on 
 field, the stored value and the value used), never obeyed. A stored ``model`` that is one of the
 built-in offline models (``TINY_MODELS``) names no location: it is taken like ``hidden_size``
 unless the caller gives a ``model``.
+
+Work sizes (:data:`WORK_FIELDS`: ``num_train``, ``num_eval``, ``eval_batch_size``,
+``max_new_tokens``, ``num_samples``, ``batch_size``, ``steps`` ...) decide how much a command
+computes, not what the weights are. A stored one is taken only when it is an int no larger than
+the caller's value (the caller's flag, config or the default), so a run is evaluated on the
+split it held out whenever that is no bigger than the caller's; a larger (or non-int) stored
+value is reported as above and the caller's used (give ``--num_eval N`` to evaluate on more).
+
+Model sizes (``hidden_size``, ``num_layers`` ...) are taken, then checked against the
+checkpoint's own weights before a model of those sizes is built (``loops.recipe.check_tiny_fits``,
+``loops.models.check_saved_model``: built on the meta device, compared key by key with the
+safetensors headers).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from typing import Any
 
 from rlcore.loops.checkpoint_codec import read_json
 
-__all__ = ["CALLER_FIELDS", "stored_config", "is_caller_setting", "data_settings", "report_ignored"]
+__all__ = ["CALLER_FIELDS", "WORK_FIELDS", "stored_config", "is_caller_setting", "data_settings", "report_ignored"]
 
 # Settings only the caller gives: they run code, open paths, pick devices or send data elsewhere.
 CALLER_FIELDS = frozenset({
@@ -35,6 +47,19 @@ CALLER_FIELDS = frozenset({
     "device", "ref_device", "reward_device", "reward_model", "ref_model", "value_model", "reward_funcs", "reward_fn",
     "dataset", "eval_dataset", "prompt_file", "run_dir", "resume", "overwrite", "report_to", "engine", "engine_options",
 })
+
+# Sizes of the work a command does: taken from a stored config only up to the caller's value.
+WORK_FIELDS = frozenset({
+    "num_train", "num_eval", "eval_batch_size", "max_new_tokens", "num_samples", "batch_size",
+    "generation_batch_size", "steps", "epochs", "num_epochs", "num_inference_steps",
+})
+
+
+def _within(value: Any, bound: Any) -> bool:
+    """Whether a stored work size is an int in ``[0, bound]`` (``bound``: the caller's int)."""
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (value, bound))
+    return ints and 0 <= value <= bound
+
 
 _IMPORTABLE = re.compile(r"^\s*[A-Za-z_][\w.]*\s*:\s*[A-Za-z_][\w.]*\s*$")  # package.module:function
 
@@ -82,7 +107,7 @@ def data_settings(stored: Mapping[str, Any], fields: Iterable[str], caller: Mapp
     Returns:
         ``(taken, ignored)``: the stored hyper-parameters to use as defaults, and
         ``(field, stored value, value used)`` for each caller-only setting whose stored value
-        differs from the caller's.
+        differs from the caller's, and each work size (``WORK_FIELDS``) above the caller's.
     """
     given = set(given)
     taken, ignored = {}, []
@@ -90,7 +115,9 @@ def data_settings(stored: Mapping[str, Any], fields: Iterable[str], caller: Mapp
         if name not in stored or name in given:
             continue
         value = stored[name]
-        if not is_caller_setting(name, value):
+        if name in WORK_FIELDS and value != caller.get(name) and not _within(value, caller.get(name)):
+            ignored.append((name, value, caller.get(name)))
+        elif not is_caller_setting(name, value):
             taken[name] = value
         elif value != caller.get(name):
             ignored.append((name, value, caller.get(name)))
@@ -101,5 +128,7 @@ def report_ignored(where: str | Path, ignored: Iterable[tuple[str, Any, Any]], *
     """One line on stderr per ignored stored setting: the file, the field, the stored value and the
     value used."""
     for name, value, used in ignored:
-        print(f"{command}: {where}: {name}: the stored {value!r:.200} is not used (a checkpoint's code, paths and "
-              f"permissions come from the command line); using {used!r:.200}", file=sys.stderr)
+        why = (f"a work size above the caller's is not taken from a checkpoint; give --{name} to use it"
+               if name in WORK_FIELDS else "a checkpoint's code, paths and permissions come from the command line")
+        print(f"{command}: {where}: {name}: the stored {value!r:.200} is not used ({why}); using {used!r:.200}",
+              file=sys.stderr)

@@ -165,9 +165,20 @@ def _train(args: argparse.Namespace) -> int:
         _, history = train_async(config, max_lag=args.max_lag, is_clip=args.is_clip, callbacks=[args.started])
     else:
         _, history = module.train(config, callbacks=[args.started])
-    if history:
-        print(json.dumps({"final": history[-1]}, indent=None))
+    if history:  # strict JSON: a NaN or infinite metric is printed as null
+        print(json.dumps({"final": _strict_json(history[-1])}, indent=None, allow_nan=False))
     return 0
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, ±inf) replaced by ``None``, through dicts and lists."""
+    if isinstance(value, float):
+        return value if value - value == 0 else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def _saved_run(module: ModuleType, args: argparse.Namespace) -> tuple[Path, dict[str, Any], Any]:
@@ -194,7 +205,7 @@ def _saved_run(module: ModuleType, args: argparse.Namespace) -> tuple[Path, dict
 
 def _eval(args: argparse.Namespace) -> int:
     from rlcore.loops.models import make_reference
-    from rlcore.loops.recipe import build_policy
+    from rlcore.loops.recipe import build_policy, check_tiny_fits, checkpoint_model_dir
     from rlcore.loops.state import init_state
 
     module = recipe_module(args.recipe)
@@ -207,8 +218,11 @@ def _eval(args: argparse.Namespace) -> int:
         # which is also the base of an adapter checkpoint whose run started from a checkpoint), or a fresh init
         base_from = caller.init_from
         config = _config(module, args, start, {"init_from": str(path), "resume": False})
-        reference, _ = build_policy(_config(module, args, start, {"resume": False}))
-        policy, _ = build_policy(config, base_from=base_from)
+        policy, _ = build_policy(config, base_from=base_from)  # its weights checked against their headers
+        # a fresh reference is built from the stored sizes: first checked against the checkpoint's own weights
+        ref_config = _config(module, args, start, {"resume": False})
+        check_tiny_fits(ref_config, checkpoint_model_dir(path), getattr(module.Config, "MODEL_TASK", "causal_lm"))
+        reference, _ = build_policy(ref_config)
         state = init_state({"policy": policy, "ref": make_reference(reference)}, seed=config.seed)
     args.started.on_start(state)
     print(json.dumps(module.evaluate(state, config), indent=2))

@@ -27,6 +27,7 @@ import torch
 import yaml
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
+from rlcore.checks import MIN_DIVISOR
 from rlcore.loops.collect import check_length_range
 from rlcore.loops.engines import ENGINES, SAMPLERS
 from rlcore.loops.reward_fns import NONFINITE_REWARDS
@@ -34,8 +35,8 @@ from rlcore.loops.logging import check_trackers
 from rlcore.loops.trl_config import translate as translate_trl_names
 
 __all__ = ["ConfigError", "RunConfig", "coerce_tuples", "DTYPES", "TINY_MODELS", "loading_kwargs", "quantization_kwargs", "check_quantization",
-           "autocast_dtype", "FIELD_RULES", "check_config", "TRL_NAMES", "load_config", "config_dict", "parse_yaml",
-           "read_config_file", "YAML_MAX_BYTES", "YAML_MAX_DEPTH", "YAML_MAX_ALIASES", "YAML_MAX_NODES"]
+           "autocast_dtype", "FIELD_RULES", "DIVISOR_FIELDS", "try_loss", "check_config", "TRL_NAMES", "load_config",
+           "config_dict", "parse_yaml", "read_config_file", "YAML_MAX_BYTES", "YAML_MAX_DEPTH", "YAML_MAX_ALIASES", "YAML_MAX_NODES"]
 
 
 class ConfigError(ValueError):
@@ -366,8 +367,9 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "center_rewards_coefficient", "per_prompt_stat_tracking_buffer_size",
                      "per_prompt_stat_tracking_min_count"], _AT_LEAST_0),
     **dict.fromkeys(["temperature", "beta", "max_grad_norm", "train_max_grad_norm", "horizon", "target",
-                     "train_adam_epsilon", "discopop_tau", "desirable_weight", "undesirable_weight", "lora_alpha"],
-                    _POSITIVE),
+                     "train_adam_epsilon", "discopop_tau", "desirable_weight", "undesirable_weight", "lora_alpha",
+                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                     "vespo_lambda_neg"], _POSITIVE),
     "label_smoothing": (lambda v: 0 <= v <= 0.5, "in [0, 0.5] (past 0.5 the smoothed loss prefers the rejected answer)"),
     **dict.fromkeys(["lam", "train_adam_beta1", "train_adam_beta2", "ref_model_mixup_alpha"],
                     _UNIT),
@@ -381,6 +383,13 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 _INT64 = 2**63
+
+# Positive fields a formula divides by (IPO's 1/(2β), a temperature's logits/τ and SAPO's 4/τ,
+# DiscoPOP's x/τ, the KL controller's KL/target and n/horizon): past "> 0" they must be at least
+# ``rlcore.checks.MIN_DIVISOR`` (1e-12), the floor the functions apply, so a denormal such as 1e-310
+# is refused at load, not met as NaN at the first step.
+DIVISOR_FIELDS = ("temperature", "beta", "discopop_tau", "sapo_temperature_pos", "sapo_temperature_neg", "target",
+                  "horizon")
 
 
 def _value_fault(name: str, value: Any) -> str | None:
@@ -396,7 +405,11 @@ def _value_fault(name: str, value: Any) -> str | None:
     if rule is None:
         return None if math.isfinite(value) else f"expected a finite number, got {value!r}"
     allowed, what = rule
-    return None if math.isfinite(value) and allowed(value) else f"expected {what}, got {value!r}"
+    if not (math.isfinite(value) and allowed(value)):
+        return f"expected {what}, got {value!r}"
+    if name in DIVISOR_FIELDS and value < MIN_DIVISOR:
+        return f"expected >= {MIN_DIVISOR:g} (it is divided by: 1/{value!r} overflows), got {value!r}"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -484,11 +497,36 @@ def _device_fault(value: Any) -> str | None:
     return f"expected 'cpu' or 'cuda[:N]', got {value!r} (device type {device.type!r} is not available here)"
 
 
+def _run_dir_fault(run_dir: str) -> str | None:
+    """Why ``run_dir`` can be no run's folder (it, or the nearest existing path above it, is a file), or None."""
+    for path in (Path(run_dir), *Path(run_dir).parents):
+        if path.exists() or path.is_symlink():
+            return None if path.is_dir() else (f"{run_dir!r} is an existing file, not a folder" if path == Path(run_dir)
+                                               else f"{run_dir!r} lies under {str(path)!r}, an existing file")
+    return None
+
+
+def try_loss(loss: Callable[[Any], Any], batch: Any, *, fields: Mapping[str, str], where: str) -> None:
+    """Run a recipe's bound loss (its settings bound) once on a tiny dummy ``batch``, so the loss's
+    own argument checks (robust DPO's ``ε < 0.5``, a surrogate's temperatures...) refuse a setting
+    at load, before any model is built; the losses are pure, so the trial is cheap and changes
+    nothing. A ``ValueError`` it raises becomes a ``ConfigError`` naming the field: the keyword that
+    begins the loss's message mapped through ``fields`` (``{"label_smoothing":
+    "loss_kwargs.label_smoothing"}``), else ``where`` (e.g. ``loss_type 'robust'``) leads it."""
+    try:
+        with torch.no_grad():
+            loss(batch)
+    except ValueError as e:
+        key, sep, rest = str(e).partition(":")
+        raise ConfigError(f"{fields[key]}:{rest}" if sep and key in fields else f"{where}: {e}") from None
+
+
 def check_config(config: Any) -> Any:
     """``config`` itself when every field it shares with ``FIELD_RULES`` is in range, and every entry
     of its ``loss_kwargs`` / ``advantage_kwargs`` that a rule names; when every value is of its
     field's type, and every ``*_kwargs`` entry of the type of the keyword it feeds (the loss's or
-    estimator's signature); when every integer fits int64 and every float is finite; and when each
+    estimator's signature); when the recipe's bound loss runs on a tiny dummy batch (its
+    ``try_loss()``, :func:`try_loss`); when every integer fits int64 and every float is finite; and when each
     device is one this machine has (``cuda`` needs a CUDA build and device, ``cuda:N`` an ``N``
     below the count; ``meta`` is refused). Else a ``ConfigError`` (a ``ValueError``) naming each field (or
     ``loss_kwargs.<name>``) at fault, its value and what is allowed (all at once).
@@ -504,6 +542,11 @@ def check_config(config: Any) -> Any:
             values += [(str(k), f"{kwargs}.{k}", v) for k, v in given.items()]
     faults += [f"{where}: {fault}" for name, where, value in values if (fault := _value_fault(name, value))]
     faults += _type_faults(config)
+    if not faults and hasattr(config, "try_loss"):  # the recipe's bound loss once on a dummy batch (try_loss)
+        try:
+            config.try_loss()
+        except ValueError as e:
+            faults.append(str(e))
     for name in ("device", "ref_device", "reward_device"):
         value = getattr(config, name, None)
         if value is not None and (fault := _device_fault(value)):
@@ -525,6 +568,9 @@ def check_config(config: Any) -> Any:
         value = getattr(config, name, None)
         if value is not None and value not in registry:
             faults.append(f"{name}: expected one of {sorted(registry)}, got {value!r}")
+    if isinstance(run_dir := getattr(config, "run_dir", None), str) and run_dir and (fault := _run_dir_fault(run_dir)):
+        faults.append(f"run_dir: {fault} (a run writes its checkpoints and metrics.jsonl into a folder); pick "
+                      "another run_dir")
     if getattr(config, "engine_options", None) and getattr(config, "engine", None) != "vllm":
         faults.append(f"engine_options: only for engine='vllm', got engine={config.engine!r}")
     if faults:

@@ -33,8 +33,12 @@ prompt_only        prompt                           prompt_ids (left padded), pr
 Rows remember where they came from: errors about a row read from a file name the file and its
 line (``.jsonl``) or row (other formats), also after the train / held-out split
 (:func:`split_held_out`, :func:`row_origin`). A ``.jsonl`` file holds one JSON object per line
-(blank lines are skipped); a NUL byte or a line that is not an object (``[1, 2]``, ``5``) is
-refused naming the file and line.
+(blank lines are skipped); a NUL byte, a line that is not an object (``[1, 2]``, ``5``) or one
+nested deeper than ``MAX_JSON_DEPTH`` (64, ``loops.checkpoint_codec``: the one bound of every JSON
+rlcore reads) lists and objects is refused naming the file and line.
+A numeric column rlcore reads (a reward ``margin_key`` column, ``ref_*_logps``, the unpaired
+``label``) holding NaN, ``Infinity``, a number past float32's range or null is refused at load,
+naming the file, line and column (:func:`check_number_column`).
 
 Any text field may be a conversation (a list of ``{"role", "content"}`` dicts): it is rendered
 with ``tokenizer.apply_chat_template`` (prompt with ``add_generation_prompt=True``, completion as
@@ -48,16 +52,21 @@ import codecs
 import dataclasses
 from array import array
 import json
+import math
+import numbers
 import re
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 from pathlib import Path
 
 import datasets
 from datasets import Dataset
 
+from rlcore.loops.checkpoint_codec import MAX_JSON_DEPTH, json_depth
+
 __all__ = ["formats_help", "FORMATS", "detect_format", "load_local", "load_source", "split_held_out", "row_origin",
-           "row_origins"]
+           "row_origins", "check_number_cell", "check_label_cell", "check_number_column"]
 
 # Required columns per format, most specific first: detection takes the first whose columns are
 # all present.
@@ -150,13 +159,51 @@ def _jsonl_lines(path: Path) -> array:
             if not text.startswith(b"{"):
                 raise ValueError(f"source: {path}, line {number}: expected a JSON object ({{\"column\": value, ...}}) "
                                  f"per line, got {text[:40].decode(errors='replace')!r}")
+            if text.count(b"[") + text.count(b"{") > MAX_JSON_DEPTH and json_depth(text) > MAX_JSON_DEPTH:
+                raise ValueError(f"source: {path}, line {number}: nested deeper than {MAX_JSON_DEPTH} levels of lists "
+                                 "and objects (the JSON reader would overflow its stack)")
             lines.append(number)
     return lines
+
+
+# The deepest nesting of lists and objects a ``.jsonl`` line may hold: far past any dataset's (a
+# conversation is 3 deep), far below the depth at which the JSON readers overflow their stack
+# (pyarrow's crashes the process at some 20,000; Python's ``json`` raises RecursionError at ~1,000).
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _check_json_depth(path: Path) -> None:
+    """A ``ValueError`` naming the line of a ``.json`` file (one document or JSON lines) where its
+    nesting of lists and objects passes ``MAX_JSON_DEPTH``; each line scanned once (strings
+    removed, brackets counted), bracket by bracket only where the depth could pass the bound."""
+    depth = 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            text = _JSON_STRING.sub(b'""', line)
+            opens = text.count(b"[") + text.count(b"{")
+            if depth + opens > MAX_JSON_DEPTH and json_depth(text, depth) > MAX_JSON_DEPTH:
+                raise ValueError(f"source: {path}, line {number}: nested deeper than {MAX_JSON_DEPTH} levels of lists "
+                                 "and objects (the JSON reader would overflow its stack)")
+            depth += opens - text.count(b"]") - text.count(b"}")
 
 
 def _json_kind(value) -> str:
     return {bool: "bool", int: "number", float: "number", str: "str", list: "list", dict: "object"}.get(
         type(value), type(value).__name__)
+
+
+def _overflowing_number(line: str) -> str | None:
+    """The first number of a JSON line too large for a float64 (``1e400``), or ``None``."""
+    found: list[str] = []
+
+    def number(text: str) -> float:
+        value = float(text)
+        if math.isinf(value) and not found:
+            found.append(text)
+        return value
+    json.loads(line, parse_float=number)
+    return found[0] if found else None
 
 
 def _bad_json_line(path: Path) -> str:
@@ -170,8 +217,10 @@ def _bad_json_line(path: Path) -> str:
                 continue
             try:
                 row = json.loads(line)
-            except ValueError as e:
-                return f", line {number}: not valid JSON ({e})"
+            except (ValueError, RecursionError) as e:
+                return f", line {number}: not valid JSON ({type(e).__name__}: {e})"
+            if (big := _overflowing_number(line)) is not None:
+                return f", line {number}: the number {big} does not fit a float64 (it reads as infinite)"
             if not isinstance(row, dict):
                 return f", line {number}: expected a JSON object, got {type(row).__name__}"
             for column, value in row.items():
@@ -191,6 +240,8 @@ def _read_file(path: Path) -> Dataset:
     if path.suffix != ".parquet":
         _check_utf8(path)
     lines = _jsonl_lines(path) if path.suffix == ".jsonl" else None
+    if path.suffix == ".json":
+        _check_json_depth(path)
     try:
         data = _LOADERS[path.suffix](str(path), keep_in_memory=True)
     except StopIteration:  # what datasets raises for a file without a row (json) ...
@@ -249,6 +300,43 @@ def row_origins(dataset: Dataset) -> Callable[[int], str | None]:
         return None
 
     return where
+
+
+# --- numeric columns -------------------------------------------------------------------------
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_number_cell(value: Any, column: str, where: str) -> None:
+    """A ``ValueError`` naming ``where`` (file and line) and ``column`` unless ``value`` is a finite
+    real number within float32's range (±3.4e38): NaN, ``Infinity``, ``1e39``, null or text in a
+    numeric column rlcore reads (a reward margin, a precomputed reference log-prob) would become a
+    NaN or infinite loss, every step skipped."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not abs(value) <= _FLOAT32_MAX:
+        raise ValueError(f"dataset: {where}: column {column!r} holds {_cell(value)}; expected a finite number "
+                         "(within float32's ±3.4e38)")
+
+
+def check_label_cell(value: Any, column: str, where: str) -> None:
+    """A ``ValueError`` naming ``where`` and ``column`` unless ``value`` is a label: ``true`` /
+    ``false`` (or the numbers 1 / 0). NaN, 0.5 or text would each read as True."""
+    if not (isinstance(value, bool) or (isinstance(value, numbers.Real) and value in (0, 1))):
+        raise ValueError(f"dataset: {where}: column {column!r} holds {_cell(value)}; expected true or false "
+                         "(desirable or not)")
+
+
+def _cell(value: Any) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r:.40}"
+
+
+def check_number_column(dataset: Dataset, column: str, *, field: str) -> None:
+    """:func:`check_number_cell` on every row of ``column`` of ``dataset``, naming the row's file and
+    line (:func:`row_origin`); a missing column is a ``ValueError`` naming ``field``, the setting
+    that names the column. Run at load, before any model is built."""
+    if column not in dataset.column_names:
+        raise ValueError(f"{field}: the dataset has no column {column!r} (have {sorted(dataset.column_names)})")
+    origin = row_origins(dataset)
+    for i, value in enumerate(dataset[column]):
+        check_number_cell(value, column, origin(i) or f"row {i}")
 
 
 def split_held_out(data: Dataset, n_eval: int, seed: int) -> tuple[Dataset, Dataset]:

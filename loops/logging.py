@@ -84,17 +84,14 @@ def peak_memory(device: Any = "cpu", *, reset: bool = True) -> dict[str, float]:
     return out
 
 
-class PeakMemory:
-    """Loggers wrapped so each sees the step's metrics plus its peak memory (:func:`peak_memory`,
-    reset when the run starts and after every step): the peak of the step, its evaluation and its
-    checkpoint of the step before. The history ``fold`` returns is left as it is (memory differs
-    from run to run; the metrics there are the run's maths)."""
+class _Wrapped:
+    """Loggers wrapped so each sees the step's metrics as :meth:`metrics` rewrites them (their
+    ``on_start`` / ``on_end`` passed through). The history ``fold`` returns is left as it is."""
 
-    def __init__(self, loggers: Sequence[Callable], device: Any = "cpu"):
-        self.loggers, self.device = list(loggers), device
+    def __init__(self, loggers: Sequence[Callable]):
+        self.loggers = list(loggers)
 
     def on_start(self, state: Any) -> None:
-        peak_memory(self.device)
         for logger in self.loggers:
             if hasattr(logger, "on_start"):
                 logger.on_start(state)
@@ -104,10 +101,31 @@ class PeakMemory:
             if hasattr(logger, "on_end"):
                 logger.on_end(state)
 
+    def metrics(self, state: Any, metrics: Mapping[str, float]) -> Mapping[str, float]:
+        return metrics
+
     def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
-        metrics = {**metrics, **peak_memory(self.device)}
+        metrics = self.metrics(state, metrics)
         for logger in self.loggers:
             logger(state, metrics)
+
+
+class PeakMemory(_Wrapped):
+    """Loggers wrapped so each sees the step's metrics plus its peak memory (:func:`peak_memory`,
+    reset when the run starts and after every step): the peak of the step, its evaluation and its
+    checkpoint of the step before. The history ``fold`` returns is left as it is (memory differs
+    from run to run; the metrics there are the run's maths)."""
+
+    def __init__(self, loggers: Sequence[Callable], device: Any = "cpu"):
+        super().__init__(loggers)
+        self.device = device
+
+    def on_start(self, state: Any) -> None:
+        peak_memory(self.device)
+        super().on_start(state)
+
+    def metrics(self, state: Any, metrics: Mapping[str, float]) -> Mapping[str, float]:
+        return {**metrics, **peak_memory(self.device)}
 
 
 # rlcore's metric -> TRL's name for the same quantity, added beside it at the logging boundary (the
@@ -143,27 +161,12 @@ def trl_names(metrics: Mapping[str, float], state: Any = None) -> dict[str, floa
     return out
 
 
-class TrlNames:
+class TrlNames(_Wrapped):
     """Loggers wrapped so each sees the step's metrics with TRL's names added (:func:`trl_names`).
     The history ``fold`` returns is left as it is."""
 
-    def __init__(self, loggers: Sequence[Callable]):
-        self.loggers = list(loggers)
-
-    def on_start(self, state: Any) -> None:
-        for logger in self.loggers:
-            if hasattr(logger, "on_start"):
-                logger.on_start(state)
-
-    def on_end(self, state: Any) -> None:
-        for logger in self.loggers:
-            if hasattr(logger, "on_end"):
-                logger.on_end(state)
-
-    def __call__(self, state: Any, metrics: Mapping[str, float]) -> None:
-        metrics = trl_names(metrics, state)
-        for logger in self.loggers:
-            logger(state, metrics)
+    def metrics(self, state: Any, metrics: Mapping[str, float]) -> Mapping[str, float]:
+        return trl_names(metrics, state)
 
 
 def tracker_tag(name: str) -> str:

@@ -24,6 +24,7 @@ https://arxiv.org/abs/2106.09685
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +34,8 @@ import torch
 from torch import nn
 
 __all__ = ["LORA_TASK_TYPES", "is_peft", "apply_lora", "in_use", "linear_weights", "AdapterOff", "adapter_off",
-           "adapter_keys", "load_adapter_weights", "is_adapter_dir", "with_adapter", "export_merged"]
+           "adapter_keys", "load_adapter_weights", "is_adapter_dir", "adapter_settings", "check_adapter_fits",
+           "with_adapter", "export_merged"]
 
 # The peft task type of each ``loops.models.TASKS`` entry: it decides which head peft trains in full
 # (``modules_to_save``: the classifier of a reward or value model).
@@ -217,40 +219,171 @@ def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
+# ``adapter_config.json`` is data: the LoraConfig is built from these fields only, each checked;
+# any other stored field must hold peft's default (regex strings, per-layer rank or alpha patterns,
+# layer replication, megatron, alternative initialisations are refused, never handed to peft).
+_ADAPTER_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "bias", "task_type",
+                   "fan_in_fan_out", "inference_mode")
+_ADAPTER_IGNORED = ("peft_type", "peft_version", "base_model_name_or_path", "revision")  # strings, never used
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")  # a module name or dotted path, no regex
+_MAX_NAMES, _MAX_NAME_CHARS = 1024, 200
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= _MAX_NAMES and all(
+        isinstance(v, str) and len(v) <= _MAX_NAME_CHARS and _MODULE_NAME.fullmatch(v) for v in value)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _adapter_checks() -> dict[str, tuple[Any, str]]:
+    return {
+        "r": (_positive_int, "a positive int"),
+        "lora_alpha": (_positive_int, "a positive int"),
+        "lora_dropout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1,
+                         "a number in [0, 1)"),
+        "target_modules": (lambda v: v == "all-linear" or (_names(v) and len(v) > 0),
+                           "a non-empty list of plain module names (no regex string), or 'all-linear'"),
+        "modules_to_save": (lambda v: v is None or _names(v), "null or a list of plain module names"),
+        "bias": (lambda v: v in ("none", "all", "lora_only"), "one of 'none', 'all', 'lora_only'"),
+        "task_type": (lambda v: v is None or v in LORA_TASK_TYPES.values(),
+                      f"null or one of {sorted(LORA_TASK_TYPES.values())}"),
+        "fan_in_fan_out": (lambda v: isinstance(v, bool), "a bool"),
+        "inference_mode": (lambda v: isinstance(v, bool), "a bool"),
+        "peft_type": (lambda v: v == "LORA", "'LORA'"),
+        "peft_version": (lambda v: v is None or isinstance(v, str), "a string"),
+        "base_model_name_or_path": (lambda v: v is None or isinstance(v, str), "a string"),
+        "revision": (lambda v: v is None or isinstance(v, str), "a string"),
+    }
+
+
+def _peft_defaults() -> dict[str, Any]:
+    import json
+
+    return json.loads(json.dumps(_peft().LoraConfig().to_dict(), default=str))
+
+
+def adapter_settings(directory: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checked settings of the LoRA adapter saved in ``directory`` and its safetensors header,
+    read as data before peft builds anything: ``(LoraConfig keywords, header)``.
+
+    ``adapter_config.json`` (bounded ``read_json``) may set ``r``, ``lora_alpha`` (positive ints),
+    ``lora_dropout`` (in [0, 1)), ``target_modules`` (a list of plain module names, or
+    ``"all-linear"``; never a regex string), ``modules_to_save`` (module names), ``bias`` (its
+    enum), ``task_type``, ``fan_in_fan_out`` and ``inference_mode`` (bools); ``peft_type`` must be
+    ``"LORA"``; ``base_model_name_or_path``, ``revision`` and ``peft_version`` are ignored. Any other
+    field must hold peft's default (an unknown one: null). ``r`` must be the rank of every
+    ``lora_A`` / ``lora_B`` tensor in ``adapter_model.safetensors``'s header (``check_safetensors``).
+
+    Raises:
+        CheckpointError: naming the file and the field (or tensor) at fault.
+    """
+    from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, read_json
+
+    directory = Path(directory)
+    where = directory / "adapter_config.json"
+    try:
+        stored = read_json(where, expect=dict)  # bounded in size and depth
+    except CheckpointError as e:
+        raise ValueError(f"{where}: unreadable ({e})") from e
+    if stored.get("peft_type") != "LORA":
+        raise ValueError(f"{where}: expected a LoRA adapter (peft_type 'LORA'), got {stored.get('peft_type')!r}")
+    checks, defaults = _adapter_checks(), _peft_defaults()
+    for name, value in stored.items():
+        if name in checks:
+            ok, what = checks[name]
+            if not ok(value):
+                raise CheckpointError(f"{where}: {name}: expected {what}, got {value!r:.200}")
+        elif value != defaults.get(name):
+            raise CheckpointError(f"{where}: {name}: {value!r:.200} is not taken from a checkpoint (only "
+                                  f"{', '.join(_ADAPTER_FIELDS)} may differ from peft's default "
+                                  f"{defaults.get(name)!r})")
+    weights_file = directory / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise ValueError(f"{directory}: an adapter_config.json without its adapter_model.safetensors")
+    header = check_safetensors(weights_file)  # shapes read before anything is allocated
+    r = stored.get("r", defaults["r"])
+    ranks = {name: entry["shape"][0] if ".lora_A" in name or ".lora_embedding_A" in name else entry["shape"][1]
+             for name, entry in header.items()
+             if re.search(r"\.lora_(embedding_)?[AB]\b", name) and len(entry["shape"]) >= 2}
+    if not ranks:
+        raise CheckpointError(f"{weights_file}: holds no lora_A / lora_B tensor")
+    other = sorted(name for name, rank in ranks.items() if rank != r)
+    if other:
+        raise CheckpointError(f"{where}: r: {r} is not the rank of the adapter's tensors in {weights_file.name} "
+                              f"({', '.join(f'{n}: {ranks[n]}' for n in other[:4])})")
+    settings = {name: stored[name] for name in _ADAPTER_FIELDS if name in stored and name != "inference_mode"}
+    if isinstance(settings.get("target_modules"), list):
+        settings["target_modules"] = list(settings["target_modules"])
+    return settings, header
+
+
+def _lora_config(base: nn.Module, settings: dict[str, Any]) -> Any:
+    # GPT-2's projections are Conv1D, whose weight is stored transposed: the base decides, not the file
+    conv = any(type(m).__name__ == "Conv1D" for m in base.modules())
+    return _peft().LoraConfig(**{**settings, "fan_in_fan_out": conv})
+
+
+def check_adapter_fits(base: nn.Module, directory: str | Path) -> None:
+    """Whether the adapter saved in ``directory`` fits ``base`` (a model on the meta device: nothing
+    is allocated), compared key by key and shape by shape with its safetensors header.
+
+    Raises:
+        CheckpointError: naming the file and the missing, unexpected or differently shaped keys
+            (a stored base size, e.g. ``hidden_size`` or ``num_layers``, that its weights do not have).
+    """
+    from rlcore.loops.checkpoint_codec import CheckpointError
+
+    settings, header = adapter_settings(directory)
+    with torch.device("meta"):
+        model = _wrap(base, _lora_config(base, settings), seed=0)
+    own = {k: list(v.shape) for k, v in adapter_keys(model).items()}
+    saved = {k: v["shape"] for k, v in header.items()}
+    missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+    shapes = sorted(k for k in set(own) & set(saved) if own[k] != saved[k])
+    if missing or unexpected or shapes:
+        raise CheckpointError(f"{Path(directory) / 'adapter_model.safetensors'}: the adapter does not fit the base "
+                              f"model its run's config describes: missing {missing[:8]}, unexpected "
+                              f"{unexpected[:8]}, other shapes "
+                              f"{[(k, saved[k], own[k]) for k in shapes[:8]]}")
+
+
 def with_adapter(base: nn.Module, directory: str | Path) -> nn.Module:
     """``base`` with the LoRA adapter saved in ``directory`` merged into its weights
     (``W + (α/r)·B·A``): a plain model, no peft wrapper left.
 
-    The adapter's configuration is read as JSON; its ``base_model_name_or_path`` is ignored (the
-    caller supplies the base the run was trained on). Raises ``ValueError`` for an adapter that
-    does not fit ``base`` or whose configuration is not a LoRA one.
+    The adapter's configuration is read as data (:func:`adapter_settings`: an allow-list of
+    checked fields, ``r`` the rank of the stored tensors; peft never reads the file); its
+    ``base_model_name_or_path`` is ignored (the caller supplies the base the run was trained on).
+    Raises ``ValueError`` for an adapter that does not fit ``base`` or whose configuration is not a
+    LoRA one, ``CheckpointError`` for a field outside the allow-list or out of range.
     """
-    peft, directory = _peft(), Path(directory)
-    from rlcore.loops.checkpoint_codec import CheckpointError, load_tensors, read_json
+    from rlcore.loops.checkpoint_codec import CheckpointError, load_tensors
 
+    settings, _ = adapter_settings(directory)
     try:
-        stored = read_json(directory / "adapter_config.json")  # bounded in size and depth
-    except CheckpointError as e:
-        raise ValueError(f"{directory}/adapter_config.json: unreadable ({e})") from e
-    if not isinstance(stored, dict) or stored.get("peft_type") != "LORA":
-        raise ValueError(f"{directory}/adapter_config.json: expected a LoRA adapter (peft_type 'LORA'), got "
-                         f"{stored.get('peft_type') if isinstance(stored, dict) else type(stored).__name__!r}")
-    weights_file = directory / "adapter_model.safetensors"
-    if not weights_file.is_file():
-        raise ValueError(f"{directory}: an adapter_config.json without its adapter_model.safetensors")
-    try:
-        weights = load_tensors(weights_file)  # its header checked before anything is allocated
+        weights = load_tensors(Path(directory) / "adapter_model.safetensors")
     except CheckpointError as e:
         raise ValueError(str(e)) from e
-    model = _wrap(base, peft.LoraConfig.from_pretrained(str(directory)), seed=0)  # A and B overwritten next
+    model = _wrap(base, _lora_config(base, settings), seed=0)  # A and B overwritten next
     load_adapter_weights(model, weights, str(directory))
     return model.merge_and_unload()
 
 
 def export_merged(model: nn.Module, tokenizer: Any, out: str | Path) -> Path:
     """Save ``model`` as a plain ``from_pretrained`` folder at ``out`` (with its tokenizer): a peft
-    model's adapters merged into a copy of its weights first (the model itself is unchanged)."""
+    model's adapters merged into a copy of its weights first (the model itself is unchanged).
+
+    The folder names no code: an ``auto_map`` (a model or tokenizer class to import, as a
+    checkpoint's config may carry) is dropped from every JSON file written, with one line on stderr
+    each; the folder loads with ``from_pretrained`` without ``trust_remote_code``."""
     import copy
+    import json
+    import sys
+
+    from rlcore.loops.checkpoint_codec import read_json
 
     out = Path(out)
     if is_peft(model):
@@ -258,4 +391,11 @@ def export_merged(model: nn.Module, tokenizer: Any, out: str | Path) -> Path:
     model.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    for path in sorted(out.glob("*.json")):
+        saved = read_json(path)
+        if isinstance(saved, dict) and "auto_map" in saved:
+            dropped = saved.pop("auto_map")
+            path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+            print(f"export: {path}: auto_map {dropped!r:.200} dropped (an exported folder names no code to run)",
+                  file=sys.stderr)
     return out

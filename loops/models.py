@@ -37,7 +37,8 @@ __all__ = ["build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS
            "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS", "disable_dropout",
            "position_ids_from_mask", "last_token_index", "trunk_hidden", "cache_keyword", "cache_length", "ValueHead",
            "policy_and_values", "token_values", "reward_model_scores", "make_reference", "mix_into_reference",
-           "model_device", "saved_task", "load_exact", "vocabulary_size", "check_vocabulary"]
+           "model_device", "saved_task", "load_exact", "check_saved_model", "check_weights_fit",
+           "safetensors_shapes", "vocabulary_size", "check_vocabulary"]
 
 # --- tokenizers ------------------------------------------------------------------------------
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -285,6 +286,90 @@ def _quiet_loading():
         hf_logging.set_verbosity(level)
 
 
+def safetensors_shapes(directory: str | Path) -> tuple[dict[str, list[int]], dict[str, Path]]:
+    """``(key -> shape, key -> file)`` of every ``*.safetensors`` file in ``directory``, each header
+    checked (``check_safetensors``), no tensor read."""
+    from rlcore.loops.checkpoint_codec import check_safetensors
+
+    shapes, files = {}, {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        for key, entry in check_safetensors(f).items():
+            shapes[key], files[key] = entry["shape"], f
+    return shapes, files
+
+
+def check_weights_fit(model: nn.Module, shapes: dict[str, list[int]], where: str | Path, *,
+                      new_head: bool = False) -> None:
+    """Whether ``model`` (built on the meta device: nothing allocated) has exactly the weights
+    ``shapes`` (a safetensors header's key -> shape) describes: every key of its state dict present
+    (a weight tied to a present one may be absent), no other key, every shape equal. With
+    ``new_head``, keys outside the trunk (``base_model_prefix``) may be missing or unused.
+
+    Raises:
+        CheckpointError (also a ``ValueError``): naming ``where`` and the keys at fault.
+    """
+    from rlcore.loops.checkpoint_codec import CheckpointMismatch
+
+    own = model.state_dict(keep_vars=True)
+    present = {id(own[k]) for k in own if k in shapes}
+    trunk = f"{getattr(model, 'base_model_prefix', '')}."
+    keep = (lambda k: k.startswith(trunk)) if new_head else (lambda k: True)  # noqa: E731
+    missing = sorted(k for k in own if k not in shapes and id(own[k]) not in present and keep(k))
+    unexpected = sorted(k for k in shapes if k not in own and keep(k))
+    other = sorted(k for k in own if k in shapes and list(own[k].shape) != list(shapes[k]))
+    if missing or unexpected or other:
+        raise CheckpointMismatch(f"{where}: the saved weights do not fill a {type(model).__name__}: missing "
+                                 f"{missing[:8]}, unexpected {unexpected[:8]}, other shapes "
+                                 f"{[(k, shapes[k], list(own[k].shape)) for k in other[:8]]}")
+
+
+def _layer_bound(shapes: dict[str, list[int]]) -> int:
+    """One more than the largest numeric component of any key (``model.layers.7.…`` -> 8): no model
+    built from these weights has more layers."""
+    import re
+
+    return max((int(n) + 1 for k in shapes for n in re.findall(r"(?:^|\.)(\d{1,9})(?=\.|$)", k)), default=0)
+
+
+def check_saved_model(directory: str | Path, *, task: str = "causal_lm", new_head: bool = False,
+                      num_labels: int | None = None) -> None:
+    """A saved model folder's ``config.json`` checked against its safetensors headers before any
+    model is built from it: its layer count no larger than the layer indices the weights hold, then
+    the model built on the meta device (nothing allocated) compared key by key, shape by shape
+    (``check_weights_fit``). A folder without safetensors files (a hub name) is not checked here.
+
+    Raises:
+        CheckpointError: naming the file and the field or keys at fault.
+    """
+    from transformers import AutoConfig
+
+    from rlcore.loops.checkpoint_codec import CheckpointError, CheckpointMismatch, read_json
+
+    directory = Path(directory)
+    shapes, _ = safetensors_shapes(directory) if directory.is_dir() else ({}, {})
+    if not shapes:
+        return
+    read_json(directory / "config.json", expect=dict)  # bounded before transformers reads it
+    try:
+        config = AutoConfig.from_pretrained(str(directory), **({"num_labels": num_labels} if num_labels else {}))
+        text = config.get_text_config()
+    except (ValueError, OSError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{directory / 'config.json'}: not a model configuration transformers reads without "
+                              f"remote code ({type(e).__name__}: {e})") from e
+    bound = _layer_bound(shapes)
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        layers = getattr(text, name, None)
+        if isinstance(layers, int) and layers > bound:
+            raise CheckpointMismatch(f"{directory / 'config.json'}: {name}: {layers} layers, but the saved weights "
+                                     f"hold at most {bound} (layer indices of their keys)")
+    try:
+        with torch.device("meta"), _quiet_loading():
+            model = _lookup(TASKS, task, "task").from_config(config)
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise CheckpointError(f"{directory / 'config.json'}: cannot build its model ({type(e).__name__}: {e})") from e
+    check_weights_fit(model, shapes, f"{directory}", new_head=new_head)
+
+
 def load_exact(directory: str | Path, *, task: str = "causal_lm", new_head: bool = False, **kwargs) -> PreTrainedModel:
     """``load_model`` of a saved model folder that must fill the model it builds: a weight the
     folder lacks (left at its random init) or holds without a place in the model is an error
@@ -296,11 +381,21 @@ def load_exact(directory: str | Path, *, task: str = "causal_lm", new_head: bool
             model): keys outside the shared trunk (``base_model_prefix``), the old and the new
             head, may be missing or unused; the trunk must still match exactly.
         kwargs: passed to ``load_model``.
+    A local folder's ``config.json`` is first checked against its safetensors headers, nothing
+    allocated (``check_saved_model``).
+
     Raises:
-        ValueError: naming the folder and the missing, unexpected or differently shaped keys.
+        ValueError: naming the folder and the missing, unexpected or differently shaped keys
+            (``CheckpointMismatch``, also a ``CheckpointError``, when found before loading), or
+            transformers' own error loading them.
     """
-    with _quiet_loading():
-        model, info = load_model(str(directory), task=task, output_loading_info=True, **kwargs)
+    check_saved_model(directory, task=task, new_head=new_head, num_labels=kwargs.get("num_labels"))
+    try:
+        with _quiet_loading():
+            model, info = load_model(str(directory), task=task, output_loading_info=True, **kwargs)
+    except RuntimeError as e:  # e.g. "You set ignore_mismatched_sizes ...": weights of other shapes
+        raise ValueError(f"{directory}: the saved weights do not load into the model its config.json describes "
+                         f"({type(e).__name__}: {str(e)[:500]})") from e
     trunk = f"{model.base_model_prefix}."
     keep = (lambda k: k.startswith(trunk)) if new_head else (lambda k: True)  # noqa: E731
     missing = sorted(k for k in info.get("missing_keys", ()) if keep(k))

@@ -41,17 +41,19 @@ from rlcore.loops.config import FIELD_RULES, TINY_MODELS, check_config, config_d
 from rlcore.loops.data import load_source, split_held_out
 from rlcore.loops.fold import Interrupted, every, fold, to_floats
 from rlcore.loops.logging import make_loggers
-from rlcore.loops.lora import adapter_off, apply_lora, is_adapter_dir, is_peft, with_adapter
+from rlcore.loops.lora import adapter_off, apply_lora, check_adapter_fits, is_adapter_dir, is_peft, with_adapter
 from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, read_json
-from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, disable_dropout, load_exact,
-                                 load_model, load_tokenizer, make_reference, saved_task, vocabulary_size)
+from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
+                                 load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
+                                 vocabulary_size)
 from rlcore.loops.scale.distributed import is_main, shard_source
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.trl_defaults import report_defaults
 from rlcore.loops.update import enable_gradient_checkpointing, make_optimizer, make_scheduler
 from rlcore.seeding import set_seed
 
-__all__ = ["build_reference", "build_policy", "policy_tokenizer", "checkpoint_model_dir", "init_train_state",
+__all__ = ["build_reference", "build_policy", "check_tiny_fits", "policy_tokenizer", "checkpoint_model_dir",
+           "init_train_state",
            "load_splits", "batch_source", "mean_metrics", "run"]
 
 
@@ -284,8 +286,8 @@ def _checkpoint_weights(model_dir: Path, task: str, loading: Mapping[str, Any]) 
     try:
         return load_exact(model_dir, task=task, new_head=saved is not None and saved != task,
                           **_head_kwargs(task), **loading)
-    except ValueError as e:
-        raise ValueError(f"init_from: {e}") from e
+    except ValueError as e:  # a CheckpointMismatch stays one
+        raise (type(e) if isinstance(e, CheckpointError) else ValueError)(f"init_from: {e}") from e
 
 
 def _checkpoint_policy(config: Any, model_dir: Path, task: str, depth: int, base_from: str | None = None) -> nn.Module:
@@ -308,11 +310,40 @@ def _checkpoint_policy(config: Any, model_dir: Path, task: str, depth: int, base
                          f"the base model) is unreadable: {e}") from e
     if not isinstance(stored, dict):
         raise ValueError(f"init_from: {stored_path}: expected a mapping, got {type(stored).__name__}")
-    base, _ = build_policy(_BaseOf(config, stored, stored_path, base_from), task=task, depth=depth + 1)
+    base_config = _BaseOf(config, stored, stored_path, base_from)
+    check_tiny_fits(base_config, model_dir, task)  # stored sizes against the adapter's header, nothing built
+    base, _ = build_policy(base_config, task=task, depth=depth + 1)
     return with_adapter(base, model_dir)
 
 
 _MAX_ADAPTER_CHAIN = 8
+
+
+def check_tiny_fits(config: Any, model_dir: Path, task: str) -> None:
+    """When ``config`` builds a tiny model from its sizes (``config.model`` in ``TINY_MODELS``, no
+    ``init_from``): that model, built on the meta device (nothing allocated), checked against the
+    weights of checkpoint model folder ``model_dir``: an adapter must fit it as its base
+    (``loops.lora.check_adapter_fits``), full weights must be exactly its weights
+    (``check_weights_fit``). So sizes taken from a stored config (``hidden_size``, ``num_layers``,
+    ...) are those of the checkpoint's own weights before a model of those sizes is built (the base
+    of an adapter; ``rlcore eval``'s reference). Anything else is left to its own loader.
+
+    Raises:
+        CheckpointError: naming the file and the keys that do not fit.
+    """
+    if config.model not in TINY_MODELS or getattr(config, "init_from", None):
+        return
+    with torch.device("meta"):
+        model = build_model(TINY_MODELS[config.model], tokenizer=build_tokenizer(), hidden_size=config.hidden_size,
+                            num_layers=config.num_layers, num_heads=config.num_heads,
+                            max_position_embeddings=config.max_position_embeddings, seed=config.seed, task=task,
+                            tie_word_embeddings=task == "causal_lm")
+    if is_adapter_dir(model_dir):
+        check_adapter_fits(model, model_dir)
+        return
+    saved = saved_task(model_dir)
+    shapes, _ = safetensors_shapes(model_dir)
+    check_weights_fit(model, shapes, model_dir, new_head=saved is not None and saved != task)
 
 
 def init_train_state(models: Mapping[str, nn.Module], config: Any, *, trainable: Sequence[str] = ("policy",),
@@ -430,7 +461,9 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     ``num_steps``. The main rank holds ``run_dir``'s lock for the whole run (``open_run_dir``): a
     second writer gets an error, and a new run (no ``resume``) into a folder holding another run's
     files is refused before anything is written, unless ``overwrite`` (a config field) deletes them
-    first (``claim_run_dir``). The global generators of Python, NumPy and torch are seeded with
+    first; a resume into a run's files without a checkpoint, and any run into a folder holding a
+    run's names that no rlcore run wrote (a ``checkpoint-N`` without rlcore's manifest, ``lora``
+    with no rlcore run beside it), are refused too (``claim_run_dir``, ``run_files``). The global generators of Python, NumPy and torch are seeded with
     ``config.seed`` first (``set_seed``; a resume then restores the checkpoint's), so a reward
     function drawing random numbers repeats under the same seed. A run on a model other than a
     built-in tiny one first prints the fields still at rlcore's defaults whose TRL defaults differ

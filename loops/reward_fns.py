@@ -146,18 +146,53 @@ def _within(call: Callable[[], Any], timeout: float | None, name: str) -> Any:
 
 
 def _is_real(value: Any) -> bool:
-    """A real number a score may be: bool, int, float and NumPy's, or a 0-d real tensor / array."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        return value.ndim == 0 and not value.dtype.is_complex if isinstance(value, torch.Tensor) \
-            else value.ndim == 0 and value.dtype.kind in "biuf"
+    """A real number a score may be: bool, int, float and NumPy's, or a 0-d real tensor / array
+    holding data (a dense tensor not on the meta device; an array that is not masked)."""
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and not value.dtype.is_complex and _tensor_fault(value) is None
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and value.dtype.kind in "biuf" and not isinstance(value, np.ma.MaskedArray)
     return isinstance(value, (numbers.Real, np.bool_))
+
+
+def _tensor_fault(out: torch.Tensor) -> str | None:
+    """Why a tensor holds no scores to read, or ``None``: a sparse (or other non-strided) layout, a
+    meta tensor (shapes without data), a quantized or nested one."""
+    if out.is_meta:
+        return "a meta tensor (a shape without data)"
+    if out.layout != torch.strided:
+        return f"a tensor of layout {out.layout} (convert it with .to_dense())"
+    if out.is_quantized or out.is_nested:
+        return f"a {'quantized' if out.is_quantized else 'nested'} tensor"
+    return None
+
+
+def _as_float64(values: Sequence, name: str) -> torch.Tensor:
+    """``values`` (real numbers, ``None`` read as 0) as a float64 tensor; an integer too large for a
+    float (``2**1100``) is the magnitude error of :func:`check_reward_range`."""
+    out = []
+    for i, v in enumerate(values):
+        try:
+            out.append(0.0 if v is None else float(v))
+        except OverflowError:
+            raise ValueError(f"{name}: score {i} is an integer of {int(v).bit_length()} bits, beyond "
+                             f"±{MAX_ABS_REWARD:g}, where the losses' squares and sums overflow float32; "
+                             "rescale the rewards") from None
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def _as_scores(out: Any, n: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scores [n] float32, opinion [n] bool)`` of a reward function's return, non-finite values
     kept: a sequence (list, tuple) of real numbers or ``None`` (no opinion), or a 1-D tensor or
     NumPy array of ``n`` real numbers. Anything else is a ``ValueError`` naming the function, what
-    it returned and what was expected."""
+    it returned and what was expected: text or bytes (``bytearray`` and ``memoryview`` too, which
+    would read as byte values), a mapping, a NumPy masked array (its mask would be lost), a sparse,
+    meta, quantized or nested tensor. Scores are read in float64 and a finite one beyond
+    ``±MAX_ABS_REWARD`` refused (:func:`check_reward_range`) before the float32 cast, so ``1e39`` is
+    too large, not "non-finite"."""
+    if isinstance(out, np.ma.MaskedArray):
+        raise ValueError(f"{name}: expected {n} real scores, got a NumPy masked array (its mask would be ignored); "
+                         "return None where a score is masked")
     if isinstance(out, np.ndarray):
         if out.dtype.kind not in "biuf":
             raise ValueError(f"{name}: expected {n} real scores, got a NumPy array of dtype {out.dtype}")
@@ -165,13 +200,16 @@ def _as_scores(out: Any, n: int, name: str) -> tuple[torch.Tensor, torch.Tensor]
     if isinstance(out, torch.Tensor):
         if out.dtype.is_complex:
             raise ValueError(f"{name}: expected {n} real scores, got a tensor of dtype {out.dtype}")
-        scores = out.detach().cpu().to(torch.float32)
+        if (fault := _tensor_fault(out)) is not None:
+            raise ValueError(f"{name}: expected {n} real scores [B], got {fault}")
+        scores = out.detach().cpu().to(torch.float64)
         if scores.shape != (n,):
             raise ValueError(f"{name}: expected {n} scores [B], got shape {list(scores.shape)}")
-        return scores, torch.ones(n, dtype=torch.bool)
-    if isinstance(out, (str, bytes, Mapping)) or not isinstance(out, Sequence):
+        return _in_range(scores, name), torch.ones(n, dtype=torch.bool)
+    if isinstance(out, (str, bytes, bytearray, memoryview, Mapping)) or not isinstance(out, Sequence):
         hint = " (a mapping is not read by position: return a list in the order of the completions)" \
-            if isinstance(out, Mapping) else ""
+            if isinstance(out, Mapping) else " (bytes are not scores)" \
+            if isinstance(out, (bytes, bytearray, memoryview)) else ""
         raise ValueError(f"{name}: expected a list of {n} scores or a [B] tensor, got {type(out).__name__}{hint}")
     values = list(out)
     if len(values) != n:
@@ -182,8 +220,17 @@ def _as_scores(out: Any, n: int, name: str) -> tuple[torch.Tensor, torch.Tensor]
             raise ValueError(f"{name}: every score must be a number or None (int, float or bool); score {i} is "
                              f"{type(v).__name__} {v!r:.60}")
     opinion = torch.tensor([v is not None for v in values], dtype=torch.bool)
-    scores = torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float32)
-    return scores, opinion
+    return _in_range(_as_float64(values, name), name), opinion
+
+
+def _in_range(scores: torch.Tensor, name: str) -> torch.Tensor:
+    """float64 ``scores`` range-checked (``check_reward_range``, non-finite ones left for
+    ``check_finite_scores``; a score is shown as its float32 value where it has one), then cast to
+    float32, where every accepted finite score fits."""
+    narrow = scores.to(torch.float32)
+    shown = torch.where(torch.isfinite(narrow), narrow.to(torch.float64), scores)
+    check_reward_range(torch.where(torch.isfinite(scores), shown, torch.zeros_like(scores)), name)
+    return narrow
 
 
 def call_reward_fn(fn: RewardFn, prompts: Sequence, completions: Sequence, *,

@@ -7,6 +7,7 @@ what ``loops.recipe.run`` holds for a whole run."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -18,14 +19,18 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from rlcore.loops.checkpoint import checkpoint_info
-from rlcore.loops.checkpoint_codec import CheckpointError
+from rlcore.loops.checkpoint import SCRATCH_NAME, checkpoint_info, list_checkpoints
+from rlcore.loops.checkpoint_codec import CheckpointError, read_json
 
-__all__ = ["LOCK_NAME", "RUN_FILES", "run_dir_lock", "run_files", "claim_run_dir", "open_run_dir",
+__all__ = ["LOCK_NAME", "RUN_FILES", "RunDirError", "run_dir_lock", "run_files", "claim_run_dir", "open_run_dir",
            "RESUMABLE_CHANGES", "check_resume", "resume_command", "interrupted_report"]
 
 
 LOCK_NAME = ".rlcore.lock"  # held by the run writing the folder (run_dir_lock)
+
+
+class RunDirError(FileExistsError, ValueError):
+    """A run refused the folder it was given (``claim_run_dir``): a setting to change, not a fault of the program."""
 
 
 @contextlib.contextmanager
@@ -40,7 +45,11 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
         RuntimeError: another process (or another run in this one) holds the folder.
     """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise NotADirectoryError(f"run_dir: {run_dir} is not a folder (it, or a folder above it, is an existing "
+                                 "file); pick another run_dir") from None
     lock = FileLock(str(run_dir / LOCK_NAME))
     try:
         lock.acquire(timeout=0)
@@ -59,27 +68,73 @@ def run_dir_lock(run_dir: str | Path) -> Iterator[Path]:
 # checkpoints with the scratch folders of their saves (loops.checkpoint) by pattern.
 RUN_FILES = frozenset({"metrics.jsonl", "metrics.tmp", "completions.jsonl", "samples.jsonl", "samples.md",
                        "tensorboard", "wandb", "images", "lora"})
-_RUN_PATTERN = re.compile(r"^(checkpoint-\d+|\.tmp-step-\d+-[0-9a-f]+|\.old-checkpoint-\d+-[0-9a-f]+"
-                          r"|\.del-.+-[0-9a-f]{8})$")
+_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
+_STANDS_IN = re.compile(r"^\.old-checkpoint-\d+-[0-9a-f]+$")  # a checkpoint a re-save set aside (list_checkpoints)
+# what an interrupted overwrite left set aside (_remove): .del-<a run's file>-<8 hex>
+_SET_ASIDE = re.compile(r"^\.del-(?:" + "|".join(re.escape(n) for n in sorted(RUN_FILES))
+                        + r"|\.tmp-step-\d+-[0-9a-f]+|\.old-checkpoint-\d+-[0-9a-f]+)-[0-9a-f]{8}$")
+_MANIFEST_BYTES = 16 << 20
+_LINE_BYTES = 1 << 20
 
 
-def run_files(run_dir: str | Path) -> tuple[list[Path], list[Path]]:
-    """``(a run's files, everything else)`` at the top of ``run_dir``, each sorted by name.
+def _rlcore_checkpoint(p: Path) -> bool:
+    """``p`` is a folder holding rlcore's ``manifest.json``: ``{"format": int, "files": {...}}``."""
+    if p.is_symlink() or not p.is_dir():
+        return False
+    try:
+        manifest = read_json(p / "manifest.json", max_bytes=_MANIFEST_BYTES)
+    except CheckpointError:
+        return False
+    return (isinstance(manifest, dict) and type(manifest.get("format")) is int
+            and isinstance(manifest.get("files"), dict))
 
-    A run's files are the names of ``RUN_FILES`` and the checkpoint names (``checkpoint-N`` and the
-    ``.tmp-`` / ``.old-`` / ``.del-`` folders of interrupted saves); a symbolic link is never one
-    (a run writes none). The lock (``LOCK_NAME``) is in neither list. A missing folder: ``([], [])``.
+
+def _rlcore_metrics(p: Path) -> bool:
+    """``p`` is a file whose first line is one rlcore's ``JsonlLogger`` writes: a JSON object with a
+    numeric ``"step"`` and ``"time"``."""
+    if p.is_symlink() or not p.is_file():
+        return False
+    try:
+        with open(p, "rb") as f:
+            record = json.loads(f.readline(_LINE_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(record, dict) and all(
+        isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool) for k in ("step", "time"))
+
+
+def run_files(run_dir: str | Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """``(a run's files, a run's names that no rlcore run wrote, everything else)`` at the top of
+    ``run_dir``, each sorted by name.
+
+    An rlcore run is there when the folder holds a checkpoint with rlcore's ``manifest.json``
+    (``checkpoint-N``, or ``.old-checkpoint-N-<hex>`` set aside by a re-save) or a ``metrics.jsonl``
+    whose first line is rlcore's (a JSON object with a numeric ``step`` and ``time``). A run's files
+    are then: those checkpoints and that ``metrics.jsonl``; the scratch folders of a save by their
+    exact names (``checkpoint.SCRATCH_NAME``: ``.tmp-step-N-<hex>``, ``.old-checkpoint-N-<hex>``,
+    ``.del-checkpoint-N-<hex>``) and what an overwrite sets aside (``.del-<a run's file>-<hex>``),
+    run or no run; and the names of ``RUN_FILES`` when an rlcore run is there. A run's names that
+    no rlcore run wrote (the second list): a ``checkpoint-N`` without rlcore's manifest, a name of
+    ``RUN_FILES`` with no rlcore run in the folder, a symbolic link under either (a run writes
+    none). Anything else (``.tmp-mydata``, ``notes.txt``) is the third list, never a run's. The
+    lock (``LOCK_NAME``) is in no list. A missing folder: ``([], [], [])``.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        return [], []
-    ours, others = [], []
-    for p in sorted(run_dir.iterdir()):
-        if p.name == LOCK_NAME:
-            continue
-        written = not p.is_symlink() and (p.name in RUN_FILES or _RUN_PATTERN.match(p.name) is not None)
-        (ours if written else others).append(p)
-    return ours, others
+        return [], [], []
+    entries = [p for p in sorted(run_dir.iterdir()) if p.name != LOCK_NAME]
+    anchors = {p for p in entries if (_rlcore_metrics(p) if p.name == "metrics.jsonl" else
+                                      (_CHECKPOINT.match(p.name) or _STANDS_IN.match(p.name)) and _rlcore_checkpoint(p))}
+    ours, foreign, others = [], [], []
+    for p in entries:
+        named = p.name in RUN_FILES or _CHECKPOINT.match(p.name) is not None
+        scratch = SCRATCH_NAME.match(p.name) or _SET_ASIDE.match(p.name)
+        beside = p.name in RUN_FILES and bool(anchors)  # a run's name, with an rlcore run in the folder
+        if p in anchors or (not p.is_symlink() and (scratch or beside)):
+            ours.append(p)
+        else:
+            (foreign if named else others).append(p)
+    return ours, foreign, others
 
 
 def _names(paths: list[Path], limit: int = 6) -> str:
@@ -87,38 +142,70 @@ def _names(paths: list[Path], limit: int = 6) -> str:
     return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
 
+def _foreign(paths: list[Path], foreign: list[Path], limit: int = 6) -> str:
+    """``_names`` with why each of ``foreign`` is no rlcore run's."""
+    def said(p: Path) -> str:
+        if p not in foreign:
+            return p.name
+        if p.is_symlink():
+            return f"{p.name} (a symbolic link)"
+        if _CHECKPOINT.match(p.name):
+            return f"{p.name} (no rlcore manifest.json)"
+        if p.name == "metrics.jsonl":
+            return f"{p.name} (not rlcore's lines, and no rlcore checkpoint beside it)"
+        return f"{p.name} (no rlcore checkpoint or metrics.jsonl beside it)"
+    shown = ", ".join(said(p) for p in paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
 def claim_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool) -> None:
     """Let a run start in ``run_dir``: a resume continues the run there; a new run needs a folder
-    that holds no other run's files, or ``overwrite`` to remove them first.
+    that holds no other run's files, or ``overwrite`` to remove them first. What counts as a run's
+    file is ``run_files``.
 
-    A folder that is missing, empty, or holds only the lock or files no run writes starts a new run
-    as it is. With ``overwrite`` the other run's files (``run_files``) are renamed aside, then
-    deleted; nothing else is touched, and a folder that also holds other files is refused rather
-    than half-cleared. Call it holding the lock (``open_run_dir``), before the run writes anything.
+    A folder that is missing, empty, or holds only the lock or files that are no run's (the third
+    list of ``run_files``) starts a new run as it is, with or without ``resume``. A folder holding a
+    run's names that no rlcore run wrote (an ``HF`` ``checkpoint-500``, a ``lora`` folder of one's
+    own) is refused in every mode: a run would write over them. A resume into a run's files without
+    a checkpoint is refused: there is nothing to resume from. With ``overwrite`` the other run's
+    files are renamed aside, then deleted; nothing else is touched, and a folder that also holds
+    other files is refused rather than half-cleared. Call it holding the lock (``open_run_dir``),
+    before the run writes anything.
 
     Raises:
         ValueError: ``resume`` and ``overwrite`` together, or ``overwrite`` of a folder that also
-            holds files no run writes (named).
-        FileExistsError: a new run (neither flag) into a folder holding another run's files (named),
-            saying how to continue it or start over.
+            holds files no rlcore run wrote (named).
+        RunDirError: (a ``FileExistsError`` and a ``ValueError``) a run's names no rlcore run wrote
+            (named, with why); a resume into a run's files without a checkpoint; a new run
+            (neither flag) into a folder holding another run's files (named), saying how to
+            continue it or start over.
     """
     if resume and overwrite:
         raise ValueError(f"run_dir: {run_dir}: resume and overwrite contradict each other (resume continues the "
                          "run in the folder, overwrite deletes it); choose one")
+    ours, foreign, others = run_files(run_dir)
+    if overwrite and (foreign or (ours and others)):
+        kept = sorted(foreign + others)
+        raise ValueError(f"overwrite: {run_dir} {'also ' if ours else ''}holds files no rlcore run wrote "
+                         f"({_foreign(kept, foreign)}); overwrite deletes only an rlcore run's files and will not "
+                         "leave others behind a new run: move them away, or pick a new run_dir")
+    if foreign:
+        raise RunDirError(f"run_dir: {run_dir} holds {_foreign(foreign, foreign)}: names an rlcore run writes, "
+                          "but no rlcore run wrote them, and a run here would write over them; move them away, or "
+                          "pick another run_dir")
+    if overwrite:
+        _remove(Path(run_dir), ours)
+        return
     if resume:
+        if ours and not list_checkpoints(run_dir):
+            raise RunDirError(f"resume: {run_dir} holds a run ({_names(ours)}) but no checkpoint, so there is nothing "
+                              "to resume from; start over there with --overwrite true (overwrite=True, without "
+                              "--resume), which deletes that run's files first, or pick a new run_dir")
         return
-    ours, others = run_files(run_dir)
-    if not ours:
-        return
-    if not overwrite:
-        raise FileExistsError(f"run_dir: {run_dir} holds another run ({_names(ours)}); continue it with --resume true "
-                              "(resume=True), or start over in a new run_dir, or with --overwrite true "
-                              "(overwrite=True), which deletes that run's files first")
-    if others:
-        raise ValueError(f"overwrite: {run_dir} also holds files no run writes ({_names(others)}); overwrite deletes "
-                         "only a run's files and will not leave them behind a new run: move them away, or pick "
-                         "a new run_dir")
-    _remove(Path(run_dir), ours)
+    if ours:
+        raise RunDirError(f"run_dir: {run_dir} holds another run ({_names(ours)}); continue it with --resume true "
+                          "(resume=True), or start over in a new run_dir, or with --overwrite true "
+                          "(overwrite=True), which deletes that run's files first")
 
 
 def _remove(run_dir: Path, paths: list[Path]) -> None:

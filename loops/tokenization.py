@@ -10,7 +10,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from rlcore.loops.data import FORMATS, detect_format, formats_help, row_origins
+from rlcore.loops.data import FORMATS, check_label_cell, check_number_cell, detect_format, formats_help, row_origins
 
 __all__ = ["PROMPT_CUTS", "TRUNCATIONS", "is_conversation", "check_text", "max_token_chars", "text_window", "split_implicit_prompt",
            "preference_format", "tokenize_example", "tokenize_dataset", "model_context", "check_context", "PAIR_SIDES",
@@ -212,8 +212,10 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
     a ``max_prompt_length``), keeping its start.
 
     Raises:
-        ValueError: unknown columns (the message lists the formats), an empty completion, or a
-            prompt that leaves no room for the completion under ``max_length``.
+        ValueError: unknown columns (the message lists the formats), an empty completion, a
+            prompt that leaves no room for the completion under ``max_length``, an unpaired
+            ``label`` that is not true / false, or a ``ref_chosen_logps`` / ``ref_rejected_logps``
+            that is not a finite number (``loops.data.check_number_cell``).
     """
     if formatting_func is not None:
         out = formatting_func(row)
@@ -225,6 +227,11 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
     if missing:
         raise ValueError(f"{where}: format {fmt!r} needs columns {list(FORMATS[fmt])}, missing {missing} "
                          f"(have {sorted(row)}); formats: [{formats_help()}]")
+    if fmt == "unpaired":  # KTO's label; NaN, 0.5 or text would each read as True
+        check_label_cell(row["label"], "label", where)
+    for column in ("ref_chosen_logps", "ref_rejected_logps"):  # precomputed reference log-probs, read as float32
+        if column in row:
+            check_number_cell(row[column], column, where)
     cut_prompt = _lookup_truncation(prompt_truncation, "prompt_truncation")
     cut = _lookup_truncation(truncation, "truncation")
     if prompt_cut not in PROMPT_CUTS:

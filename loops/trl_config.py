@@ -193,7 +193,7 @@ def _schedule(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _report_to(value: Any, ctx: Context) -> dict[str, Any]:
-    names = [value] if isinstance(value, str) else list(value or ())
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else list(value or ())  # the command line's "a,b"
     if "all" in names:
         raise ValueError("report_to: got 'all'; name the trackers: tensorboard, wandb (or none)")
     return {"report_to": tuple(n for n in names if n != "none")}

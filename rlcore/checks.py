@@ -35,6 +35,8 @@ __all__ = [
     "require_keys",
     "check_finite",
     "check_number",
+    "check_divisor",
+    "MIN_DIVISOR",
     "check_scalar",
     "NonFiniteError",
     "lookup",
@@ -239,6 +241,30 @@ def check_number(name: str, value: Any, *, low: float | None = None, high: float
     ok = ok and (high is None or (v < high if high_open else v <= high))
     if not ok:
         raise ValueError(f"{name}: expected {wanted}, got {value!r}")
+
+
+# The smallest value of a positive hyper-parameter that a formula divides by (β of IPO's 1/(2β),
+# a temperature's 4/τ or x/τ, DiscoPOP's τ): 1/x ≤ 1e12, so with inputs of float32 magnitude
+# (|x| ≤ 3.4e38, the log-probs and advantages the losses read) a term such as (Δ − 1/(2β))² or
+# A·4/τ stays below 1.2e77 (or its gradient below 1e51) in float64, far from overflow, while a
+# denormal such as 1e-310 makes 1/β infinite (then NaN). No setting in use comes near 1e-12.
+MIN_DIVISOR = 1e-12
+
+
+def check_divisor(name: str, value: Any, *, allow_inf: bool = False) -> None:
+    """:func:`check_number` for a positive hyper-parameter that a formula divides by: a finite
+    number ``> 0`` (the message of ``check_number(low=0, low_open=True)``) and ``>= MIN_DIVISOR``
+    (1e-12), so its reciprocal stays finite and far from overflow.
+
+    >>> check_divisor("beta", 1e-310)
+    Traceback (most recent call last):
+    ...
+    ValueError: beta: expected a finite number >= 1e-12 (it is divided by: 1/1e-310 overflows), got 1e-310
+    """
+    check_number(name, value, low=0.0, low_open=True, allow_inf=allow_inf)
+    if value < MIN_DIVISOR:
+        raise ValueError(f"{name}: expected a finite number >= {MIN_DIVISOR:g} (it is divided by: 1/{value!r} "
+                         f"overflows), got {value!r}")
 
 
 def check_scalar(name: str, value: Any, *, read: bool = False, **bounds: Any) -> None:

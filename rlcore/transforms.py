@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rlcore.checks import check_float, check_mask, check_ndim, lookup
+from rlcore.checks import check_divisor, check_float, check_mask, check_ndim, lookup
 from rlcore.masked import masked_mean, masked_sum, saturate, seq_mean_token_mean, seq_mean_token_sum, wide
 
 __all__ = [
@@ -101,7 +101,7 @@ def adaptive_kl_update(state: KLControllerState, observed_kl: torch.Tensor, n_st
         state: ``KLControllerState`` with ``coef []``.
         observed_kl: ``[]`` float, the current KL (see :func:`observed_kl` for which one).
         n_steps: samples since the last update (TRL: batch size × processes; verl: batch size).
-        target: the KL to hold.  horizon: sets the speed (``β`` moves by at most
+        target: the KL to hold (both at least 1e-12: divisors).  horizon: sets the speed (``β`` moves by at most
             ``±20%·n_steps/horizon`` per update; keep ``n_steps < 5·horizon``: beyond, a KL
             below target drives ``β`` negative, as in the peers' identical update).
     Returns:
@@ -116,6 +116,8 @@ def adaptive_kl_update(state: KLControllerState, observed_kl: torch.Tensor, n_st
     References: Ziegler et al., "Fine-Tuning Language Models from Human Preferences",
     https://arxiv.org/abs/1909.08593 (Section 2.2)
     """
+    check_divisor("target", target)  # >= 1e-12 (rlcore.checks.MIN_DIVISOR): KL/target and n/horizon stay finite
+    check_divisor("horizon", horizon)
     coef = state.coef
     kl = torch.as_tensor(observed_kl).detach().to(device=coef.device, dtype=coef.dtype)
     error = torch.clamp(kl / target - 1, -0.2, 0.2)

@@ -49,12 +49,13 @@ from rlcore.loops.tokenization import PAIR_SIDES, check_rows_fit, preference_for
 from rlcore.loops.models import mix_into_reference, model_device, pad_token_id
 from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
                                  mean_metrics, policy_tokenizer, run)
-from rlcore.loops.config import RunConfig, autocast_dtype
+from rlcore.loops.config import RunConfig, autocast_dtype, try_loss
 from rlcore.loops.score import concatenated_forward, precompute_reference_logps, score_sequences
 from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import update
 from rlcore.checks import bind_keywords, lookup
+from rlcore.testing import make_preference_batch
 
 __all__ = ["Config", "REFERENCE_FREE", "UNPAIRED", "bind_loss", "needs_reference",
            "check_reference_sync", "sync_reference", "reference_models", "unpair", "with_reference",
@@ -91,8 +92,26 @@ class Config(RunConfig):
         name and type against it when the config is loaded."""
         return {"loss_kwargs": bind_loss(self)}
 
+    def try_loss(self) -> None:
+        """The bound loss once on a dummy batch (``try_bound_loss``): ``check_config`` runs it at load."""
+        try_bound_loss(self)
+
 
 # --- the loss ------------------------------------------------------------------------------------
+def try_bound_loss(config) -> None:
+    """Run ``bind_loss(config)`` once on a tiny dummy batch (two pairs; two unpaired rows for KTO), so
+    the loss's own checks of its settings run at load, before any model is built (``loops.config.try_loss``):
+    a ``ConfigError`` names the field, ``beta`` or ``loss_kwargs.<name>``."""
+    if config.loss_type in UNPAIRED:
+        logps = torch.tensor([-2.0, -3.0])
+        batch = TensorDict({K.LOGPS: logps, K.REF_LOGPS: logps - 0.5, K.KL_LOGPS: logps, K.REF_KL_LOGPS: logps - 0.25,
+                            K.LABELS: torch.tensor([True, False])}, batch_size=[2])
+    else:
+        batch = make_preference_batch(2, 6)
+    fields = {"beta": "beta", **{str(k): f"loss_kwargs.{k}" for k in config.loss_kwargs}}
+    try_loss(bind_loss(config), batch, fields=fields, where=f"loss_type {config.loss_type!r}")
+
+
 def bind_loss(config: Config) -> Callable[[TensorDictBase], tuple[torch.Tensor, TensorDict]]:
     """``PREFERENCE_LOSSES[config.loss_type]`` with ``beta`` (when set) and ``loss_kwargs`` bound.
 

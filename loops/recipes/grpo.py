@@ -37,17 +37,20 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES
 from rlcore.algorithms.ratios import RATIO_LEVELS
 from rlcore.checks import lookup
+from rlcore.loops.config import try_loss
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
 from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_kl_name, collect_groups,
                                  policy_update, train_online)
 from rlcore.loops.state import TrainState
+from rlcore.testing import make_rollout
 
 __all__ = ["Config", "build_state", "learn", "step", "train", "evaluate", "grpo_loss_fn"]
 
@@ -105,6 +108,22 @@ class Config(OnlineConfig):
     def keyword_functions(self) -> dict[str, Callable]:
         """The estimator ``advantage_kwargs`` feeds, bound (``check_config`` checks each keyword's type)."""
         return {"advantage_kwargs": advantage_fn(self)}
+
+    def try_loss(self) -> None:
+        """The bound loss (``grpo_loss_fn``) once on a tiny dummy rollout: ``check_config`` runs it at
+        load, so the loss's own checks of its settings (a SAPO temperature...) name the field then."""
+        fields = {**{key: field for field, key in LOSS_FIELDS.items()}, "kl_coef": "kl_coef", "kl": "kl",
+                  "temperature_pos": "sapo_temperature_pos", "temperature_neg": "sapo_temperature_neg",
+                  **{k: f"vespo_{k}" for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}}
+        try_loss(grpo_loss_fn(self), dummy_rollout(), fields=fields, where=f"loss_type {self.loss_type!r}")
+
+
+def dummy_rollout() -> TensorDict:
+    """A tiny rollout with every key a policy or PPO loss reads (advantages, returns, entropy): the
+    input of the recipes' ``try_loss`` trials (``loops.config.try_loss``)."""
+    batch = make_rollout(4, 5)
+    ones = torch.ones(4, 5)
+    return batch.update({K.ADVANTAGES: ones, K.RETURNS: ones, K.ENTROPY: ones})
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:

@@ -40,7 +40,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.online import online_preference_batch
 from rlcore.loops.recipes.dpo import (UNPAIRED, bind_loss, check_reference_sync, needs_reference, preference_loss_fn,
-                                      reference_models, sync_reference, with_reference)
+                                      reference_models, sync_reference, try_bound_loss, with_reference)
 from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, rollout_metrics, train_online,
                                  update_sizes)
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
@@ -87,6 +87,10 @@ class Config(OnlineConfig):
         """The loss ``loss_kwargs`` feeds, bound as the DPO recipe binds it (``check_config`` checks
         each keyword's type against it)."""
         return {"loss_kwargs": bind_loss(self)}
+
+    def try_loss(self) -> None:
+        """The bound loss once on a dummy batch (``dpo.try_bound_loss``): ``check_config`` runs it at load."""
+        try_bound_loss(self)
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:

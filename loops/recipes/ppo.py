@@ -56,7 +56,8 @@ from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, c
                                  train_online, update_sizes, with_policy_logprobs)
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.recipe import build_policy
-from rlcore.loops.config import autocast_dtype
+from rlcore.loops.config import autocast_dtype, try_loss
+from rlcore.loops.recipes.grpo import dummy_rollout
 from rlcore.loops.score import full_kl_from_models, sequences
 from rlcore.loops.state import TrainState, with_transforms
 from rlcore.loops.update import EARLY_STOP_CHECKS, update
@@ -107,6 +108,14 @@ class Config(OnlineConfig):
             raise ValueError(f"kl: expected one of {[*KL_ESTIMATORS, *KL_ALIASES, 'full']}, got {self.kl!r}")
         kl_controller(self.kl_controller)
         lookup(dict.fromkeys(EARLY_STOP_CHECKS), self.early_stopping_check, what="early_stopping_check")
+
+    def try_loss(self) -> None:
+        """``ppo_loss`` with the config's settings once on a tiny dummy rollout (``grpo.dummy_rollout``):
+        ``check_config`` runs it at load."""
+        names = ("clip_eps_low", "clip_eps_high", "vf_coef", "cliprange_value", "ratio_threshold")
+        settings = {name: getattr(self, name) for name in names}
+        try_loss(functools.partial(ppo_loss, **settings), dummy_rollout(), fields=dict(zip(names, names)),
+                 where="ppo_loss")
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:

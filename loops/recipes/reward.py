@@ -36,6 +36,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.reward import reward_loss
 from rlcore.loops.collate import collate_preference
+from rlcore.loops.data import check_number_column
 from rlcore.loops.tokenization import PAIR_SIDES, check_rows_fit, preference_format, tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
@@ -121,6 +122,8 @@ def reward_step(state: TrainState, batch: TensorDictBase, *, margin_key: str | N
 
 # --- evaluation ----------------------------------------------------------------------------------
 def _prepare(data: Dataset, tokenizer, config: Config) -> Dataset:
+    if config.margin_key is not None:  # NaN / inf margins refused at load, naming file, line and column
+        check_number_column(data, config.margin_key, field="margin_key")
     if "input_ids_chosen" in data.column_names:
         return _pretokenised(data, config.max_length)
     return tokenize_dataset(data, tokenizer, format=preference_format(data.column_names),

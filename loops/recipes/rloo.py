@@ -36,6 +36,8 @@ from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
 from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_kl_name, collect_groups,
                                  policy_update, train_online)
+from rlcore.loops.config import try_loss
+from rlcore.loops.recipes.grpo import dummy_rollout
 from rlcore.loops.state import TrainState
 from rlcore.rewards import with_rewards
 
@@ -75,6 +77,12 @@ class Config(OnlineConfig):
     def keyword_functions(self) -> dict[str, Callable]:
         """The estimator ``advantage_kwargs`` feeds, bound (``check_config`` checks each keyword's type)."""
         return {"advantage_kwargs": advantage_fn(self)}
+
+    def try_loss(self) -> None:
+        """The bound loss (``rloo_loss_fn``) once on a tiny dummy rollout (``grpo.dummy_rollout``):
+        ``check_config`` runs it at load."""
+        try_loss(rloo_loss_fn(self), dummy_rollout(), fields={"clip_eps_low": "clip_eps_low",
+                                                              "clip_eps_high": "clip_eps_high"}, where="rloo_loss")
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:

@@ -421,3 +421,21 @@ def test_bad_batch_names_key_and_shapes():
     bad[K.REJECTED, K.LOGPS] = bad[K.REJECTED, K.LOGPS][:3]
     with pytest.raises(ValueError, match=r"rejected.logps: expected shape \[5\].*got \[3\]"):  # the batch key
         dpo(bad)
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "ipo_sum", "sppo_hard", "sigmoid"])
+def test_a_denormal_beta_is_refused_where_it_would_make_nan(loss_type):
+    """β = 1e-310 passed "> 0 and finite", and 1/(2β) = inf gave NaN gradients in IPO and SPPO."""
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"^beta: expected a finite number >= 1e-12"):
+        DPO_LOSSES[loss_type](x, x, x, x, beta=1e-310, chosen_lengths=x + 1, rejected_lengths=x + 1)
+    lp = torch.tensor([-3.0, -1.0], requires_grad=True)  # the floor itself: finite loss and gradient
+    loss = DPO_LOSSES[loss_type](lp, x, x, x, beta=1e-12, chosen_lengths=x + 1, rejected_lengths=x + 1)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(lp.grad).all()
+
+
+def test_a_denormal_discopop_tau_is_refused():
+    x = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"^discopop_tau: expected a finite number >= 1e-12"):
+        DPO_LOSSES["discopop"](x, x, x, x, discopop_tau=1e-310)

@@ -655,3 +655,14 @@ def test_ppo_metrics_are_finite_at_the_edge_of_the_range(dtype):
     lr64 = torch.tensor([1e-3, 0.5, -3.0, 700.0], dtype=F64)  # float64: the formula, exactly
     want = (torch.expm1(lr64) - lr64).mean()
     assert approx_kl_k3(lr64, torch.ones(4, dtype=torch.bool)) == want
+
+
+def test_sapo_refuses_a_denormal_temperature():
+    """τ = 1e-310 gave loss [nan, -3.4e38]: 4/τ = inf, and A = 0 makes 0·inf."""
+    for name in ("temperature_pos", "temperature_neg"):
+        with pytest.raises(ValueError, match=rf"^{name}: expected a finite number >= 1e-12"):
+            sapo_surrogate(torch.tensor([0.0, 0.1]), torch.tensor([0.0, 1.0]), **{name: 1e-310})
+    lr = torch.tensor([0.0, 0.1], requires_grad=True)
+    out = sapo_surrogate(lr, torch.tensor([0.0, 1.0]), temperature_pos=1e-12, temperature_neg=1e-12)
+    out.loss.sum().backward()
+    assert torch.isfinite(out.loss).all() and torch.isfinite(lr.grad).all()

@@ -431,3 +431,30 @@ def test_nonfinite_reward_model_scores_raise_or_drop_like_a_function(monkeypatch
         _spied_step(config, None, monkeypatch, state_models={"reward": rm})
     dropped = dataclasses.replace(config, nonfinite_rewards="drop")
     _assert_first_of_each_group_left_out(*_spied_step(dropped, None, monkeypatch, state_models={"reward": rm}))
+
+
+# --- returns that are not scores, or too large for them ---------------------------------------------
+@pytest.mark.parametrize("out,message", [
+    ([2**1100, 1.0], r"score 0 is an integer of 1101 bits, beyond ±1e\+10"),
+    (torch.tensor([1.0, 2.0]).to_sparse(), r"got a tensor of layout torch.sparse_coo"),
+    (torch.zeros(2, device="meta"), r"got a meta tensor"),
+    (bytearray(b"ab"), r"got bytearray \(bytes are not scores\)"),
+    (memoryview(b"ab"), r"got memoryview \(bytes are not scores\)"),
+    (np.ma.array([1.0, 2.0], mask=[False, True]), r"got a NumPy masked array"),
+])
+def test_returns_that_are_not_scores_are_refused_by_name(out, message):
+    """Each gave a raw OverflowError / NotImplementedError, or scores read from bytes or past a mask."""
+    def judge(completions, **kwargs):
+        return out
+    with pytest.raises(ValueError, match=r"^reward function judge: .*" + message):
+        call_reward_fn(judge, ["q", "q"], ["a", "b"])
+
+
+@pytest.mark.parametrize("nonfinite_rewards", ["raise", "drop"])
+@pytest.mark.parametrize("out", [[1e39, 1.0], np.array([1e39, 1.0]), torch.tensor([1e39, 1.0], dtype=torch.float64)])
+def test_a_finite_score_past_float32_is_too_large_not_non_finite(out, nonfinite_rewards):
+    """1e39 overflowed the float32 cast to inf: reported as non-finite, and dropped under ``drop``."""
+    def judge(completions, **kwargs):
+        return out
+    with pytest.raises(ValueError, match=r"reward function judge: scores \[1e\+39\] at rows \[0\] exceed ±1e\+10"):
+        call_reward_fn(judge, ["q", "q"], ["a", "b"], nonfinite_rewards=nonfinite_rewards)

@@ -97,8 +97,8 @@ def test_report_to_from_the_config_reaches_tensorboard_and_is_checked_at_load(tm
     from tests.loops.test_logging import tensorboard_scalars
     state, history = sft.train(sft.Config(**TINY, steps=2, run_dir=str(tmp_path), report_to=("tensorboard",)))
     scalars = tensorboard_scalars(tmp_path / "tensorboard")
-    assert [s for s, _ in scalars["loss"]] == [1, 2]
-    assert [v for _, v in scalars["loss"]] == pytest.approx([h["loss"] for h in history])
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2]  # TRL's grouping of the tags
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx([h["loss"] for h in history])
     with pytest.raises(ValueError, match=r"report_to: expected names from .* got 'tensorbord'"):
         load_config(sft.Config, overrides={"report_to": "tensorboard,tensorbord"})
 
@@ -141,8 +141,8 @@ def test_overwrite_refuses_a_folder_holding_files_no_run_writes(tmp_path):
     (run / "notes.txt").write_text("mine")
     (run / "checkpoint-7").symlink_to(tmp_path)  # a link is never a run's file, nor followed
     before = snapshot(run)
-    with pytest.raises(ValueError, match=r"overwrite: .*run also holds files no run writes \(checkpoint-7, "
-                                         r"notes.txt\); .*move them away, or pick a new run_dir"):
+    with pytest.raises(ValueError, match=r"overwrite: .*run also holds files no rlcore run wrote \(checkpoint-7 "
+                                         r"\(a symbolic link\), notes.txt\); .*move them away, or pick a new run_dir"):
         sft.train(sft.Config(**TINY, steps=1, run_dir=str(run), overwrite=True))
     assert snapshot(run) == before
 
@@ -169,23 +169,122 @@ def test_a_folder_without_a_runs_files_starts_a_run(tmp_path, content):
 def test_run_files_names_what_a_run_writes():
     from rlcore.loops.run_dir import run_files
 
-    names = ["checkpoint-3", ".tmp-step-4-00ff00ff", ".old-checkpoint-2-0a0b0c0d", ".del-checkpoint-1-deadbeef",
-             "metrics.jsonl", "tensorboard", "images", "lora", "completions.jsonl", "samples.md", "wandb"]
-    others = ["checkpoint-x", "notes.txt", "checkpoints", ".del-x"]
+    named = ["tensorboard", "images", "lora", "completions.jsonl", "samples.md", "wandb"]
+    scratch = [".tmp-step-4-00ff00ff", ".old-checkpoint-2-0a0b0c0d", ".del-checkpoint-1-deadbeef",
+               ".del-wandb-0123abcd"]
+    others = ["checkpoint-x", "notes.txt", "checkpoints", ".del-x", ".tmp-mydata", ".old-notes", ".del-notes-deadbeef",
+              ".tmp-step-4"]
 
-    def check(folder):
-        for name in names + others:
+    def check(folder, anchor):
+        for name in named + scratch + others + ["checkpoint-9"]:  # checkpoint-9: no manifest
             (folder / name).mkdir()
         (folder / LOCK_NAME).write_text("")
-        ours, other = run_files(folder)
-        assert sorted(p.name for p in ours) == sorted(names)
+        if anchor == "checkpoint":
+            (folder / "checkpoint-3").mkdir()
+            (folder / "checkpoint-3" / "manifest.json").write_text('{"format": 1, "files": {}}')
+        elif anchor == "metrics":
+            (folder / "metrics.jsonl").write_text('{"step": 1, "time": 1.5, "loss": 2.0}\n')
+        ours, foreign, other = run_files(folder)
+        rlcore = {"checkpoint": ["checkpoint-3"], "metrics": ["metrics.jsonl"], None: []}[anchor]
+        expected = sorted(scratch + rlcore + (named if anchor else []))
+        assert sorted(p.name for p in ours) == expected
+        assert sorted(p.name for p in foreign) == sorted(["checkpoint-9"] + ([] if anchor else named))
         assert sorted(p.name for p in other) == sorted(others)
 
     import tempfile
     from pathlib import Path
-    with tempfile.TemporaryDirectory() as d:
-        check(Path(d))
-    assert run_files("/nonexistent/run") == ([], [])
+    for anchor in ("checkpoint", "metrics", None):
+        with tempfile.TemporaryDirectory() as d:
+            check(Path(d), anchor)
+    assert run_files("/nonexistent/run") == ([], [], [])
+
+
+def test_a_run_leaves_folders_with_scratch_like_names_alone(tmp_path):
+    """Only the exact scratch names a save writes are ever deleted; ``.tmp-mydata`` is the user's."""
+    run = tmp_path / "run"
+    mine = [".del-notes", ".old-checkpoint-notes", ".old-notes", ".tmp-mydata", ".tmp-step-x"]
+    for name in mine:
+        (run / name).mkdir(parents=True)
+    (run / ".tmp-mydata" / "important").write_text("precious")
+    state, _ = sft.train(sft.Config(**TINY, steps=1, save_every=1, run_dir=str(run)))  # a new run: they are no run's
+    assert state.step == 1
+    (run / ".tmp-step-9-0123abcd").mkdir()  # saves a kill interrupted: the save's own debris
+    (run / ".del-checkpoint-0-deadbeef").mkdir()
+    state, _ = sft.train(sft.Config(**TINY, steps=3, save_every=1, keep_last=1, run_dir=str(run), resume=True))
+    assert state.step == 3
+    assert sorted(p.name for p in run.iterdir()) == sorted([*mine, "checkpoint-3", "metrics.jsonl"])
+    assert (run / ".tmp-mydata" / "important").read_text() == "precious"
+
+
+def test_resume_into_a_run_without_a_checkpoint_is_refused(tmp_path):
+    """A run killed before its first save (``save_every 0``) leaves metrics.jsonl only: a resume has
+    nothing to continue, and would erase those lines; a new run or ``--overwrite`` decides."""
+    run = tmp_path / "run"
+    sft.train(sft.Config(**TINY, steps=3, run_dir=str(run)))
+    for p in run.glob("checkpoint-*"):
+        import shutil
+        shutil.rmtree(p)  # as if killed before the save
+    before = snapshot(run)
+    with pytest.raises(FileExistsError, match=r"resume: .*run holds a run \(metrics.jsonl\) but no checkpoint, so "
+                                              r"there is nothing to resume from; start over there with --overwrite "
+                                              r"true .*or pick a new run_dir"):
+        sft.train(sft.Config(**TINY, steps=1, run_dir=str(run), resume=True))
+    assert snapshot(run) == before
+    with pytest.raises(FileExistsError, match=r"holds another run \(metrics.jsonl\)"):
+        sft.train(sft.Config(**TINY, steps=1, run_dir=str(run)))
+    assert snapshot(run) == before
+    state, _ = sft.train(sft.Config(**TINY, steps=1, run_dir=str(run), overwrite=True))
+    assert state.step == 1 and [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1]
+
+
+def test_a_metrics_file_no_rlcore_run_wrote_is_never_taken_over(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {i}, "loss": 1.0}}\n' for i in range(1, 6)))
+    before = snapshot(run)
+    for flags in (dict(resume=True), {}, dict(overwrite=True)):
+        with pytest.raises(ValueError, match=r"run holds .*metrics.jsonl \(not rlcore's lines, and no rlcore "
+                                             r"checkpoint beside it\).*move them away, or pick (a new|another) run_dir"):
+            sft.train(sft.Config(**TINY, steps=1, run_dir=str(run), **flags))
+        assert snapshot(run) == before
+
+
+def test_overwrite_refuses_checkpoints_and_named_folders_no_rlcore_run_wrote(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint-500").mkdir(parents=True)  # another trainer's: no rlcore manifest
+    (run / "checkpoint-500" / "model.safetensors").write_text("weights")
+    (run / "lora").mkdir()  # the user's adapters, no rlcore run beside them
+    (run / "lora" / "adapter.safetensors").write_text("adapter")
+    before = snapshot(run)
+    with pytest.raises(ValueError, match=r"overwrite: .*run holds files no rlcore run wrote \(checkpoint-500 \(no "
+                                         r"rlcore manifest.json\), lora \(no rlcore checkpoint or metrics.jsonl "
+                                         r"beside it\)\); .*move them away, or pick a new run_dir"):
+        sft.train(sft.Config(**TINY, steps=1, run_dir=str(run), overwrite=True))
+    assert snapshot(run) == before
+    with pytest.raises(FileExistsError, match=r"run_dir: .*run holds checkpoint-500 \(no rlcore manifest.json\), "
+                                              r"lora .*no rlcore run wrote them.*move them away, or pick another"):
+        sft.train(sft.Config(**TINY, steps=1, run_dir=str(run)))
+    assert snapshot(run) == before
+
+
+def test_a_run_dir_that_is_a_file_is_refused_at_load(tmp_path, monkeypatch):
+    from rlcore.loops import recipe
+    from rlcore.loops.config import ConfigError, load_config
+
+    path = tmp_path / "run"
+    path.write_text("not a folder")
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(recipe, "build_model", built)
+    for run_dir in (path, path / "sub"):
+        with pytest.raises(ConfigError, match=rf"run_dir: '{re.escape(str(run_dir))}' (is an existing file|lies "
+                                              r"under .*, an existing file).*pick another run_dir"):
+            sft.train(sft.Config(**TINY, steps=1, run_dir=str(run_dir)))
+        with pytest.raises(ConfigError, match=r"run_dir: .*existing file"):
+            load_config(sft.Config, None, {"run_dir": str(run_dir)})
+    assert path.read_text() == "not a folder"
 
 
 def test_every_recipe_claims_its_folder(tmp_path):

@@ -23,6 +23,7 @@ SAFE_REALS = ("unit", "zero", "tiny", "ties")  # |x| < ~10: exp(x) stays finite 
 NAN = float("nan")
 # hyper-parameters out of range, each refused with a ValueError naming it (fuzz.check_bad_inputs)
 BAD_BETA = {"beta": (0.0, -0.1, NAN)}
+DENORMAL = 1e-310  # positive and finite, but 1/x overflows: refused where a formula divides by it (MIN_DIVISOR)
 BAD_CLIP = {"clip_eps_low": (-0.1, NAN), "clip_eps_high": (-0.2, NAN)}
 
 
@@ -139,11 +140,11 @@ def _squared(kw: dict, loss_type: str) -> dict:
 
 
 def _bad_dpo_hyper(loss_type: str) -> dict:
-    bad = dict(BAD_BETA)
+    bad = {"beta": (*BAD_BETA["beta"], DENORMAL)}  # the DPO family divides by β (IPO, SPPO): β >= 1e-12
     if loss_type in ("sigmoid", "aot", "aot_unpaired"):  # cDPO's smoothing: past 0.5 the labels flip
         bad["label_smoothing"] = (0.6, -0.1, NAN)
     if loss_type == "discopop":
-        bad["discopop_tau"] = (0.0, NAN)
+        bad["discopop_tau"] = (0.0, NAN, DENORMAL)
     return bad
 
 
@@ -390,7 +391,7 @@ def sapo_surrogate(d: Draw, dtype):
     kw = dict(log_ratio=lp - old, advantages=d.reals(shape, dtype), temperature_pos=d.choice([1.0, 0.1, 10.0], "tau_pos"),
               temperature_neg=d.choice([1.05, 0.1, 10.0], "tau_neg"))
     return Case(ppo.sapo_surrogate, kw, grad=("log_ratio",),
-                bad_hyper={"temperature_pos": (0.0, NAN), "temperature_neg": (-1.05, NAN)})
+                bad_hyper={"temperature_pos": (0.0, NAN, DENORMAL), "temperature_neg": (-1.05, NAN, DENORMAL)})
 
 
 def vespo_surrogate(d: Draw, dtype):

@@ -328,3 +328,49 @@ def test_config_errors_are_value_errors_of_their_own_class(tmp_path):
         load_config(sft.Config, tmp_path / "bad.yaml")
     with pytest.raises(ConfigError, match=r"cannot read 'abc'"):
         load_config(sft.Config, overrides={"lr": "abc"})
+
+
+@pytest.mark.parametrize("recipe,flags,message", [
+    ("dpo", ["--loss_type", "sppo_hard", "--beta", "1e-310"], r"beta: expected >= 1e-12 \(it is divided by"),
+    ("online_dpo", ["--loss_type", "ipo", "--beta", "1e-310"], r"beta: expected >= 1e-12"),
+    ("grpo", ["--temperature", "1e-310"], r"temperature: expected >= 1e-12"),
+    ("grpo", ["--loss_type", "sapo", "--sapo_temperature_pos", "1e-310"], r"sapo_temperature_pos: expected >= 1e-12"),
+    ("grpo", ["--loss_type", "sapo", "--sapo_temperature_neg", "-1"], r"sapo_temperature_neg: expected > 0"),
+    ("ppo", ["--horizon", "1e-310"], r"horizon: expected >= 1e-12"),
+])
+def test_a_denormal_divisor_is_refused_at_load(recipe, flags, message):
+    """β = 1e-310 passed "> 0": every step's loss was NaN and silently skipped."""
+    with pytest.raises(ValueError, match=message):
+        cli.main(["train", recipe, *flags, "--run_dir", "null"])
+
+
+@pytest.mark.parametrize("recipe,flags,message", [
+    ("dpo", ["--loss_type", "robust", "--loss_kwargs", "{label_smoothing: 0.5}"],
+     r"Config: loss_kwargs.label_smoothing: robust needs 0 <= ε < 0.5, got 0.5"),
+    ("online_dpo", ["--loss_type", "robust", "--loss_kwargs", "{label_smoothing: 0.5}"],
+     r"Config: loss_kwargs.label_smoothing: robust needs 0 <= ε < 0.5, got 0.5"),
+])
+def test_the_bound_loss_checks_its_settings_at_load(recipe, flags, message, monkeypatch):
+    """``robust`` with ε = 0.5 passed FIELD_RULES ([0, 0.5]) and failed at the first step, models built."""
+    from rlcore.loops import recipe as recipe_lib
+    built = []
+    monkeypatch.setattr(recipe_lib, "build_policy", lambda *a, **k: built.append(1))
+    with pytest.raises(ValueError, match=message):
+        cli.main(["train", recipe, *flags, "--run_dir", "null"])
+    assert built == []
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_default_config_passes_its_loss_trial(name):
+    module = recipe_module(name)
+    config = module.Config()
+    assert check_config(config) is config
+
+
+def test_every_loss_of_the_registries_passes_the_trial_with_its_defaults():
+    from rlcore.algorithms.policy_gradient import POLICY_LOSSES
+    from rlcore.algorithms.preference import PREFERENCE_LOSSES
+    for loss_type in PREFERENCE_LOSSES:
+        check_config(dpo.Config(loss_type=loss_type))
+    for loss_type in POLICY_LOSSES:
+        check_config(grpo.Config(loss_type=loss_type, kl_coef=0.1))

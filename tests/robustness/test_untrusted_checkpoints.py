@@ -406,3 +406,158 @@ def test_missing_or_extra_weights_are_an_error_naming_the_keys(tmp_path, change,
                                          rf"LlamaForCausalLM: {message}"):
         build_policy(sft.Config(init_from=str(path), **TINY))
     assert "LOAD REPORT" not in capfd.readouterr().err
+
+
+# --- adapter_config.json, stored model sizes and export's auto_map are data too ---------------------------------
+def _edit_json(path, file, **fields):
+    data = json.loads((path / file).read_text())
+    data.update(fields)
+    (path / file).write_text(json.dumps(data))
+    refresh_manifest(path)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("target_modules", "(\\w|\\W|.)*Z", r"target_modules: expected a non-empty list of plain module names"),
+    ("target_modules", ["q_proj", ".*"], r"target_modules: expected a non-empty list"),
+    ("r", 200_000_000, r"r: 200000000 is not the rank of the adapter's tensors"),
+    ("r", True, r"r: expected a positive int"),
+    ("lora_dropout", 1.5, r"lora_dropout: expected a number in \[0, 1\)"),
+    ("bias", "everything", r"bias: expected one of"),
+    ("layers_pattern", ["(a+)+$"], r"layers_pattern: \['\(a\+\)\+\$'\] is not taken from a checkpoint"),
+    ("rank_pattern", {".*": 100000}, r"rank_pattern: .* is not taken from a checkpoint"),
+    ("alpha_pattern", {".*": 3}, r"alpha_pattern: .* is not taken"),
+    ("exclude_modules", "(x+)+y", r"exclude_modules: .* is not taken"),
+    ("layer_replication", [[0, 100000]], r"layer_replication: .* is not taken"),
+    ("megatron_config", {"a": 1}, r"megatron_config: .* is not taken"),
+    ("init_lora_weights", "pissa", r"init_lora_weights: .* is not taken"),
+    ("planted_field", 1, r"planted_field: 1 is not taken"),
+])
+@pytest.mark.parametrize("command", ["export", "init_from"])
+def test_adapter_config_is_an_allow_list_checked_before_peft(tmp_path, lora_checkpoint, field, value, message,
+                                                             command, monkeypatch):
+    import dataclasses
+    import peft
+    from rlcore.loops import cli
+    from rlcore.loops.recipe import build_policy
+    config, checkpoint = lora_checkpoint
+    path = _with_stored(tmp_path, checkpoint)
+    _edit_json(path, "models/policy/adapter_config.json", **{field: value})
+    monkeypatch.setattr(peft.LoraConfig, "from_pretrained", lambda *a, **k: pytest.fail("peft read the file"))
+    where = r"models/policy/adapter_config.json: "
+    if command == "export":
+        with pytest.raises(CheckpointError, match=where + message):
+            cli.main(["export", "sft", "--checkpoint", str(path), "--out", str(tmp_path / "out"), *TINY_CLI])
+    else:
+        with pytest.raises(CheckpointError, match=where + message):
+            build_policy(dataclasses.replace(config, run_dir=None, use_peft=False, init_from=str(path)))
+
+
+def test_a_real_adapter_config_still_loads(tmp_path, lora_checkpoint):
+    from rlcore.loops.lora import adapter_settings
+    _, checkpoint = lora_checkpoint
+    settings, header = adapter_settings(checkpoint / "models" / "policy")
+    assert settings["r"] == 2 and sorted(settings["target_modules"]) == ["q_proj", "v_proj"]
+    assert all(".lora_" in k for k in header)
+
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tmp_path_factory):
+    """A one-step SFT run of a tiny model (full weights)."""
+    from rlcore.loops import cli
+    run = tmp_path_factory.mktemp("sft") / "run"
+    assert cli.main(["train", "sft", "--steps", "1", "--batch_size", "2", "--run_dir", str(run), *TINY_CLI]) == 0
+    return latest_checkpoint(run)
+
+
+def _copy(tmp_path, checkpoint):
+    import shutil
+    path = tmp_path / "checkpoint-1"
+    shutil.copytree(checkpoint, path)
+    return path
+
+
+def _no_big_model(monkeypatch):
+    """Building any model of more than 10 M parameters fails the test (the sizes came from a file)."""
+    from transformers import PreTrainedModel
+    real = PreTrainedModel.post_init
+
+    def post_init(self):
+        real(self)
+        size = sum(p.numel() for p in self.parameters())
+        if size > 10_000_000 and not any(p.is_meta for p in self.parameters()):
+            pytest.fail(f"built a {size}-parameter {type(self).__name__} from a checkpoint's stored sizes")
+    monkeypatch.setattr(PreTrainedModel, "post_init", post_init)
+
+
+@pytest.mark.parametrize("which", ["full", "lora"])
+def test_eval_checks_stored_sizes_against_the_weights_before_building_the_reference(
+        tmp_path, sft_checkpoint, lora_checkpoint, which, monkeypatch):
+    from rlcore.loops import cli
+    path = _copy(tmp_path, sft_checkpoint if which == "full" else lora_checkpoint[1])
+    _edit_json(path, "config.json", hidden_size=16384, num_layers=48, num_heads=128)
+    _no_big_model(monkeypatch)
+    cli_args = ["--num_train", "8", "--num_eval", "4"]  # the sizes come from the stored config
+    with pytest.raises(CheckpointError, match=r"models/policy.*(do not fill a LlamaForCausalLM|the adapter does not "
+                                              r"fit the base model).*(missing|other shapes)"):
+        cli.main(["eval", "sft", "--checkpoint", str(path), *cli_args])
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"hidden_size": 16384, "intermediate_size": 65536},
+     r"do not fill a LlamaForCausalLM: missing \[\], unexpected \[\], other shapes \[\('model.embed_tokens.weight'"),
+    ({"num_hidden_layers": 100000}, r"config.json: num_hidden_layers: 100000 layers, but the saved weights hold at "
+                                    r"most 1"),
+    ({"model_type": "gpt2"}, r"do not fill a GPT2LMHeadModel: missing \[.*'transformer.h.0"),
+])
+def test_a_model_folder_config_is_checked_against_its_weights(tmp_path, sft_checkpoint, fields, message,
+                                                              monkeypatch):
+    from rlcore.loops import cli
+    path = _copy(tmp_path, sft_checkpoint)
+    _edit_json(path, "models/policy/config.json", **fields)
+    _no_big_model(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"models/policy.*" + message):
+        cli.main(["export", "sft", "--checkpoint", str(path), "--out", str(tmp_path / "out"), *TINY_CLI])
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_load_exact_names_transformers_own_load_error(tmp_path, monkeypatch):
+    from rlcore.loops import models
+    from rlcore.loops.models import build_model, load_exact
+    build_model(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2).save_pretrained(tmp_path)
+    monkeypatch.setattr(models, "check_saved_model", lambda *a, **k: None)  # the layer of defence behind it
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 32, "intermediate_size": 128}))
+    with pytest.raises(ValueError, match=r"the saved weights do not load into the model its config.json describes "
+                                         r"\(RuntimeError"):
+        load_exact(tmp_path)
+
+
+def test_stored_work_sizes_are_bounded_by_the_callers(tmp_path, grpo_checkpoint, monkeypatch, capsys):
+    from rlcore.loops import cli
+    from rlcore.loops.recipes import grpo
+    seen = []
+    monkeypatch.setattr(grpo, "evaluate", lambda state, config: seen.append(config) or {})
+    path = _copy(tmp_path, grpo_checkpoint)
+    _edit_json(path, "config.json", num_eval=30_000_000, max_new_tokens=1 << 30, eval_batch_size=2)
+    assert cli.main(["eval", "grpo", "--checkpoint", str(path), "--hidden_size", "16", "--num_layers", "1",
+                     "--num_heads", "2"]) == 0
+    defaults = grpo.Config()
+    assert seen[-1].num_eval == defaults.num_eval and seen[-1].max_new_tokens == defaults.max_new_tokens
+    assert seen[-1].eval_batch_size == 2  # a smaller stored work size is taken
+    err = capsys.readouterr().err
+    assert "num_eval: the stored 30000000 is not used (a work size above the caller's" in err
+    assert "max_new_tokens: the stored 1073741824 is not used" in err
+
+
+def test_export_writes_no_auto_map(tmp_path, sft_checkpoint, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rlcore.loops import cli
+    path = _copy(tmp_path, sft_checkpoint)
+    planted = {"AutoConfig": "planted.Config", "AutoModelForCausalLM": "planted.Model"}
+    _edit_json(path, "models/policy/config.json", auto_map=planted)
+    out = tmp_path / "out"
+    assert cli.main(["export", "sft", "--checkpoint", str(path), "--out", str(out), *TINY_CLI]) == 0
+    for name in ("config.json", "tokenizer_config.json"):
+        assert "auto_map" not in json.loads((out / name).read_text()), name
+    assert "auto_map {'AutoConfig': 'planted.Config'" in capsys.readouterr().err
+    assert AutoModelForCausalLM.from_pretrained(out) is not None and AutoTokenizer.from_pretrained(out) is not None

@@ -223,3 +223,77 @@ def test_a_null_answer_is_refused_not_graded_zero(tmp_path, monkeypatch):
         return [0.0 if a is None else float(c == a) for c, a in zip(completions, answer)]
     from rlcore.loops.online import check_prompt_data
     check_prompt_data(lenient, train=load_local(path))
+
+
+# --- numbers and nesting in data files -------------------------------------------------------------
+@pytest.mark.parametrize("margin,shown", [("NaN", "float nan"), ("Infinity", "float inf"), ("-Infinity", "float -inf"),
+                                          ("1e39", "float 1e+39"), ("null", "null")])
+def test_a_margin_that_is_not_a_finite_number_is_named_by_file_line_and_column(tmp_path, monkeypatch, margin, shown):
+    """NaN margins gave loss NaN, every step skipped, exit 0; inf margins a 3.4e38 loss and no gradient."""
+    from rlcore.loops.recipes import reward
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c", "margin": 1.0}\n'
+                    f'{{"prompt": "a", "chosen": "bb", "rejected": "c", "margin": {margin}}}\n'
+                    '{"prompt": "a", "chosen": "b", "rejected": "cc", "margin": 2.0}\n')
+    built = []
+    monkeypatch.setattr(reward, "build_policy", lambda *a, **k: built.append(1))
+    with pytest.raises(ValueError, match=rf"dataset: .*pairs.jsonl, line 2: column 'margin' holds {re.escape(shown)}; "
+                                         r"expected a finite number"):
+        reward.train(reward.Config(task=None, dataset=str(path), eval_dataset=str(path), margin_key="margin",
+                                   run_dir=None))
+    assert built == []
+
+
+def test_a_margin_key_the_data_lacks_is_named_at_load(tmp_path):
+    from rlcore.loops.recipes import reward
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 3)
+    with pytest.raises(ValueError, match=r"margin_key: the dataset has no column 'gap'"):
+        reward.train(reward.Config(task=None, dataset=str(path), eval_dataset=str(path), margin_key="gap",
+                                   run_dir=None))
+
+
+def test_a_number_too_large_for_a_double_names_its_line(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "a", "margin": 1.0}\n{"prompt": "b", "margin": 1e400}\n')
+    with pytest.raises(ValueError, match=r"pairs.jsonl, line 2: the number 1e400 does not fit a float64"):
+        load_local(path)
+
+
+@pytest.mark.parametrize("label,shown", [(float("nan"), "float nan"), (0.5, "float 0.5"), ("no", "str 'no'")])
+def test_an_unpaired_label_that_is_not_true_or_false_is_named(label, shown):
+    tok = build_tokenizer()
+    with pytest.raises(ValueError, match=rf"dataset: f.jsonl, line 3: column 'label' holds {re.escape(shown)}; "
+                                         "expected true or false"):
+        tokenize_example({"prompt": "a", "completion": "b", "label": label}, tok, format="unpaired",
+                         where="f.jsonl, line 3")
+    for ok in (True, False, 1, 0):
+        tokenize_example({"prompt": "a", "completion": "b", "label": ok}, tok, format="unpaired")
+
+
+def test_precomputed_reference_logps_must_be_finite():
+    tok = build_tokenizer()
+    row = {"prompt": "a", "chosen": "b", "rejected": "c", "ref_chosen_logps": -1.0, "ref_rejected_logps": float("inf")}
+    with pytest.raises(ValueError, match=r"row 0: column 'ref_rejected_logps' holds float inf"):
+        tokenize_example(row, tok, format="preference", where="row 0")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_line_nested_past_the_readers_stack_is_named_not_a_crash(tmp_path, suffix):
+    """200,000 nested lists crashed pyarrow's JSON reader (the process died) or raised RecursionError."""
+    path = tmp_path / f"deep{suffix}"
+    path.write_text('{"prompt": "a", "completion": "b"}\n{"x": ' + "[" * 200_000 + "]" * 200_000 + "}\n")
+    with pytest.raises(ValueError, match=rf"deep{re.escape(suffix)}, line 2: nested deeper than 64 levels"):
+        load_local(path)
+    brackets = tmp_path / f"text{suffix}"  # brackets inside strings are text, not nesting
+    write_jsonl(brackets, [{"prompt": "[" * 500 + "{" * 500, "completion": "b"}])
+    assert load_local(brackets).num_rows == 1
+
+
+def test_the_final_line_of_a_run_is_strict_json(monkeypatch, capsys):
+    """A NaN loss printed ``{"final": {"loss": NaN}}``, which is not JSON."""
+    from rlcore.loops import cli
+    monkeypatch.setattr(sft, "train", lambda config, callbacks=(): (None, [{"loss": float("nan"), "lr": 1e-3,
+                                                                             "x": [float("inf")]}]))
+    assert cli.main(["train", "sft", "--run_dir", "null", "--steps", "1"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(line) == {"final": {"loss": None, "lr": 1e-3, "x": [None]}}
