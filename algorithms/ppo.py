@@ -8,7 +8,7 @@ importance ratios of ``algorithms.ratios``::
     sapo_surrogate         −A·(4/τ)·σ(τ(ρ−1)), a soft gate in place of the clip (SAPO)
     vespo_surrogate        −sg(φ(w))·A·log π, φ a Gamma-shaped weight of the sequence ratio w (VESPO)
     clipped_value_loss     ½·max((V̂−R)², (clip(V̂, V−c, V+c)−R)²)
-    approx_kl_k1/_k3, clip_fraction, ratio_stats, explained_variance, early_stop   (diagnostics)
+    approx_kl_k1/_k3, clip_fraction, clip_fraction_extremes, ratio_stats, explained_variance, early_stop   (diagnostics)
     ppo_loss(batch) -> (loss, metrics)
 
 Rollout keys (``rlcore.keys``), all ``[B, R]``: ``logprobs`` (differentiable), ``old_logprobs``,
@@ -53,6 +53,7 @@ __all__ = [
     "approx_kl_k1",
     "approx_kl_k3",
     "clip_fraction",
+    "clip_fraction_extremes",
     "ratio_stats",
     "explained_variance",
     "early_stop",
@@ -384,6 +385,28 @@ def clip_fraction(clipped: Tensor, mask: Tensor, *, dtype: torch.dtype = torch.f
     return masked_mean(clipped.to(dtype), mask)
 
 
+def clip_fraction_extremes(clipped: Tensor, mask: Tensor, *,
+                           dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """``(min_b f_b, max_b f_b)`` of the per-sequence clip fractions ``f_b = Σ_t m·clipped / Σ_t m``
+    (``clipped`` bool ``[..., T]``), over the sequences with at least one valid token; ``(0, 0)``
+    when there are none. TRL's ``clip_ratio/low_min`` (of the low flags) and ``clip_ratio/high_max``
+    (of the high flags) on one batch.
+
+    >>> clip_fraction_extremes(torch.tensor([[True, False], [True, True], [False, False]]),
+    ...                        torch.tensor([[True, True], [True, False], [False, False]]))
+    (tensor(0.5000), tensor(1.))
+    """
+    check_mask("mask", mask, like=clipped, like_name="clipped")
+    frac = masked_mean(clipped.to(dtype), mask, dim=-1)
+    valid = mask.any(-1)
+    inf = torch.tensor(math.inf, dtype=dtype, device=frac.device)
+    # a sentinel beside the rows: the extremes of no sequence (B = 0) are defined too
+    low = torch.cat([torch.where(valid, frac, inf).reshape(-1), inf.reshape(1)]).amin()
+    high = torch.cat([torch.where(valid, frac, -inf).reshape(-1), -inf.reshape(1)]).amax()
+    zero, some = frac.new_zeros(()), valid.any()
+    return torch.where(some, low, zero), torch.where(some, high, zero)
+
+
 def ratio_stats(log_ratio: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """``(mean_{mask} ρ, max_{mask} ρ)`` with ``ρ = exp(log_ratio)``.
 
@@ -503,9 +526,12 @@ def _policy_terms(batch, mask, agg, *, surrogate, clip_eps_low, clip_eps_high, c
     if log_ratio_clamp is not None:  # the metrics see the ratio the loss sees
         token_lr = token_lr.clamp(-log_ratio_clamp, log_ratio_clamp)
     ratio_mean, ratio_max = ratio_stats(log_ratio, mask)
+    low_min, _ = clip_fraction_extremes(sur.clipped_low, mask, dtype=lp.dtype)
+    _, high_max = clip_fraction_extremes(sur.clipped_high, mask, dtype=lp.dtype)
     metrics = {"approx_kl_k1": approx_kl_k1(token_lr, mask), "approx_kl_k3": approx_kl_k3(token_lr, mask),
                "clipfrac_low": clip_fraction(sur.clipped_low, mask, dtype=lp.dtype),
                "clipfrac_high": clip_fraction(sur.clipped_high, mask, dtype=lp.dtype),
+               "clipfrac_low_min": low_min, "clipfrac_high_max": high_max,
                "clipfrac_dual": clip_fraction(sur.clipped_dual, mask, dtype=lp.dtype),
                "ratio_mean": ratio_mean, "ratio_max": ratio_max}
     if K.ENTROPY in batch.keys():
@@ -575,7 +601,9 @@ def ppo_loss(batch: TensorDictBase, *, surrogate: str = "clip", clip_eps_low: fl
     Returns:
         ``(loss [], metrics)``; metrics (detached ``[]``): ``loss_policy``, ``loss_entropy``,
         ``loss_kl``, ``loss_value`` (with a critic) sum to ``loss``; ``approx_kl_k1/_k3``,
-        ``clipfrac_low/_high/_dual``, ``ratio_mean/_max``, ``skipped_ratio_threshold``, and when
+        ``clipfrac_low/_high/_dual``, ``clipfrac_low_min`` / ``clipfrac_high_max`` (the smallest
+        low and largest high per-sequence clip fraction, ``clip_fraction_extremes``),
+        ``ratio_mean/_max``, ``skipped_ratio_threshold``, and when
         present ``entropy``, ``kl_ref``, ``value_loss_unweighted``, ``clipfrac_value``,
         ``explained_variance`` (of ``value_preds`` against ``returns``). Metrics are cast back
         saturating: finite for finite inputs (a KL of log-probs near ±3e38 is the dtype's largest value).

@@ -205,19 +205,21 @@ def _saved_run(module: ModuleType, args: argparse.Namespace) -> tuple[Path, dict
 
 def _eval(args: argparse.Namespace) -> int:
     from rlcore.loops.models import make_reference
-    from rlcore.loops.recipe import build_policy, check_tiny_fits, checkpoint_model_dir
+    from rlcore.loops.recipe import build_policy, check_tiny_fits, checkpoint_model_dir, require_held_out
     from rlcore.loops.state import init_state
 
     module = recipe_module(args.recipe)
     path, start, caller = _saved_run(module, args)
     if hasattr(module, "checkpoint_state"):  # recipes whose state is not a language-model policy
         config = _config(module, args, start, {"resume": False})
+        require_held_out(config)  # a run that held nothing out (num_eval 0): before any model
         state = module.checkpoint_state(config, path)
     else:
         # the reference for KL: the policy the run started from, as the caller names it (--init_from,
         # which is also the base of an adapter checkpoint whose run started from a checkpoint), or a fresh init
         base_from = caller.init_from
         config = _config(module, args, start, {"init_from": str(path), "resume": False})
+        require_held_out(config)
         policy, _ = build_policy(config, base_from=base_from)  # its weights checked against their headers
         # a fresh reference is built from the stored sizes: first checked against the checkpoint's own weights
         ref_config = _config(module, args, start, {"resume": False})

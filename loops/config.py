@@ -114,7 +114,7 @@ class RunConfig:
     dataset: str | None = None                # local jsonl / json / parquet / csv file or folder, or hub name[:split]
     eval_dataset: str | None = None           # held-out file or hub name[:split]; None: `num_eval` rows split off `dataset`
     num_train: int = 256                      # built-in task: training examples (pairs, prompts)
-    num_eval: int = 64                        # held-out examples
+    num_eval: int = 64                        # held-out examples (0: none, every row trains, no evaluation)
     max_prompt_length: int | None = None      # prompt tokens kept: the last ones of a longer prompt
     # --- optimisation (loops.recipe.init_train_state, loops.update.update) ---
     seed: int = 0                             # model init, data order, sampling
@@ -573,6 +573,11 @@ def check_config(config: Any) -> Any:
                       "another run_dir")
     if getattr(config, "engine_options", None) and getattr(config, "engine", None) != "vllm":
         faults.append(f"engine_options: only for engine='vllm', got engine={config.engine!r}")
+    every = getattr(config, "eval_every", None)
+    if (getattr(config, "num_eval", None) == 0 and not getattr(config, "eval_dataset", None)
+            and isinstance(every, int) and every > 0):  # num_eval 0: no held-out split (loops.recipe.load_splits)
+        faults.append(f"eval_every: got {every}, but num_eval is 0 and no eval_dataset is given: nothing is held "
+                      "out to evaluate on; set eval_every: 0, num_eval > 0, or eval_dataset")
     if faults:
         raise ConfigError(f"{type(config).__name__}: " + "; ".join(faults))
     if getattr(config, "mixed_precision", None) not in (None, "bf16"):

@@ -168,6 +168,9 @@ def run_demo(config: Config, *, stream=None) -> dict[str, Any]:
     n_sft, n_rl = stage_steps(config)
     if n_sft < 1 or n_rl < 1:
         raise ValueError(f"sft_steps, steps: expected at least 1 step per stage, got {n_sft}, {n_rl}")
+    if config.num_eval < 1:  # every stage is scored on the held-out prompts
+        raise ValueError(f"num_eval: expected >= 1 (the demo evaluates every stage on held-out prompts), "
+                         f"got {config.num_eval}")
     for stage in ("sft", config.algo):  # init_from reads the latest checkpoint: never a stale one
         shutil.rmtree(out / stage, ignore_errors=True)
     shared = dict(model="tiny-llama", hidden_size=config.hidden_size, num_layers=config.num_layers,

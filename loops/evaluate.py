@@ -16,7 +16,7 @@ from rlcore import keys as K
 from rlcore.kl import kl_estimate
 from rlcore.loops.collect import generate_rollout
 from rlcore.loops.fold import to_floats
-from rlcore.loops.recipe import load_splits, policy_tokenizer
+from rlcore.loops.recipe import load_splits, policy_tokenizer, require_held_out
 from rlcore.loops.reward_fns import RewardFn, make_reward_fn, repeat_columns, reward_settings, trainer_state
 from rlcore.loops.score import score_rollout
 from rlcore.loops.state import TrainState
@@ -84,7 +84,9 @@ def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: 
     appended to ``run_dir/completions.jsonl``.
 
     Args:
-        dataset: the held-out split (default: ``load_splits(config, task_dataset)[1]``).
+        dataset: the held-out split (default: ``load_splits(config, task_dataset)[1]``). A config that
+            holds nothing out (``num_eval`` 0, no ``eval_dataset``) or an empty split is refused
+            (``ValueError``).
         tokenizer: as in training (default from ``config``).
         reward_fn: the reward as ``train`` takes it (``make_reward_fn(config, reward_fn)``: with the
             config's ``reward_funcs`` and ``reward_weights``). ``None``: the one the state carries
@@ -97,8 +99,13 @@ def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: 
     Returns:
         ``dict[str, float]``.
     """
+    if dataset is None:
+        require_held_out(config)
+        dataset = load_splits(config, task_dataset)[1]
+    if len(dataset) == 0:
+        raise ValueError("evaluate: the held-out split is empty (num_eval 0 holds nothing out); give eval_dataset "
+                         "or num_eval > 0")
     tokenizer = tokenizer if tokenizer is not None else policy_tokenizer(config)
-    dataset = dataset if dataset is not None else load_splits(config, task_dataset)[1]
     carried = getattr(state, "reward_fn", None)
     reward_fn = make_reward_fn(config, reward_fn) if reward_fn is not None or carried is None else carried
     n, size = len(dataset), config.eval_batch_size

@@ -136,6 +136,8 @@ TRL_METRIC_NAMES: dict[str, str] = {
     "rollout/score_std": "reward_std",
     "clipfrac_low": "clip_ratio/low_mean",
     "clipfrac_high": "clip_ratio/high_mean",
+    "clipfrac_low_min": "clip_ratio/low_min",
+    "clipfrac_high_max": "clip_ratio/high_max",
     "kl_ref": "kl",
     "lr": "learning_rate",
 }

@@ -54,7 +54,7 @@ from rlcore.seeding import set_seed
 
 __all__ = ["build_reference", "build_policy", "check_tiny_fits", "policy_tokenizer", "checkpoint_model_dir",
            "init_train_state",
-           "load_splits", "batch_source", "mean_metrics", "run"]
+           "load_splits", "holds_out", "require_held_out", "batch_source", "mean_metrics", "run"]
 
 
 def _as_loaded(model: nn.Module, config: Any) -> nn.Module:
@@ -371,21 +371,42 @@ def load_splits(config: Any, make_task: Callable[..., Dataset]) -> tuple[Dataset
       (``loops.data.split_held_out``: ``train_test_split(seed=config.seed)``).
     - otherwise ``make_task(config.task, n, seed=config.seed, split=...)`` (``task_dataset`` or
       ``preference_dataset``) with ``n = num_train`` / ``num_eval``: disjoint prompts.
+    - ``num_eval`` 0 without ``eval_dataset``: nothing is held out; every row trains and the
+      held-out split is empty (its columns kept), so there is nothing to evaluate on
+      (``check_config`` refuses ``eval_every > 0`` then; :func:`require_held_out`).
     """
     seed, n_eval = config.seed, config.num_eval
     if config.dataset:
         data = load_source(config.dataset)
         if config.eval_dataset:
             return data, load_source(config.eval_dataset)
+        if n_eval == 0:
+            return data, data.select([])
         if not 0 < n_eval < len(data):
             raise ValueError(f"num_eval: expected 0 < num_eval < {len(data)} (rows of {config.dataset}) to hold "
-                             f"rows out, got {n_eval}; or pass eval_dataset")
+                             f"rows out, got {n_eval}; or pass eval_dataset, or num_eval: 0 to hold nothing out "
+                             "(no evaluation)")
         return split_held_out(data, n_eval, seed)  # rows keep naming their file and line
     task = config.task
     if not task:
         raise ValueError("config: set `task` (a built-in task name) or `dataset` (a local jsonl/json/parquet/csv)")
-    return (make_task(task, config.num_train, seed=seed, split="train"),
-            make_task(task, n_eval, seed=seed, split="eval"))
+    train = make_task(task, config.num_train, seed=seed, split="train")
+    return train, make_task(task, n_eval, seed=seed, split="eval") if n_eval else train.select([])
+
+
+def holds_out(config: Any) -> bool:
+    """Whether ``config`` has a held-out split: an ``eval_dataset``, or ``num_eval`` > 0."""
+    return bool(getattr(config, "eval_dataset", None)) or getattr(config, "num_eval", 1) != 0
+
+
+def require_held_out(config: Any, what: str = "evaluate") -> None:
+    """Raise ``ValueError`` when ``config`` holds nothing out (``num_eval`` 0, no ``eval_dataset``):
+    every row trained, so there is no split for ``what`` to evaluate on."""
+    if not holds_out(config):
+        raise ValueError(f"{what}: no held-out split: num_eval is 0 and no eval_dataset is given, so every row "
+                         "of the data trains and none is left to evaluate on; give eval_dataset (a held-out file) "
+                         "or num_eval > 0 (rows held out of the data or the built-in task; of a run that held "
+                         "nothing out, rows it trained on)")
 
 
 def batch_source(dataset: Dataset, batch_size: int, collate_fn: Callable[[dict], Any], *, seed: int = 0,

@@ -26,13 +26,18 @@ from rlcore import keys as K
 from rlcore.checks import check_mask, check_ndim, require_keys
 from rlcore.kl import kl_full
 from rlcore.logprobs import entropy_from_logits, sequence_logprobs, token_logprobs
-from rlcore.lm_head import hidden_logprobs
+from rlcore.lm_head import LogprobStats, hidden_logprobs
 from rlcore.loops.lora import linear_weights
 from rlcore.loops.models import model_device, position_ids_from_mask, reward_model_scores, trunk_hidden
 from rlcore.loops.reward_fns import as_completions, call_reward_terms, check_finite_scores
 
 __all__ = ["token_logprobs_from_model", "full_kl_from_models", "sequences", "score_rollout", "score_sequences",
-           "concatenated_forward", "precompute_reference_logps"]
+           "concatenated_forward", "precompute_reference_logps", "TOP1", "MEAN_LOGIT", "STAT_KEYS"]
+
+# the per-token diagnostics ``score_sequences(..., with_stats=True)`` adds beside the log-probs
+TOP1 = "top1"              # [B, T] bool: the token is the first argmax of the logits that predict it
+MEAN_LOGIT = "mean_logit"  # [B, T] float: mean over the vocabulary of those logits (over τ)
+STAT_KEYS = (K.ENTROPY, TOP1, MEAN_LOGIT)
 
 _ROLLOUT_LAYOUT = {K.PROMPT_IDS: "[B, P] long (left padded)", K.PROMPT_MASK: "[B, P] bool",
                   K.RESPONSE_IDS: "[B, R] long (right padded)", K.RESPONSE_MASK: "[B, R] bool"}
@@ -73,7 +78,8 @@ def _head_params(model: nn.Module) -> dict:
 def token_logprobs_from_model(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
                               response_length: int | None = None, temperature: float = 1.0, chunked: bool = True,
                               position_ids: torch.Tensor | None = None, chunk_size: int = 4096,
-                              with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                              with_entropy: bool = False, with_stats: bool = False
+                              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | LogprobStats:
     """Per-token log-probs of a sequence's own tokens through a causal LM, ``log softmax(z/τ)[x_{t+1}]``.
 
     ``lp[b, t] = log softmax(z_{b,t} / τ)[x_{b,t+1}]`` with ``z_{b,t}`` the logits after reading
@@ -98,6 +104,9 @@ def token_logprobs_from_model(model: nn.Module, input_ids: torch.Tensor, attenti
         chunk_size: vocabulary block of the chunked path.
         with_entropy: also the entropy ``H_t = −Σ_v p_v log p_v`` of ``p = softmax(z_t/τ)`` at the
             same positions, from the same pass over the vocabulary.
+        with_stats: return a ``rlcore.lm_head.LogprobStats`` (log-probs, entropy, ``top1``: the
+            label is the first argmax of ``z_t``, ``mean_logit``: ``mean_v z_{t,v}/τ``); on the
+            chunked path from the same vocabulary pass, on the other from the logits already there.
     Returns:
         ``[B, T-1]`` (log-probs of ``input_ids[:, 1:]``) or ``[B, R]`` (of ``input_ids[:, -R:]``),
         float32 (float64 for a float64 model); with ``with_entropy``, ``(logprobs, entropy)`` of
@@ -125,13 +134,23 @@ def token_logprobs_from_model(model: nn.Module, input_ids: torch.Tensor, attenti
     if chunked:
         hidden = trunk_hidden(model, input_ids, attention_mask, position_ids=position_ids)[:, T - n - 1:T - 1]
         return hidden_logprobs(hidden, labels=labels, temperature=temperature, chunk_size=chunk_size,
-                               with_entropy=with_entropy, **_head_params(model))
+                               with_entropy=with_entropy, with_stats=with_stats, **_head_params(model))
     mask = None if attention_mask is None else attention_mask.long()
     logits = _call(model, input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                    use_cache=False, logits_to_keep=n + 1).logits
     scored = logits[:, logits.shape[1] - n - 1:-1]
     lp = token_logprobs(scored, labels, temperature=temperature)
+    if with_stats:
+        return _logit_stats(scored, labels, lp, temperature)
     return (lp, entropy_from_logits(scored, temperature=temperature)) if with_entropy else lp
+
+
+def _logit_stats(logits: torch.Tensor, labels: torch.Tensor, lp: torch.Tensor, temperature: float) -> LogprobStats:
+    """``LogprobStats`` from logits that exist already (the ``chunked=False`` path): no float32 copy."""
+    with torch.no_grad():
+        top1 = logits.argmax(-1) == labels
+        mean_logit = logits.mean(-1, dtype=lp.dtype) / temperature
+    return LogprobStats(lp, entropy_from_logits(logits, temperature=temperature), top1, mean_logit)
 
 
 @torch.no_grad()
@@ -321,28 +340,38 @@ def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
-def _scored_logprobs(model, ids, mask, position_ids, scored, *, temperature, chunked) -> torch.Tensor:
-    """Log-probs aligned with ``ids [B, T]`` (column ``t`` scores token ``t``), 0 where not ``scored``.
+def _scored_logprobs(model, ids, mask, position_ids, scored, *, temperature, chunked,
+                     with_stats=False) -> torch.Tensor | LogprobStats:
+    """Log-probs aligned with ``ids [B, T]`` (column ``t`` scores token ``t``), 0 where not ``scored``
+    (with ``with_stats``: a ``LogprobStats`` of such ``[B, T]`` tensors, 0 / False where not scored).
 
     On the chunked path the LM head runs on the scored positions only: their hidden states are
     gathered (``[N, H]``, ``N`` = scored tokens) before ``hidden_logprobs``, so prompt tokens cost
     the trunk but not the ``H × V`` head, in forward and backward.
     """
     if not chunked:
-        lp = token_logprobs_from_model(model, ids, mask, position_ids=position_ids, temperature=temperature,
-                                       chunked=False)
-        lp = torch.cat([lp.new_zeros(lp.shape[0], 1), lp], -1)
-        return torch.where(scored, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+        out = token_logprobs_from_model(model, ids, mask, position_ids=position_ids, temperature=temperature,
+                                        chunked=False, with_stats=with_stats)
+
+        def align(x):
+            x = torch.cat([x.new_zeros(x.shape[0], 1), x], -1)
+            return torch.where(scored, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+        return LogprobStats(*map(align, out)) if with_stats else align(out)
     hidden = trunk_hidden(model, ids, mask, position_ids=position_ids)
     target = scored[:, 1:]
-    lp = hidden_logprobs(hidden[:, :-1][target], labels=ids[:, 1:][target], temperature=temperature,
-                         **_head_params(model))
-    return torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device).masked_scatter(
-        torch.cat([torch.zeros_like(scored[:, :1]), target], -1), lp)
+    out = hidden_logprobs(hidden[:, :-1][target], labels=ids[:, 1:][target], temperature=temperature,
+                          with_stats=with_stats, **_head_params(model))
+    where = torch.cat([torch.zeros_like(scored[:, :1]), target], -1)
+
+    def scatter(x):
+        return torch.zeros(ids.shape, dtype=x.dtype, device=x.device).masked_scatter(where, x)
+
+    return LogprobStats(*map(scatter, out)) if with_stats else scatter(out)
 
 
 def score_sequences(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0, chunked: bool = True,
-                    packed: bool = False, reference: bool = False) -> TensorDict:
+                    packed: bool = False, reference: bool = False, with_stats: bool = False) -> TensorDict:
     """Per-token and summed completion log-probs of a sequence batch (SFT, KTO, one preference side).
 
     ``logprobs[b, t] = log softmax(z_{b,t-1}/τ)[x_{b,t}]`` on ``loss_mask & (t is not the first
@@ -363,6 +392,10 @@ def score_sequences(model: nn.Module, batch: TensorDictBase, *, temperature: flo
             ``[B, T]`` (any padding side).
         reference: write ``ref_logps`` / ``ref_logprobs`` (computed under ``torch.no_grad()``)
             instead of ``logps`` / ``logprobs``.
+        with_stats: also write, from the same pass over the vocabulary, ``entropy [B, T]`` (the
+            policy's token entropy, with gradient), ``top1 [B, T]`` bool (the token is the first
+            argmax of the logits predicting it) and ``mean_logit [B, T]`` (those logits' mean over
+            the vocabulary, over ``τ``), aligned as ``logprobs``, 0 / False where not scored.
     Returns:
         A shallow copy of ``batch`` with ``logps [B]`` and ``logprobs [B, T]`` (or the ``ref_``
         keys), float32.
@@ -377,22 +410,29 @@ def score_sequences(model: nn.Module, batch: TensorDictBase, *, temperature: flo
     ids, mask, loss = (batch[k] for k in _SIDE_LAYOUT)
     check_mask(K.ATTENTION_MASK, mask, like=ids, like_name=K.INPUT_IDS)
     check_mask(K.LOSS_MASK, loss, like=ids, like_name=K.INPUT_IDS)
-    kw = dict(temperature=temperature, chunked=chunked)
+    kw = dict(temperature=temperature, chunked=chunked, with_stats=with_stats)
     pos = position_ids_from_mask(mask)
     scored = loss & mask & (pos > 0)
     with torch.set_grad_enabled(torch.is_grad_enabled() and not reference):
         if packed:  # one row of all real tokens, positions restarting with each sequence
-            flat = _scored_logprobs(model, ids[mask][None], None, pos[mask][None], scored[mask][None], **kw)[0]
-            lp = torch.zeros(ids.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat)
+            out = _scored_logprobs(model, ids[mask][None], None, pos[mask][None], scored[mask][None], **kw)
+
+            def unpack(flat):
+                return torch.zeros(ids.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat[0])
+
+            out = LogprobStats(*map(unpack, out)) if with_stats else unpack(out)
         else:
-            lp = _scored_logprobs(model, ids, mask, pos, scored, **kw)
+            out = _scored_logprobs(model, ids, mask, pos, scored, **kw)
+        lp = out.logprobs if isinstance(out, LogprobStats) else out
         logps = sequence_logprobs(lp, scored)
     seq_key, tok_key = (K.REF_LOGPS, K.REF_LOGPROBS) if reference else (K.LOGPS, K.LOGPROBS)
-    return batch.copy().update({seq_key: logps, tok_key: lp})
+    stats = dict(zip(STAT_KEYS, out[1:])) if isinstance(out, LogprobStats) else {}
+    return batch.copy().update({seq_key: logps, tok_key: lp, **stats})
 
 
 def concatenated_forward(model: nn.Module, pair_batch: TensorDictBase, *, temperature: float = 1.0,
-                         chunked: bool = True, packed: bool = False, reference: bool = False) -> TensorDict:
+                         chunked: bool = True, packed: bool = False, reference: bool = False,
+                         with_stats: bool = False) -> TensorDict:
     """Chosen and rejected sequences in ONE forward; per-side sequence log-probs and token log-probs.
 
     The two sides are right padded to a common length, concatenated on dim 0 (``[2B, T]``) and
@@ -406,6 +446,8 @@ def concatenated_forward(model: nn.Module, pair_batch: TensorDictBase, *, temper
             (``T_s`` may differ per side; any padding side).
         reference: write ``ref_logps`` / ``ref_logprobs`` (computed under ``torch.no_grad()``)
             instead of ``logps`` / ``logprobs``.
+        with_stats: also ``entropy``, ``top1`` and ``mean_logit`` ``[B, T_s]`` on each side
+            (``score_sequences``).
     Returns:
         A shallow copy of ``pair_batch`` with, on each side, ``logps [B]`` and ``logprobs
         [B, T_s]`` (or ``ref_logps`` / ``ref_logprobs``).
@@ -427,12 +469,15 @@ def concatenated_forward(model: nn.Module, pair_batch: TensorDictBase, *, temper
     B = pair_batch.batch_size[0]
     flat = TensorDict({k: torch.cat([_pad_to(pair_batch[s, k], max(widths)) for s in sides]) for k in _SIDE_LAYOUT},
                       batch_size=[2 * B])
-    scored = score_sequences(model, flat, temperature=temperature, chunked=chunked, packed=packed, reference=reference)
+    scored = score_sequences(model, flat, temperature=temperature, chunked=chunked, packed=packed, reference=reference,
+                             with_stats=with_stats)
     seq_key, tok_key = (K.REF_LOGPS, K.REF_LOGPROBS) if reference else (K.LOGPS, K.LOGPROBS)
+    token_keys = (tok_key, *(STAT_KEYS if with_stats else ()))
     out = pair_batch.copy()
     for i, (s, w) in enumerate(zip(sides, widths)):
         rows = slice(i * B, (i + 1) * B)
-        out[s] = pair_batch[s].copy().update({seq_key: scored[seq_key][rows], tok_key: scored[tok_key][rows, :w]})
+        out[s] = pair_batch[s].copy().update({seq_key: scored[seq_key][rows],
+                                              **{k: scored[k][rows, :w] for k in token_keys}})
     return out
 
 

@@ -357,6 +357,8 @@ def check_rows_fit(model: Any, sides: Sequence[Sequence[str]], field: str = "max
     pair. The error names the split, the row, its length, and the setting that cuts rows (``field``)."""
     context = model_context(model)
     for where, data in splits.items():
+        if len(data) == 0:  # an empty held-out split (num_eval 0): no rows, and no id columns mapped onto it
+            continue
         for columns in sides:
             lengths = [sum(map(len, parts)) for parts in zip(*(data[c] for c in columns))]
             if lengths:

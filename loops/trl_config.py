@@ -214,9 +214,15 @@ def _resume(value: Any, ctx: Context) -> dict[str, Any]:
     return {"resume": bool(value is not None and _as(bool, value, "resume_from_checkpoint"))}
 
 
+def _is_no(value: Any) -> bool:
+    """TRL's strategy ``"no"``, also as YAML 1.1 reads a bare ``no`` (``False``)."""
+    return value is False or (isinstance(value, str) and value.strip().lower() == "no")
+
+
 def _eval_strategy(value: Any, ctx: Context) -> dict[str, Any]:
-    if value == "no":
-        return {"eval_every": 0}
+    if _is_no(value):  # TRL trains on every row then: nothing is held out, unless the config says what to hold out
+        held_out = "num_eval" in ctx.given or ctx.field("eval_dataset") is not None
+        return {"eval_every": 0} if held_out else {"eval_every": 0, "num_eval": 0}
     if value != "steps":
         raise ValueError(f"eval_strategy: expected 'no' or 'steps', got {value!r}; rlcore evaluates every "
                          "eval_steps steps")
@@ -230,7 +236,7 @@ def _eval_steps(value: Any, ctx: Context) -> dict[str, Any]:
 
 
 def _save_strategy(value: Any, ctx: Context) -> dict[str, Any]:
-    if value == "no":
+    if _is_no(value):
         return {"save_every": 0}
     if value != "steps":
         raise ValueError(f"save_strategy: expected 'steps' or 'no', got {value!r}; rlcore saves every save_steps "
@@ -244,7 +250,7 @@ def _dataset(value: Any, ctx: Context) -> dict[str, Any]:
         return {}
     split = ctx.trl.get("dataset_train_split", "train")
     out = {"dataset": name if split == "train" else f"{name}:{split}"}
-    if ctx.trl.get("eval_strategy", "no") != "no":  # TRL's scripts evaluate on the test split only then
+    if not _is_no(ctx.trl.get("eval_strategy", "no")):  # TRL's scripts evaluate on the test split only then
         out["eval_dataset"] = f"{name}:{ctx.trl.get('dataset_test_split', 'test')}"
     return out
 
@@ -416,9 +422,11 @@ COMMON: dict[str, Entry] = {
     "log_level_replica": Ignore("console verbosity only"),
     "disable_tqdm": Ignore("console output only: rlcore prints a progress line every log_every steps"),
     "report_to": Accept(("report_to",), _report_to, "tensorboard, wandb; none → no tracker"),
-    "eval_strategy": Accept(("eval_every",), _eval_strategy, "steps → eval_every = eval_steps (TRL: else logging_steps); "
-                                                             "no → 0"),
-    "evaluation_strategy": Accept(("eval_every",), _eval_strategy, "older name of eval_strategy"),
+    "eval_strategy": Accept(("eval_every", "num_eval"), _eval_strategy,
+                            "steps → eval_every = eval_steps (TRL: else logging_steps); no → eval_every 0 and, "
+                            "unless num_eval or eval_dataset is given, num_eval 0: every row trains, nothing is held "
+                            "out (TRL's meaning)"),
+    "evaluation_strategy": Accept(("eval_every", "num_eval"), _eval_strategy, "older name of eval_strategy"),
     "eval_steps": Accept(("eval_every",), _eval_steps, "read with eval_strategy: steps (TRL evaluates only then)"),
     "eval_delay": Default((0, 0.0, None), "evaluation starts at eval_every"),
     "eval_on_start": Default((False,), "the first evaluation is at eval_every"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -17,7 +18,20 @@ from torch.autograd.function import once_differentiable
 from rlcore.checks import check_float, check_ndim, check_same_shape
 from rlcore.logprobs import _BLOCK_BYTES, _acc, _check_labels, _check_positive
 
-__all__ = ["hidden_logprobs"]
+__all__ = ["hidden_logprobs", "LogprobStats"]
+
+
+class LogprobStats(NamedTuple):
+    """Per-row outputs of ``hidden_logprobs(..., with_stats=True)``, each shaped like the labels.
+
+    ``logprobs`` and ``entropy`` carry gradient; ``top1`` (bool: the label is the first
+    ``argmax`` of the logits) and ``mean_logit`` (``Σ_v l_v / V`` of the logits ``l`` over ``τ``)
+    are detached diagnostics."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    top1: torch.Tensor
+    mean_logit: torch.Tensor
 
 
 def _head_block(h, weight, bias, v0, v1, *, acc, logit_scale, softcap, temperature):
@@ -40,20 +54,35 @@ def _label_logit(l, labels, v0, current):
     return torch.where(inside, l.gather(-1, idx[:, None])[:, 0], current)
 
 
-def _fold_vocabulary(h, labels, weight, bias, chunk, with_entropy, **kw):
-    """Online log-sum-exp over vocabulary blocks for rows ``h [r, H]``: ``(lse, l_y, H)`` ``[r]``.
+def _fold_vocabulary(h, labels, weight, bias, chunk, with_entropy, with_stats=False, **kw):
+    """Online log-sum-exp over vocabulary blocks for rows ``h [r, H]``: ``(lse, l_y, H, top1, mean)`` ``[r]``.
 
     Running max ``m``, ``s = Σ e^{l−m}`` and ``u = Σ e^{l−m}(l−m)`` are rescaled by ``e^{m−m'}``
     when the max grows; ``lse = m + log s``, ``H = log s − u/s``. ``H`` is empty unless asked for.
+    With ``with_stats``, from the same blocks: the index of the first maximum (``argmax``: a block's
+    maximum replaces the running one only when strictly larger, so the earliest index wins a tie)
+    compared with the label (``top1``), and ``Σ_v l_v / V`` (``mean``); both empty otherwise.
     """
     acc = kw["acc"]
     m = torch.full((len(h),), torch.finfo(acc).min, dtype=acc, device=h.device)
     s, u = torch.zeros_like(m), torch.zeros_like(m)
     label_logit = torch.full_like(m, float("nan"))  # stays NaN for a label outside [0, V)
+    if with_stats:
+        best = torch.full((len(h),), -1, dtype=torch.long, device=h.device)
+        best_logit, total = torch.full_like(m, -math.inf), torch.zeros_like(m)
     for v0 in range(0, weight.shape[0], chunk):
         l = _head_block(h, weight, bias, v0, v0 + chunk, **kw)
         label_logit = _label_logit(l, labels, v0, label_logit)
-        m_new = torch.maximum(m, l.amax(-1))
+        if with_stats:
+            idx = l.argmax(-1)
+            block_max = l.gather(-1, idx[:, None])[:, 0]
+            better = block_max > best_logit
+            best = torch.where(better, idx + v0, best)
+            best_logit = torch.where(better, block_max, best_logit)
+            total += l.sum(-1)
+            m_new = torch.maximum(m, block_max)
+        else:
+            m_new = torch.maximum(m, l.amax(-1))
         rescale = torch.exp(m - m_new)
         d = l.sub_(m_new[:, None])                                   # l − m', in place
         e = d.exp() if with_entropy else d.exp_()
@@ -63,7 +92,8 @@ def _fold_vocabulary(h, labels, weight, bias, chunk, with_entropy, **kw):
         s, m = s * rescale + s_block, m_new
         del l, d, e  # free the block before the next one is computed
     log_s = s.log()
-    return m + log_s, label_logit, (log_s - u / s) if with_entropy else m[:0]
+    stats = (best == labels, total / weight.shape[0]) if with_stats else (labels[:0] == 0, m[:0])
+    return (m + log_s, label_logit, (log_s - u / s) if with_entropy else m[:0], *stats)
 
 
 def _hidden_rows(vocab_chunk: int) -> int:
@@ -76,23 +106,24 @@ class _HiddenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, softcap, logit_scale, chunk,
-                with_entropy):
+                with_entropy, with_stats=False):
         kw = dict(acc=_acc(hidden.dtype), logit_scale=logit_scale, softcap=softcap, temperature=temperature)
         rows = _hidden_rows(chunk)
         parts = [_fold_vocabulary(hidden[r0:r0 + rows], labels[r0:r0 + rows], weight, bias, chunk,
-                                  with_entropy, **kw) for r0 in range(0, hidden.shape[0], rows)]
-        lse, label_logit, ent = (torch.cat(p) for p in zip(*parts))
+                                  with_entropy, with_stats, **kw) for r0 in range(0, hidden.shape[0], rows)]
+        lse, label_logit, ent, top1, mean_logit = (torch.cat(p) for p in zip(*parts))
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent, label_logit)
         ctx.kw, ctx.chunk, ctx.rows, ctx.with_entropy = kw, chunk, rows, with_entropy
         device = hidden.device.type  # backward recomputes the blocks under the forward's autocast
         amp = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
         ctx.amp = dict(device_type=device, dtype=torch.get_autocast_dtype(device)) if amp else None
         ctx.set_materialize_grads(False)
-        return label_logit - lse, ent
+        ctx.mark_non_differentiable(top1, mean_logit)
+        return label_logit - lse, ent, top1, mean_logit
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_lp, grad_ent):
+    def backward(ctx, grad_lp, grad_ent, *_):
         with contextlib.nullcontext() if ctx.amp is None else torch.autocast(**ctx.amp):
             return _hidden_backward(ctx, grad_lp, grad_ent)
 
@@ -130,7 +161,7 @@ def _hidden_backward(ctx, grad_lp, grad_ent):
         _label_grad(grad_h, grad_w, grad_b, rs, h, weight, labels[rs], g_lp[rs], label_logit[rs], **kw)
     cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
     return (cast(grad_h, hidden), cast(grad_w, weight), cast(grad_b, weight),
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 def _softmax_grad_block(l, lse, ent, g_lp, g_ent, *, softcap, temperature):
@@ -177,7 +208,7 @@ def _label_grad(grad_h, grad_w, grad_b, rs, h, weight, labels, g_lp, label_logit
 def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                     bias: torch.Tensor | None = None, temperature: float = 1.0,
                     softcap: float | None = None, logit_scale: float = 1.0,
-                    chunk_size: int = 4096, with_entropy: bool = False):
+                    chunk_size: int = 4096, with_entropy: bool = False, with_stats: bool = False):
     """Label log-probs (and entropy) straight from hidden states and the LM head, vocab-chunked.
 
     ``l = c·tanh(s·(h·Wᵀ + b)/c)`` (without ``c`` when ``softcap`` is None: ``l = s·(h·Wᵀ + b)``),
@@ -201,9 +232,15 @@ def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         logit_scale: ``s``, a multiplier on the head's output (Cohere-style models).
         chunk_size: vocabulary block width.
         with_entropy: also return the entropy.
+        with_stats: return a ``LogprobStats`` (``logprobs``, ``entropy``, ``top1``, ``mean_logit``),
+            all from the same pass over the vocabulary blocks (no second matmul): ``top1[...]`` is
+            ``argmax_v l_v = y`` (ties: the first index, as ``torch.argmax``), ``mean_logit[...]`` is
+            ``Σ_v l_v / V`` with ``l`` the logits over ``τ``. Implies the entropy; costs one
+            ``argmax`` and one sum per block in the forward, nothing in the backward.
     Returns:
-        ``logp [...]``, or ``(logp [...], entropy [...])`` with ``with_entropy=True``; float32
-        for half-precision inputs, else the input dtype. The matmul runs in the input dtype (as
+        ``logp [...]``, or ``(logp [...], entropy [...])`` with ``with_entropy=True``, or a
+        ``LogprobStats`` with ``with_stats=True``; float32 for half-precision inputs, else the
+        input dtype (``top1`` bool). The matmul runs in the input dtype (as
         the LM head does); everything after it in float32.
 
     >>> h, w = torch.zeros(2, 3), torch.zeros(4, 3)
@@ -237,9 +274,14 @@ def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     lead = hidden.shape[:-1]
     if math.prod(lead) == 0:  # no rows: empty results, still attached to the graph of hidden
         empty = hidden.sum(-1).to(_acc(hidden.dtype)) * 0
+        if with_stats:
+            return LogprobStats(empty, empty.clone(), torch.zeros(lead, dtype=torch.bool, device=hidden.device),
+                                empty.detach().clone())
         return (empty, empty.clone()) if with_entropy else empty
-    lp, ent = _HiddenLogprobs.apply(
+    lp, ent, top1, mean_logit = _HiddenLogprobs.apply(
         hidden.reshape(math.prod(lead), hidden.shape[-1]), weight, bias, labels.reshape(-1).long(),
         float(temperature), None if softcap is None else float(softcap), float(logit_scale),
-        int(chunk_size), bool(with_entropy))
+        int(chunk_size), bool(with_entropy or with_stats), bool(with_stats))
+    if with_stats:
+        return LogprobStats(lp.view(lead), ent.view(lead), top1.view(lead), mean_logit.view(lead))
     return (lp.view(lead), ent.view(lead)) if with_entropy else lp.view(lead)

@@ -139,6 +139,24 @@ def test_model_and_script_arguments_translate():
     assert (config.dataset, config.eval_dataset, config.eval_every) == ("org/data:tr", "org/data:test", 7)
 
 
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_eval_strategy_no_holds_nothing_out(recipe, tmp_path):
+    """TRL under eval_strategy: no trains on every row: num_eval 0, unless the config says what to hold out."""
+    Config = RECIPES[recipe].Config
+    (tmp_path / "x.yaml").write_text("eval_strategy: no\n")  # YAML 1.1 reads a bare no as false
+    for given in (load_config(Config, tmp_path / "x.yaml", {"run_dir": None}),
+                  load_config(Config, overrides={"eval_strategy": "no", "run_dir": None}),
+                  load_config(Config, overrides={"evaluation_strategy": "no", "run_dir": None})):
+        assert (given.eval_every, given.num_eval, given.eval_dataset) == (0, 0, None)
+    kept = load_config(Config, overrides={"eval_strategy": "no", "num_eval": 8, "run_dir": None})
+    assert (kept.eval_every, kept.num_eval) == (0, 8)
+    kept = load_config(Config, overrides={"eval_strategy": "no", "eval_dataset": "e.jsonl", "run_dir": None})
+    assert (kept.num_eval, kept.eval_dataset) == (Config().num_eval, "e.jsonl")
+    assert load_config(Config, overrides={"run_dir": None}).num_eval == Config().num_eval  # not given: rlcore's
+    with pytest.raises(ValueError, match=r"eval_every: got 5, but TRL's eval_strategy gives eval_every=0"):
+        load_config(Config, overrides={"eval_strategy": "no", "eval_every": 5})
+
+
 @pytest.mark.parametrize("recipe,world,trl,expected", [
     # offline: rows / pairs per optimiser step over all ranks; micro = per device
     ("sft", 1, {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}, {"batch_size": 8, "micro_batch_size": 4}),

@@ -204,3 +204,58 @@ def test_reward_funcs_take_trl_cli_forms(tmp_path, monkeypatch):
     assert punish(completion_ids=[[0] * 1024, [0] * 1280]) == [0.0, -1.0]
     with pytest.raises(ValueError, match=r"expected 'package.module:function', got 'nothing'"):
         import_reward_fn("nothing")
+
+
+# --- eval_strategy: no, TRL's default, trains on every row ------------------------------------------
+@pytest.mark.parametrize("recipe,owner", [("sft", "rlcore.loops.recipes.sft"), ("dpo", "rlcore.loops.recipes.dpo"),
+                                          ("grpo", "rlcore.loops.online")])
+def test_eval_strategy_no_trains_on_every_row(recipe, owner, tmp_path, monkeypatch, model_dir):
+    """A file of 20 rows (under num_eval's default of 64) with TRL's eval_strategy: no: nothing is held
+    out, one epoch of 5 steps of 4 rows (GRPO: 8 completions = 4 prompts) visits all 20, nothing is
+    evaluated; `rlcore eval` on the run then asks for a held-out split."""
+    import importlib
+
+    from rlcore.loops.recipe import batch_source
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(recipe)[:20]))
+    text = (f"model_name_or_path: {model_dir}\ndataset_name: data.jsonl\noutput_dir: {tmp_path / 'run'}\n"
+            f"eval_strategy: no\nmax_steps: 5\nlogging_steps: 1\n")
+    if recipe == "grpo":
+        (tmp_path / "grpo_rewards.py").write_text(FORMAT_REWARD)
+        text += ("per_device_train_batch_size: 8\nnum_generations: 2\nmax_completion_length: 4\n"
+                 "reward_funcs: [grpo_rewards.format_reward_func]\n")
+    else:
+        text += "per_device_train_batch_size: 4\n"
+    (tmp_path / "x.yaml").write_text(text)
+    config = load_config(cli.recipe_module(recipe).Config, tmp_path / "x.yaml")
+    assert (config.num_eval, config.eval_every, config.eval_dataset, config.batch_size) == (0, 0, None, 4)
+
+    sizes, seen = [], set()
+
+    def spy(dataset, batch_size, collate_fn, **kwargs):  # the training source: its rows and those collated
+        sizes.append(len(dataset))
+
+        def collate(batch):
+            seen.update(json.dumps([batch[k][i] for k in sorted(batch)], default=str)
+                        for i in range(len(next(iter(batch.values())))))
+            return collate_fn(batch)
+        return batch_source(dataset, batch_size, collate, **kwargs)
+
+    monkeypatch.setattr(importlib.import_module(owner), "batch_source", spy)
+    assert cli.main(["train", recipe, "--config", str(tmp_path / "x.yaml")]) == 0
+    assert sizes == [20] and len(seen) == 20
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5]
+    assert not any(k.startswith("eval/") for line in lines for k in line)
+    if recipe == "sft":  # nothing was held out: `rlcore eval` refuses, naming what to give
+        with pytest.raises(ValueError, match=r"no held-out split: num_eval is 0 and no eval_dataset is given.*"
+                                             r"give eval_dataset"):
+            cli.main(["eval", "sft", "--checkpoint", str(tmp_path / "run"), "--config", str(tmp_path / "x.yaml")],
+                     report=False)
+        with pytest.raises(ValueError, match=r"no held-out split"):  # the stored num_eval 0, without the YAML
+            cli.main(["eval", "sft", "--checkpoint", str(tmp_path / "run"), "--model", str(model_dir),
+                      "--dataset", "data.jsonl"], report=False)
+        assert cli.main(["eval", "sft", "--checkpoint", str(tmp_path / "run"), "--config", str(tmp_path / "x.yaml"),
+                         "--eval_dataset", "data.jsonl"], report=False) == 0  # a held-out file given: evaluated

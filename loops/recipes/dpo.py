@@ -46,11 +46,11 @@ from rlcore.algorithms.dpo import dpo
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
 from rlcore.loops.collate import collate_mismatched, collate_preference, collate_unpaired, iterate_batches
 from rlcore.loops.tokenization import PAIR_SIDES, check_rows_fit, preference_format, tokenize_dataset
-from rlcore.loops.models import mix_into_reference, model_device, pad_token_id
+from rlcore.loops.models import mix_into_reference, model_device, pad_token_id, position_ids_from_mask
 from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
-                                 mean_metrics, policy_tokenizer, run)
+                                 mean_metrics, policy_tokenizer, require_held_out, run)
 from rlcore.loops.config import RunConfig, autocast_dtype, try_loss
-from rlcore.loops.score import concatenated_forward, precompute_reference_logps, score_sequences
+from rlcore.loops.score import MEAN_LOGIT, STAT_KEYS, TOP1, concatenated_forward, precompute_reference_logps, score_sequences
 from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import update
@@ -59,7 +59,7 @@ from rlcore.testing import make_preference_batch
 
 __all__ = ["Config", "REFERENCE_FREE", "UNPAIRED", "bind_loss", "needs_reference",
            "check_reference_sync", "sync_reference", "reference_models", "unpair", "with_reference",
-           "preference_loss_fn", "dpo_step", "kto_step", "evaluate", "train"]
+           "pair_stat_metrics", "preference_loss_fn", "dpo_step", "kto_step", "evaluate", "train"]
 
 REFERENCE_FREE = ("orpo", "simpo", "cpo")  # losses that read no reference log-probs
 UNPAIRED = ("kto",)                        # losses on the unpaired layout
@@ -179,20 +179,58 @@ def with_reference(state: TrainState, batch: TensorDictBase, *, chunked: bool = 
     return scorer(ref, batch.to(there), chunked=chunked, reference=True).to(here)  # a reference on ref_device
 
 
+def _scored_mask(side: TensorDictBase) -> torch.Tensor:
+    """The tokens ``score_sequences`` scores: ``loss_mask ∧ attention_mask ∧ position > 0``."""
+    mask = side[K.ATTENTION_MASK]
+    return side[K.LOSS_MASK] & mask & (position_ids_from_mask(mask) > 0)
+
+
+def pair_stat_metrics(scored: TensorDictBase) -> dict[str, torch.Tensor]:
+    """TRL DPO's token diagnostics of a scored pair batch (``concatenated_forward(..., with_stats=True)``),
+    each a mean over scored completion tokens ``n`` (0 when there are none), detached:
+
+    - ``entropy``: ``Σ H_t / n`` over the tokens of both sides;
+    - ``logits/chosen``, ``logits/rejected``: ``Σ_t mean_v z_{t,v} / n_side`` (the logits over ``τ``
+      averaged over the vocabulary, then over the side's tokens);
+    - ``mean_token_accuracy``: ``Σ_t 1[argmax_v z_{t,v} = x_t] / n_chosen``, chosen side only.
+    """
+    def total(side, key):
+        mask = _scored_mask(scored[side])
+        x = scored[side, key].detach()
+        zero = torch.zeros((), dtype=torch.float64, device=x.device)
+        return torch.where(mask, x.to(torch.float64), zero).sum(), mask.sum().to(torch.float64)
+
+    dtype = scored[K.CHOSEN, K.ENTROPY].dtype
+    (hc, nc), (hr, nr) = total(K.CHOSEN, K.ENTROPY), total(K.REJECTED, K.ENTROPY)
+    (lc, _), (lr, _) = total(K.CHOSEN, MEAN_LOGIT), total(K.REJECTED, MEAN_LOGIT)
+    top1, _ = total(K.CHOSEN, TOP1)
+    out = {"entropy": (hc + hr) / (nc + nr).clamp(min=1), "logits/chosen": lc / nc.clamp(min=1),
+           "logits/rejected": lr / nr.clamp(min=1), "mean_token_accuracy": top1 / nc.clamp(min=1)}
+    return {k: v.to(dtype) for k, v in out.items()}
+
+
 def preference_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable,
-                       chunked: bool = True) -> tuple[torch.Tensor, TensorDict]:
+                       chunked: bool = True, with_stats: bool = False) -> tuple[torch.Tensor, TensorDict]:
     """``loss`` of the policy's log-probs on a (micro-)batch: the ``loss_fn`` of ``update``.
 
     Pairs go through ``concatenated_forward`` (chosen and rejected rows in one forward), unpaired
-    rows through ``score_sequences``. Gradient: to the policy's parameters.
+    rows through ``score_sequences``. With ``with_stats`` (pairs only), the metrics also hold
+    ``pair_stat_metrics`` (``entropy``, ``logits/chosen``, ``logits/rejected``,
+    ``mean_token_accuracy``), from the same pass over the vocabulary as the log-probs.
+    Gradient: to the policy's parameters.
     """
-    scorer = concatenated_forward if K.CHOSEN in batch.keys() else score_sequences
-    return loss(scorer(state.model("policy"), batch, chunked=chunked))
+    if K.CHOSEN not in batch.keys():
+        return loss(score_sequences(state.model("policy"), batch, chunked=chunked))
+    scored = concatenated_forward(state.model("policy"), batch, chunked=chunked, with_stats=with_stats)
+    if not with_stats:
+        return loss(scored)
+    value, metrics = loss(scored.exclude(*((s, k) for s in (K.CHOSEN, K.REJECTED) for k in STAT_KEYS)))
+    return value, metrics.update(pair_stat_metrics(scored))
 
 
 def _update(state, batch, *, loss, chunked, micro_batch_size, max_grad_norm, config):
     rows = batch.batch_size[0]
-    loss_fn = functools.partial(preference_loss_fn, loss=loss, chunked=chunked)
+    loss_fn = functools.partial(preference_loss_fn, loss=loss, chunked=chunked, with_stats=True)
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
                             autocast_dtype=autocast_dtype(config) if config is not None else None,
                             max_grad_norm=max_grad_norm)
@@ -249,7 +287,10 @@ def _collate_kto(rows: dict, *, pad_id: int) -> tuple[TensorDict, TensorDict]:
 
 
 def _with_ref_columns(data: Dataset, model, tokenizer, config: Config) -> Dataset:
-    """The dataset with ``ref_chosen_logps`` / ``ref_rejected_logps`` columns scored by ``model``."""
+    """The dataset with ``ref_chosen_logps`` / ``ref_rejected_logps`` columns scored by ``model``
+    (an empty held-out split, ``num_eval`` 0, as it is: nothing to score)."""
+    if len(data) == 0:
+        return data
     device = next(model.parameters()).device
     batches = (b.to(device) for b in iterate_batches(data, tokenizer, config.eval_batch_size, format="preference"))
     ref = precompute_reference_logps(model, batches, chunked=config.chunked).cpu()
@@ -278,7 +319,7 @@ def _evaluate(state: TrainState, data: Dataset, tokenizer, config: Config, loss:
     def results():
         for batch in iterate_batches(data, tokenizer, config.eval_batch_size, format="preference"):
             batch = with_reference(state, batch.to(device), chunked=config.chunked)
-            _, metrics = preference_loss_fn(state, batch, loss=eval_loss, chunked=config.chunked)
+            _, metrics = preference_loss_fn(state, batch, loss=eval_loss, chunked=config.chunked, with_stats=True)
             yield batch.batch_size[0], {k: v for k, v in metrics.items() if paired or not k.startswith("loss")}
 
     return mean_metrics(results())
@@ -310,6 +351,7 @@ def evaluate(state: TrainState, config: Config) -> dict[str, float]:
 
     With ``precompute_ref`` the reference log-probs are recomputed from a fresh policy built from
     the config (the reference of the run)."""
+    require_held_out(config)
     tokenizer, loss = policy_tokenizer(config), bind_loss(config)
     _, held_out = load_splits(config, preference_dataset)
     held_out = _prepare(held_out, tokenizer, config)

@@ -46,7 +46,8 @@ from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import build_online_state, collect_groups, train_online
 from rlcore.loops.checkpoint import load_checkpoint
-from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
+from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, policy_tokenizer,
+                                 require_held_out, run)
 from rlcore.loops.config import RunConfig
 from rlcore.loops.config import autocast_dtype as recipe_autocast
 from rlcore.loops.config import load_config as load_recipe_config
@@ -255,6 +256,7 @@ def _eval_batches(held_out, tokenizer, config: ReftConfig) -> list[TensorDict]:
 
 def evaluate(state: TrainState, config: ReftConfig) -> dict[str, float]:
     """Held-out ``loss`` of ``state``'s ReFT policy (``reft_eval_loss`` on the config's held-out split)."""
+    require_held_out(config)
     _, held_out = load_splits(config, task_dataset)
     tokenizer = policy_tokenizer(config)
     held_out = tokenize_dataset(held_out, tokenizer, max_length=config.max_length)

@@ -37,7 +37,7 @@ from rlcore.loops.recipes.dpo import preference_loss_fn, with_reference
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.online import build_online_state
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
-                                 policy_tokenizer, run)
+                                 policy_tokenizer, require_held_out, run)
 from rlcore.loops.config import autocast_dtype
 from rlcore.loops.recipes.reft import (ReftFields, new_interventions, reft_dpo_step, reft_grpo_step, reft_online_models,
                                        reft_rloo_step, reft_spec, train_reft_online)
@@ -161,6 +161,7 @@ def train_reft_dpo(config: ReftDpoConfig, *, callbacks: Sequence[Callable] = ()
 
 def evaluate_reft_dpo(state: TrainState, config: ReftDpoConfig) -> dict[str, float]:
     """Held-out preference metrics of ``state``'s interventions (as during ``train_reft_dpo``)."""
+    require_held_out(config)
     _, _, held_out, tokenizer, loss = _reft_dpo_setup(config)
     return _reft_dpo_eval(state, held_out, tokenizer, config, loss)
 
@@ -218,6 +219,7 @@ def train_reft_reward(config: ReftRewardConfig, *, callbacks: Sequence[Callable]
 
 def evaluate_reft_reward(state: TrainState, config: ReftRewardConfig) -> dict[str, float]:
     """Held-out ``accuracy``, ``margin`` and ``loss`` of ``state``'s ReFT reward model."""
+    require_held_out(config)
     _, _, held_out, tokenizer, collate = _reft_reward_setup(config)
     return reward._evaluate(state, held_out, tokenizer, config, collate=collate, wrap_loss=with_interventions)
 

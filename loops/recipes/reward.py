@@ -40,7 +40,7 @@ from rlcore.loops.data import check_number_column
 from rlcore.loops.tokenization import PAIR_SIDES, check_rows_fit, preference_format, tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
-                                 policy_tokenizer, run)
+                                 policy_tokenizer, require_held_out, run)
 from rlcore.loops.config import RunConfig, autocast_dtype
 from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
@@ -180,6 +180,7 @@ def _evaluate(state: TrainState, data: Dataset, tokenizer, config: Config, *,
 def evaluate(state: TrainState, config: Config) -> dict[str, float]:
     """Held-out ``accuracy`` (fraction of pairs with ``r_w > r_l``), ``margin`` (mean
     ``r_w − r_l``), ``loss`` and the mean rewards of ``state``'s reward model."""
+    require_held_out(config)
     tokenizer = policy_tokenizer(config)
     return _evaluate(state, _prepare(load_splits(config, preference_dataset)[1], tokenizer, config), tokenizer, config)
 

@@ -28,6 +28,7 @@ import functools
 from collections.abc import Callable
 from typing import ClassVar
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
@@ -39,9 +40,11 @@ from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_k
 from rlcore.loops.config import try_loss
 from rlcore.loops.recipes.grpo import dummy_rollout
 from rlcore.loops.state import TrainState
+from rlcore.kl import kl_estimate
+from rlcore.masked import masked_mean
 from rlcore.rewards import with_rewards
 
-__all__ = ["Config", "rloo_loss_fn", "build_state", "learn", "step", "train", "evaluate"]
+__all__ = ["Config", "rloo_loss_fn", "token_kl_metric", "build_state", "learn", "step", "train", "evaluate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +106,20 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
     ``correction`` and ``wrap_loss`` as in ``loops.recipes.grpo.learn``.
     """
     batch = advantage_fn(config)(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
-    return policy_update(state, batch, rloo_loss_fn(config), config=config, correction=correction, wrap_loss=wrap_loss)
+    state, metrics = policy_update(state, batch, rloo_loss_fn(config), config=config, correction=correction,
+                                   wrap_loss=wrap_loss)
+    return state, metrics.update(token_kl_metric(rollout))
+
+
+def token_kl_metric(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
+    """TRL RLOO's ``kl``: the rollout's k1 ``old − ref`` averaged over every response token of the
+    batch, ``Σ_{b,t} m(old − ref) / Σ m`` (``rollout/kl_ref`` is the same k1 summed per response);
+    empty without reference log-probs. RLOO's loss has no KL term, so no ``kl_ref`` claims TRL's
+    ``kl`` (``loops.logging.TRL_METRIC_NAMES``)."""
+    if K.REF_LOGPROBS not in rollout.keys():
+        return {}
+    k1 = kl_estimate(rollout[K.OLD_LOGPROBS], rollout[K.REF_LOGPROBS], "k1")
+    return {"kl": masked_mean(k1.detach(), rollout[K.RESPONSE_MASK]).to(torch.float64)}
 
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn,

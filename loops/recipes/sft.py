@@ -38,14 +38,16 @@ from rlcore.loops.collate import collate_sequences, pack_sequences
 from rlcore.loops.tokenization import check_context, check_rows_fit, model_context, tokenize_dataset
 from rlcore.loops.fold import to_floats
 from rlcore.loops.models import pad_token_id, position_ids_from_mask
-from rlcore.loops.recipe import batch_source, build_policy, init_train_state, load_splits, policy_tokenizer, run
+from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, policy_tokenizer,
+                                 require_held_out, run)
 from rlcore.loops.config import RunConfig, autocast_dtype
-from rlcore.loops.score import score_sequences, token_logprobs_from_model
+from rlcore.loops.score import STAT_KEYS, TOP1, score_sequences, token_logprobs_from_model
+from rlcore.masked import masked_mean
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import exact_match, task_dataset
 from rlcore.loops.update import update
 
-__all__ = ["Config", "scoring_mask", "sft_loss_fn", "sft_step", "check_lengths", "evaluate", "train"]
+__all__ = ["Config", "scoring_mask", "token_stat_metrics", "sft_loss_fn", "sft_step", "check_lengths", "evaluate", "train"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,27 +82,46 @@ def scoring_mask(batch: TensorDictBase) -> TensorDictBase:
     return batch.copy().update({K.LOSS_MASK: batch.get(K.LOSS_MASK) & mask & (pos > 0)})
 
 
-def _policy_logprobs(model, batch: TensorDictBase, *, chunked: bool) -> torch.Tensor:
-    """``[B, T]`` log-probs aligned with ``input_ids`` (column ``t`` scores token ``t``)."""
+def _policy_logprobs(model, batch: TensorDictBase, *, chunked: bool, with_stats: bool = False) -> dict[str, torch.Tensor]:
+    """``{logprobs: [B, T]}`` aligned with ``input_ids`` (column ``t`` scores token ``t``); with
+    ``with_stats`` also ``entropy``, ``top1`` and ``mean_logit`` ``[B, T]`` from the same pass over
+    the vocabulary (``loops.score.score_sequences``)."""
     if K.POSITION_IDS not in batch.keys():
-        return score_sequences(model, batch, chunked=chunked).get(K.LOGPROBS)
-    lp = token_logprobs_from_model(model, batch.get(K.INPUT_IDS), None, position_ids=batch.get(K.POSITION_IDS),
-                                   chunked=chunked)  # packed: attention restarts with the positions
-    return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], -1)
+        scored = score_sequences(model, batch, chunked=chunked, with_stats=with_stats)
+        return {k: scored.get(k) for k in (K.LOGPROBS, *(STAT_KEYS if with_stats else ()))}
+    out = token_logprobs_from_model(model, batch.get(K.INPUT_IDS), None, position_ids=batch.get(K.POSITION_IDS),
+                                    chunked=chunked, with_stats=with_stats)  # packed: attention restarts with the positions
+    parts = out if with_stats else (out,)
+    keys = (K.LOGPROBS, *(STAT_KEYS if with_stats else ()))
+    return {k: torch.cat([x.new_zeros(x.shape[0], 1), x], -1) for k, x in zip(keys, parts)}
+
+
+def token_stat_metrics(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """TRL's ``entropy`` and ``mean_token_accuracy`` over the scored tokens ``mask [B, T]``, detached.
+
+    ``entropy = Σ_mask H_t / Σ mask`` (the policy's token entropy) and ``mean_token_accuracy =
+    Σ_mask 1[argmax_v z_{t,v} = x_t] / Σ mask`` (ties: the first index); 0 for an empty mask.
+    """
+    return {"entropy": masked_mean(stats[K.ENTROPY].detach(), mask),
+            "mean_token_accuracy": masked_mean(stats[TOP1].to(stats[K.ENTROPY].dtype), mask)}
 
 
 def sft_loss_fn(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean", chunked: bool = True,
-                num_tokens=None, num_seqs=None) -> tuple[torch.Tensor, TensorDict]:
+                num_tokens=None, num_seqs=None, with_stats: bool = True) -> tuple[torch.Tensor, TensorDict]:
     """``sft_loss`` of ``state``'s policy on a (micro-)batch: the ``loss_fn`` of ``update``.
 
     ``loss = aggregate(−log p(x_t | x_<t), loss_mask, agg)`` with the global denominators of the
     optimiser step. Reads ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` (and
     ``position_ids`` for packed rows); ``loss_mask`` must already be a ``scoring_mask``.
+    With ``with_stats``, the metrics also hold ``entropy`` and ``mean_token_accuracy`` over the
+    loss mask (``token_stat_metrics``), from the same pass over the vocabulary as the log-probs.
     Gradient: to the policy's parameters.
     """
-    lp = _policy_logprobs(state.model("policy"), batch, chunked=chunked)
-    scored = TensorDict({K.LOGPROBS: lp, K.LOSS_MASK: batch.get(K.LOSS_MASK)}, batch_size=batch.batch_size)
-    return sft_loss(scored, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs)
+    out = _policy_logprobs(state.model("policy"), batch, chunked=chunked, with_stats=with_stats)
+    mask = batch.get(K.LOSS_MASK)
+    scored = TensorDict({K.LOGPROBS: out[K.LOGPROBS], K.LOSS_MASK: mask}, batch_size=batch.batch_size)
+    loss, metrics = sft_loss(scored, agg=agg, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, metrics.update(token_stat_metrics(out, mask)) if with_stats else metrics
 
 
 def sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean", chunked: bool = True,
@@ -174,7 +195,8 @@ def _evaluate(state: TrainState, data, tokenizer, config: Config) -> dict[str, f
                for i in range(0, n, config.eval_batch_size)]
     total = sum(b.get(K.LOSS_MASK).sum() for b in batches)
     # token mean over the whole split: each batch's share with the split's token count as denominator
-    loss = sum(sft_loss_fn(state, b, agg="token_mean", chunked=config.chunked, num_tokens=total)[0] for b in batches)
+    loss = sum(sft_loss_fn(state, b, agg="token_mean", chunked=config.chunked, num_tokens=total, with_stats=False)[0]
+               for b in batches)
     out = {"loss": loss, "perplexity": loss.exp()}
     column = next((c for c in ("answer", "completion") if c in data.column_names), None)
     answers = None if column is None else list(data[column])
@@ -196,6 +218,7 @@ def evaluate(state: TrainState, config: Config, *,
     """Held-out ``loss`` (token-mean NLL of the completions), ``perplexity`` and ``exact_match``
     (greedy generations of ``max_new_tokens`` against the answers) of ``state``'s policy."""
     tokenizer = policy_tokenizer(config)
+    require_held_out(config)
     _, held_out = load_splits(config, task_dataset)
     return _evaluate(state, _prepare(held_out, tokenizer, config, formatting_func), tokenizer, config)
 

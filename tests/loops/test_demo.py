@@ -99,6 +99,8 @@ def test_bad_config_fails_before_any_work(tmp_path):
         demo.run_demo(demo.Config(algo="sac", out=str(tmp_path)))
     with pytest.raises(ValueError, match=r"sft_steps, steps: expected at least 1 step per stage, got 0, 300"):
         demo.run_demo(demo.Config(sft_steps=0, out=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"num_eval: expected >= 1 \(the demo evaluates every stage"):
+        demo.run_demo(demo.Config(num_eval=0, out=str(tmp_path)))
     assert [p.name for p in tmp_path.iterdir()] == ["sft"]  # nothing removed, nothing written
 
 

@@ -163,6 +163,24 @@ def test_load_splits_local_files(tmp_path):
         load_splits(Cfg(task=None), task_dataset)
 
 
+def test_num_eval_0_holds_nothing_out(tmp_path):
+    """num_eval 0 without eval_dataset: every row trains; the held-out split is empty, its columns kept."""
+    from rlcore.loops.recipe import holds_out, require_held_out
+
+    rows = [{"prompt": f"{i}+0=", "completion": str(i)} for i in range(20)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, held_out = load_splits(Cfg(task=None, dataset=str(path), num_eval=0), task_dataset)
+    assert len(train) == 20 and len(held_out) == 0 and held_out.column_names == train.column_names
+    train, held_out = load_splits(Cfg(num_eval=0), task_dataset)  # a built-in task: no eval rows drawn
+    assert (len(train), len(held_out)) == (20, 0) and "answer" in held_out.column_names
+    train, held_out = load_splits(Cfg(num_eval=0), preference_dataset)
+    assert len(held_out) == 0 and "chosen" in held_out.column_names
+    assert not holds_out(Cfg(num_eval=0)) and holds_out(Cfg(num_eval=0, eval_dataset=str(path))) and holds_out(Cfg())
+    with pytest.raises(ValueError, match="no held-out split: num_eval is 0 and no eval_dataset"):
+        require_held_out(Cfg(num_eval=0))
+
+
 def test_batch_source_epochs_and_resume():
     data = task_dataset("add", 10)
     source = batch_source(data, 3, lambda rows: tuple(rows["prompt"]), seed=5)

@@ -258,6 +258,37 @@ def test_hidden_logprobs_matches_naive_values_and_gradients(config, use_bias, ch
         torch.testing.assert_close(a, r, rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.parametrize("config", HIDDEN_CONFIGS)
+@pytest.mark.parametrize("chunk_size", [3, 4, 64])
+def test_hidden_logprobs_stats_match_naive_full_logits(config, chunk_size):
+    """with_stats: top1 = (argmax of the full logits == label, first index on ties), mean_logit =
+    mean of the full logits over the vocabulary, entropy and log-probs as without; same gradient."""
+    h = _logits(3, 4, 5, scale=1.0).requires_grad_()
+    w = _logits(11, 5, scale=1.0, seed=7).requires_grad_()
+    w.data[2] = w.data[9] = 4 * w.data[2] / w.data[2].norm()  # rows 2 and 9: equal logits, a tie across blocks
+    h.data[1, :2] = w.data[2]                                   # ... which is the maximum of these two rows
+    y = _labels((3, 4), 11)
+    logits = naive_head_logits(h, w, **config)
+    y[0] = logits[0].argmax(-1)  # label on the argmax: top1
+    y[1, :2] = 9                 # label on the later copy of the tied maximum: not top1 (argmax says 2)
+    assert (logits[1, :2].argmax(-1) == 2).all()
+    out = hidden_logprobs(h, w, y, chunk_size=chunk_size, with_stats=True, **config)
+    torch.testing.assert_close(out.logprobs, naive_logprobs(logits, y), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.entropy, naive_entropy(logits), rtol=1e-12, atol=1e-12)
+    assert out.top1.dtype == torch.bool and torch.equal(out.top1, logits.argmax(-1) == y)
+    assert out.top1[0].all() and not out.top1[1, :2].any() and out.top1.shape == y.shape
+    torch.testing.assert_close(out.mean_logit, logits.mean(-1), rtol=1e-12, atol=1e-12)
+    assert not out.top1.requires_grad and not out.mean_logit.requires_grad
+    g = torch.randn(3, 4, generator=_gen(5), dtype=F64)
+    ours = torch.autograd.grad((out.logprobs * g).sum() + out.entropy.sum(), (h, w))
+    plain_lp, plain_ent = hidden_logprobs(h, w, y, chunk_size=chunk_size, with_entropy=True, **config)
+    refs = torch.autograd.grad((plain_lp * g).sum() + plain_ent.sum(), (h, w))
+    for a, r in zip(ours, refs):
+        torch.testing.assert_close(a, r, rtol=0, atol=0)
+    empty = hidden_logprobs(h[:0], w, y[:0], with_stats=True)
+    assert empty.top1.shape == (0, 4) and empty.mean_logit.shape == (0, 4)
+
+
 def test_hidden_entropy_gradient_alone_is_not_dropped():
     h = _logits(4, 3, scale=1.0).requires_grad_()
     w = _logits(7, 3, scale=1.0, seed=9).requires_grad_()

@@ -439,6 +439,12 @@ def clip_fraction(d: Draw, dtype):
     return Case(ppo.clip_fraction, kw, ok={"clipped": ("float_mask",)})
 
 
+def clip_fraction_extremes(d: Draw, dtype):
+    shape = rows(d)
+    kw = dict(clipped=d.mask(shape), mask=d.mask(shape), dtype=d.choice([F32, F64], "out_dtype"))
+    return Case(ppo.clip_fraction_extremes, kw, ok={"clipped": ("float_mask",)})
+
+
 def explained_variance(d: Draw, dtype):
     shape = rows(d)
     kw = dict(predictions=d.reals(shape, dtype), targets=d.reals(shape, dtype), mask=d.mask(shape))
@@ -686,6 +692,7 @@ FUZZ = {
     "rlcore.algorithms.ppo.clip_fraction": Entry(clip_fraction),
     "rlcore.algorithms.ppo.ratio_stats": diagnostic(ppo.ratio_stats, safe=True),
     "rlcore.algorithms.ppo.explained_variance": Entry(explained_variance),
+    "rlcore.algorithms.ppo.clip_fraction_extremes": Entry(clip_fraction_extremes),
     "rlcore.algorithms.ppo.early_stop": Entry(early_stop),
     "rlcore.algorithms.ppo.ppo_loss": Entry(ppo_loss),
     "rlcore.algorithms.policy_gradient.policy_loss": pg_loss(policy_gradient.policy_loss),

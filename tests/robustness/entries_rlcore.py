@@ -560,6 +560,7 @@ EXEMPT = {
     "rlcore.masked.in_float64": "a decorator; the DPO variants, ReFT edits and DDIM predictions it wraps are fuzzed",
     "rlcore.kl.KL_ALIASES": "a dict of names (str -> str); every alias is fuzzed through kl_estimate",
     "rlcore.transforms.KLControllerState": "a NamedTuple type; built and read by the fuzzed controllers",
+    "rlcore.lm_head.LogprobStats": "a NamedTuple type returned by the fuzzed hidden_logprobs (with_stats=True)",
     "rlcore.transforms.StateTransform": "a NamedTuple type of two functions; kl_controller and running_moments "
                                         "return it and are fuzzed",
     "rlcore.transforms.RunningMoments": "a NamedTuple type; built and read by the fuzzed running-moments functions",

@@ -287,6 +287,16 @@ def test_other_combinations_an_online_recipe_cannot_run_are_refused_at_load(reci
         load_config(recipe_module(recipe).Config, None, kwargs)
 
 
+@pytest.mark.parametrize("recipe", ["sft", "dpo", "reward", "grpo", "ppo", "reft"])
+def test_num_eval_0_with_evaluation_is_refused_at_load(recipe):
+    """num_eval 0 holds nothing out: evaluation every eval_every steps has nothing to run on."""
+    cls = recipe_module(recipe).Config
+    with pytest.raises(ValueError, match=r"eval_every: got 5, but num_eval is 0 and no eval_dataset is given"):
+        load_config(cls, None, {"num_eval": 0, "eval_every": 5})
+    assert load_config(cls, None, {"num_eval": 0}).num_eval == 0  # no evaluation: fine
+    assert load_config(cls, None, {"num_eval": 0, "eval_every": 5, "eval_dataset": "held_out.jsonl"}).eval_every == 5
+
+
 @pytest.mark.parametrize("make,field,value", [
     (lambda **kw: sft.Config(**kw), "lora_target_modules", "all-linear"),
     (lambda **kw: sft.Config(**kw), "lora_modules_to_save", "lm_head"),
