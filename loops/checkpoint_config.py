@@ -45,6 +45,7 @@ __all__ = ["CALLER_FIELDS", "WORK_FIELDS", "stored_config", "is_caller_setting",
 CALLER_FIELDS = frozenset({
     "model", "revision", "init_from", "trust_remote_code", "attn_implementation", "load_in_4bit", "load_in_8bit",
     "device", "ref_device", "reward_device", "reward_model", "ref_model", "value_model", "reward_funcs", "reward_fn",
+    "reward_weights",  # weigh the caller's reward_funcs, so they come with them
     "dataset", "eval_dataset", "prompt_file", "run_dir", "resume", "overwrite", "report_to", "engine", "engine_options",
 })
 
@@ -124,11 +125,22 @@ def data_settings(stored: Mapping[str, Any], fields: Iterable[str], caller: Mapp
     return taken, ignored
 
 
+# What a command runs on when the caller gives none of these (their stored values never count).
+_WHAT_IS_USED_INSTEAD = {
+    "dataset": "the built-in task's prompts are evaluated, not the run's data",
+    "eval_dataset": "the held-out rows come from --dataset (or the built-in task)",
+    "reward_funcs": "the built-in task's reward scores (or the reward model given)",
+    "reward_weights": "each of the caller's reward functions weighs 1",
+}
+
+
 def report_ignored(where: str | Path, ignored: Iterable[tuple[str, Any, Any]], *, command: str) -> None:
     """One line on stderr per ignored stored setting: the file, the field, the stored value and the
     value used."""
     for name, value, used in ignored:
         why = (f"a work size above the caller's is not taken from a checkpoint; give --{name} to use it"
                if name in WORK_FIELDS else "a checkpoint's code, paths and permissions come from the command line")
+        if used in (None, (), []) and name in _WHAT_IS_USED_INSTEAD:  # say what the command falls back on
+            why += f"; without --{name}, {_WHAT_IS_USED_INSTEAD[name]}"
         print(f"{command}: {where}: {name}: the stored {value!r:.200} is not used ({why}); using {used!r:.200}",
               file=sys.stderr)

@@ -163,7 +163,10 @@ BATCH = Accept(("batch_size", "micro_batch_size", "minibatch_size"), _batch,
 
 def _steps(value: Any, ctx: Context) -> dict[str, Any]:
     steps = _as(int, value, "max_steps")
-    return {"steps": steps} if steps > 0 else {}
+    if steps > 0 or "num_train_epochs" in ctx.trl or "steps" in ctx.given:
+        return {"steps": steps} if steps > 0 else {}  # -1 with epochs: num_train_epochs' entry decides
+    raise ValueError(f"max_steps: got {steps}; rlcore counts steps, not epochs: set max_steps >= 1 (TRL's -1 hands "
+                     "the count to num_train_epochs)")
 
 
 def _epochs(value: Any, ctx: Context) -> dict[str, Any]:
@@ -248,6 +251,12 @@ def _dataset(value: Any, ctx: Context) -> dict[str, Any]:
     name = ctx.trl.get("dataset_name")
     if name is None:
         return {}
+    if os.path.isfile(str(name)):  # a local file has no splits: the held-out rows are num_eval of its own
+        named = [k for k in ("dataset_train_split", "dataset_test_split") if k in ctx.trl]
+        if named:
+            raise ValueError(f"{named[0]}: {name} is a local file, which has no splits; give the held-out file as "
+                             "eval_dataset, or let num_eval rows of this one be held out")
+        return {"dataset": name}
     split = ctx.trl.get("dataset_train_split", "train")
     out = {"dataset": name if split == "train" else f"{name}:{split}"}
     if not _is_no(ctx.trl.get("eval_strategy", "no")):  # TRL's scripts evaluate on the test split only then

@@ -198,6 +198,22 @@ def test_steps_schedule_and_warmup_translate():
         load_config(sft.Config, overrides={"lr_scheduler_type": "polynomial"})
     with pytest.raises(ValueError, match=r"num_train_epochs: got 3 without max_steps; rlcore counts steps"):
         load_config(sft.Config, overrides={"num_train_epochs": 3})
+    for steps in (0, -1):  # TRL's "the epochs decide" with no epochs given ran rlcore's default 100 steps
+        with pytest.raises(ValueError, match=rf"max_steps: got {steps}; rlcore counts steps"):
+            load_config(sft.Config, overrides={"max_steps": steps})
+    with pytest.raises(ValueError, match=r"num_train_epochs: got 3 without max_steps"):  # -1 hands over to epochs
+        load_config(sft.Config, overrides={"max_steps": -1, "num_train_epochs": 3})
+
+
+def test_a_local_dataset_name_has_no_splits(tmp_path):
+    """A local file named by dataset_name with eval_strategy: steps became eval_dataset 'FILE:test',
+    which named no file."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"prompt": "a"}\n')
+    config = load_config(sft.Config, overrides={"dataset_name": str(data), "eval_strategy": "steps", "eval_steps": 2})
+    assert (config.dataset, config.eval_dataset, config.eval_every) == (str(data), None, 2)
+    with pytest.raises(ValueError, match=r"dataset_test_split: .*chat.jsonl is a local file, which has no splits"):
+        load_config(sft.Config, overrides={"dataset_name": str(data), "dataset_test_split": "validation"})
 
 
 @pytest.mark.parametrize("value,scale", [("group", "group"), ("batch", "batch"), ("none", "none"), (True, "group"),

@@ -189,17 +189,20 @@ def test_eval_takes_stored_hyper_parameters_but_not_trust(tmp_path, grpo_checkpo
     seen = []
     monkeypatch.setattr(grpo, "evaluate", lambda state, config: seen.append(config) or {})
     path, marker = plant(tmp_path, grpo_checkpoint, monkeypatch, dataset=str(tmp_path / "x.jsonl"), device="cuda:7",
-                         init_from=str(tmp_path / "elsewhere"), reward_model=str(tmp_path / "rm"))
+                         init_from=str(tmp_path / "elsewhere"), reward_model=str(tmp_path / "rm"),
+                         reward_weights=[0.5])  # they weigh the stored functions: without them, a crash
     assert cli.main(["eval", "grpo", "--checkpoint", str(path), *TINY_CLI]) == 0
     config = seen[-1]
     assert config.temperature == 0.5 and config.trust_remote_code is False and config.reward_funcs == ()
+    assert config.reward_weights is None
     assert config.dataset is None and config.device == "cpu" and config.init_from == str(path)
     assert cli.main(["eval", "grpo", "--checkpoint", str(path), *TINY_CLI, "--temperature", "0.7"]) == 0
     assert seen[-1].temperature == 0.7  # the caller's value wins over a stored hyper-parameter
     assert not marker.exists()
     err = capsys.readouterr().err
-    for name in ("dataset", "device", "init_from", "reward_model"):
+    for name in ("dataset", "device", "init_from", "reward_model", "reward_weights"):
         assert f"{name}: the stored " in err, (name, err)
+    assert "without --dataset, the built-in task's prompts are evaluated, not the run's data" in err
 
 
 def test_a_stored_path_inside_any_setting_is_not_taken(tmp_path):
