@@ -138,10 +138,11 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
 
 def _config(module: ModuleType, args: argparse.Namespace, base: dict[str, Any] | None = None,
             forced: dict[str, Any] | None = None) -> Any:
-    """The recipe's ``Config``: defaults < ``base`` < the ``--config`` YAML < ``--field`` flags < ``forced``."""
-    from rlcore.loops.config import load_config
+    """The recipe's ``Config``: defaults < ``base`` < the ``--config`` YAML < ``--field`` flags < ``forced``.
+    The caller's TRL names are read before ``base`` joins (a stored ``lr`` is no conflict with ``--learning_rate``)."""
+    from rlcore.loops.config import load_config, trl_translated
 
-    values = {**(base or {}), **_given(args), **(forced or {})}
+    values = {**(base or {}), **trl_translated(module.Config, _given(args)), **(forced or {})}
     return load_config(module.Config, None, values)
 
 

@@ -35,7 +35,7 @@ from rlcore.loops.logging import check_trackers
 from rlcore.loops.trl_config import translate as translate_trl_names
 
 __all__ = ["ConfigError", "RunConfig", "coerce_tuples", "DTYPES", "TINY_MODELS", "loading_kwargs", "quantization_kwargs", "check_quantization",
-           "autocast_dtype", "FIELD_RULES", "DIVISOR_FIELDS", "try_loss", "check_config", "TRL_NAMES", "load_config",
+           "autocast_dtype", "FIELD_RULES", "DIVISOR_FIELDS", "try_loss", "check_config", "TRL_NAMES", "load_config", "trl_translated",
            "config_dict", "parse_yaml", "read_config_file", "YAML_MAX_BYTES", "YAML_MAX_DEPTH", "YAML_MAX_ALIASES", "YAML_MAX_NODES"]
 
 
@@ -620,6 +620,14 @@ def _did_you_mean(key: str, fields: Mapping[str, Any]) -> str:
     return f"did you mean {' or '.join(repr(f) for f in close)}?" if close else ""
 
 
+def trl_translated(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` with TRL's names translated to ``cls``'s fields (``loops.trl_config``: units
+    converted, or refused with the reason); a TRL name and its rlcore field given with different
+    values are an error."""
+    hints = typing.get_type_hints(cls)
+    return translate_trl_names(cls, raw, lambda k, v: _coerce(v, hints[k], f"{cls.__name__}.{k}"))
+
+
 def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Any:
     """A ``cls`` (frozen dataclass) from a YAML file (``read_config_file``: safe and bounded) and overrides.
 
@@ -639,8 +647,7 @@ def load_config(cls: type, path: str | Path | None = None, overrides: Mapping[st
     raw.update(overrides or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    # TRL's names (loops.trl_config): translated to the fields, units converted, or refused with the reason
-    raw = translate_trl_names(cls, raw, lambda k, v: _coerce(v, hints[k], f"{cls.__name__}.{k}"))
+    raw = trl_translated(cls, raw)
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         hints = "".join(f"; {k}: {hint}" for k in unknown if (hint := _did_you_mean(k, fields)))

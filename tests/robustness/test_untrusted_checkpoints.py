@@ -198,6 +198,8 @@ def test_eval_takes_stored_hyper_parameters_but_not_trust(tmp_path, grpo_checkpo
     assert config.dataset is None and config.device == "cpu" and config.init_from == str(path)
     assert cli.main(["eval", "grpo", "--checkpoint", str(path), *TINY_CLI, "--temperature", "0.7"]) == 0
     assert seen[-1].temperature == 0.7  # the caller's value wins over a stored hyper-parameter
+    assert cli.main(["eval", "grpo", "--checkpoint", str(path), *TINY_CLI, "--learning_rate", "0.123"]) == 0
+    assert seen[-1].lr == 0.123  # a TRL name of the caller's is no conflict with the stored lr
     assert not marker.exists()
     err = capsys.readouterr().err
     for name in ("dataset", "device", "init_from", "reward_model", "reward_weights"):
