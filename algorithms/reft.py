@@ -291,7 +291,9 @@ class ReftIntervention(nn.Module):
         if zero_init and spec.constant and spec.subtracts:
             raise ValueError(f"zero_init: {variant!r} sets the subspace to a constant, so no parameters make it the "
                              "identity; use another variant or zero_init=False")
-        factory: dict[str, Any] = {"dtype": dtype, "device": device}
+        # drawn where the generator lives (a CPU generator: the same numbers for every device),
+        # then moved to ``device``
+        factory: dict[str, Any] = {"dtype": dtype, "device": device if generator is None else generator.device}
         self.variant, self.act = variant, act
         self.rotate = _Rotation(rank, hidden_size, generator, **factory)
         if spec.orthogonal:
@@ -312,6 +314,8 @@ class ReftIntervention(nn.Module):
                 bound = 1 / math.sqrt(hidden_size)
                 nn.init.uniform_(self.bias, -bound, bound, generator=generator)
         self.dropout = nn.Dropout(dropout)
+        if device is not None:
+            self.to(device)
 
     @property
     def rotation(self) -> torch.Tensor:

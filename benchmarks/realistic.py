@@ -145,19 +145,24 @@ def _write_jsonl(rows: list[dict], path: Path) -> str:
 
 
 # --- one run, in its own process --------------------------------------------------------------------
-def _peak_gib() -> float:
+def _peak_gib(device: str = "cpu") -> float:
+    """The run's peak: the process's resident set on CPU, ``max_memory_allocated`` on CUDA."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / GIB
     with open("/proc/self/status", encoding="ascii") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024 / GIB
 
 
-def _rlcore(case: str, model_dir: str, tiny: bool, steps: int, work: Path) -> list[float]:
+def _rlcore(case: str, model_dir: str, tiny: bool, steps: int, work: Path, device: str) -> list[float]:
     from rlcore.loops.recipes import dpo, grpo, sft
 
     s, vocab = sizes(tiny), VOCAB
     ends: list[float] = []
     stamp = [lambda state, metrics: ends.append(time.perf_counter())]
     common = dict(model=model_dir, dtype="bfloat16", gradient_checkpointing=True, steps=1 + steps, lr=LR,
-                  run_dir=None, log_every=10**6, seed=0)
+                  run_dir=None, log_every=10**6, seed=0, device=device)
     lora = dict(use_peft=True, lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_target_modules=("all-linear",),
                 lora_dropout=0.0)
     if case == "grpo_lora":
@@ -180,7 +185,7 @@ def _rlcore(case: str, model_dir: str, tiny: bool, steps: int, work: Path) -> li
     return ends
 
 
-def _trl(case: str, model_dir: str, tiny: bool, steps: int, work: Path) -> list[float]:
+def _trl(case: str, model_dir: str, tiny: bool, steps: int, work: Path, device: str) -> list[float]:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -196,7 +201,7 @@ def _trl(case: str, model_dir: str, tiny: bool, steps: int, work: Path) -> list[
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     lora = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules="all-linear",
                       task_type="CAUSAL_LM")
-    common = dict(output_dir=str(work / "trl"), report_to=[], use_cpu=True, bf16=False, learning_rate=LR,
+    common = dict(output_dir=str(work / "trl"), report_to=[], use_cpu=device == "cpu", bf16=False, learning_rate=LR,
                   max_steps=1 + steps, save_strategy="no", logging_steps=10**6, disable_tqdm=True,
                   dataloader_num_workers=0, gradient_checkpointing=True, model_init_kwargs={"dtype": torch.bfloat16},
                   seed=0)
@@ -221,7 +226,7 @@ def _trl(case: str, model_dir: str, tiny: bool, steps: int, work: Path) -> list[
     return ends
 
 
-def run_one(case: str, impl: str, model_dir: str, tiny: bool, steps: int) -> dict:
+def run_one(case: str, impl: str, model_dir: str, tiny: bool, steps: int, device: str = "cpu") -> dict:
     """One (case, implementation) in this process: ``{"steps": [seconds...], "peak_gib": ...}``."""
     import warnings
 
@@ -232,14 +237,14 @@ def run_one(case: str, impl: str, model_dir: str, tiny: bool, steps: int) -> dic
     M = _harness().M
     with tempfile.TemporaryDirectory() as work:
         start, before = time.perf_counter(), M.read_sample()
-        ends = (_rlcore if impl == "rlcore" else _trl)(case, model_dir, tiny, steps, Path(work))
+        ends = (_rlcore if impl == "rlcore" else _trl)(case, model_dir, tiny, steps, Path(work), device)
         cond = M.conditions(before, M.read_sample())
     if len(ends) != 1 + steps:
         raise RuntimeError(f"{case}/{impl}: expected {1 + steps} steps, saw {len(ends)}")
     busy = M.not_judged(cond, spread=float("nan"), reps=steps, threads=torch.get_num_threads(),
                         cores=os.cpu_count() or 1, policy=M.Policy())
     return {"steps": [b - a for a, b in itertools.pairwise(ends)], "first_step": ends[0] - start,
-            "peak_gib": _peak_gib(), "machine": cond.summary(), "not_judged": busy}
+            "peak_gib": _peak_gib(device), "machine": cond.summary(), "not_judged": busy}
 
 
 # --- the driver -------------------------------------------------------------------------------------
@@ -248,7 +253,8 @@ def _machine() -> str:
                 if line.startswith("model name")), platform.processor() or "unknown CPU")
     import torch
 
-    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}{gpu}"
 
 
 def _versions() -> str:
@@ -259,13 +265,14 @@ def _versions() -> str:
 
 
 def report(results: dict, args, load: tuple[float, ...], wall: float) -> str:
+    peak = "peak RSS GiB" if args.device == "cpu" else "peak GPU GiB"
     lines = [SECTION, "", f"Run: `python benchmarks/realistic.py{' --tiny' if args.tiny else ''} --steps {args.steps}"
-             f"{' --write' if args.write else ''}`  ",
+             f"{'' if args.device == 'cpu' else ' --device ' + args.device}{' --write' if args.write else ''}`  ",
              f"Versions: {_versions()}  ", f"Machine: {_machine()}, load average at start "
              f"{', '.join(f'{x:.2f}' for x in load)}; {wall / 60:.0f} min in all  ",
              f"Model: Qwen2.5-shaped `{sizes(args.tiny)['size']}` from config (vocabulary 151,936), bfloat16 "
              "weights; LoRA r 16 α 32 on every linear layer in the `_lora` cases; gradient checkpointing on", "",
-             "| case | impl | median step s | timed steps s | peak RSS GiB | step vs rlcore (peer/ours) | peak vs rlcore "
+             f"| case | impl | median step s | timed steps s | {peak} | step vs rlcore (peer/ours) | peak vs rlcore "
              "| load 1 min | others' cores |", "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     verdicts = []
     for case, impls in results.items():
@@ -279,7 +286,7 @@ def report(results: dict, args, load: tuple[float, ...], wall: float) -> str:
             if ours and "error" not in ours and impl != "rlcore":
                 ratio = f"{med / statistics.median(ours['steps']):.2f}"
                 peak = f"{r['peak_gib'] / ours['peak_gib']:.2f}"
-            lines.append(f"| {case} | {impl} | {med:.1f} | {', '.join(f'{x:.1f}' for x in r['steps'])} | "
+            lines.append(f"| {case} | {impl} | {med:.2f} | {', '.join(f'{x:.2f}' for x in r['steps'])} | "
                          f"{r['peak_gib']:.2f} | {ratio} | {peak} | {r.get('machine', '— | —')} |")
         if ours is None or "error" in ours:
             continue
@@ -311,12 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step [default: 2]")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {list(CASES)}")
     parser.add_argument("--impls", default="rlcore,trl", help="comma-separated implementations to run")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both run; on cuda the peak is max_memory_allocated [default: cpu]")
     parser.add_argument("--write", action="store_true", help="replace the realistic section of RESULTS.md")
     parser.add_argument("--run", nargs=3, metavar=("CASE", "IMPL", "MODEL_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run:  # a child: one run, its JSON on the last line of stdout
         case, impl, model_dir = args.run
-        print(json.dumps(run_one(case, impl, model_dir, args.tiny, args.steps)))
+        print(json.dumps(run_one(case, impl, model_dir, args.tiny, args.steps, args.device)))
         return 0
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = sorted(set(cases) - set(CASES))
@@ -330,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             for impl in (i for i in CASES[case] if i in impls):
                 cmd = [sys.executable, __file__, "--run", case, impl, model_dir, "--steps", str(args.steps),
+                       "--device", args.device,
                        *(["--tiny"] if args.tiny else [])]
                 done = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 try:

@@ -16,7 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from rlcore.checks import check_float, check_ndim, check_same_shape
-from rlcore.logprobs import _BLOCK_BYTES, _acc, _check_labels, _check_positive
+from rlcore.logprobs import _BLOCK_BYTES, _acc, _budget, _check_labels, _check_positive
 
 __all__ = ["hidden_logprobs", "LogprobStats"]
 
@@ -96,9 +96,10 @@ def _fold_vocabulary(h, labels, weight, bias, chunk, with_entropy, with_stats=Fa
     return (m + log_s, label_logit, (log_s - u / s) if with_entropy else m[:0], *stats)
 
 
-def _hidden_rows(vocab_chunk: int) -> int:
-    """Rows per block of the hidden path, so that a ``[rows, vocab_chunk]`` block is ~32 MB."""
-    return max(1, _BLOCK_BYTES // (4 * vocab_chunk))
+def _hidden_rows(vocab_chunk: int, device: torch.device) -> int:
+    """Rows per block of the hidden path, so that a ``[rows, vocab_chunk]`` block is ~32 MB (on a
+    GPU ``_GPU_SCALE`` times that)."""
+    return max(1, _budget(_BLOCK_BYTES, device) // (4 * vocab_chunk))
 
 
 class _HiddenLogprobs(torch.autograd.Function):
@@ -108,7 +109,7 @@ class _HiddenLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, temperature, softcap, logit_scale, chunk,
                 with_entropy, with_stats=False):
         kw = dict(acc=_acc(hidden.dtype), logit_scale=logit_scale, softcap=softcap, temperature=temperature)
-        rows = _hidden_rows(chunk)
+        rows = _hidden_rows(chunk, hidden.device)
         parts = [_fold_vocabulary(hidden[r0:r0 + rows], labels[r0:r0 + rows], weight, bias, chunk,
                                   with_entropy, with_stats, **kw) for r0 in range(0, hidden.shape[0], rows)]
         lse, label_logit, ent, top1, mean_logit = (torch.cat(p) for p in zip(*parts))

@@ -47,10 +47,11 @@ def test_report_states_the_verdicts_and_replaces_only_its_section():
                             "trl": {"steps": [3.0], "peak_gib": 4.0, "not_judged": "load 3.10 above 2 threads"}},
                "sft_full": {"rlcore": {"steps": [1.0], "peak_gib": 30.0}},
                "dpo_lora": {"rlcore": {"error": "ValueError: x"}}}
-    text = R.report(results, SimpleNamespace(tiny=True, steps=2, write=False), (0.1, 0.2, 0.3), 60.0)
+    text = R.report(results, SimpleNamespace(tiny=True, steps=2, write=False, device="cpu"), (0.1, 0.2, 0.3), 60.0)
     assert text.startswith("### realistic\n")
-    assert "| grpo_lora | rlcore | 2.0 | 2.0, 2.0 | 4.00 | — | — | 0.10→1.90 | 0.02 |" in text
-    assert "| grpo_lora | trl | 5.0 | 5.0, 5.0 | 10.00 | 2.50 | 2.50 | — | — |" in text
+    assert "| grpo_lora | rlcore | 2.00 | 2.00, 2.00 | 4.00 | — | — | 0.10→1.90 | 0.02 |" in text
+    assert "| grpo_lora | trl | 5.00 | 5.00, 5.00 | 10.00 | 2.50 | 2.50 | — | — |" in text
+    assert "| peak RSS GiB |" in text and "--device" not in text
     assert "- goal, grpo_lora: rlcore ≥ 1.5× faster than trl: 2.50×, met" in text
     assert "- goal, grpo_lora: rlcore peak ≤ 0.5× trl's: 0.40×, met" in text
     assert "- goal, sft_full: rlcore peak within 24 GiB: 30.0 GiB, MISSED" in text
@@ -65,5 +66,7 @@ def test_report_states_the_verdicts_and_replaces_only_its_section():
     assert "stale" not in R._replace_section(before, text, cpu)
     busy = R.report({"dpo_lora": {"rlcore": {"steps": [1.0], "peak_gib": 1.0},
                                   "trl": {"steps": [3.0], "peak_gib": 4.0, "not_judged": "load 3.10 above 2 threads"}}},
-                    SimpleNamespace(tiny=True, steps=2, write=False), (0.1, 0.2, 0.3), 60.0)
+                    SimpleNamespace(tiny=True, steps=2, write=False, device="cpu"), (0.1, 0.2, 0.3), 60.0)
     assert "- goal, dpo_lora: rlcore ≥ 2.0× faster than trl: 3.00×, not judged (trl: load 3.10 above 2 threads)" in busy
+    gpu = R.report(results, SimpleNamespace(tiny=True, steps=2, write=False, device="cuda"), (0.1, 0.2, 0.3), 60.0)
+    assert "--device cuda`" in gpu and "| peak GPU GiB |" in gpu

@@ -651,3 +651,15 @@ def test_hidden_logprobs_degenerate_widths():
     ref = torch.log_softmax(b, -1)[[0, 1, 3]]
     torch.testing.assert_close(lp, ref)
     torch.testing.assert_close(torch.autograd.grad(lp.sum(), b)[0], torch.autograd.grad(ref.sum(), b)[0])
+
+
+def test_chunk_budgets_are_larger_on_an_accelerator():
+    """A GPU's chunks are ``_GPU_SCALE`` times a CPU's (launch-bound otherwise); ``chunk_size`` still wins."""
+    from rlcore import logprobs as L
+    from rlcore.lm_head import _hidden_rows
+
+    cpu, gpu = torch.device("cpu"), torch.device("meta")
+    assert L._rows_per_chunk(151_936, None, cpu) == L._CHUNK_BYTES // (4 * 151_936)
+    assert L._rows_per_chunk(151_936, None, gpu) == L._GPU_SCALE * L._CHUNK_BYTES // (4 * 151_936)
+    assert L._rows_per_chunk(151_936, 7, gpu) == 7
+    assert _hidden_rows(4096, gpu) == L._GPU_SCALE * _hidden_rows(4096, cpu)
