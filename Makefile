@@ -1,7 +1,7 @@
 # Two entry points on a fresh machine, both on the locked, tested set (constraints.txt):
 #   make demo   sets up .venv and runs the built-in offline demo
 #   make test   sets up .venv, lints and type-checks (make lint), builds the docs (make docs), runs the test suite
-# and, for the optional vLLM engine (loops/scale/vllm_engine.py), on requirements/vllm-lock.txt:
+# and, for the optional vLLM engine (loops/vllm_engine.py), on requirements/vllm-lock.txt:
 #   make test-vllm    sets up .venv-vllm (vLLM's CPU build) and runs the tests that need vLLM
 # and, on a machine with a CUDA device and a CUDA build of torch==2.13.0 in .venv:
 #   make test-gpu     the tests marked gpu (every recipe on CUDA: bf16, LoRA, autocast, memory metrics)

@@ -34,7 +34,6 @@ Nothing here imports rlcore: the harness measures whatever the bench modules han
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import importlib.util
 import json
@@ -53,6 +52,7 @@ from types import ModuleType
 import torch
 
 import machine as M
+from records import Rates, Row, Timing
 from reporting import (REFERENCE_IMPL, cpu_report, format_report, format_table, goal_lines,  # noqa: F401
                        merge_reports, sections_of, versions)
 
@@ -69,43 +69,6 @@ Builder = Callable[[], Callable[[], object]]
 
 class Unavailable(Exception):
     """Raised by a builder whose implementation cannot run here (a peer is not installed)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    median_s: float
-    q1_s: float
-    q3_s: float
-    reps: int
-    min_s: float = math.nan
-
-    @property
-    def iqr_s(self) -> float:
-        return self.q3_s - self.q1_s
-
-    @property
-    def spread(self) -> float:
-        """IQR / median (NaN for a single run)."""
-        return self.iqr_s / self.median_s if self.reps > 1 and self.median_s > 0 else math.nan
-
-
-@dataclasses.dataclass(frozen=True)
-class Rates:
-    copy_bytes_per_s: float   # bytes read + written per second by a large tensor copy
-    matmul_flops_per_s: float  # float32 matmul throughput
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    topic: str
-    case: str
-    impl: str
-    timing: Timing | None = None
-    peak_bytes: int | None = None
-    floor_s: float | None = None
-    note: str = ""
-    conditions: object | None = None  # machine.Conditions around the timing
-    not_judged: str = ""  # why the timing cannot be judged ("" when it can)
 
 
 # --- discovery --------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The benchmark report: tables, goal verdicts, and RESULTS.md's sections (one per CPU, one
 subsection per topic), merged so that a run replaces only what it measured.
 
-Rows come from ``harness.py`` (duck-typed: ``case``, ``impl``, ``timing``, ``peak_bytes``,
+Rows come from ``harness.py`` (``records.Row``: ``case``, ``impl``, ``timing``, ``peak_bytes``,
 ``floor_s``, ``note``, ``conditions``, ``not_judged``); nothing here times or imports rlcore.
 """
 
@@ -10,12 +10,8 @@ from __future__ import annotations
 import importlib.metadata
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
-
 import machine as M
-
-if TYPE_CHECKING:
-    from harness import Rates, Row
+from records import Rates, Row
 
 __all__ = ["REFERENCE_IMPL", "versions", "goal_lines", "format_table", "format_report", "cpu_report", "sections_of",
            "merge_reports"]

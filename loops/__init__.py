@@ -3,7 +3,7 @@
 Laid out by role:
 
 - the loop's pieces, here: ``fold`` and ``state`` (the fold and what it threads), ``collect``,
-  ``engines`` and ``chunks`` (generation), ``score``, ``update`` (the one impure step),
+  ``engines``, ``vllm_engine`` and ``chunks`` (generation), ``score``, ``update`` (the one impure step),
   ``online`` (what the online recipes share: collect → score), ``evaluate`` (their held-out metrics),
   ``reward_fns`` (calling, checking and combining reward functions), ``config`` (the run-config
   base: shared fields, YAML, checks), ``recipe`` (models, data splits, the run), ``data`` →
@@ -19,12 +19,14 @@ Laid out by role:
   ``rloo``, ``grpo``, ``online_dpo``, ``ddpo``, ``reft``), each with a ``Config``,
   ``train(config)`` and ``evaluate(state, config)``; the ``rlcore`` command runs them
   (``rlcore train RECIPE``);
-- ``rlcore.loops.scale``: ``torch.distributed`` (``distributed``, ``dist_sync``), asynchronous
-  off-policy training (``async_rl``, ``async_learners``), Ray placement (``placement``,
-  ``workers``) and the vLLM engine (``vllm_engine``).
+- ``rlcore.loops.scale``: orchestration above the recipes: asynchronous off-policy training
+  (``async_rl``, ``async_learners``) and Ray placement (``placement``, ``workers``). It imports the
+  recipes; nothing here imports it.
 
-The building blocks of the pieces and of ``scale`` are exported here; recipes are imported by
-name (``from rlcore.loops.recipes import grpo``).
+``torch.distributed`` (process groups, DDP / FSDP2 wrapping, collectives) is the layer below,
+``rlcore.dist``. The pieces are exported here; recipes are imported by name
+(``from rlcore.loops.recipes import grpo``), and so is orchestration (``from rlcore.loops.scale
+import async_rl``). docs/architecture.md draws the layers.
 
 Importing it silences, by their exact text, the warnings of third-party packages that say nothing
 to a user of rlcore (``loops/_quiet.py``): transformers' note that an image processor falls back
@@ -59,12 +61,7 @@ from rlcore.loops.reft_data import *  # noqa: F401,F403
 from rlcore.loops.reft_model import *  # noqa: F401,F403
 from rlcore.loops.reward_fns import *  # noqa: F401,F403
 from rlcore.loops.run_dir import *  # noqa: F401,F403
-from rlcore.loops.scale.async_learners import *  # noqa: F401,F403
-from rlcore.loops.scale.async_rl import *  # noqa: F401,F403
-from rlcore.loops.scale.distributed import *  # noqa: F401,F403
-from rlcore.loops.scale.placement import *  # noqa: F401,F403
-from rlcore.loops.scale.vllm_engine import *  # noqa: F401,F403
-from rlcore.loops.scale.workers import *  # noqa: F401,F403
+from rlcore.loops.vllm_engine import *  # noqa: F401,F403
 from rlcore.loops.score import *  # noqa: F401,F403
 from rlcore.loops.sd import *  # noqa: F401,F403
 from rlcore.loops.shapes import *  # noqa: F401,F403
@@ -76,7 +73,6 @@ from rlcore.loops.update import *  # noqa: F401,F403
 
 _MODULES = ("aesthetic", "checkpoint", "checkpoint_codec", "checkpoint_config", "chunks", "collate", "collect", "config", "data",
             "diffusion", "engines", "evaluate", "filters", "fold", "images", "logging", "lora", "models", "online",
-            "recipe", "reft_data", "reft_model", "reward_fns", "run_dir", "scale.async_learners", "scale.async_rl",
-            "scale.distributed", "scale.placement", "scale.vllm_engine", "scale.workers", "score", "sd", "shapes",
-            "state", "tasks", "tokenization", "trl_defaults", "update")
+            "recipe", "reft_data", "reft_model", "reward_fns", "run_dir", "score", "sd", "shapes",
+            "state", "tasks", "tokenization", "trl_defaults", "update", "vllm_engine")
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]

@@ -38,7 +38,7 @@ the decode loop takes):
   ``multinomial``, whose exponential draws over ``V`` dominate a small model's decode step) and
   reads both behaviour log-probs from the same logits, with no ``[B, V]`` copies kept. It supports temperature, top-k and top-p, greedy decoding and stop tokens; not
   ``generate_kwargs``;
-- ``"vllm"``: a vLLM engine kept in step with the model's weights (``loops.scale.vllm_engine``;
+- ``"vllm"``: a vLLM engine kept in step with the model's weights (``loops.vllm_engine``;
   optional), configured by ``engine_options``.
 
 All engines give the same rollout layout and log-probs that match a recomputation through
@@ -212,7 +212,7 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
         max_prompt_length: keep the last tokens of longer text prompts (default: no limit).
         policy_version: stamped on every row as ``policy_version [B]`` when given.
         engine: a key of ``ENGINES``: ``"hf"``, ``"loop"`` (the fast one), or ``"vllm"`` (a vLLM
-            engine for ``model``, ``loops.scale.vllm_engine``; ``vllm`` installed), which records
+            engine for ``model``, ``loops.vllm_engine``; ``vllm`` installed), which records
             the truncated distribution's log-probs; with top-k / top-p and ``behaviour="tempered"``
             the log-probs then come from one forward of ``model``.
         sampler: the ``"loop"`` engine's sampling rule, a key of ``SAMPLERS`` (``"inverse_cdf"``).

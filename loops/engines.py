@@ -347,7 +347,7 @@ def _engine_vllm(model: nn.Module, batch: TensorDict, *, behaviour: str | None, 
     """A vLLM engine for ``model`` (``options``: ``vllm.LLM`` keywords). It records the truncated
     distribution's log-probs ("sampled"); "tempered" ones under top-k / top-p are left to one forward
     of the policy (``None`` here)."""
-    from rlcore.loops.scale.vllm_engine import engine_for, vllm_generate
+    from rlcore.loops.vllm_engine import engine_for, vllm_generate
     response, old = vllm_generate(engine_for(model, options), batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
                                   max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
                                   num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -359,5 +359,5 @@ def _engine_vllm(model: nn.Module, batch: TensorDict, *, behaviour: str | None, 
 ENGINES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
     "hf": _engine_hf,      # Hugging Face generate: every logits processor (generate_kwargs)
     "loop": _engine_loop,  # the KV-cache decode loop with a SAMPLERS rule: the fast one
-    "vllm": _engine_vllm,  # a vLLM engine (loops.scale.vllm_engine; the vllm extra)
+    "vllm": _engine_vllm,  # a vLLM engine (loops.vllm_engine; the vllm extra)
 }

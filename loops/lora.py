@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlcore.loops.models import _decoder
+
 __all__ = ["LORA_TASK_TYPES", "is_peft", "apply_lora", "in_use", "linear_weights", "AdapterOff", "adapter_off",
            "adapter_keys", "load_adapter_weights", "is_adapter_dir", "adapter_settings", "check_adapter_fits",
            "with_adapter", "export_merged"]
@@ -178,8 +180,6 @@ class AdapterOff(nn.Module):
         return next(self.peft_model.parameters()).device
 
     def get_decoder(self) -> nn.Module:
-        from rlcore.loops.models import _decoder
-
         return AdapterOff(self.peft_model, _decoder(self.peft_model))
 
     def get_output_embeddings(self) -> nn.Module:

@@ -31,7 +31,6 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast)
 
 from rlcore.checks import check_mask, check_ndim
-from rlcore.loops.lora import AdapterOff
 
 __all__ = ["build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS", "CHAT_TEMPLATE", "build_model",
            "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS", "disable_dropout",
@@ -485,7 +484,7 @@ def cache_keyword(model: nn.Module) -> str:
     signature, else its trunk's, so wrappers whose forward takes ``**kwargs`` (``ReftModel``,
     PEFT) answer for the model they wrap; ``past_key_values`` when neither names one.
     """
-    model = model.wrapped if isinstance(model, AdapterOff) else model
+    model = getattr(model, "wrapped", model)  # a pass-through wrapper (loops.lora.AdapterOff) answers for its module
     found = _cache_keyword_of(type(model))
     if found is None:
         with contextlib.suppress(TypeError):

@@ -46,7 +46,7 @@ from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, re
 from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
-from rlcore.loops.scale.distributed import is_main, shard_source
+from rlcore.dist import is_main, shard_source
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.trl_defaults import report_defaults
 from rlcore.loops.update import enable_gradient_checkpointing, make_optimizer, make_scheduler

@@ -348,7 +348,7 @@ def _total_episodes(value: Any, ctx: Context) -> dict[str, Any]:
 
 # --- the shared surface: TrainingArguments, ModelConfig, ScriptArguments ----------------------------
 _NO_HUB = "rlcore writes checkpoints to run_dir and pushes nothing; upload a run with `huggingface-cli upload`"
-_NO_DS = ("rlcore runs DDP / FSDP2 itself under torchrun (loops.scale.distributed), not through DeepSpeed, FSDP "
+_NO_DS = ("rlcore runs DDP / FSDP2 itself under torchrun (rlcore.dist), not through DeepSpeed, FSDP "
           "plugins or accelerate configs")
 _IN_PROCESS = "rlcore reads batches in the training process (no DataLoader workers): "
 _EXACT_RESUME = "rlcore's checkpoints always hold the optimiser, schedule, RNG and data position (exact resume)"
@@ -478,7 +478,7 @@ COMMON: dict[str, Entry] = {
     "ddp_bucket_cap_mb": Default((None,), _NO_DS),
     "ddp_broadcast_buffers": Default((None,), _NO_DS),
     "ddp_static_graph": Default((None,), _NO_DS),
-    "ddp_backend": Default((None,), "the backend is chosen by loops.scale.distributed (nccl on CUDA, else gloo)"),
+    "ddp_backend": Default((None,), "the backend is chosen by rlcore.dist (nccl on CUDA, else gloo)"),
     "ddp_timeout": Default((1800,), "the process group keeps torch's timeout"),
     "debug": Default(("", None, []), "no debug modes are offered"),
     "skip_memory_metrics": Ignore("peak memory is logged by the recipes themselves"),
@@ -677,7 +677,7 @@ GRPO: dict[str, Entry] = {
     "max_tool_calling_iterations": Default((None,), _NO_TOOLS),
     "vllm_importance_sampling_correction": Ignore("no separate truncated importance weight: with engine: vllm the "
                                                   "engine's own log-probs are the loss's old log-probs, so the "
-                                                  "clipped ratio is taken against them (loops.scale.vllm_engine)"),
+                                                  "clipped ratio is taken against them (loops.vllm_engine)"),
     "vllm_importance_sampling_mode": Ignore("read with vllm_importance_sampling_correction"),
     "vllm_importance_sampling_clip_max": Ignore("read with vllm_importance_sampling_correction"),
     "vllm_importance_sampling_clip_min": Ignore("read with vllm_importance_sampling_correction"),

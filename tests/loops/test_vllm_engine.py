@@ -1,4 +1,4 @@
-"""vLLM generation (loops/scale/vllm_engine.py, ``generate_rollout(engine="vllm")``).
+"""vLLM generation (loops/vllm_engine.py, ``generate_rollout(engine="vllm")``).
 
 The tests marked ``vllm`` need vLLM (``make test-vllm`` builds a venv with the CPU build and runs
 this file); the others run everywhere. vLLM's CPU attention has kernels for head sizes 32, 64,
@@ -38,7 +38,7 @@ def policy(tokenizer):
 def _close_engines():
     yield
     if HAS_VLLM:
-        from rlcore.loops.scale.vllm_engine import close_engines
+        from rlcore.loops.vllm_engine import close_engines
         close_engines()
 
 
@@ -71,7 +71,7 @@ def test_config_reads_engine_options():
 
 
 def test_engine_state_dict_is_the_state_dict_of_a_plain_model(tokenizer):
-    from rlcore.loops.scale.vllm_engine import engine_state_dict
+    from rlcore.loops.vllm_engine import engine_state_dict
     model = build_model(tokenizer=tokenizer, **WIDE)
     weights = engine_state_dict(model)
     assert list(weights) == list(model.state_dict())  # tied weights under each name
@@ -85,7 +85,7 @@ def test_engine_state_dict_merges_lora_without_touching_the_model(tokenizer, ada
     peft = pytest.importorskip("peft")
     import contextlib
     import copy
-    from rlcore.loops.scale.vllm_engine import engine_state_dict
+    from rlcore.loops.vllm_engine import engine_state_dict
     base = build_model(tokenizer=tokenizer, **WIDE)
     plain = {k: v.clone() for k, v in base.state_dict().items()}
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
@@ -206,7 +206,7 @@ def test_too_long_for_the_engine_is_a_clear_error(policy, tokenizer):
     with pytest.raises(ValueError, match=r"prompts: the longest has \d+ tokens, which with max_new_tokens=300 "
                                          r"exceeds the model's context of 256"):
         _vllm(policy, tokenizer, max_new_tokens=300)
-    from rlcore.loops.scale.vllm_engine import engine_for, vllm_generate
+    from rlcore.loops.vllm_engine import engine_for, vllm_generate
     ids, mask = torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"prompt_ids: the longest prompt \(4 tokens\) plus max_new_tokens "
                                          r"\(300\) exceeds the engine's max_model_len \(256\)"):
@@ -247,7 +247,7 @@ def test_engine_stays_out_of_the_trainer_process(policy, tokenizer):
 @needs_vllm
 def test_weights_follow_the_module(tokenizer):
     """After an optimiser step the engine samples from the new weights, prefix cache included."""
-    from rlcore.loops.scale import vllm_engine
+    from rlcore.loops import vllm_engine
     model = build_model(tokenizer=tokenizer, seed=1, **WIDE)
     before = _vllm(model, tokenizer, num_samples=2, seed=0)  # caches the long prompt's first block
     engine = vllm_engine.engine_for(model)
@@ -295,7 +295,7 @@ def test_async_generator_runs_the_engine_in_process():
 def test_close_engines_leaves_no_process(policy, tokenizer):
     """Last: shuts down the engines the tests above built."""
     import psutil
-    from rlcore.loops.scale import vllm_engine
+    from rlcore.loops import vllm_engine
     _vllm(policy, tokenizer)
     engines = [p for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()]
     assert engines  # each engine's core and worker processes

@@ -1,5 +1,5 @@
 """Synchronising gradients and state across data-parallel ranks: what ``update`` and
-``save_checkpoint`` call so that N ranks behave as one process (see ``loops.scale.distributed``).
+``save_checkpoint`` call so that N ranks behave as one process (see ``rlcore.dist``).
 
 - gradients (``update``): :func:`grad_sync` describes a step (which models reduce their own
   gradients, which parameters ``update`` reduces itself, the loss scale), :func:`accumulation_context`
@@ -18,14 +18,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rlcore.loops.scale.distributed import all_reduce_sum, dist_info, is_fsdp2, reduces_own_gradients
+from rlcore.dist import all_reduce_sum, dist_info, is_fsdp2, reduces_own_gradients
 
 __all__ = ["GradSync", "grad_sync", "accumulation_context", "reduce_gradients", "total_grad_norm", "full_weights",
            "drop_tied", "load_full_weights", "full_optimizer_state", "shard_optimizer_state", "all_ranks_ok"]
@@ -85,8 +85,9 @@ def accumulation_context(sync: GradSync | None, *, last: bool) -> Iterator[None]
             if isinstance(m, DistributedDataParallel):
                 stack.enter_context(m.no_sync())
             else:
-                m.set_requires_gradient_sync(False)
-                stack.callback(m.set_requires_gradient_sync, True)
+                fsdp: Any = m  # an FSDP2 module
+                fsdp.set_requires_gradient_sync(False)
+                stack.callback(fsdp.set_requires_gradient_sync, True)
         yield
 
 
@@ -106,11 +107,13 @@ def reduce_gradients(sync: GradSync | None, present: Sequence[float] | None = No
             p.grad = torch.zeros_like(p)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
-        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        grad = cast(torch.Tensor, p.grad)
+        groups.setdefault((grad.dtype, grad.device), []).append(grad)
     for grads in groups.values():
         start = 0
         while start < len(grads):
-            bucket, size = [], 0
+            bucket: list[torch.Tensor] = []
+            size = 0
             while start < len(grads) and (not bucket or size + grads[start].numel() <= _BUCKET):
                 bucket.append(grads[start])
                 size += grads[start].numel()
@@ -152,7 +155,8 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor] | None:
     if not is_fsdp2(model):
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor],
+                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
 
 
 def drop_tied(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -173,7 +177,7 @@ def load_full_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> Non
     if unexpected or missing:
         raise ValueError(f"weights do not fit the model: missing {missing[:8]}, "
                               f"unexpected {unexpected[:8]}")
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+    set_model_state_dict(model, cast(Any, weights), options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def _is_sharded(x: Any) -> bool:
@@ -198,7 +202,7 @@ def shard_optimizer_state(sd: dict, optimizer: torch.optim.Optimizer) -> dict:
         return sd
     from torch.distributed.tensor import distribute_tensor
 
-    def place(p: torch.Tensor, v: Any) -> Any:
+    def place(p: Any, v: Any) -> Any:
         if _is_sharded(p) and isinstance(v, torch.Tensor) and v.shape == p.shape:
             return distribute_tensor(v.to(p.device, p.dtype), p.device_mesh, p.placements)
         return v

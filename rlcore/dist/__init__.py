@@ -49,7 +49,7 @@ import os
 import socket
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -159,7 +159,7 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 1800.0) -
     missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
     if missing:
         raise ValueError(f"init_distributed: WORLD_SIZE={world_size} but {missing} are not set; launch with "
-                         "torchrun (or loops.scale.distributed.spawn), which sets them")
+                         "torchrun (or rlcore.dist.spawn), which sets them")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
@@ -313,7 +313,7 @@ def _fsdp2(model: nn.Module, *, blocks: Sequence[type | str] | None = None, **kw
     for module in list(model.modules())[1:]:
         if isinstance(module, wanted) or type(module).__name__ in wanted_names:
             fully_shard(module, **kwargs)
-    return fully_shard(model, **kwargs)
+    return cast(nn.Module, fully_shard(model, **kwargs))
 
 
 STRATEGIES: dict[str, Callable[..., nn.Module]] = {
@@ -375,7 +375,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     An FSDP2 module is its own module (its parameters are sharded ``DTensor`` s: use
     ``loops.checkpoint`` to gather them).
     """
-    return model.module if _is_ddp(model) else model
+    return cast(nn.Module, model.module) if _is_ddp(model) else model
 
 
 # --- data sharding -----------------------------------------------------------------------------------
