@@ -17,6 +17,5 @@ def on_startup(**kwargs) -> None:
     LAYOUT.mkdir(parents=True)
     for source in (ROOT / "rlcore").glob("*.py"):
         (LAYOUT / source.name).symlink_to(source)
-    (LAYOUT / "dist").symlink_to(ROOT / "rlcore" / "dist", target_is_directory=True)
     for name in ("algorithms", "loops"):
         (LAYOUT / name).symlink_to(ROOT / name, target_is_directory=True)

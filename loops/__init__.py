@@ -23,8 +23,10 @@ Laid out by role:
   (``async_rl``, ``async_learners``) and Ray placement (``placement``, ``workers``). It imports the
   recipes; nothing here imports it.
 
-``torch.distributed`` (process groups, DDP / FSDP2 wrapping, collectives) is the layer below,
-``rlcore.dist``. The pieces are exported here; recipes are imported by name
+- ``rlcore.loops.dist``, the layer below the pieces: ``torch.distributed`` (process groups,
+  DDP / FSDP2 wrapping, collectives, gathered weights); it imports nothing from ``rlcore.loops``.
+
+The pieces are exported here; recipes are imported by name
 (``from rlcore.loops.recipes import grpo``), and so is orchestration (``from rlcore.loops.scale
 import async_rl``). docs/architecture.md draws the layers.
 

@@ -19,7 +19,7 @@ and ``run_dir`` is fsynced. A process killed at any moment leaves either a compl
 save removes. Old checkpoints are renamed away before they are deleted, so a half-deleted
 one is never taken for a checkpoint. One writer per ``run_dir`` is assumed.
 
-Distributed runs (``rlcore.dist``): every rank calls ``save_checkpoint``; sharded FSDP2
+Distributed runs (``rlcore.loops.dist``): every rank calls ``save_checkpoint``; sharded FSDP2
 tensors are gathered, rank 0 writes, and the others wait for it (and fail with it). Stored
 weights and optimiser state are those of one process, whatever the world size.
 
@@ -50,9 +50,9 @@ from torch import nn
 
 from rlcore.loops.checkpoint_codec import CheckpointError, load_tensors, read_json, read_pair, write_pair
 from rlcore.loops.lora import is_peft, load_adapter_weights
-from rlcore.dist.sync import (all_ranks_ok, drop_tied, full_optimizer_state, full_weights,
+from rlcore.loops.dist.sync import (all_ranks_ok, drop_tied, full_optimizer_state, full_weights,
                                           load_full_weights, shard_optimizer_state)
-from rlcore.dist import dist_info, is_fsdp2, unwrap_model
+from rlcore.loops.dist import dist_info, is_fsdp2, unwrap_model
 from rlcore.loops.state import TrainState
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_info", "resume",

@@ -155,7 +155,7 @@ def _parse_value(text: str, where: str = "a flag") -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from rlcore.dist import init_distributed
+    from rlcore.loops.dist import init_distributed
 
     init_distributed()  # joins torchrun's process group; a no-op in one process
     module = recipe_module(args.recipe)

@@ -17,7 +17,7 @@ Callbacks are plain callables ``cb(state, metrics) -> None | "stop" | Mapping``:
 also after an early stop or an exhausted source; not after an exception). :func:`every` runs a
 callback every ``n`` steps, :func:`stop_when` turns a predicate into an early stop.
 
-Distributed (``rlcore.dist``): every rank runs the same fold on its shard of each item
+Distributed (``rlcore.loops.dist``): every rank runs the same fold on its shard of each item
 (``shard_source``); each step's metrics are averaged over the ranks (one all-reduce) before the
 callbacks see them, so every rank logs, evaluates and stops on the same numbers. Every rank must
 report the same metric names.
@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from rlcore.dist import all_reduce_sum, dist_info, reduce_metrics
+from rlcore.loops.dist import all_reduce_sum, dist_info, reduce_metrics
 
 __all__ = ["fold", "to_floats", "every", "stop_when", "STOP", "Interrupted", "STOP_SIGNALS"]
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, verify_checkpoint
 from rlcore.loops.run_dir import check_resume, open_run_dir
-from rlcore.loops.config import FIELD_RULES, TINY_MODELS, check_config, config_dict, loading_kwargs, quantization_kwargs
+from rlcore.loops.config import FIELD_RULES, TINY_MODELS, config_dict, ensure_checked, loading_kwargs, quantization_kwargs
 from rlcore.loops.data import load_source, split_held_out
 from rlcore.loops.fold import Interrupted, every, fold, to_floats
 from rlcore.loops.logging import make_loggers
@@ -46,7 +46,7 @@ from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, re
 from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
-from rlcore.dist import is_main, shard_source
+from rlcore.loops.dist import is_main, shard_source
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.trl_defaults import report_defaults
 from rlcore.loops.update import enable_gradient_checkpointing, make_optimizer, make_scheduler
@@ -157,7 +157,7 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0,
         ``(model, tokenizer)``; the tokenizer has a pad token.
     """
     if dataclasses.is_dataclass(config):
-        check_config(config)  # before any model is built
+        ensure_checked(config)  # before any model is built (once per config: a checked one is not checked again)
     task = task or getattr(type(config), "MODEL_TASK", "causal_lm")
     name = config.model
     init_from = config.init_from
@@ -510,7 +510,7 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
         ``(state, history)`` of ``fold``.
     """
     if dataclasses.is_dataclass(config):
-        check_config(config)
+        ensure_checked(config)  # before any file is written
         if is_main():  # a model other than a built-in tiny one: the defaults that differ from TRL's, said once
             report_defaults(config)
     name = name or type(config).__module__.rsplit(".", 1)[-1]

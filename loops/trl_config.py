@@ -348,7 +348,7 @@ def _total_episodes(value: Any, ctx: Context) -> dict[str, Any]:
 
 # --- the shared surface: TrainingArguments, ModelConfig, ScriptArguments ----------------------------
 _NO_HUB = "rlcore writes checkpoints to run_dir and pushes nothing; upload a run with `huggingface-cli upload`"
-_NO_DS = ("rlcore runs DDP / FSDP2 itself under torchrun (rlcore.dist), not through DeepSpeed, FSDP "
+_NO_DS = ("rlcore runs DDP / FSDP2 itself under torchrun (rlcore.loops.dist), not through DeepSpeed, FSDP "
           "plugins or accelerate configs")
 _IN_PROCESS = "rlcore reads batches in the training process (no DataLoader workers): "
 _EXACT_RESUME = "rlcore's checkpoints always hold the optimiser, schedule, RNG and data position (exact resume)"
@@ -478,7 +478,7 @@ COMMON: dict[str, Entry] = {
     "ddp_bucket_cap_mb": Default((None,), _NO_DS),
     "ddp_broadcast_buffers": Default((None,), _NO_DS),
     "ddp_static_graph": Default((None,), _NO_DS),
-    "ddp_backend": Default((None,), "the backend is chosen by rlcore.dist (nccl on CUDA, else gloo)"),
+    "ddp_backend": Default((None,), "the backend is chosen by rlcore.loops.dist (nccl on CUDA, else gloo)"),
     "ddp_timeout": Default((1800,), "the process group keeps torch's timeout"),
     "debug": Default(("", None, []), "no debug modes are offered"),
     "skip_memory_metrics": Ignore("peak memory is logged by the recipes themselves"),

@@ -28,7 +28,7 @@ Gradient accumulation equals the full-minibatch gradient either way:
 
 Data parallelism needs no change here or in the loss: under a ``torch.distributed`` process
 group ``update`` all-reduces the denominators, the gradients, the guards and the metrics (see
-``update`` and ``rlcore.dist``).
+``update`` and ``rlcore.loops.dist``).
 
 A recipe's loss closure, for instance::
 
@@ -56,8 +56,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from rlcore.checks import NonFiniteError, check_mask
-from rlcore.dist.sync import GradSync, accumulation_context, grad_sync, reduce_gradients, total_grad_norm
-from rlcore.dist import agree, all_reduce_sum
+from rlcore.loops.dist.sync import GradSync, accumulation_context, grad_sync, reduce_gradients, total_grad_norm
+from rlcore.loops.dist import agree, all_reduce_sum
 from rlcore.loops.state import TrainState, copy_generator
 
 __all__ = ["update", "global_denominators", "make_optimizer", "make_scheduler", "SCHEDULES", "linear_schedule",
@@ -195,7 +195,7 @@ def global_denominators(batch: TensorDictBase, mask_key: Any) -> dict[str, torch
     """The denominators of one optimiser step: ``num_tokens = Σ mask``, ``num_seqs`` = non-empty rows.
 
     Both are 0-d integer tensors clamped to at least 1, the conventions of
-    ``rlcore.masked.aggregate``. Under a process group of ``W > 1`` ranks (``rlcore.dist``)
+    ``rlcore.masked.aggregate``. Under a process group of ``W > 1`` ranks (``rlcore.loops.dist``)
     the counts are summed over the ranks (one all-reduce, no host synchronisation): each rank's
     loss is then its share of the loss of the global batch. ``mask_key=None`` gives ``{}``.
 
@@ -399,7 +399,7 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
         epoch's last minibatch is read after its step is taken, and a true one skips the
         remaining epochs (every step of the epoch is kept).
 
-    Distributed (a process group of ``W > 1`` ranks, ``rlcore.dist``): ``batch`` is this
+    Distributed (a process group of ``W > 1`` ranks, ``rlcore.loops.dist``): ``batch`` is this
     rank's share of the global batch and ``minibatch_size`` / ``micro_batch_size`` count this
     rank's rows (DDP's per-device sizes; the ranks' shares may differ by a few rows). The token /
     sequence / row counts of each minibatch are summed over the ranks before its losses, so each

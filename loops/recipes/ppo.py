@@ -50,7 +50,7 @@ from rlcore.algorithms.ppo import early_stop, ppo_loss
 from rlcore.checks import lookup
 from rlcore.kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
 from rlcore.logprobs import entropy_from_logits, token_logprobs
-from rlcore.dist import all_gather_moments, all_reduce_sum, dist_info
+from rlcore.loops.dist import all_gather_moments, all_reduce_sum, dist_info
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
 from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, collect_rollout, rollout_metrics,
                                  train_online, update_sizes, with_policy_logprobs)

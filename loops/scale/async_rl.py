@@ -51,7 +51,7 @@ from rlcore.loops.scale.async_learners import check_learner, learn_off_policy
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
-from rlcore.dist import process_context
+from rlcore.loops.dist import process_context
 from rlcore.loops.recipes.dpo import reference_models
 from rlcore.loops.online import check_prompt_data, check_prompt_lengths, generate_kwargs, prompt_source
 from rlcore.loops.reward_fns import make_reward_fn

@@ -65,7 +65,7 @@ def test_console_script_lists_recipes():
 @pytest.mark.slow
 def test_a_recipe_runs_under_torchrun_with_two_ranks(tmp_path):
     """The same CLI command under torchrun: two gloo ranks, one checkpoint, one metrics log."""
-    from rlcore.dist import free_port
+    from rlcore.loops.dist import free_port
 
     run = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")

@@ -1,6 +1,6 @@
 """Data parallelism on CPU: 2 gloo ranks × b rows give the parameters of 1 process × 2b rows.
 
-One module-scoped fixture spawns the two ranks once (``rlcore.dist.spawn``, a free port)
+One module-scoped fixture spawns the two ranks once (``rlcore.loops.dist.spawn``, a free port)
 and runs every distributed scenario in them; each rank writes what it saw to a temporary
 directory and the tests below compare it with one process on the concatenated batch. Tolerance
 for float64 parameters: 1e-10 (observed differences are float summation order, ~1e-16).
@@ -18,10 +18,10 @@ from tensordict import TensorDict
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import grpo_loss
 from rlcore.loops.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from rlcore.dist.sync import (accumulation_context, all_ranks_ok, drop_tied, full_optimizer_state,
+from rlcore.loops.dist.sync import (accumulation_context, all_ranks_ok, drop_tied, full_optimizer_state,
                                           full_weights, grad_sync, reduce_gradients, shard_optimizer_state,
                                           total_grad_norm)
-from rlcore.dist import (STRATEGIES, DistInfo, agree, dist_info, init_distributed, is_main,
+from rlcore.loops.dist import (STRATEGIES, DistInfo, agree, dist_info, init_distributed, is_main,
                                             reduce_metrics, shard_batch, shard_source, spawn, unwrap_model, wrap_model)
 from rlcore.loops.recipes import ppo
 from rlcore.loops.fold import fold

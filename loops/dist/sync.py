@@ -1,5 +1,5 @@
 """Synchronising gradients and state across data-parallel ranks: what ``update`` and
-``save_checkpoint`` call so that N ranks behave as one process (see ``rlcore.dist``).
+``save_checkpoint`` call so that N ranks behave as one process (see ``rlcore.loops.dist``).
 
 - gradients (``update``): :func:`grad_sync` describes a step (which models reduce their own
   gradients, which parameters ``update`` reduces itself, the loss scale), :func:`accumulation_context`
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rlcore.dist import all_reduce_sum, dist_info, is_fsdp2, reduces_own_gradients
+from rlcore.loops.dist import all_reduce_sum, dist_info, is_fsdp2, reduces_own_gradients
 
 __all__ = ["GradSync", "grad_sync", "accumulation_context", "reduce_gradients", "total_grad_norm", "full_weights",
            "drop_tied", "load_full_weights", "full_optimizer_state", "shard_optimizer_state", "all_ranks_ok"]

@@ -159,7 +159,7 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 1800.0) -
     missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
     if missing:
         raise ValueError(f"init_distributed: WORLD_SIZE={world_size} but {missing} are not set; launch with "
-                         "torchrun (or rlcore.dist.spawn), which sets them")
+                         "torchrun (or rlcore.loops.dist.spawn), which sets them")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
