@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_ndim, check_number, check_same_shape, require_keys
+from rlcore.checks import check_float, check_ndim, check_number, check_same_shape, lookup, require_keys
 from rlcore.masked import in_float64, masked_mean, masked_var, saturate, wide, wide_mean
 from rlcore.transforms import StateTransform
 
@@ -201,10 +201,7 @@ def ddim_step(model_output: torch.Tensor, timestep, sample: torch.Tensor, *, alp
     if (prev_sample is None) == (generator is None):
         raise ValueError("ddim_step: pass exactly one of prev_sample (to score it) and generator "
                          "(to draw the noise)")
-    try:
-        to_x0_eps = DDIM_PREDICTIONS[prediction_type]
-    except KeyError:
-        raise ValueError(f"prediction_type: unknown {prediction_type!r}; valid: {sorted(DDIM_PREDICTIONS)}") from None
+    to_x0_eps = lookup(DDIM_PREDICTIONS, prediction_type, what="prediction_type")
     a_t, a_prev = _alphas(timestep, sample, alphas_cumprod, final_alpha_cumprod,
                           num_train_timesteps // num_inference_steps, event_dims)
     dtype = torch.promote_types(torch.promote_types(sample.dtype, model_output.dtype), a_t.dtype)

@@ -83,6 +83,7 @@ __all__ = [
     "sapo_loss",
     "vespo_loss",
     "POLICY_LOSSES",
+    "POLICY_RATIO_LEVELS",
 ]
 
 
@@ -238,4 +239,23 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, TensorDict]]] = {
     "luspo": luspo_loss,
     "sapo": sapo_loss,
     "vespo": vespo_loss,
+}
+
+# The importance ratio's level each entry binds (``ratio_level``, a key of ``algorithms.ratios.RATIO_LEVELS``;
+# ``vanilla``: ``policy_loss``'s default), for code that weights at the loss's level outside it (the
+# asynchronous learners' truncated importance correction).
+POLICY_RATIO_LEVELS: dict[str, str] = {
+    "vanilla": "token",
+    "grpo": "token",
+    "dr_grpo": "token",
+    "dapo": "token",
+    "gspo": "sequence",
+    "rloo": "sequence_sum",
+    "reinforce_pp": "token",
+    "remax": "token",
+    "cispo": "token",
+    "bnpo": "token",
+    "luspo": "sequence",
+    "sapo": "token",
+    "vespo": "token",
 }

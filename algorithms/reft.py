@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
-from rlcore.checks import check_float, check_ndim
+from rlcore.checks import check_float, check_ndim, lookup
 from rlcore.masked import in_float64
 
 __all__ = [
@@ -283,9 +283,7 @@ class ReftIntervention(nn.Module):
                  act: Act = None, zero_init: bool = False, generator: torch.Generator | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
-        if variant not in _VARIANTS:
-            raise ValueError(f"variant: unknown {variant!r}; valid: {sorted(REFT_INTERVENTIONS)}")
-        spec = _VARIANTS[variant]
+        spec = lookup(_VARIANTS, variant, what="variant")
         if spec.orthogonal and rank > hidden_size:
             raise ValueError(f"rank: expected at most hidden_size={hidden_size} orthonormal rows, got {rank}")
         if zero_init and spec.constant and spec.subtracts:

@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, require_keys
+from rlcore.checks import check_float, check_mask, check_ndim, check_same_shape, lookup, require_keys
 from rlcore.masked import AGGREGATIONS, aggregate, masked_mean
 
 __all__ = [
@@ -85,8 +85,7 @@ def sft_loss(batch: TensorDictBase, *, agg: str = "token_mean", num_tokens=None,
     """
     require_keys(batch, [K.LOGPROBS, K.LOSS_MASK], where="sft_loss",
                  layouts={K.LOGPROBS: "[B, T] float", K.LOSS_MASK: "[B, T] bool"})
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"agg: unknown aggregation {agg!r}; valid: {sorted(AGGREGATIONS)}")
+    lookup(AGGREGATIONS, agg, what="agg")
     logprobs, mask = batch.get(K.LOGPROBS), batch.get(K.LOSS_MASK)
     check_ndim(K.LOGPROBS, logprobs, min_ndim=1, layout="[B, T]")
     nll = sft_token_nll(logprobs, mask)

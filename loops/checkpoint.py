@@ -69,9 +69,6 @@ _SPECIAL = ("models", "optimizer", "scheduler", "reward_fn")  # not stored as st
 _MANIFEST_BYTES = 16 << 20  # a manifest lists files: names, sizes, hashes
 
 
-# --- nested values <-> (JSON tree, flat dict of tensors) -------------------------------------
-
-
 # --- models ------------------------------------------------------------------------------------
 def _is_hf(model: nn.Module) -> bool:
     return hasattr(model, "save_pretrained") and hasattr(model, "config")

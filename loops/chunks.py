@@ -27,6 +27,7 @@ from rlcore.loops.models import pad_token_id
 __all__ = ["generate_in_chunks", "cat_rollouts", "chunk_seed"]
 
 _PROMPT_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK)  # left padded: joined by padding on the left
+_SEQUENCE_KEYS = (K.INPUT_IDS, K.ATTENTION_MASK)  # [prompt | response]: rebuilt from the joined halves
 
 
 def chunk_seed(seed: int | None, k: int) -> int | None:
@@ -46,7 +47,8 @@ def cat_rollouts(parts: Sequence[TensorDictBase], *, pad_id: int) -> TensorDict:
     """Rollouts sampled apart joined row-wise into one, as if sampled together: prompts left padded
     to the widest prompt, token quantities ``[b, R_i]`` right padded to the longest response (ids
     with ``pad_id``, masks False, log-probs and the rest 0), ``group_id`` renumbered so the groups
-    of part ``i`` follow those of the parts before it."""
+    of part ``i`` follow those of the parts before it, and the stored ``[prompt | response]``
+    sequences of a scored rollout (``input_ids``, ``attention_mask``) rebuilt from the joined halves."""
     if not parts:
         raise ValueError("parts: expected at least one rollout")
     keys = set(parts[0].keys())
@@ -59,7 +61,9 @@ def cat_rollouts(parts: Sequence[TensorDictBase], *, pad_id: int) -> TensorDict:
         offsets.append(groups)
         if K.GROUP_ID in keys and part.batch_size[0]:
             groups += int(part[K.GROUP_ID].max()) + 1
-    for key in keys:
+    for key in parts[0].keys():
+        if key in _SEQUENCE_KEYS:
+            continue
         tensors = [p[key] for p in parts]
         if key == K.GROUP_ID:
             tensors = [t + off for t, off in zip(tensors, offsets)]
@@ -68,6 +72,10 @@ def cat_rollouts(parts: Sequence[TensorDictBase], *, pad_id: int) -> TensorDict:
             value = pad_id if key in (K.PROMPT_IDS, K.RESPONSE_IDS) else 0
             tensors = [_pad(t, width, left=key in _PROMPT_KEYS, value=value) for t in tensors]
         out[key] = torch.cat(tensors, 0)
+    if K.INPUT_IDS in keys:
+        out[K.INPUT_IDS] = torch.cat([out[K.PROMPT_IDS], out[K.RESPONSE_IDS]], -1)
+    if K.ATTENTION_MASK in keys:
+        out[K.ATTENTION_MASK] = torch.cat([out[K.PROMPT_MASK], out[K.RESPONSE_MASK]], -1)
     return TensorDict(out, batch_size=[sum(p.batch_size[0] for p in parts)], device=parts[0].device)
 
 

@@ -1,6 +1,6 @@
 """The ``rlcore`` command: ``demo``, ``train RECIPE``, ``eval RECIPE``, ``export RECIPE``, ``recipes``.
 
-``rlcore train RECIPE [--config FILE.yaml] [--FIELD VALUE ...]`` runs a recipe of ``RECIPES``;
+``rlcore train RECIPE [--config FILE.yaml] [--FIELD VALUE ...]`` runs a recipe of ``loops.recipes.RECIPES``;
 its options are the fields of the recipe's ``Config`` (``rlcore train RECIPE --help`` lists them
 with their defaults and documentation). Values given on the command line override the YAML,
 which overrides the defaults; unknown fields are an error that lists the valid ones. ``--async``
@@ -10,7 +10,7 @@ weights.
 
 ``rlcore eval RECIPE --checkpoint DIR`` evaluates a saved policy on the recipe's held-out split,
 against the policy its run started from (the reference for KL); a recipe whose state is not a
-language-model policy (``ddpo``, the ``reft`` recipes) rebuilds it with its own ``checkpoint_state``.
+language-model policy (``ddpo``, the ``reft`` recipes) rebuilds it with its ``Recipe.checkpoint_state``.
 
 ``rlcore export RECIPE --checkpoint DIR --out DIR`` writes a checkpoint's policy as a plain
 ``from_pretrained`` folder with its tokenizer; a LoRA policy's adapter is merged into its base
@@ -34,45 +34,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import inspect
 import json
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-__all__ = ["RECIPES", "recipe_module", "field_docs", "main"]
+from rlcore.loops.recipes import RECIPES, Recipe
 
-# recipe name -> module of rlcore.loops with ``Config``, ``train(config)`` and ``evaluate(state, config)``
-# (``module:NAME``: an object of that module with those attributes, e.g. ``loops.recipes.reft_recipes.GRPO``)
-RECIPES: dict[str, str] = {
-    "sft": "rlcore.loops.recipes.sft",
-    "reward": "rlcore.loops.recipes.reward",
-    "dpo": "rlcore.loops.recipes.dpo",
-    "ppo": "rlcore.loops.recipes.ppo",
-    "rloo": "rlcore.loops.recipes.rloo",
-    "grpo": "rlcore.loops.recipes.grpo",
-    "online_dpo": "rlcore.loops.recipes.online_dpo",
-    "ddpo": "rlcore.loops.recipes.ddpo",
-    "reft": "rlcore.loops.recipes.reft",
-    "reft_grpo": "rlcore.loops.recipes.reft_recipes:GRPO",
-    "reft_rloo": "rlcore.loops.recipes.reft_recipes:RLOO",
-    "reft_dpo": "rlcore.loops.recipes.reft_recipes:DPO",
-    "reft_reward": "rlcore.loops.recipes.reft_recipes:REWARD",
-}
-
-
-def recipe_module(name: str) -> ModuleType | Any:
-    """The module (or ``module:NAME`` object) of recipe ``name``; unknown names raise ``ValueError``
-    listing the recipes."""
-    from rlcore.checks import lookup
-
-    module, _, attr = lookup(RECIPES, name, what="recipe").partition(":")
-    loaded = importlib.import_module(module)
-    return getattr(loaded, attr) if attr else loaded
+__all__ = ["field_docs", "main"]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -136,14 +108,14 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _config(module: ModuleType, args: argparse.Namespace, base: dict[str, Any] | None = None,
+def _config(recipe: Recipe, args: argparse.Namespace, base: dict[str, Any] | None = None,
             forced: dict[str, Any] | None = None) -> Any:
     """The recipe's ``Config``: defaults < ``base`` < the ``--config`` YAML < ``--field`` flags < ``forced``.
     The caller's TRL names are read before ``base`` joins (a stored ``lr`` is no conflict with ``--learning_rate``)."""
     from rlcore.loops.config import load_config, trl_translated
 
-    values = {**(base or {}), **trl_translated(module.Config, _given(args)), **(forced or {})}
-    return load_config(module.Config, None, values)
+    values = {**(base or {}), **trl_translated(recipe.config, _given(args)), **(forced or {})}
+    return load_config(recipe.config, None, values)
 
 
 def _parse_value(text: str, where: str = "a flag") -> Any:
@@ -158,14 +130,14 @@ def _train(args: argparse.Namespace) -> int:
     from rlcore.loops.dist import init_distributed
 
     init_distributed()  # joins torchrun's process group; a no-op in one process
-    module = recipe_module(args.recipe)
-    config = _config(module, args)
+    recipe = RECIPES[args.recipe]
+    config = _config(recipe, args)
     if args.run_async:
         from rlcore.loops.scale.async_rl import train_async
 
         _, history = train_async(config, max_lag=args.max_lag, is_clip=args.is_clip, callbacks=[args.started])
     else:
-        _, history = module.train(config, callbacks=[args.started])
+        _, history = recipe.train(config, callbacks=[args.started])
     if history:  # strict JSON: a NaN or infinite metric is printed as null
         print(json.dumps({"final": _strict_json(history[-1])}, indent=None, allow_nan=False))
     return 0
@@ -182,7 +154,7 @@ def _strict_json(value: Any) -> Any:
     return value
 
 
-def _saved_run(module: ModuleType, args: argparse.Namespace) -> tuple[Path, dict[str, Any], Any]:
+def _saved_run(recipe: Recipe, args: argparse.Namespace) -> tuple[Path, dict[str, Any], Any]:
     """The checkpoint ``--checkpoint`` names (a run directory: its latest; its files are verified
     against its manifest where they are loaded); the hyper-parameters of its stored config that the
     recipe's ``Config`` has; and the caller's own ``Config`` (defaults < YAML < flags).
@@ -197,8 +169,8 @@ def _saved_run(module: ModuleType, args: argparse.Namespace) -> tuple[Path, dict
     path = Path(args.checkpoint)
     if not (path / "trainer_state.json").exists():  # a run directory: its latest checkpoint
         path = latest_checkpoint(path) or path
-    caller = _config(module, args)
-    fields = [f.name for f in dataclasses.fields(module.Config)]
+    caller = _config(recipe, args)
+    fields = [f.name for f in dataclasses.fields(recipe.config)]
     start, ignored = data_settings(stored_config(path), fields, config_dict(caller), _given(args))
     report_ignored(path / "config.json", ignored, command=f"rlcore {args.command}")
     return path, start, caller
@@ -209,26 +181,26 @@ def _eval(args: argparse.Namespace) -> int:
     from rlcore.loops.recipe import build_policy, check_tiny_fits, checkpoint_model_dir, require_held_out
     from rlcore.loops.state import init_state
 
-    module = recipe_module(args.recipe)
-    path, start, caller = _saved_run(module, args)
-    if hasattr(module, "checkpoint_state"):  # recipes whose state is not a language-model policy
-        config = _config(module, args, start, {"resume": False})
+    recipe = RECIPES[args.recipe]
+    path, start, caller = _saved_run(recipe, args)
+    if recipe.checkpoint_state is not None:  # recipes whose state is not a language-model policy
+        config = _config(recipe, args, start, {"resume": False})
         require_held_out(config)  # a run that held nothing out (num_eval 0): before any model
-        state = module.checkpoint_state(config, path)
+        state = recipe.checkpoint_state(config, path)
     else:
         # the reference for KL: the policy the run started from, as the caller names it (--init_from,
         # which is also the base of an adapter checkpoint whose run started from a checkpoint), or a fresh init
         base_from = caller.init_from
-        config = _config(module, args, start, {"init_from": str(path), "resume": False})
+        config = _config(recipe, args, start, {"init_from": str(path), "resume": False})
         require_held_out(config)
-        policy, _ = build_policy(config, base_from=base_from)  # its weights checked against their headers
+        policy, _ = build_policy(config, task=recipe.model_task, base_from=base_from)  # its weights checked against their headers
         # a fresh reference is built from the stored sizes: first checked against the checkpoint's own weights
-        ref_config = _config(module, args, start, {"resume": False})
-        check_tiny_fits(ref_config, checkpoint_model_dir(path), getattr(module.Config, "MODEL_TASK", "causal_lm"))
-        reference, _ = build_policy(ref_config)
+        ref_config = _config(recipe, args, start, {"resume": False})
+        check_tiny_fits(ref_config, checkpoint_model_dir(path), recipe.model_task)
+        reference, _ = build_policy(ref_config, task=recipe.model_task)
         state = init_state({"policy": policy, "ref": make_reference(reference)}, seed=config.seed)
     args.started.on_start(state)
-    print(json.dumps(module.evaluate(state, config), indent=2))
+    print(json.dumps(recipe.evaluate(state, config), indent=2))
     return 0
 
 
@@ -236,18 +208,18 @@ def _export(args: argparse.Namespace) -> int:
     from rlcore.loops.lora import export_merged
     from rlcore.loops.recipe import build_policy
 
-    module = recipe_module(args.recipe)
-    if hasattr(module, "checkpoint_state"):
+    recipe = RECIPES[args.recipe]
+    if recipe.checkpoint_state is not None:
         raise SystemExit(f"rlcore export: the {args.recipe} recipe's checkpoints are not a language-model policy; "
                          "load them with its checkpoint_state")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"rlcore export: --out {out} exists and is not empty")
-    path, start, caller = _saved_run(module, args)
+    path, start, caller = _saved_run(recipe, args)
     # the checkpoint's policy as plain weights: an adapter merged into its base, no new adapter
-    config = _config(module, args, start, {"init_from": str(path), "resume": False, "use_peft": False,
+    config = _config(recipe, args, start, {"init_from": str(path), "resume": False, "use_peft": False,
                                            "gradient_checkpointing": False, "device": "cpu"})
-    model, tokenizer = build_policy(config, base_from=caller.init_from)
+    model, tokenizer = build_policy(config, task=recipe.model_task, base_from=caller.init_from)
     args.started.on_start(None)
     export_merged(model, tokenizer, out)
     print(json.dumps({"exported": str(out), "from": str(path)}))
@@ -261,10 +233,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _recipes(args: argparse.Namespace) -> int:
-    for name in RECIPES:
-        recipe = recipe_module(name)
-        doc = (getattr(recipe, "doc", None) or recipe.__doc__ or "").strip().splitlines()[0]
-        print(f"{name:12s} {doc}")
+    for name, recipe in RECIPES.items():
+        print(f"{name:12s} {recipe.doc}")
     return 0
 
 
@@ -276,7 +246,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     demo.add_arguments(sub.add_parser("demo", help="the built-in offline post-training demo",
                                       description=demo.__doc__.splitlines()[0]))
     sub.add_parser("recipes", help="list the recipes")
-    # Recipe options depend on the recipe: import only the one named on the command line.
+    # Recipe options depend on the recipe: only the one named on the command line adds its fields.
     commands = (("train", "run a recipe"), ("eval", "evaluate a checkpoint of a recipe"),
                 ("export", "write a checkpoint's policy as a plain from_pretrained folder (a LoRA adapter merged)"))
     recipe = next((a for a in argv[1:] if not a.startswith("-")), None) if argv[:1] in [[c] for c, _ in commands] \
@@ -300,7 +270,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             scale.add_argument("--is_clip", type=float, default=None,
                                help="truncated importance weight cap (None: the loss's clipped ratio only) [default: None]")
         if recipe in RECIPES and argv[0] == command:
-            _recipe_parser(p, recipe_module(recipe).Config)
+            _recipe_parser(p, RECIPES[recipe].config)
         else:
             p.add_argument("--config", type=Path)
     return parser

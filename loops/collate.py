@@ -11,6 +11,7 @@ from datasets import Dataset
 from tensordict import TensorDict
 
 from rlcore import keys as K
+from rlcore.checks import lookup
 from rlcore.loops.models import pad_token_id
 
 __all__ = ["pad_sequences", "collate_prompts", "collate_sequences", "collate_preference", "collate_unpaired",
@@ -131,11 +132,7 @@ COLLATORS: dict[str, Callable[..., TensorDict]] = {
 
 def collate(format: str, rows, *, pad_id: int) -> TensorDict:
     """Collate tokenised rows (a list of row dicts or a dict of columns) with ``COLLATORS[format]``."""
-    try:
-        fn = COLLATORS[format]
-    except KeyError:
-        raise ValueError(f"format: unknown format {format!r}; valid: {sorted(COLLATORS)}") from None
-    return fn(rows, pad_id=pad_id)
+    return lookup(COLLATORS, format, what="format")(rows, pad_id=pad_id)
 
 
 def iterate_batches(dataset: Dataset, tokenizer, batch_size: int, *, format: str, shuffle: bool = False,

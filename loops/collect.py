@@ -118,9 +118,6 @@ def uniform_length_sampler(low: int, high: int, *, seed: int = 0) -> Callable[[]
     return lambda: int(torch.randint(low, high, (), generator=g))
 
 
-# --- samplers: (logits [B, V], *, generator) -> ids [B] ------------------------------------------
-
-
 # --- the sampling loop -----------------------------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ from rlcore.loops.logging import check_trackers
 from rlcore.loops.trl_config import translate as translate_trl_names
 
 __all__ = ["ConfigError", "RunConfig", "coerce_tuples", "DTYPES", "TINY_MODELS", "loading_kwargs", "quantization_kwargs", "check_quantization",
-           "autocast_dtype", "FIELD_RULES", "DIVISOR_FIELDS", "try_loss", "check_config", "TRL_NAMES", "load_config", "trl_translated",
+           "autocast_dtype", "FIELD_RULES", "DIVISOR_FIELDS", "try_loss", "check_config", "is_checked", "ensure_checked", "TRL_NAMES", "load_config", "trl_translated",
            "config_dict", "parse_yaml", "read_config_file", "YAML_MAX_BYTES", "YAML_MAX_DEPTH", "YAML_MAX_ALIASES", "YAML_MAX_NODES"]
 
 
@@ -531,8 +531,11 @@ def check_config(config: Any) -> Any:
     below the count; ``meta`` is refused). Else a ``ConfigError`` (a ``ValueError``) naming each field (or
     ``loss_kwargs.<name>``) at fault, its value and what is allowed (all at once).
 
-    ``load_config`` runs it on every config it builds and ``run`` on the config of every recipe it
-    starts, so a bad value fails before any model is built (CLI, YAML) or any step is taken (Python).
+    A config that passes is marked checked (:func:`is_checked`): an attribute of this instance outside
+    its fields, so no field, ``repr``, equality or ``config_dict`` sees it, and ``dataclasses.replace``
+    makes a new, unchecked config. ``load_config`` checks every config it builds; ``build_policy`` and
+    ``run`` take a config through :func:`ensure_checked`, so a config built in Python is checked once,
+    before any model is built or any file written, and one already checked is not checked again.
     """
     faults = []
     values = [(f.name, f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
@@ -588,7 +591,24 @@ def check_config(config: Any) -> Any:
     check_trackers(getattr(config, "report_to", ()))
     if isinstance(config, RunConfig):  # a language-model recipe's (DDPO's config loads no such model)
         check_quantization(config)
+    object.__setattr__(config, _CHECKED, True)  # the dataclass is frozen; the marker is no field
     return config
+
+
+# The instance attribute that marks a config as having passed ``check_config``.
+_CHECKED = "_config_checked"
+
+
+def is_checked(config: Any) -> bool:
+    """Whether this very ``config`` instance has passed ``check_config``."""
+    return bool(vars(config).get(_CHECKED, False))
+
+
+def ensure_checked(config: Any) -> Any:
+    """``config``, checked: as is when it has passed ``check_config`` already (``load_config``'s, or one
+    an earlier stage of the run took through here), else ``check_config(config)`` now. The stages of a
+    run call this, so its config is validated once, on whichever path it was built."""
+    return config if is_checked(config) else check_config(config)
 
 
 # TRL's names as hints ("did you mean") for recipes without a translation table: the recipes of

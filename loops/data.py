@@ -409,15 +409,3 @@ def _load_directory(path: Path) -> Dataset:
     data = datasets.concatenate_datasets(parts)
     _ORIGINS[data] = _Origin(files=tuple(f for part in parts for f in _ORIGINS[part].files))
     return data
-
-
-# --- truncation ------------------------------------------------------------------------------
-
-
-# --- tokenisation ----------------------------------------------------------------------------
-
-
-# --- collation -------------------------------------------------------------------------------
-
-
-# --- packing ---------------------------------------------------------------------------------

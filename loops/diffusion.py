@@ -28,7 +28,7 @@ from torch import nn
 
 from rlcore import keys as K
 from rlcore.algorithms.ddpo import ddim_step
-from rlcore.checks import check_float, check_ndim, require_keys
+from rlcore.checks import check_float, check_ndim, lookup, require_keys
 from rlcore.loops.fold import fold
 from rlcore.loops.images import require_extra
 from rlcore.loops.state import copy_generator, init_state
@@ -111,10 +111,7 @@ def ddim_schedule(num_inference_steps: int, *, num_train_timesteps: int = 1000, 
 
     References: Song et al., "Denoising Diffusion Implicit Models", https://arxiv.org/abs/2010.02502
     """
-    try:
-        betas_fn = BETA_SCHEDULES[beta_schedule]
-    except KeyError:
-        raise ValueError(f"beta_schedule: unknown {beta_schedule!r}; valid: {sorted(BETA_SCHEDULES)}") from None
+    betas_fn = lookup(BETA_SCHEDULES, beta_schedule, what="beta_schedule")
     if not 1 <= num_inference_steps <= num_train_timesteps:
         raise ValueError(f"num_inference_steps: expected 1..{num_train_timesteps} (num_train_timesteps), "
                          f"got {num_inference_steps}")
@@ -373,9 +370,6 @@ def row_condition(rows: TensorDictBase, trajectories: TensorDictBase) -> TensorD
     require_keys(rows, [K.SAMPLE_INDEX], where="row_condition")
     index = rows.get(K.SAMPLE_INDEX)
     return rows.copy().update({k: trajectories.get(k)[index] for k in keys})
-
-
-# --- images and rewards ------------------------------------------------------------------------
 
 
 # --- synthetic data and pre-training ------------------------------------------------------------

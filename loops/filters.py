@@ -32,12 +32,9 @@ from datasets import Dataset
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
+from rlcore.loops.chunks import cat_rollouts
 
-__all__ = ["exclude_unscored", "mask_truncated", "informative_groups", "concat_rollouts", "prompt_refill",
-           "refill_informative"]
-
-_PROMPT_KEYS = (K.PROMPT_IDS, K.PROMPT_MASK)
-_SEQUENCE_KEYS = (K.INPUT_IDS, K.ATTENTION_MASK)
+__all__ = ["exclude_unscored", "mask_truncated", "informative_groups", "prompt_refill", "refill_informative"]
 
 
 def informative_groups(rollout: TensorDictBase) -> torch.Tensor:
@@ -48,34 +45,6 @@ def informative_groups(rollout: TensorDictBase) -> torch.Tensor:
     low = torch.full((n,), torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, index, score, "amin")
     high = torch.full((n,), -torch.inf, dtype=score.dtype, device=score.device).scatter_reduce(0, index, score, "amax")
     return (high > low)[index]
-
-
-def concat_rollouts(rollouts: Sequence[TensorDictBase]) -> TensorDict:
-    """One rollout of several: prompts left padded and token keys right padded to common widths,
-    ``group_id`` renumbered so that groups of different rollouts stay apart, the stored
-    ``[prompt | response]`` sequences rebuilt."""
-    P = max(r[K.PROMPT_IDS].shape[-1] for r in rollouts)
-    R = max(r[K.RESPONSE_IDS].shape[-1] for r in rollouts)
-    parts, offset = [], 0
-    for r in rollouts:
-        out = {}
-        for key in r.keys():
-            x = r[key]
-            if key in _SEQUENCE_KEYS:
-                continue
-            if key in _PROMPT_KEYS:
-                x = torch.nn.functional.pad(x, (P - x.shape[-1], 0))
-            elif x.ndim == 2:
-                x = torch.nn.functional.pad(x, (0, R - x.shape[-1]))
-            out[key] = x
-        out[K.GROUP_ID] = r[K.GROUP_ID] + offset
-        offset += int(r[K.GROUP_ID].max()) + 1 if r.batch_size[0] else 0
-        parts.append(TensorDict(out, batch_size=r.batch_size))
-    rollout = torch.cat(parts)
-    if any(K.INPUT_IDS in r.keys() for r in rollouts):
-        rollout[K.INPUT_IDS] = torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1)
-        rollout[K.ATTENTION_MASK] = torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1)
-    return rollout
 
 
 def prompt_refill(dataset: Dataset, config: Any) -> Callable[[int, int], dict]:
@@ -90,9 +59,10 @@ def prompt_refill(dataset: Dataset, config: Any) -> Callable[[int, int], dict]:
 
 def refill_informative(state: Any, rows: Mapping[str, Sequence], collect: Callable[..., tuple[Any, TensorDict]], *,
                        refill: Callable[[int, int], Mapping[str, Sequence]], batch_size: int, num_samples: int,
-                       max_rounds: int) -> tuple[Any, TensorDict, dict[str, torch.Tensor]]:
+                       max_rounds: int, pad_id: int) -> tuple[Any, TensorDict, dict[str, torch.Tensor]]:
     """``collect(state, rows) -> (state, rollout)`` round after round, keeping the informative groups,
-    until ``batch_size`` of them or ``max_rounds`` rounds: ``(state, rollout, counts)``.
+    until ``batch_size`` of them or ``max_rounds`` rounds: ``(state, rollout, counts)``. The kept
+    groups are joined by ``loops.chunks.cat_rollouts`` (ids padded with ``pad_id``).
 
     ``counts``: ``rollout/sampling_rounds``, ``rollout/dropped_groups`` (uninformative groups
     sampled and dropped) and ``rollout/kept_groups``.
@@ -111,7 +81,7 @@ def refill_informative(state: Any, rows: Mapping[str, Sequence], collect: Callab
         if held >= batch_size or rounds >= max_rounds:
             break
         rows = refill(step, rounds)
-    rollout = concat_rollouts(kept)[:batch_size * num_samples] if kept else first
+    rollout = cat_rollouts(kept, pad_id=pad_id)[:batch_size * num_samples] if kept else first
     counts = {"rollout/sampling_rounds": torch.tensor(float(rounds)),
               "rollout/dropped_groups": torch.tensor(float(dropped)),
               "rollout/kept_groups": torch.tensor(float(rollout.batch_size[0] // num_samples if kept else 0))}

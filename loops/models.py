@@ -30,7 +30,7 @@ from torch import nn
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
                           AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast)
 
-from rlcore.checks import check_mask, check_ndim
+from rlcore.checks import check_mask, check_ndim, lookup
 
 __all__ = ["build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS", "CHAT_TEMPLATE", "build_model",
            "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS", "disable_dropout",
@@ -101,10 +101,7 @@ def build_tokenizer(kind: str = "char", *, vocab: str | None = None, texts: Sequ
     >>> tok.decode(tok("Hi 2!")["input_ids"])
     'Hi 2!'
     """
-    try:
-        make = TOKENIZER_KINDS[kind]
-    except KeyError:
-        raise ValueError(f"kind: unknown tokenizer kind {kind!r}; valid: {sorted(TOKENIZER_KINDS)}") from None
+    make = lookup(TOKENIZER_KINDS, kind, what="kind")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=make(vocab=vocab, texts=texts, vocab_size=vocab_size),
                                         padding_side=padding_side, model_max_length=model_max_length,
                                         chat_template=CHAT_TEMPLATE, **SPECIAL_TOKENS)
@@ -169,13 +166,6 @@ TASKS: dict[str, type] = {"causal_lm": AutoModelForCausalLM, "reward": AutoModel
                           "value": AutoModelForTokenClassification}
 
 
-def _lookup(registry: dict, name: str, what: str):
-    try:
-        return registry[name]
-    except KeyError:
-        raise ValueError(f"{what}: unknown {what} {name!r}; valid: {sorted(registry)}") from None
-
-
 def build_model(arch: str = "llama", *, vocab_size: int | None = None, tokenizer=None, hidden_size: int = 64,
                 num_layers: int = 2, num_heads: int = 4, max_position_embeddings: int = 256, seed: int = 0,
                 tie_word_embeddings: bool = True, dtype: torch.dtype = torch.float32,
@@ -197,10 +187,10 @@ def build_model(arch: str = "llama", *, vocab_size: int | None = None, tokenizer
         if tokenizer is None:
             raise ValueError("vocab_size: pass vocab_size or a tokenizer to take it from")
         vocab_size = len(tokenizer)
-    auto = _lookup(TASKS, task, "task")
+    auto = lookup(TASKS, task, what="task")
     ids = {f"{n}_token_id": getattr(tokenizer, f"{n}_token_id", None) for n in ("pad", "bos", "eos")}
     ids = {k: v for k, v in ids.items() if v is not None}
-    config = _lookup(ARCHS, arch, "arch")(
+    config = lookup(ARCHS, arch, what="arch")(
         vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
         **ids, **({} if task == "causal_lm" else {"num_labels": 1}))
@@ -244,7 +234,7 @@ def load_model(name_or_path: str, *, task: str = "causal_lm", trust_remote_code:
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
     try:
-        return _lookup(TASKS, task, "task").from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+        return lookup(TASKS, task, what="task").from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
                                                             dtype=dtype, **kwargs)
     except ValueError as e:
         if trust_remote_code or "trust_remote_code" not in str(e):
@@ -363,7 +353,7 @@ def check_saved_model(directory: str | Path, *, task: str = "causal_lm", new_hea
                                      f"hold at most {bound} (layer indices of their keys)")
     try:
         with torch.device("meta"), _quiet_loading():
-            model = _lookup(TASKS, task, "task").from_config(config)
+            model = lookup(TASKS, task, what="task").from_config(config)
     except (ValueError, RuntimeError, TypeError) as e:
         raise CheckpointError(f"{directory / 'config.json'}: cannot build its model ({type(e).__name__}: {e})") from e
     check_weights_fit(model, shapes, f"{directory}", new_head=new_head)

@@ -41,7 +41,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -57,9 +57,9 @@ from rlcore.loops.collect import draw_seed
 from rlcore.loops.data import row_origin
 from rlcore.loops.config import RunConfig, autocast_dtype, loading_kwargs
 from rlcore.loops.filters import exclude_unscored, mask_truncated, prompt_refill, refill_informative
-from rlcore.loops.tokenization import check_text, model_context, text_window, tokenize_example
+from rlcore.loops.tokenization import check_context, check_text, model_context, text_window, tokenize_example
 from rlcore.loops.evaluate import evaluate_policy
-from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_values
+from rlcore.loops.models import ValueHead, disable_dropout, load_model, pad_token_id, token_values
 from rlcore.loops.recipe import batch_source, build_policy, build_reference, init_train_state, load_splits, run
 from rlcore.loops.reward_fns import (RewardFn, make_reward_fn, missing_eos_penalty, repeat_columns, repeat_prompts,
                                      reward_columns, reward_settings, trainer_state)
@@ -84,11 +84,6 @@ Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
 class OnlineConfig(RunConfig):
     """Fields shared by every online recipe beyond ``RunConfig``'s (a recipe's ``Config`` subclasses
     this and adds its own)."""
-
-    # whether scoring adds the rollout's per-token reference log-probs (online DPO's pairs get theirs)
-    rollout_ref_logprobs: ClassVar[bool] = True
-    # whether ``learn`` runs the reference itself (online DPO); placement keeps it with the learner then
-    learn_uses_ref: ClassVar[bool] = False
 
     # --- models ---
     reward_model: str | None = None  # local path of a sequence-classification reward model (same tokenizer)
@@ -175,7 +170,7 @@ def check_prompt_lengths(config: Any, tokenizer, model: nn.Module, **splits: Dat
     the longest ``length_sampler`` draw) runs past ``model``'s context (``max_position_embeddings``),
     once cut to ``max_prompt_length``: the error names the split, the row and the lengths. Each
     prompt is tokenised through ``text_window`` (memory bounded by the context, whatever its size)."""
-    context = model_context(model)  # as every context check (loops.tokenization.check_context)
+    context = model_context(model)
     if context is None:
         return
     sampler = getattr(config, "length_sampler", None)
@@ -189,11 +184,9 @@ def check_prompt_lengths(config: Any, tokenizer, model: nn.Module, **splits: Dat
             ids = tokenize_example({"prompt": text_window(prompt, tokenizer, context, "keep_end")}, tokenizer,
                                    format="prompt_only", max_prompt_length=config.max_prompt_length,
                                    where=_row(data, i, where))["prompt_ids"]
-            if len(ids) > room:
-                raise ValueError(f"{_row(data, i, where)}: its prompt has {len(ids)} tokens, which with "
-                                 f"a response budget of {budget} exceeds the model's context of {context} "
-                                 f"(max_position_embeddings); set max_prompt_length <= {room} to keep each prompt's "
-                                 "last tokens, or drop the row")
+            check_context(model, len(ids) + budget, f"{_row(data, i, where)}: its prompt has {len(ids)} tokens, "
+                          f"which with a response budget of {budget}",
+                          f"set max_prompt_length <= {room} to keep each prompt's last tokens, or drop the row")
 
 
 def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mapping[str, nn.Module]] | None = None,
@@ -254,7 +247,8 @@ def generate_kwargs(config: Any) -> dict[str, Any]:
 
 
 def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
-                    reward_fn: RewardFn | None, num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
+                    reward_fn: RewardFn | None, num_samples: int | None = None,
+                    reference: bool = True) -> tuple[TrainState, TensorDict]:
     """Sample ``G`` responses per prompt and score them: ``(state, rollout)``.
 
     The step's one seed draw (``draw_seed`` on a copy of ``state.rng``, which the returned state
@@ -264,6 +258,7 @@ def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: 
     Args:
         rows: a prompt batch, dict of columns with ``prompt`` (``P`` rows).
         num_samples: ``G`` (default ``config.num_samples``).
+        reference: as :func:`score_collected`.
     Returns:
         As :func:`score_collected`: the advanced state and the rollout TensorDict ``[B = P·G]``.
     """
@@ -274,20 +269,22 @@ def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: 
                                  **{**generate_kwargs(config), "num_samples": G}, seed=seed,
                                  policy_version=state.policy_version)
     return score_collected(dataclasses.replace(state, rng=rng), rows, rollout, config=config, tokenizer=tokenizer,
-                           reward_fn=reward_fn, num_samples=G)
+                           reward_fn=reward_fn, num_samples=G, reference=reference)
 
 
 def collect_groups(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
-                   reward_fn: RewardFn | None, refill: Callable[[int, int], Mapping[str, Sequence]] | None = None
-                   ) -> tuple[TrainState, TensorDict, dict[str, torch.Tensor]]:
-    """A group recipe's collection: :func:`collect_rollout`, or with the config's ``dynamic_sampling``
-    (and a ``refill`` of fresh prompts) ``loops.filters.refill_informative`` around it.
+                   reward_fn: RewardFn | None, refill: Callable[[int, int], Mapping[str, Sequence]] | None = None,
+                   reference: bool = True) -> tuple[TrainState, TensorDict, dict[str, torch.Tensor]]:
+    """A group recipe's collection: :func:`collect_rollout` (``reference`` as there), or with the config's
+    ``dynamic_sampling`` (and a ``refill`` of fresh prompts) ``loops.filters.refill_informative`` around it.
     ``(state, rollout, counts)``; ``counts`` the refill's metrics (``{}`` without)."""
-    collect = functools.partial(collect_rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    collect = functools.partial(collect_rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                                reference=reference)
     if refill is None or not getattr(config, "dynamic_sampling", False):
         return (*collect(state, rows), {})
     return refill_informative(state, rows, collect, refill=refill, batch_size=config.batch_size,
-                              num_samples=config.num_samples, max_rounds=config.max_sampling_rounds)
+                              num_samples=config.num_samples, max_rounds=config.max_sampling_rounds,
+                              pad_id=pad_token_id(tokenizer))
 
 
 def replay_seed_draw(state: TrainState) -> TrainState:
@@ -312,13 +309,14 @@ def critic_values(state: TrainState) -> Callable[[torch.Tensor, torch.Tensor], t
 
 
 def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any,
-                    tokenizer, reward_fn: RewardFn | None, num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
+                    tokenizer, reward_fn: RewardFn | None, num_samples: int | None = None,
+                    reference: bool = True) -> tuple[TrainState, TensorDict]:
     """``collect_rollout`` after generation: score a rollout sampled from ``rows`` and advance the
     state's counters past those samples.
 
     ``score_rollout`` with the models the state holds: ``ref_logprobs`` from ``models["ref"]``
-    (unless the recipe's config has ``rollout_ref_logprobs = False``: online DPO's pairs get
-    theirs), ``values`` from a critic (:func:`critic_values`) and ``score`` from the reward
+    (with ``reference``: a recipe's ``Recipe.rollout_ref_logprobs``; online DPO's pairs get
+    theirs in its ``learn``), ``values`` from a critic (:func:`critic_values`) and ``score`` from the reward
     (``reward_fn`` called as TRL calls one: the batch's prompts as the data holds them, the
     completions in the same shape, their ids, the other dataset columns repeated per sample and a
     ``trainer_state`` at ``state.step`` of ``config.steps``; plus ``models["reward"]``); then the
@@ -333,15 +331,16 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
         rollout: ``[B = P·G]`` from ``generate_rollout`` (``loops.collect``).
         reward_fn: ``None`` with no ``state.models["reward"]`` keeps the rollout's ``score`` (if any).
         num_samples: ``G`` (default ``config.num_samples``).
+        reference: whether to add the reference's ``ref_logprobs`` (when the state holds ``models["ref"]``).
     Returns:
         ``(state, rollout)``: the state with ``samples_seen``, ``episodes`` (``+B``) and
         ``tokens_seen`` (``+Σ prompt_mask + Σ response_mask``: prompt and completion tokens, as
         TRL's ``num_tokens`` counts them) advanced (the input state is untouched); a shallow
         copy of the rollout with the scores.
     """
-    reference = state.models.get("ref") if getattr(config, "rollout_ref_logprobs", True) else None
+    ref = state.models.get("ref") if reference else None
     G = config.num_samples if num_samples is None else num_samples
-    rollout = score_rollout(rollout, ref=reference, value_fn=critic_values(state),
+    rollout = score_rollout(rollout, ref=ref, value_fn=critic_values(state),
                             reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                             prompts=repeat_prompts(rows, G), temperature=config.temperature,
                             reward_columns={**repeat_columns(rows, G),
@@ -364,8 +363,8 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
 
 
 # What an estimator of ``ADVANTAGE_ESTIMATORS`` reads beyond every rollout's ``score`` and
-# ``response_mask``, and where it comes from: a recipe whose learner batch (its Config's
-# ``advantage_inputs``) lacks one cannot run that estimator.
+# ``response_mask``, and where it comes from: a recipe whose learner batch (its ``Recipe.advantage_inputs``)
+# lacks one cannot run that estimator.
 ESTIMATOR_NEEDS: dict[str, dict[str, str]] = {
     "gae": {K.REWARDS: "rewards [B, R] (per-token rewards)",
             K.VALUES: "values [B, R] (a critic's, which only the PPO recipe trains)"},
@@ -385,17 +384,19 @@ def check_kl_name(config: Any, *, full: bool = False) -> None:
         raise ValueError(f"kl: expected one of {valid}, got {config.kl!r}{hint}")
 
 
-def runnable_estimators(config: Any) -> list[str]:
-    """The keys of ``ADVANTAGE_ESTIMATORS`` whose inputs (``ESTIMATOR_NEEDS``) the learner batch of
-    ``config``'s recipe holds (``config.advantage_inputs``)."""
-    held = set(getattr(config, "advantage_inputs", ()))
+def runnable_estimators(inputs: Sequence[str]) -> list[str]:
+    """The keys of ``ADVANTAGE_ESTIMATORS`` whose inputs (``ESTIMATOR_NEEDS``) a learner batch holding
+    the keys ``inputs`` (a recipe's ``advantage_inputs``) feeds."""
+    held = set(inputs)
     return sorted(name for name in ADVANTAGE_ESTIMATORS if set(ESTIMATOR_NEEDS.get(name, {})) <= held)
 
 
-def advantage_fn(config: Any) -> Callable[[TensorDictBase], TensorDictBase]:
+def advantage_fn(config: Any, *, inputs: Sequence[str], recipe: str) -> Callable[[TensorDictBase], TensorDictBase]:
     """The estimator a policy-gradient recipe's config selects: ``ADVANTAGE_ESTIMATORS[config.advantage]``
     (``rlcore.baselines``) with ``config.advantage_kwargs`` bound, each keyword checked against its
     signature (``rlcore.checks.bind_keywords``). Scored rollout → rollout + ``advantages``, ``returns``.
+    ``inputs``: the keys the recipe's learner batch holds (its ``advantage_inputs``); ``recipe``: its
+    name, for the errors.
 
     Raises ``ValueError`` for an estimator the recipe cannot feed (``runnable_estimators``), naming
     the recipe, the estimator and what its batch lacks, and for ``group_size`` in ``advantage_kwargs``
@@ -404,13 +405,12 @@ def advantage_fn(config: Any) -> Callable[[TensorDictBase], TensorDictBase]:
     if "group_size" in config.advantage_kwargs:
         raise ValueError(f"advantage_kwargs.group_size: the rollout's groups are its prompts' samples (num_samples="
                          f"{config.num_samples}, by group_id), not a setting; got {config.advantage_kwargs['group_size']!r}")
-    held = set(getattr(config, "advantage_inputs", ()))
+    held = set(inputs)
     missing = [what for key, what in ESTIMATOR_NEEDS.get(config.advantage, {}).items() if key not in held]
     if missing:
-        recipe = type(config).__module__.rsplit(".", 1)[-1]
         raise ValueError(f"advantage: the {recipe} recipe cannot run {config.advantage!r}: it reads "
                          f"{' and '.join(missing)}, which the {recipe} recipe's rollout does not hold; choose one "
-                         f"of {runnable_estimators(config)}")
+                         f"of {runnable_estimators(inputs)}")
     return bind_keywords(estimator, config.advantage_kwargs, what="advantage_kwargs", name=config.advantage)
 
 
@@ -590,9 +590,6 @@ def reward_term_metrics(terms: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
         out[f"rewards/{name}/mean"] = mean
         out[f"rewards/{name}/std"] = var.sqrt()
     return out
-
-
-# --- evaluation ----------------------------------------------------------------------------------
 
 
 # --- the run -------------------------------------------------------------------------------------

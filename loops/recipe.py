@@ -150,15 +150,14 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0,
     Args:
         config: any object with the fields above (a recipe's ``Config``).
         task: ``"causal_lm"`` (policy), ``"reward"`` (one-label sequence classifier) or
-            ``"value"`` (one-label token classifier), as ``loops.models.TASKS``; default: the
-            config class's ``MODEL_TASK`` attribute (a ``ClassVar``, not a field; the reward
-            recipe sets ``"reward"``), else ``"causal_lm"``.
+            ``"value"`` (one-label token classifier), as ``loops.models.TASKS``; ``None``:
+            ``"causal_lm"`` (a recipe's own is its ``Recipe.model_task``: the reward recipe's ``"reward"``).
     Returns:
         ``(model, tokenizer)``; the tokenizer has a pad token.
     """
     if dataclasses.is_dataclass(config):
         ensure_checked(config)  # before any model is built (once per config: a checked one is not checked again)
-    task = task or getattr(type(config), "MODEL_TASK", "causal_lm")
+    task = task or "causal_lm"
     name = config.model
     init_from = config.init_from
     tokenizer = policy_tokenizer(config)

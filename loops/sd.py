@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rlcore.checks import lookup
 from rlcore.loops.diffusion import DDIMSchedule, schedule_from_scheduler
 from rlcore.loops.images import require_extra
 
@@ -256,10 +257,7 @@ def build_tiny_sd(directory: str | Path | None = None, *, shape: str = "tiny", s
     require_extra(StableDiffusionPipeline, "build_tiny_sd", "diffusers")
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    try:
-        s = TINY_SD_SHAPES[shape]
-    except KeyError:
-        raise ValueError(f"shape: unknown {shape!r}; valid: {sorted(TINY_SD_SHAPES)}") from None
+    s = lookup(TINY_SD_SHAPES, shape, what="shape")
     tokenizer = build_clip_tokenizer(texts, max_length=max_length)
     width, layers = s["text"]
     unet_channels = tuple(c for c, _ in s["unet"])

@@ -24,6 +24,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedModel
 from transformers import PreTrainedTokenizerFast
 
+from rlcore.checks import lookup
+
 __all__ = ["Family", "FAMILIES", "SIZES", "family_config", "family_tokenizer", "build_family_model",
            "save_family_model"]
 
@@ -83,11 +85,10 @@ _CORPUS = [
 
 
 def _lookup(family: str, size: str) -> tuple[Family, tuple[int, int, int, int, int, bool]]:
-    if family not in FAMILIES:
-        raise ValueError(f"family: unknown {family!r}; valid: {sorted(FAMILIES)}")
+    spec = lookup(FAMILIES, family, what="family")
     if (family, size) not in SIZES:
         raise ValueError(f"size: {family} has sizes {sorted(s for f, s in SIZES if f == family)}, got {size!r}")
-    return FAMILIES[family], SIZES[(family, size)]
+    return spec, SIZES[(family, size)]
 
 
 def family_tokenizer(family: str, *, vocab_size: int = 1024, texts: list[str] | None = None) -> PreTrainedTokenizerFast:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from datasets import Dataset
 
+from rlcore.checks import lookup
+
 __all__ = ["Task", "BUILTIN_TASKS", "get_task", "task_dataset", "task_reward", "preference_dataset", "exact_match",
            "answer_reward", "completion_text"]
 
@@ -108,10 +110,7 @@ BUILTIN_TASKS: dict[str, Task] = {
 
 def get_task(name: str) -> Task:
     """The task called ``name``; unknown names raise ``ValueError`` listing the valid ones."""
-    try:
-        return BUILTIN_TASKS[name]
-    except KeyError:
-        raise ValueError(f"task: unknown {name!r}; valid: {sorted(BUILTIN_TASKS)}") from None
+    return lookup(BUILTIN_TASKS, name, what="task")
 
 
 def _split_of(prompt: str, eval_fraction: float) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 from datasets import Dataset
 
+from rlcore.checks import lookup
 from rlcore.loops.data import FORMATS, check_label_cell, check_number_cell, detect_format, formats_help, row_origins
 
 __all__ = ["PROMPT_CUTS", "TRUNCATIONS", "is_conversation", "check_text", "max_token_chars", "text_window", "split_implicit_prompt",
@@ -232,8 +233,8 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
     for column in ("ref_chosen_logps", "ref_rejected_logps"):  # precomputed reference log-probs, read as float32
         if column in row:
             check_number_cell(row[column], column, where)
-    cut_prompt = _lookup_truncation(prompt_truncation, "prompt_truncation")
-    cut = _lookup_truncation(truncation, "truncation")
+    cut_prompt = lookup(TRUNCATIONS, prompt_truncation, what="prompt_truncation")
+    cut = lookup(TRUNCATIONS, truncation, what="truncation")
     if prompt_cut not in PROMPT_CUTS:
         raise ValueError(f"prompt_cut: unknown {prompt_cut!r}; valid: {list(PROMPT_CUTS)}")
     if assistant_only_loss and fmt != "conversational":
@@ -296,13 +297,6 @@ def tokenize_example(row: Mapping, tokenizer, *, format: str | None = None,
     return {"prompt_ids": min(prompts, key=len), **out}
 
 
-def _lookup_truncation(name: str, arg: str):
-    try:
-        return TRUNCATIONS[name]
-    except KeyError:
-        raise ValueError(f"{arg}: unknown truncation {name!r}; valid: {sorted(TRUNCATIONS)}") from None
-
-
 def tokenize_dataset(dataset: Dataset, tokenizer, *, format: str | None = None,
                      formatting_func: Callable[[Mapping], str | Mapping] | None = None,
                      max_prompt_length: int | None = None, max_length: int | None = None,
@@ -339,7 +333,8 @@ def check_context(model: Any, tokens: int, what: str, fix: str) -> None:
     """Refuse a sequence of ``tokens`` positions past ``model``'s context (``model_context``):
     positions beyond ``max_position_embeddings`` index past GPT-2's position table (an
     ``IndexError`` mid-forward) or leave Llama's trained range. The one context check of every
-    recipe: generation (``loops.collect``) and the training rows of the offline recipes
+    recipe: generation (``loops.collect``, and the online recipes' prompts before the first step,
+    ``loops.online.check_prompt_lengths``) and the training rows of the offline recipes
     (``check_rows_fit``). Raises ``ValueError``: ``"{what} exceeds the model's context of C
     (max_position_embeddings); {fix}"``."""
     context = model_context(model)

@@ -17,9 +17,8 @@ from rlcore.returns import *  # noqa: F401,F403
 from rlcore.baselines import *  # noqa: F401,F403
 from rlcore.rewards import *  # noqa: F401,F403
 from rlcore.transforms import *  # noqa: F401,F403
-from rlcore.registry import *  # noqa: F401,F403
 from rlcore.seeding import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
-_MODULES = ('checks', 'masked', 'logprobs', 'lm_head', 'kl', 'returns', 'baselines', 'rewards', 'transforms', 'registry', 'seeding')
+_MODULES = ('checks', 'masked', 'logprobs', 'lm_head', 'kl', 'returns', 'baselines', 'rewards', 'transforms', 'seeding')
 __all__ = ["keys", *(name for m in _MODULES for name in _import_module(f"rlcore.{m}").__all__)]

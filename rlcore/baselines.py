@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rlcore import keys as K
-from rlcore.checks import check_float, check_leaves, check_mask, check_ndim, check_same_shape
+from rlcore.checks import check_float, check_leaves, check_mask, check_ndim, check_same_shape, lookup
 from rlcore.masked import masked_sum, masked_whiten, saturate, wide
 from rlcore.returns import _check_gamma_lam, discounted_returns, with_gae
 
@@ -190,10 +190,7 @@ def grpo_advantage(scores: torch.Tensor, *, group_id: torch.Tensor | None = None
         Models", https://arxiv.org/abs/2402.03300; Liu et al., "Understanding R1-Zero-Like
         Training: A Critical Perspective" (Dr. GRPO), https://arxiv.org/abs/2503.20783
     """
-    try:
-        rescale = GRPO_SCALES[scale]
-    except KeyError:
-        raise ValueError(f"scale: unknown {scale!r}; valid: {sorted(GRPO_SCALES)}") from None
+    rescale = lookup(GRPO_SCALES, scale, what="scale")
     if not (isinstance(eps, (int, float)) and 0 <= eps < float("inf")):
         raise ValueError(f"eps: expected a finite number >= 0 (added to σ), got {eps!r}")
     s = _scores(scores)

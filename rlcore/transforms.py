@@ -176,11 +176,7 @@ def observed_kl(kl: torch.Tensor, mask: torch.Tensor, *, reduce: str = "sequence
     """
     check_ndim("kl", kl, min_ndim=1, layout="[..., T]")
     check_mask("mask", mask, like=kl, like_name="kl")
-    try:
-        fn = KL_REDUCTIONS[reduce]
-    except KeyError:
-        raise ValueError(f"reduce: unknown KL reduction {reduce!r}; valid: {sorted(KL_REDUCTIONS)}") from None
-    return fn(kl.detach(), mask)
+    return lookup(KL_REDUCTIONS, reduce, what="reduce")(kl.detach(), mask)
 
 
 # --- running moments ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlcore.loops import cli, trl_config
+from rlcore.loops import cli, recipes, trl_config
 from rlcore.loops.recipes import dpo, grpo, ppo, reward, rloo, sft
 from rlcore.loops.config import load_config
 
@@ -246,7 +246,7 @@ def test_loss_names_translate():
     loss = grpo.grpo_loss_fn(config)
     assert (loss.keywords["clip_eps_low"], loss.keywords["clip_eps_high"], loss.keywords["sapo_temperature_neg"]) == \
         (0.1, 0.28, 1.2)
-    assert config.ratio_level == "sequence"
+    assert grpo.ratio_level(config) == "sequence"
     assert load_config(ppo.Config, overrides={"cliprange": 0.1, "kl_estimator": "k3"}).kl == "k3"
     config = load_config(dpo.Config, overrides={"loss_type": ["ipo"], "label_smoothing": 0.0})
     assert (config.loss_type, config.loss_kwargs) == ("ipo", {})
@@ -276,7 +276,7 @@ def test_refused_names_say_why():
 def test_cli_flags_take_trl_names_and_help_lists_them(capsys):
     args = cli.build_parser(["train", "grpo"]).parse_args(
         ["train", "grpo", "--learning_rate", "1e-5", "--per_device_train_batch_size", "4", "--num_generations", "2"])
-    config = cli._config(grpo, args)
+    config = cli._config(recipes.RECIPES["grpo"], args)
     assert (config.lr, config.batch_size, config.num_samples) == (1e-5, 2, 2)
     with pytest.raises(SystemExit):
         cli.build_parser(["train", "grpo"]).parse_args(["train", "grpo", "--help"])
@@ -334,7 +334,7 @@ def test_a_trl_grpo_yaml_runs_end_to_end_on_a_local_model_folder(tmp_path, monke
     (tmp_path / "x.yaml").write_text(TRL_GRPO_YAML.format(model=tmp_path / "m", data="rows.jsonl", out=tmp_path / "run"))
     args = ["train", "grpo", "--config", str(tmp_path / "x.yaml"), "--reward_funcs", "my_rewards:correct",
             "--num_eval", "4"]
-    config = cli._config(grpo, cli.build_parser(args).parse_args(args))
+    config = cli._config(recipes.RECIPES["grpo"], cli.build_parser(args).parse_args(args))
     assert (config.batch_size, config.num_samples, config.kl_coef, config.warmup_steps, config.schedule) == \
         (2, 2, 0.04, 1, "cosine")
     assert config.use_peft and config.gradient_checkpointing and config.advantage_kwargs == {"scale": "batch"}
@@ -361,7 +361,7 @@ def test_the_defaults_table_matches_the_installed_trl():
     assert set(TRL_DEFAULTS) == set(TRL_CONFIGS)
     for recipe, entries in TRL_DEFAULTS.items():
         declared = {f.name: f for f in dataclasses.fields(_trl_class(recipe))}
-        Config = cli.recipe_module(recipe).Config
+        Config = recipes.RECIPES[recipe].config
         ours = {f.name: f.default for f in dataclasses.fields(Config)}
         for field, entry in entries.items():
             trl_field = declared[entry.trl_name]

@@ -26,7 +26,8 @@ def test_readme_commands_parse_into_configs(monkeypatch):
     values its Config accepts (nothing is run: the model paths are placeholders)."""
     import shlex
 
-    from rlcore.loops.cli import _config, build_parser, recipe_module
+    from rlcore.loops.cli import _config, build_parser
+    from rlcore.loops.recipes import RECIPES
 
     text = README.read_text().replace("\\\n", " ")
     commands = [shlex.split(line.split("#")[0])[1:] for line in text.splitlines()
@@ -36,4 +37,4 @@ def test_readme_commands_parse_into_configs(monkeypatch):
     for argv in commands:
         args = build_parser(argv).parse_args(argv)
         if argv[0] == "train":
-            _config(recipe_module(args.recipe), args)
+            _config(RECIPES[args.recipe], args)

@@ -14,6 +14,7 @@ import pytest
 
 from rlcore.loops import cli
 from rlcore.loops.config import load_config
+from rlcore.loops.recipes import RECIPES
 
 pytest.importorskip("transformers")
 
@@ -166,15 +167,15 @@ def test_a_trl_documentation_example_runs_from_the_cli(recipe, tmp_path, monkeyp
 def test_a_trl_documentation_example_runs_from_python(recipe, tmp_path, monkeypatch, model_dir):
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    module = cli.recipe_module(recipe)
-    config = load_config(module.Config, write_example(recipe, tmp_path, model_dir, with_reward_funcs=False))
+    entry = RECIPES[recipe]
+    config = load_config(entry.config, write_example(recipe, tmp_path, model_dir, with_reward_funcs=False))
     if "reward" in EXAMPLES[recipe]:  # TRL: GRPOTrainer(reward_funcs=fn, args=GRPOConfig(...), ...)
         import importlib
 
         reward = getattr(importlib.import_module(f"{recipe}_rewards"), EXAMPLES[recipe]["reward"])
-        state, history = module.train(config, reward_fn=reward)
+        state, history = entry.train(config, reward_fn=reward)
     else:
-        state, history = module.train(config)
+        state, history = entry.train(config)
     assert state.step == 2 and len(history) == 2
     check_metrics(recipe, tmp_path)
 
@@ -229,7 +230,7 @@ def test_eval_strategy_no_trains_on_every_row(recipe, owner, tmp_path, monkeypat
     else:
         text += "per_device_train_batch_size: 4\n"
     (tmp_path / "x.yaml").write_text(text)
-    config = load_config(cli.recipe_module(recipe).Config, tmp_path / "x.yaml")
+    config = load_config(RECIPES[recipe].config, tmp_path / "x.yaml")
     assert (config.num_eval, config.eval_every, config.eval_dataset, config.batch_size) == (0, 0, None, 4)
 
     sizes, seen = [], set()

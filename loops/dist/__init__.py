@@ -56,6 +56,7 @@ import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
+from rlcore.checks import lookup
 from rlcore.transforms import RunningMoments, running_moments_init, running_moments_merge
 
 __all__ = [
@@ -340,11 +341,7 @@ def wrap_model(model: nn.Module, *, strategy: str | None = "ddp", **kwargs: Any)
     Raises:
         ValueError: an unknown strategy (the message lists them).
     """
-    name = "none" if strategy is None else strategy
-    try:
-        wrap = STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"strategy: unknown {strategy!r}; valid: {sorted(STRATEGIES)} or None") from None
+    wrap = lookup(STRATEGIES, "none" if strategy is None else strategy, what="strategy")
     if not dist_info().distributed:
         return model
     return wrap(model, **kwargs)

@@ -4,6 +4,14 @@ Offline: ``sft``, ``reward``, ``dpo`` (every pairwise and unpaired preference lo
 (diffusion); online, each step ``collect_rollout → learn``: ``ppo``, ``rloo``, ``grpo``,
 ``online_dpo``; ``reft`` and ``reft_recipes`` run the language-model recipes with
 representation interventions. Import one by name: ``from rlcore.loops.recipes import grpo``.
-A new recipe is a module here with those three names (and ``build_state`` / ``learn`` for an
-online one, which the asynchronous learners then run unchanged) plus a line in ``rlcore.loops.cli.RECIPES``.
+
+``RECIPES`` (``table``) holds one ``Recipe`` value per trainer, by the name ``rlcore train`` runs it
+by: its ``Config`` type, ``train``, ``evaluate`` and, as explicit fields, what the command line and
+the asynchronous learners need of it (``build_state``, ``step``, ``learn``, ``checkpoint_state``,
+``ratio_level``, ...); ``BY_CONFIG`` finds one from its ``Config`` type. A new recipe is a module
+here and its entry in that table.
 """
+
+from rlcore.loops.recipes.table import BY_CONFIG, RECIPES, Recipe
+
+__all__ = ["Recipe", "RECIPES", "BY_CONFIG"]

@@ -33,15 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.algorithms.policy_gradient import POLICY_LOSSES
+from rlcore.algorithms.policy_gradient import POLICY_LOSSES, POLICY_RATIO_LEVELS
 from rlcore.algorithms.ratios import RATIO_LEVELS
 from rlcore.checks import lookup
 from rlcore.loops.config import try_loss
@@ -52,7 +51,11 @@ from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_k
 from rlcore.loops.state import TrainState
 from rlcore.testing import make_rollout
 
-__all__ = ["Config", "build_state", "learn", "step", "train", "evaluate", "grpo_loss_fn"]
+__all__ = ["Config", "ADVANTAGE_INPUTS", "ratio_level", "rollout_ref_logprobs", "build_state", "learn", "step", "train",
+           "evaluate", "grpo_loss_fn"]
+
+# the learner batch's keys an estimator may read (loops.online.ESTIMATOR_NEEDS): scores, no token rewards
+ADVANTAGE_INPUTS: tuple[str, ...] = (K.SCORE, K.RESPONSE_MASK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,35 +82,20 @@ class Config(OnlineConfig):
     max_sampling_rounds: int = 3     # at most this many generations per step when refilling (verl max_num_gen_batches)
     run_dir: str | None = "runs/grpo"
 
-    @property
-    def rollout_ref_logprobs(self) -> bool:  # type: ignore[override]
-        """Whether scoring runs the reference: only for the loss's KL term (as TRL's ``beta = 0``
-        loads no reference); the held-out evaluation still measures the KL to it."""
-        return self.kl_coef != 0
-
-    @property
-    def ratio_level(self) -> str:
-        """The level of the loss's importance ratio (``algorithms.ratios.RATIO_LEVELS``; the preset's own,
-        seen through nested partials), which the asynchronous importance correction weights at."""
-        return inspect.signature(grpo_loss_fn(self)).parameters["ratio_level"].default
-
-    # the learner batch's keys an estimator may read (loops.online.ESTIMATOR_NEEDS): scores, no token rewards
-    advantage_inputs: ClassVar[tuple[str, ...]] = (K.SCORE, K.RESPONSE_MASK)
-
     def check(self) -> None:
         """Fail on a bad config before any model is built (an unknown ``loss_type``, ``kl`` or ``advantage``,
         an estimator this recipe cannot feed, a keyword the estimator does not take, or one sample per
         prompt, where every group-relative advantage is 0)."""
         grpo_loss_fn(self)
         check_kl_name(self)
-        advantage_fn(self)
+        advantage_fn(self, inputs=ADVANTAGE_INPUTS, recipe="grpo")
         if self.num_samples == 1:  # (below 1: the range check's, FIELD_RULES)
             raise ValueError(f"num_samples: the {self.advantage!r} advantage compares the samples of one prompt, so "
                              f"GRPO needs at least 2 (with 1 every advantage is 0), got {self.num_samples}")
 
     def keyword_functions(self) -> dict[str, Callable]:
         """The estimator ``advantage_kwargs`` feeds, bound (``check_config`` checks each keyword's type)."""
-        return {"advantage_kwargs": advantage_fn(self)}
+        return {"advantage_kwargs": advantage_fn(self, inputs=ADVANTAGE_INPUTS, recipe="grpo")}
 
     def try_loss(self) -> None:
         """The bound loss (``grpo_loss_fn``) once on a tiny dummy rollout: ``check_config`` runs it at
@@ -116,6 +104,21 @@ class Config(OnlineConfig):
                   "temperature_pos": "sapo_temperature_pos", "temperature_neg": "sapo_temperature_neg",
                   **{k: f"vespo_{k}" for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}}
         try_loss(grpo_loss_fn(self), dummy_rollout(), fields=fields, where=f"loss_type {self.loss_type!r}")
+
+
+def ratio_level(config: Config) -> str:
+    """The level of the loss's importance ratio (``algorithms.ratios.RATIO_LEVELS``), which the asynchronous
+    importance correction weights at: ``importance_sampling_level`` when set, else the preset's own
+    (``algorithms.policy_gradient.POLICY_RATIO_LEVELS``)."""
+    if config.importance_sampling_level is not None:
+        return config.importance_sampling_level
+    return lookup(POLICY_RATIO_LEVELS, config.loss_type, what="loss_type")
+
+
+def rollout_ref_logprobs(config: Config) -> bool:
+    """Whether scoring a rollout runs the reference: only for the loss's KL term (as TRL's ``beta = 0``
+    loads no reference); the held-out evaluation still measures the KL to it."""
+    return config.kl_coef != 0
 
 
 def dummy_rollout() -> TensorDict:
@@ -153,7 +156,7 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
     ``correction`` (the asynchronous learners' importance correction) maps the batch with its
     advantages to the one the loss sees; ``wrap_loss`` the loss closure (``loops.recipes.reft``'s interventions).
     """
-    batch = advantage_fn(config)(rollout)
+    batch = advantage_fn(config, inputs=ADVANTAGE_INPUTS, recipe="grpo")(rollout)
     return policy_update(state, batch, grpo_loss_fn(config), config=config, correction=correction, wrap_loss=wrap_loss)
 
 
@@ -162,6 +165,6 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn,
     """One GRPO step on a batch of prompts: collect (with ``dynamic_sampling``, refilled from ``refill``
     until the groups are informative) → :func:`learn` (impure: trains)."""
     state, rollout, counts = collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                                            refill=refill)
+                                            refill=refill, reference=rollout_ref_logprobs(config))
     state, metrics = learn(state, rollout, config)
     return state, metrics.update(counts)

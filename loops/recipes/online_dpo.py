@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -65,10 +65,6 @@ class Config(OnlineConfig):
     ref_model_mixup_alpha: float = 0.6  # α of that update (TRL ref_model_mixup_alpha)
     ref_model_sync_steps: int = 512  # steps between updates (TRL ref_model_sync_steps)
     run_dir: str | None = "runs/online_dpo"
-
-    rollout_ref_logprobs: ClassVar[bool] = False  # the pairs get their reference log-probs (at temperature 1)
-    learn_uses_ref: ClassVar[bool] = True
-    ratio_level: ClassVar[str | None] = None  # no importance ratio: the asynchronous correction is refused
 
     def check(self) -> None:
         """Fail on a bad config before any model is built: an unpaired loss, fewer than 2 samples per
@@ -125,6 +121,8 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple[T
 
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
-    """One online DPO step on a batch of prompts: collect → :func:`learn` (impure: trains)."""
-    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
+    """One online DPO step on a batch of prompts: collect (no reference log-probs: the pairs get theirs, at
+    temperature 1, in :func:`learn`) → :func:`learn` (impure: trains)."""
+    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                                     reference=False)
     return learn(state, rollout, config)

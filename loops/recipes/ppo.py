@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -67,7 +67,7 @@ from rlcore.rewards import process_scores, with_rewards
 from rlcore.transforms import (StateTransform, kl_controller, observed_kl, running_moments_init, running_moments_merge,
                                running_moments_update)
 
-__all__ = ["Config", "Critic", "CRITICS", "build_state", "rewards_and_advantages", "learn", "step", "train", "evaluate", "ppo_loss_fn"]
+__all__ = ["Config", "ratio_level", "Critic", "CRITICS", "build_state", "rewards_and_advantages", "learn", "step", "train", "evaluate", "ppo_loss_fn"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +98,6 @@ class Config(OnlineConfig):
     clip: float | None = None        # clamp processed scores to ±clip (TRL score_clip)
     run_dir: str | None = "runs/ppo"
 
-    ratio_level: ClassVar[str] = "token"  # ppo_loss's per-token ratio, for the importance correction
-
     def check(self) -> None:
         """Fail on a bad config before any model is built (an unknown ``value_model``, ``kl_controller``
         or ``kl``)."""
@@ -116,6 +114,12 @@ class Config(OnlineConfig):
         settings = {name: getattr(self, name) for name in names}
         try_loss(functools.partial(ppo_loss, **settings), dummy_rollout(), fields=dict(zip(names, names)),
                  where="ppo_loss")
+
+
+def ratio_level(config: Config) -> str:
+    """The level of ``ppo_loss``'s importance ratio (its default, per token), which the asynchronous
+    importance correction weights at."""
+    return "token"
 
 
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:

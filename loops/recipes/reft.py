@@ -136,12 +136,12 @@ def reft_dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, c
 
 
 def _reft_online_step(recipe: ModuleType, state: TrainState, rows: dict, *, config: Any, tokenizer,
-                      reward_fn, refill: Callable | None = None) -> tuple[TrainState, TensorDict]:
+                      reward_fn, refill: Callable | None = None, reference: bool = True) -> tuple[TrainState, TensorDict]:
     """``recipe.step`` for a ``ReftModel`` policy: the rollout (with ``dynamic_sampling``, refilled as
-    ``recipe.step`` does) gains its intervention locations and ``recipe.learn``'s loss runs inside
-    ``intervened``."""
+    ``recipe.step`` does; with the reference's log-probs when ``reference``) gains its intervention
+    locations and ``recipe.learn``'s loss runs inside ``intervened``."""
     state, rollout, counts = collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                                            refill=refill)
+                                            refill=refill, reference=reference)
     rollout = with_intervention_locations(rollout, state.model("policy").spec)
     state, metrics = recipe.learn(state, rollout, config, wrap_loss=with_interventions)
     return state, metrics.update(counts)
@@ -151,7 +151,8 @@ def reft_grpo_step(state: TrainState, rows: dict, *, config: Any, tokenizer, rew
                    refill: Callable | None = None) -> tuple[TrainState, TensorDict]:
     """``loops.recipes.grpo.step`` for a ``ReftModel`` policy: collect (intervened generation, base reference),
     then ``grpo.learn`` (group advantages, the update of the interventions inside ``intervened``)."""
-    return _reft_online_step(grpo, state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn, refill=refill)
+    return _reft_online_step(grpo, state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn, refill=refill,
+                             reference=grpo.rollout_ref_logprobs(config))
 
 
 def reft_rloo_step(state: TrainState, rows: dict, *, config: Any, tokenizer, reward_fn,
@@ -299,7 +300,7 @@ def checkpoint_state(config: ReftConfig, path: str | Path) -> TrainState:
     return load_checkpoint(path, state, restore_global_rng=False)
 
 
-# The recipe protocol of ``rlcore.loops.cli`` (``Config``, ``train(config)``, ``evaluate(state, config)``):
-# this module is the SFT recipe ("reft"); loops.recipes.reft_recipes holds GRPO, RLOO, DPO and reward modelling.
+# This module is the SFT recipe ("reft" in ``loops.recipes.RECIPES``), with a recipe module's names;
+# loops.recipes.reft_recipes holds GRPO, RLOO, DPO and reward modelling.
 Config = ReftConfig
 train = train_reft_sft

@@ -11,8 +11,8 @@ Each is the recipe of ``rlcore.loops`` it names, with the intervention fields of
 - ``REWARD`` (``reft_reward``, pyreft's reward example): ``loops.recipes.reward.reward_step`` with the
   interventions at the pairs' prompt positions and the classifier's score head trained with them.
 
-Each value is a ``ReftRecipe`` (``Config``, ``train``, ``evaluate``, ``checkpoint_state``), the
-protocol ``rlcore.loops.cli`` runs. ``zero_init`` (default on) starts the interventions as the
+Each is a ``Recipe`` of ``loops.recipes.RECIPES`` (its ``Config``, ``train``, ``evaluate`` and
+``checkpoint_state`` here). ``zero_init`` (default on) starts the interventions as the
 identity, so the policy starts as its reference.
 
 References:
@@ -25,7 +25,6 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -49,8 +48,7 @@ from rlcore.loops.tokenization import PAIR_SIDES, check_rows_fit
 
 __all__ = ["ReftGrpoConfig", "ReftRlooConfig", "ReftDpoConfig", "ReftRewardConfig", "train_reft_policy_gradient",
            "online_checkpoint_state", "train_reft_dpo", "evaluate_reft_dpo", "dpo_checkpoint_state",
-           "train_reft_reward", "evaluate_reft_reward", "reward_checkpoint_state", "ReftRecipe",
-           "GRPO", "RLOO", "DPO", "REWARD"]
+           "train_reft_reward", "evaluate_reft_reward", "reward_checkpoint_state"]
 
 
 # --- configs -----------------------------------------------------------------------------------
@@ -187,7 +185,7 @@ def _reft_reward_setup(config: ReftRewardConfig):
     if not any(train["prompt_ids"]):
         raise ValueError("dataset: the interventions edit prompt positions, and these pairs have no prompt "
                          "(pre-tokenised input_ids_chosen / input_ids_rejected); give prompt / chosen / rejected text")
-    model, tokenizer = build_policy(config)  # a sequence classifier (reward.Config.MODEL_TASK)
+    model, tokenizer = build_policy(config, task=reward.MODEL_TASK)  # a sequence classifier
     check_rows_fit(model, PAIR_SIDES, "max_length", train=train, held_out=held_out)
     model.requires_grad_(False)
     _score_head(model).requires_grad_(True)
@@ -228,23 +226,3 @@ def reward_checkpoint_state(config: ReftRewardConfig, path: str | Path) -> Train
     """The state of a ReFT reward checkpoint: the model (its trained head) and the interventions."""
     return load_checkpoint(path, _reft_reward_setup(config)[0], restore_global_rng=False)
 
-
-class ReftRecipe(NamedTuple):
-    """A ReFT recipe as ``rlcore.loops.cli`` runs one: ``Config``, ``train(config)``,
-    ``evaluate(state, config)``, ``checkpoint_state(config, path)`` and a one-line ``doc``."""
-
-    Config: type
-    train: Callable[..., tuple[TrainState, list[dict[str, float]]]]
-    evaluate: Callable[[TrainState, Any], dict[str, float]]
-    checkpoint_state: Callable[[Any, str | Path], TrainState]
-    doc: str
-
-
-GRPO = ReftRecipe(ReftGrpoConfig, train_reft_policy_gradient, grpo.evaluate, online_checkpoint_state,
-                  "GRPO of ReFT interventions on a frozen model (the base model is the reference).")
-RLOO = ReftRecipe(ReftRlooConfig, train_reft_policy_gradient, rloo.evaluate, online_checkpoint_state,
-                  "RLOO of ReFT interventions on a frozen model (the base model is the reference).")
-DPO = ReftRecipe(ReftDpoConfig, train_reft_dpo, evaluate_reft_dpo, dpo_checkpoint_state,
-                 "DPO-family preference optimisation of ReFT interventions on a frozen model.")
-REWARD = ReftRecipe(ReftRewardConfig, train_reft_reward, evaluate_reft_reward, reward_checkpoint_state,
-                    "Reward modelling with ReFT interventions and the score head of a frozen classifier.")

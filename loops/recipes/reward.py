@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import ClassVar
 
 import torch
 from datasets import Dataset
@@ -46,15 +45,17 @@ from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import update
 
-__all__ = ["Config", "collate_pairs", "with_rewards", "reward_loss_fn", "reward_step", "evaluate", "train"]
+__all__ = ["MODEL_TASK", "Config", "collate_pairs", "with_rewards", "reward_loss_fn", "reward_step", "evaluate", "train"]
+
+
+MODEL_TASK = "reward"  # the policy is a one-label sequence classifier (loops.models.TASKS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(RunConfig):
     """The reward-modelling recipe's settings (``configs/reward.yaml``): the shared ``RunConfig``
-    fields and these; each feeds the keyword of that name. ``MODEL_TASK`` (not a field) makes ``build_policy`` build a reward model."""
+    fields and these; each feeds the keyword of that name."""
 
-    MODEL_TASK: ClassVar[str] = "reward"
     disable_dropout: bool = False          # True sets dropout to 0; False trains with it (TRL's RewardTrainer)
     max_length: int | None = 64            # prompt + completion tokens kept per side
     # loss (algorithms.reward.reward_loss)
@@ -190,7 +191,7 @@ def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainS
     """Run (or, with ``resume``, continue) reward modelling: ``(state, history)``."""
     tokenizer = policy_tokenizer(config)  # the data is read and checked before any model is built
     train_data, held_out = (_prepare(d, tokenizer, config) for d in load_splits(config, preference_dataset))
-    model, tokenizer = build_policy(config)  # a reward model: Config.MODEL_TASK
+    model, tokenizer = build_policy(config, task=MODEL_TASK)  # a reward model
     check_rows_fit(model, PAIR_SIDES, "max_length", train=train_data, held_out=held_out)
     state = init_train_state({"policy": model}, config)
     collate = functools.partial(collate_pairs, pad_id=pad_token_id(tokenizer), margin_key=config.margin_key)

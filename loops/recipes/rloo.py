@@ -26,13 +26,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import ClassVar
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
-from rlcore.algorithms.policy_gradient import rloo_loss
+from rlcore.algorithms.policy_gradient import POLICY_RATIO_LEVELS, rloo_loss
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
 from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_kl_name, collect_groups,
@@ -44,7 +43,11 @@ from rlcore.kl import kl_estimate
 from rlcore.masked import masked_mean
 from rlcore.rewards import with_rewards
 
-__all__ = ["Config", "rloo_loss_fn", "token_kl_metric", "build_state", "learn", "step", "train", "evaluate"]
+__all__ = ["Config", "ADVANTAGE_INPUTS", "ratio_level", "rloo_loss_fn", "token_kl_metric", "build_state", "learn",
+           "step", "train", "evaluate"]
+
+# the learner batch's keys an estimator may read (loops.online.ESTIMATOR_NEEDS): scores and KL-penalised token rewards
+ADVANTAGE_INPUTS: tuple[str, ...] = (K.SCORE, K.RESPONSE_MASK, K.REWARDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +66,6 @@ class Config(OnlineConfig):
     max_sampling_rounds: int = 3     # at most this many generations per step when refilling (verl max_num_gen_batches)
     run_dir: str | None = "runs/rloo"
 
-    ratio_level: ClassVar[str] = "sequence_sum"  # the loss's ratio exp(Σ_t lp − Σ_t old), for the importance correction
-    # the learner batch's keys an estimator may read (loops.online.ESTIMATOR_NEEDS): scores and KL-penalised token rewards
-    advantage_inputs: ClassVar[tuple[str, ...]] = (K.SCORE, K.RESPONSE_MASK, K.REWARDS)
-
     def check(self) -> None:
         """Fail on a bad config before any model is built: RLOO needs ``num_samples ≥ 2``; an unknown
         ``advantage`` or ``kl`` (``full`` included: its rollout holds no vocabulary-wide KL), an estimator
@@ -75,11 +74,11 @@ class Config(OnlineConfig):
             raise ValueError(f"num_samples: RLOO needs at least 2 samples per prompt (a leave-one-out baseline), "
                              f"got {self.num_samples}")
         check_kl_name(self)
-        advantage_fn(self)
+        advantage_fn(self, inputs=ADVANTAGE_INPUTS, recipe="rloo")
 
     def keyword_functions(self) -> dict[str, Callable]:
         """The estimator ``advantage_kwargs`` feeds, bound (``check_config`` checks each keyword's type)."""
-        return {"advantage_kwargs": advantage_fn(self)}
+        return {"advantage_kwargs": advantage_fn(self, inputs=ADVANTAGE_INPUTS, recipe="rloo")}
 
     def try_loss(self) -> None:
         """The bound loss (``rloo_loss_fn``) once on a tiny dummy rollout (``grpo.dummy_rollout``):
@@ -91,6 +90,12 @@ class Config(OnlineConfig):
 def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
     """Train with RLOO from ``config``; ``reward_fn`` overrides the task reward. Returns ``(state, history)``."""
     return train_online(config, build_state, step, reward_fn=reward_fn, name="rloo", callbacks=callbacks)
+
+
+def ratio_level(config: Config) -> str:
+    """The level of ``rloo_loss``'s importance ratio, ``exp(Σ_t lp − Σ_t old)`` (the ``rloo`` preset's
+    ``sequence_sum``), which the asynchronous importance correction weights at."""
+    return POLICY_RATIO_LEVELS["rloo"]
 
 
 def rloo_loss_fn(config: Config):
@@ -105,7 +110,8 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
 
     ``correction`` and ``wrap_loss`` as in ``loops.recipes.grpo.learn``.
     """
-    batch = advantage_fn(config)(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
+    estimator = advantage_fn(config, inputs=ADVANTAGE_INPUTS, recipe="rloo")
+    batch = estimator(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
     state, metrics = policy_update(state, batch, rloo_loss_fn(config), config=config, correction=correction,
                                    wrap_loss=wrap_loss)
     return state, metrics.update(token_kl_metric(rollout))

@@ -4,14 +4,14 @@ A synchronous online recipe's ``step`` is ``collect_rollout → learn``. The asy
 (``loops.scale.async_rl``'s generator process, ``loops.scale.placement``'s Ray actors) generate elsewhere and
 hand the rollout to :func:`learn_off_policy`: the seed draw replayed, ``loops.online.score_collected``
 (the scores the learner's state holds models for, the counters), then the recipe's own ``learn``
-(:func:`recipe_of` finds it from the config's class: no recipe is imported here) with the
-optional importance correction.
+(:func:`online_recipe`: the entry of ``loops.recipes.RECIPES`` whose ``Config`` the config is) with
+the optional importance correction.
 
 Off-policy correction (``is_clip = C``): with ``π_prox`` the learner's policy before the update
 (one no-grad forward) and ``π_b`` the generator's (the behaviour log-probs), the loss's ratio is
 taken against ``π_prox`` and the advantages are weighted by ``w = min(π_prox/π_b, C)``, detached:
 the decoupled PPO objective with a truncated importance weight, at the level of the loss's
-ratio (the config's ``ratio_level``): per token for PPO and token-ratio GRPO presets, the
+ratio (the recipe's ``ratio_level`` of the config): per token for PPO and token-ratio GRPO presets, the
 sequence's mean for GSPO, the sequence's sum for RLOO. PPO's value loss is not reweighted (its
 values and returns come from the learner's critic). Online DPO has no ratio (the DPO loss is an
 offline objective on pairs, off-policy by construction): ``is_clip`` is rejected with a
@@ -32,9 +32,7 @@ References:
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping, Sequence
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -44,10 +42,11 @@ from rlcore import keys as K
 from rlcore.algorithms.ratios import importance_log_ratio
 from rlcore.checks import check_mask, check_same_shape
 from rlcore.loops.online import Correction, replay_seed_draw, score_collected, with_policy_logprobs
+from rlcore.loops.recipes import BY_CONFIG, Recipe
 from rlcore.loops.state import TrainState
 from rlcore.masked import masked_mean
 
-__all__ = ["truncated_importance_weights", "with_importance_correction", "off_policy_metrics", "recipe_of",
+__all__ = ["truncated_importance_weights", "with_importance_correction", "off_policy_metrics", "online_recipe",
            "check_learner", "importance_correction", "learn_off_policy"]
 
 
@@ -111,37 +110,37 @@ def off_policy_metrics(rollout: TensorDictBase, proximal_logprobs: torch.Tensor,
 
 
 # --- what the learner does with a generated rollout ------------------------------------------------------
-def recipe_of(config: Any) -> ModuleType:
-    """The online recipe module whose ``Config`` ``config`` is: the module of its class, which must
-    have a ``learn`` and a ``build_state`` (``loops.recipes.grpo``, ``rloo``, ``ppo``, ``online_dpo``, or a
-    user's recipe written the same way). A subclass defined elsewhere (the ReFT recipes' configs)
-    is not its parent's recipe: its module must define them too.
+def online_recipe(config: Any) -> Recipe:
+    """The recipe of ``loops.recipes.RECIPES`` whose ``Config`` is ``config``'s type (``BY_CONFIG``),
+    which must have a ``learn`` and a ``build_state`` (``grpo``, ``rloo``, ``ppo``, ``online_dpo``).
+    A subclass is not its parent's recipe (the ReFT recipes' configs: their entries have no ``learn``).
 
     Raises:
-        TypeError: the config's module is no online recipe.
+        TypeError: ``config`` is the Config of no recipe with a ``learn``.
     """
-    module = sys.modules.get(type(config).__module__)
-    if callable(getattr(module, "learn", None)) and callable(getattr(module, "build_state", None)):
-        return module
-    raise TypeError(f"config: expected the Config of an online recipe (a module with learn and build_state: "
-                    f"loops.recipes.grpo, rloo, ppo, online_dpo), got {type(config).__module__}.{type(config).__qualname__}")
+    recipe = BY_CONFIG.get(type(config))
+    if recipe is not None and recipe.learn is not None and recipe.build_state is not None:
+        return recipe
+    online = [r.name for r in BY_CONFIG.values() if r.learn is not None]
+    raise TypeError(f"config: expected the Config of an online recipe (a recipe with a learn: {', '.join(online)}), "
+                    f"got {type(config).__module__}.{type(config).__qualname__}")
 
 
-def check_learner(config: Any, is_clip: float | None) -> ModuleType:
-    """:func:`recipe_of` ``config``, after checking that ``is_clip`` suits its loss: ``None``, or
-    ``C > 0`` for a loss with an importance ratio (``config.ratio_level`` not ``None``).
+def check_learner(config: Any, is_clip: float | None) -> Recipe:
+    """:func:`online_recipe` of ``config``, after checking that ``is_clip`` suits its loss: ``None``, or
+    ``C > 0`` for a loss with an importance ratio (the recipe's ``ratio_level`` not ``None``).
 
     Raises:
         TypeError: ``config`` of no online recipe.
         ValueError: ``is_clip`` for a loss with no ratio (online DPO), or not ``> 0``; a config
             with ``dynamic_sampling``.
     """
-    recipe = recipe_of(config)
+    recipe = online_recipe(config)
     if getattr(config, "dynamic_sampling", False):
         raise ValueError("dynamic_sampling: refilling a step with fresh prompts is a synchronous loop's; the "
                          "asynchronous and Ray learners train on the rollouts their actors send (set it false)")
-    if is_clip is not None and getattr(config, "ratio_level", None) is None:
-        raise ValueError(f"is_clip: {recipe.__name__.rsplit('.', 1)[-1]!r} has no importance ratio to correct (its "
+    if is_clip is not None and recipe.ratio_level is None:
+        raise ValueError(f"is_clip: {recipe.name!r} has no importance ratio to correct (its "
                          "loss is an offline objective on pairs); pass is_clip=None")
     if is_clip is not None and not is_clip > 0:
         raise ValueError(f"is_clip: expected C > 0 or None, got {is_clip}")
@@ -170,8 +169,8 @@ def learn_off_policy(state: TrainState, rows: Mapping[str, Sequence], rollout: T
     ``loops.online.score_collected`` with the learner's current models (reference, reward model,
     the critic's values: those the state holds; the Ray learner's state holds no reference or
     reward model, the scorer added theirs) and the counters; the learner's own log-probs ``π_prox`` (one no-grad forward: the ``async/*``
-    metrics); then ``recipe_of(config).learn``, with :func:`importance_correction` at
-    ``config.ratio_level`` when ``is_clip`` is set.
+    metrics); then the recipe's ``learn`` (:func:`online_recipe`), with :func:`importance_correction` at
+    its ``ratio_level(config)`` when ``is_clip`` is set.
 
     Args:
         rows: the prompt batch (``P`` rows of columns) the rollout was sampled from.
@@ -184,13 +183,13 @@ def learn_off_policy(state: TrainState, rows: Mapping[str, Sequence], rollout: T
     """
     recipe = check_learner(config, is_clip)
     state, rollout = score_collected(replay_seed_draw(state), rows, rollout, config=config, tokenizer=tokenizer,
-                                     reward_fn=reward_fn)
+                                     reward_fn=reward_fn, reference=recipe.rollout_ref_logprobs(config))
     with torch.no_grad():
         prox = with_policy_logprobs(state.model("policy"), rollout, temperature=config.temperature)[K.LOGPROBS]
     stats = off_policy_metrics(rollout, prox, state.policy_version)
-    if is_clip is None:
+    if is_clip is None or recipe.ratio_level is None:  # (check_learner refused is_clip for a loss with no ratio)
         state, metrics = recipe.learn(state, rollout, config)
     else:
-        correction = importance_correction(prox, clip=is_clip, level=config.ratio_level)
+        correction = importance_correction(prox, clip=is_clip, level=recipe.ratio_level(config))
         state, metrics = recipe.learn(state, rollout, config, correction=correction)
     return state, metrics.update(stats)

@@ -288,8 +288,8 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
     learner (``loops.scale.async_learners.learn_off_policy``: scoring, then the recipe's ``learn``).
 
     Args:
-        config: the recipe's ``Config`` (``loops.recipes.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``): it names
-            the recipe (``async_learners.recipe_of``).
+        config: the recipe's ``Config`` (``loops.recipes.grpo`` / ``rloo`` / ``ppo`` / ``online_dpo``): its type
+            names the recipe in ``loops.recipes.RECIPES`` (``async_learners.online_recipe``).
         max_lag: ``N``: rollouts come from a policy at most ``N`` updates old; 0 is synchronous.
         is_clip: ``C > 0`` of the truncated importance correction, or ``None`` (off); a
             ``ValueError`` for a learner whose loss has no ratio (online DPO).
@@ -320,5 +320,5 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
                                     reference_cache=None if getattr(config, "sync_ref_model", False) else {})
         source = rollout_source(handle, prompt_source(train_ds, config), state.rng)
         return run(step, state, source, config=config, num_steps=config.steps, restored=bool(config.resume),
-                   eval_fn=eval_fn, name=f"async-{recipe.__name__.rsplit('.', 1)[-1]}", callbacks=callbacks,
+                   eval_fn=eval_fn, name=f"async-{recipe.name}", callbacks=callbacks,
                    save_models=reference_models(config))

@@ -1,6 +1,6 @@
 """Placement on Ray (the ``rlcore[ray]`` extra): generator, reward scorer and learner as actors.
 
-An online recipe (GRPO, RLOO, PPO, online DPO: ``async_learners.recipe_of``) split over three Ray
+An online recipe (GRPO, RLOO, PPO, online DPO: ``async_learners.online_recipe``) split over three Ray
 actors that call the plain functions of the single-process loop::
 
     generator  a copy of the policy    generate_rollout(seed, policy_version)        (loops.collect)
@@ -22,9 +22,9 @@ submits item ``t + N`` right after pushing the weights of step ``t − 1``: a ro
 batch ``t+1`` with the update on batch ``t`` (as ``loops.scale.async_rl``).
 
 Which models sit where: the scorer holds the reward model and adds the reference log-probs of
-the rollout when the recipe scores them there (GRPO with a KL term, RLOO, PPO); a recipe whose
-``learn`` runs the reference itself (``learn_uses_ref``: online DPO, whose pairs get theirs in
-``learn``) keeps its reference in the learner. PPO's critic stays with the learner, which
+the rollout when the recipe scores them there (its ``Recipe.rollout_ref_logprobs``: GRPO with a KL
+term, RLOO, PPO); a recipe whose ``learn`` runs the reference itself (``Recipe.learn_uses_ref``:
+online DPO, whose pairs get theirs in ``learn``) keeps its reference in the learner. PPO's critic stays with the learner, which
 computes the values with its current weights (``score_collected`` scores with the models the learner's state holds).
 
 Weights: each push is checked (``ray.get``) just before the next one and at the end of the run
@@ -233,8 +233,8 @@ class LearnerWorker:
         if config.run_dir and config.resume:  # before the first weights go to the generator
             state = resume(config.run_dir, state)
         # the scorer holds the reward model, and the reference unless learn needs it here
-        self.reference = config.rollout_ref_logprobs
-        moved = ("reward",) if config.learn_uses_ref else ("reward", "ref")
+        self.reference = self.recipe.rollout_ref_logprobs(config)
+        moved = ("reward",) if self.recipe.learn_uses_ref else ("reward", "ref")
         self.state = dataclasses.replace(state, models={k: v for k, v in state.models.items() if k not in moved})
 
     def train(self, generator, scorer, *, max_lag: int,
@@ -254,7 +254,7 @@ class LearnerWorker:
             return ray.get(scorer.evaluate.remote(cpu_state_dict(s.model("policy"))))
 
         self.state, history = run(step, state, source, config=config, restored=bool(config.resume),
-                                  num_steps=config.steps, eval_fn=eval_fn, name=f"placed-{self.recipe.__name__.rsplit('.', 1)[-1]}",
+                                  num_steps=config.steps, eval_fn=eval_fn, name=f"placed-{self.recipe.name}",
                                   callbacks=callbacks)
         weights.wait()  # the last push: its error fails the run too
         return self.state, history

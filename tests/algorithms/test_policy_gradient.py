@@ -12,7 +12,7 @@ from tensordict import TensorDict
 
 import rlcore.algorithms.policy_gradient as pg
 from rlcore import keys as K
-from rlcore.algorithms.policy_gradient import (POLICY_LOSSES, bnpo_loss, cispo_loss, dapo_loss, dr_grpo_loss, grpo_loss,
+from rlcore.algorithms.policy_gradient import (POLICY_LOSSES, POLICY_RATIO_LEVELS, bnpo_loss, cispo_loss, dapo_loss, dr_grpo_loss, grpo_loss,
                                                gspo_loss, luspo_loss, policy_loss, rloo_loss, sapo_loss, vespo_loss)
 from rlcore.algorithms.ppo import ppo_loss
 from rlcore.checks import lookup
@@ -110,6 +110,18 @@ def test_presets_bind_the_peers_defaults():
         assert preset.__doc__ and "arxiv.org" in preset.__doc__, name
         torch.testing.assert_close(preset(b, max_length=9), policy_loss(b, max_length=9, **kw), rtol=0, atol=0)
     assert POLICY_LOSSES["vanilla"] is policy_loss
+
+
+def test_each_entry_declares_the_ratio_level_it_binds():
+    """``POLICY_RATIO_LEVELS`` names every entry, each at the level its loss computes the ratio at."""
+    assert list(POLICY_RATIO_LEVELS) == list(POLICY_LOSSES)
+    for name, loss in POLICY_LOSSES.items():
+        bound = loss.keywords.get("ratio_level") if isinstance(loss, functools.partial) else "token"
+        assert POLICY_RATIO_LEVELS[name] == bound, name
+    b = rollout(spread=0.2)
+    for name, level in POLICY_RATIO_LEVELS.items():  # the loss at its declared level is the loss
+        torch.testing.assert_close(POLICY_LOSSES[name](b, max_length=9, ratio_level=level),
+                                   POLICY_LOSSES[name](b, max_length=9), rtol=0, atol=0)
 
 
 def test_policy_loss_is_ppo_without_the_value_term():

@@ -8,6 +8,7 @@ rlcore.loops once per test session, every generator then forks from it in a frac
 import contextlib
 import importlib.util
 import dataclasses
+import inspect
 import math
 import os
 
@@ -17,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlcore import keys as K
-from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo, sft
+from rlcore.loops.recipes import BY_CONFIG, RECIPES, grpo, online_dpo, ppo, rloo, sft
 from rlcore.loops.scale import async_rl
 from rlcore.loops.scale.async_learners import (check_learner, importance_correction, learn_off_policy,
-                                               off_policy_metrics, recipe_of, truncated_importance_weights,
+                                               off_policy_metrics, online_recipe, truncated_importance_weights,
                                                with_importance_correction)
 from rlcore.loops.scale.async_rl import check_max_lag, train_async
 from rlcore.loops.checkpoint import list_checkpoints, load_checkpoint
@@ -129,17 +130,37 @@ def test_off_policy_metrics_golden():
 
 
 @pytest.mark.parametrize("recipe", [grpo, rloo, ppo, online_dpo])
-def test_the_learner_is_the_recipe_found_from_its_config(recipe):
-    """One code path: the learner runs the recipe's own ``learn``; no recipe is named anywhere else."""
-    assert recipe_of(recipe.Config()) is recipe and check_learner(recipe.Config(), None) is recipe
+def test_the_learner_is_the_table_entry_of_its_config(recipe):
+    """One code path: the learner runs the recipe's own ``learn``, found in the recipe table by the
+    config's type; no recipe is named anywhere else."""
+    entry = RECIPES[recipe.__name__.rsplit(".", 1)[-1]]
+    assert (entry.config, entry.learn, entry.build_state) == (recipe.Config, recipe.learn, recipe.build_state)
+    assert online_recipe(recipe.Config()) is entry and check_learner(recipe.Config(), None) is entry
+    assert BY_CONFIG[recipe.Config] is entry
+
+
+def test_only_the_online_recipes_learn():
+    assert sorted(name for name, r in RECIPES.items() if r.learn is not None) == ["grpo", "online_dpo", "ppo", "rloo"]
+    for name, r in RECIPES.items():
+        if r.learn is None:
+            with pytest.raises(TypeError, match=r"config: expected the Config of an online recipe"):
+                online_recipe(r.config())
 
 
 def test_ratio_levels_for_is_clip():
-    assert ppo.Config().ratio_level == "token"
-    assert rloo.Config().ratio_level == "sequence_sum"
-    assert grpo.Config().ratio_level == "token"
-    assert grpo.Config(loss_type="gspo").ratio_level == "sequence"
-    assert online_dpo.Config().ratio_level is None
+    level = {name: RECIPES[name].ratio_level for name in ("ppo", "rloo", "grpo", "online_dpo")}
+    assert level["ppo"](ppo.Config()) == "token"
+    assert level["rloo"](rloo.Config()) == "sequence_sum"
+    assert level["grpo"](grpo.Config()) == "token"
+    assert level["grpo"](grpo.Config(loss_type="gspo")) == "sequence"
+    assert level["grpo"](grpo.Config(loss_type="rloo")) == "sequence_sum"
+    assert level["grpo"](grpo.Config(loss_type="gspo", importance_sampling_level="token")) == "token"
+    assert level["online_dpo"] is None
+    for loss_type in grpo.POLICY_LOSSES:  # the level the bound loss computes its ratio at
+        for chosen in (None, "token", "sequence"):
+            config = grpo.Config(loss_type=loss_type, importance_sampling_level=chosen)
+            bound = inspect.signature(grpo.grpo_loss_fn(config)).parameters["ratio_level"].default
+            assert level["grpo"](config) == bound, (loss_type, chosen)
 
 
 def test_bad_arguments_fail_before_any_process(monkeypatch):

@@ -13,6 +13,7 @@ from rlcore.loops.collect import _prompts, generate_rollout
 from rlcore.loops.models import build_model, build_reward_model, build_tokenizer, pad_token_id, token_values
 from rlcore.loops.config import check_config
 from rlcore.loops.score import score_rollout
+from rlcore.testing import make_rollout
 from tests.loops.online_helpers import TINY, digit_fraction
 
 PROMPTS = ["12+3=", "a", "hello there", "7*8=", "xyz", "the cat"]
@@ -100,6 +101,22 @@ def test_cat_rollouts_pads_each_side_and_renumbers_groups():
     with pytest.raises(ValueError, match=r"parts\[1\]: keys"):
         cat_rollouts([TensorDict(a, batch_size=[1]), TensorDict({k: v for k, v in b.items() if k != K.GROUP_ID},
                                                                   batch_size=[1])], pad_id=0)
+
+
+def test_cat_rollouts_rebuilds_the_stored_sequences():
+    a, b = make_rollout(2, 3, 4, group_size=2), make_rollout(4, 5, 2, group_size=2)
+    for r in (a, b):
+        r[K.INPUT_IDS] = torch.cat([r[K.PROMPT_IDS], r[K.RESPONSE_IDS]], -1)
+        r[K.ATTENTION_MASK] = torch.cat([r[K.PROMPT_MASK], r[K.RESPONSE_MASK]], -1)
+    out = cat_rollouts([a, b], pad_id=-7)
+    assert out.batch_size == (6,) and out[K.PROMPT_IDS].shape == (6, 4) and out[K.RESPONSE_IDS].shape == (6, 5)
+    assert out[K.GROUP_ID].tolist() == [0, 0, 1, 1, 2, 2]
+    assert torch.equal(out[K.PROMPT_MASK][2:, 2:], b[K.PROMPT_MASK]) and not out[K.PROMPT_MASK][2:, :2].any()
+    assert torch.equal(out[K.RESPONSE_MASK][:2, :3], a[K.RESPONSE_MASK]) and not out[K.RESPONSE_MASK][:2, 3:].any()
+    assert (out[K.PROMPT_IDS][2:, :2] == -7).all() and (out[K.RESPONSE_IDS][:2, 3:] == -7).all()
+    torch.testing.assert_close(out[K.OLD_LOGPROBS][2:], b[K.OLD_LOGPROBS])
+    assert torch.equal(out[K.INPUT_IDS], torch.cat([out[K.PROMPT_IDS], out[K.RESPONSE_IDS]], -1))
+    assert torch.equal(out[K.ATTENTION_MASK], torch.cat([out[K.PROMPT_MASK], out[K.RESPONSE_MASK]], -1))
 
 
 def test_scoring_by_rows_equals_one_forward(lm):

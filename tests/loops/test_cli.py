@@ -11,17 +11,37 @@ from pathlib import Path
 import pytest
 
 from rlcore.loops import cli
+from rlcore.loops.recipes import BY_CONFIG, RECIPES, Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_recipe_has_the_protocol():
-    for name in cli.RECIPES:
-        module = cli.recipe_module(name)
-        assert callable(module.train) and callable(module.evaluate), name
+CLI_RECIPES = ["ddpo", "dpo", "grpo", "online_dpo", "ppo", "reft", "reft_dpo", "reft_grpo", "reft_reward", "reft_rloo",
+               "reward", "rloo", "sft"]
+
+
+def test_every_recipe_is_one_entry_of_the_table(capsys):
+    """``rlcore train`` runs exactly the table's recipes; each entry's Config type maps back to it."""
+    assert sorted(RECIPES) == CLI_RECIPES
+    for name, recipe in RECIPES.items():
+        assert isinstance(recipe, Recipe) and recipe.name == name
+        assert BY_CONFIG[recipe.config] is recipe and dataclasses.is_dataclass(recipe.config), name
+        assert callable(recipe.train) and callable(recipe.evaluate) and recipe.doc, name
         assert (ROOT / "configs" / f"{'reft_sft' if name == 'reft' else name}.yaml").exists(), name
-    with pytest.raises(ValueError, match=r"recipe: unknown 'trpo'; valid: \['ddpo'"):
-        cli.recipe_module("trpo")
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "{" + ",".join(CLI_RECIPES) + "}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["train", "trpo"])
+    assert "invalid choice: 'trpo'" in capsys.readouterr().err
+
+
+def test_every_recipe_module_has_a_table_entry():
+    """Each module of loops/recipes (but the table) trains the table's recipes: one of its own name, or
+    (``reft_recipes``) the ReFT recipes beside ``reft``."""
+    modules = {p.stem for p in (ROOT / "loops" / "recipes").glob("*.py")} - {"__init__", "table"}
+    assert modules == {r.train.__module__.rsplit(".", 1)[-1] for r in RECIPES.values()}
+    assert modules - {"reft_recipes"} <= set(RECIPES)
 
 
 def test_help_lists_every_field_with_its_default_and_doc(capsys):
@@ -31,8 +51,8 @@ def test_help_lists_every_field_with_its_default_and_doc(capsys):
     for field in ("--lr", "--steps", "--packing", "--agg", "--max_grad_norm", "--resume"):
         assert field in text
     assert "[default: 0.001]" in text and "rlcore.masked.AGGREGATIONS" in text  # default and doc of a field
-    for name in cli.RECIPES:  # every field of every recipe says what it is
-        config = cli.recipe_module(name).Config
+    for recipe in RECIPES.values():  # every field of every recipe says what it is
+        config, name = recipe.config, recipe.name
         assert set(cli.field_docs(config)) == {f.name for f in dataclasses.fields(config)}, name
 
 
@@ -59,7 +79,7 @@ def test_train_then_eval_from_yaml_and_flags(tmp_path, capsys):
 def test_console_script_lists_recipes():
     exe = Path(sys.executable).with_name("rlcore")
     out = subprocess.run([str(exe), "recipes"], capture_output=True, text=True, check=True).stdout
-    assert [line.split()[0] for line in out.strip().splitlines()] == list(cli.RECIPES)
+    assert [line.split()[0] for line in out.strip().splitlines()] == list(RECIPES)
 
 
 @pytest.mark.slow
@@ -166,28 +186,27 @@ def test_only_faults_before_the_first_step_lose_their_traceback(monkeypatch, cap
     """A ValueError before the fold's first step is the settings' or the data's (a message, status 2); once
     the run has started it is the program's, and so is any error of another kind: raised with its traceback."""
     from rlcore.loops.config import ConfigError
-    from rlcore.loops.recipes import sft
 
-    def fails(error, started):
+    def fails(error, started):  # the sft entry, its train raising error
         def train(config, *, callbacks=()):
             if started:
                 for cb in callbacks:
                     cb.on_start(None)
             raise error
-        return train
+        return dataclasses.replace(RECIPES["sft"], train=train)
 
-    monkeypatch.setattr(sft, "train", fails(ValueError("dataset: row 3: empty completion"), started=False))
+    monkeypatch.setitem(RECIPES, "sft", fails(ValueError("dataset: row 3: empty completion"), started=False))
     assert cli.main(["train", "sft"], report=True) == 2
     assert "rlcore train sft: error: dataset: row 3: empty completion" in capsys.readouterr().err
-    monkeypatch.setattr(sft, "train", fails(ValueError("a shape bug"), started=True))
+    monkeypatch.setitem(RECIPES, "sft", fails(ValueError("a shape bug"), started=True))
     with pytest.raises(ValueError, match="a shape bug"):
         cli.main(["train", "sft"], report=True)
-    monkeypatch.setattr(sft, "train", fails(TypeError("a bug"), started=False))
+    monkeypatch.setitem(RECIPES, "sft", fails(TypeError("a bug"), started=False))
     with pytest.raises(TypeError, match="a bug"):
         cli.main(["train", "sft"], report=True)
-    monkeypatch.setattr(sft, "train", fails(ConfigError("lr: a late check"), started=True))
+    monkeypatch.setitem(RECIPES, "sft", fails(ConfigError("lr: a late check"), started=True))
     assert cli.main(["train", "sft"], report=True) == 2
-    monkeypatch.setattr(sft, "train", fails(KeyboardInterrupt(), started=False))
+    monkeypatch.setitem(RECIPES, "sft", fails(KeyboardInterrupt(), started=False))
     assert cli.main(["train", "sft"], report=True) == 130
     assert "interrupted before the first step: nothing was saved" in capsys.readouterr().err
 

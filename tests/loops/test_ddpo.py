@@ -70,8 +70,9 @@ def test_yaml_config_loads_with_every_field():
 
 
 def test_cli_lists_the_recipe():
-    from rlcore.loops.cli import field_docs, recipe_module
-    assert recipe_module("ddpo").Config is Config
+    from rlcore.loops.cli import field_docs
+    from rlcore.loops.recipes import RECIPES
+    assert RECIPES["ddpo"].config is Config
     assert "ddpo_loss(clip_range=)" in field_docs(Config)["train_clip_range"]
 
 

@@ -7,7 +7,7 @@ import torch
 
 from rlcore import keys as K
 from rlcore.loops import online
-from rlcore.loops.filters import concat_rollouts, informative_groups, prompt_refill
+from rlcore.loops.filters import informative_groups, prompt_refill
 from rlcore.loops.recipe import load_splits
 from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.tasks import task_dataset
@@ -22,20 +22,6 @@ def test_informative_groups_are_those_whose_scores_differ():
     rollout[K.GROUP_ID] = torch.tensor([7, 3, 7, 3, 9, 9])  # ids need not be sorted or dense
     rollout[K.SCORE] = torch.tensor([1.0, 0.5, 0.0, 0.5, 2.0, 2.0])
     assert informative_groups(rollout).tolist() == [True, False, True, False, False, False]
-
-
-def test_concat_pads_renumbers_and_rebuilds_the_sequences():
-    a, b = make_rollout(2, 3, 4, group_size=2), make_rollout(4, 5, 2, group_size=2)
-    for r in (a, b):
-        r[K.INPUT_IDS] = torch.cat([r[K.PROMPT_IDS], r[K.RESPONSE_IDS]], -1)
-        r[K.ATTENTION_MASK] = torch.cat([r[K.PROMPT_MASK], r[K.RESPONSE_MASK]], -1)
-    out = concat_rollouts([a, b])
-    assert out.batch_size == (6,) and out[K.PROMPT_IDS].shape == (6, 4) and out[K.RESPONSE_IDS].shape == (6, 5)
-    assert out[K.GROUP_ID].tolist() == [0, 0, 1, 1, 2, 2]
-    assert torch.equal(out[K.PROMPT_MASK][2:, 2:], b[K.PROMPT_MASK]) and not out[K.PROMPT_MASK][2:, :2].any()
-    assert torch.equal(out[K.RESPONSE_MASK][:2, :3], a[K.RESPONSE_MASK]) and not out[K.RESPONSE_MASK][:2, 3:].any()
-    torch.testing.assert_close(out[K.OLD_LOGPROBS][2:], b[K.OLD_LOGPROBS])
-    assert torch.equal(out[K.ATTENTION_MASK], torch.cat([out[K.PROMPT_MASK], out[K.RESPONSE_MASK]], -1))
 
 
 def test_refill_prompts_are_a_function_of_step_and_round():

@@ -9,7 +9,7 @@ from tensordict import TensorDict
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import grpo_loss
 from rlcore.loops.chunks import generate_in_chunks
-from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo
+from rlcore.loops.recipes import BY_CONFIG, grpo, online_dpo, ppo, rloo
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import ValueHead
 from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, generate_kwargs, policy_loss_fn,
@@ -93,7 +93,7 @@ def test_collect_rollout_layout_rng_and_counters(setup):
 def test_collect_rollout_without_reference(setup):
     config, state, tokenizer, rows = setup
     _, rollout = collect_rollout(state, rows, config=online_dpo.Config(**TINY), tokenizer=tokenizer,
-                                 reward_fn=digit_fraction, num_samples=2)
+                                 reward_fn=digit_fraction, num_samples=2, reference=False)
     assert K.REF_LOGPROBS not in rollout.keys() and rollout.batch_size == torch.Size([2 * len(rows["prompt"])])
     assert "rollout/kl_ref" not in rollout_metrics(rollout)
 
@@ -163,27 +163,29 @@ def test_score_collected_scores_with_the_models_the_state_holds(setup):
     # no reward function and no reward model: the rollout's score (from a scorer elsewhere) is kept
     _, kept = score_collected(lean, rows, scored, config=config, tokenizer=None, reward_fn=None, num_samples=2)
     assert torch.equal(kept[K.SCORE], scored[K.SCORE])
-    # with a reference, ref_logprobs; unless the config's recipe scores none (online DPO)
+    # with a reference, ref_logprobs; unless the recipe scores none (online DPO: reference=False)
     _, with_ref = score_collected(state, rows, generated, config=config, tokenizer=tokenizer, reward_fn=reward,
                                   num_samples=2)
     assert K.REF_LOGPROBS in with_ref.keys() and K.VALUES not in with_ref.keys()
     _, without = score_collected(state, rows, generated, config=online_dpo.Config(**TINY), tokenizer=tokenizer,
-                                 reward_fn=reward, num_samples=2)
+                                 reward_fn=reward, num_samples=2, reference=False)
     assert K.REF_LOGPROBS not in without.keys()
 
 
 @pytest.mark.parametrize("recipe", [grpo, rloo, ppo, online_dpo])
 def test_each_step_is_collect_then_learn(recipe):
-    """A recipe's ``step`` is ``collect_rollout`` then its ``learn``, nothing else: the same parameters,
-    generator state, counters and metrics, bit for bit."""
+    """A recipe's ``step`` is ``collect_rollout`` (with the reference its table entry scores with) then its
+    ``learn``, nothing else: the same parameters, generator state, counters and metrics, bit for bit."""
     config = recipe.Config(**{**TINY, "num_samples": 2})
+    reference = BY_CONFIG[recipe.Config].rollout_ref_logprobs(config)
     rows = {"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]}
     results = []
     for split in (False, True):
         torch.manual_seed(0)
         state, tokenizer = recipe.build_state(config)
         if split:
-            state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+            state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction,
+                                             reference=reference)
             results.append(recipe.learn(state, rollout, config))
         else:
             results.append(recipe.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction))

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo, sft
+from rlcore.loops.recipes import RECIPES, grpo, online_dpo, ppo, rloo, sft
 from rlcore.loops.scale import placement
 from rlcore.loops.scale.placement import RAY_INSTALL, ROLES, require_ray, train_placed
 
@@ -115,8 +115,9 @@ def test_learn_after_the_scorer_equals_learn_with_every_model(one_thread, recipe
     want_state, want = learn_off_policy(full, rows, rollout, config=config, tokenizer=tokenizer,
                                         reward_fn=LENGTH_REWARD)
     lean, _ = recipe.build_state(config)
-    reference = config.rollout_ref_logprobs
-    kept = sorted(k for k in lean.models if k != "reward" and not (k == "ref" and not config.learn_uses_ref))
+    entry = RECIPES[recipe.__name__.rsplit(".", 1)[-1]]
+    reference = entry.rollout_ref_logprobs(config)
+    kept = sorted(k for k in lean.models if k != "reward" and not (k == "ref" and not entry.learn_uses_ref))
     lean = dataclasses.replace(lean, models={k: lean.models[k] for k in kept})
     scored = placement.ScorerWorker(config, reward_fn=LENGTH_REWARD).score(rollout, rows, reference=reference)
     got_state, got = assert_pure_state(learn_off_policy, lean, rows, scored, config=config, tokenizer=tokenizer)

@@ -618,10 +618,11 @@ def test_reft_dpo_from_a_config_trains_the_interventions_on_a_frozen_base():
 def test_reft_reward_trains_interventions_and_the_score_head_only(tmp_path):
     """pyreft's reward example: a frozen classifier, interventions at prompt positions, the head trained."""
     from rlcore.loops.recipe import build_policy
+    from rlcore.loops.recipes import RECIPES
     from rlcore.loops.recipes.reft_recipes import ReftRewardConfig, train_reft_reward
     config = ReftRewardConfig(hidden_size=32, num_layers=2, num_train=64, num_eval=16, batch_size=16, max_length=32,
                               steps=12, lr=3e-2, run_dir=None, eval_every=12, positions="f1+l1", zero_init=False)
-    base = build_policy(config)[0]
+    base = build_policy(config, task=RECIPES["reft_reward"].model_task)[0]
     state, history = train_reft_reward(config)
     assert history[-1]["loss"] < history[0]["loss"] and "eval/accuracy" in history[-1]
     changed = {n for (n, a), b in zip(state.model("policy").named_parameters(), base.parameters())

@@ -15,6 +15,7 @@ from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import build_policy, init_train_state
 from rlcore.loops.config import load_config
 from rlcore.loops.recipes.reward import Config, collate_pairs, evaluate, reward_loss_fn, reward_step, train, with_rewards
+from rlcore.loops.recipes import RECIPES
 from rlcore.loops.tasks import preference_dataset
 from rlcore.testing import assert_pure
 
@@ -117,9 +118,10 @@ def test_yaml_config_loads_and_runs(tmp_path):
     state, hist = train(config)
     assert state.step == 2 and "eval/accuracy" in hist[-1]
     assert (tmp_path / "checkpoint-2" / "models" / "policy").is_dir()
-    # a checkpointed reward model loads back as a sequence classifier (Config.MODEL_TASK)
-    assert "MODEL_TASK" not in {f.name for f in dataclasses.fields(Config)}
-    loaded, _ = build_policy(dataclasses.replace(config, init_from=str(tmp_path)))
+    # a checkpointed reward model loads back as a sequence classifier (the recipe's model_task)
+    task = RECIPES["reward"].model_task
+    assert task == "reward"
+    loaded, _ = build_policy(dataclasses.replace(config, init_from=str(tmp_path)), task=task)
     assert type(loaded).__name__ == "LlamaForSequenceClassification"
     for a, b in zip(loaded.parameters(), state.model().parameters()):
         assert torch.equal(a, b)

@@ -129,7 +129,7 @@ def test_observed_kl_golden_and_edges():
     assert observed_kl(kl, m, reduce="token_mean") == 2.25   # (1.5 + 3) / 2
     assert not observed_kl(kl, m).requires_grad
     assert observed_kl(kl, torch.zeros_like(m)) == 0.0
-    with pytest.raises(ValueError, match=r"unknown KL reduction 'mean'; valid: \['sequence_sum', 'token_mean'\]"):
+    with pytest.raises(ValueError, match=r"reduce: unknown 'mean'; valid: \['sequence_sum', 'token_mean'\]"):
         observed_kl(kl, m, reduce="mean")
     with pytest.raises(TypeError, match=r"mask: expected a torch.bool mask"):
         observed_kl(kl, m.float())

@@ -727,4 +727,8 @@ EXEMPT = {
     "rlcore.algorithms.reft.CONSTANT_SOURCE": "a tuple of variant names, no computation",
     "rlcore.algorithms.reft.trainable_parameters": "collects nn.Parameters of modules: no tensor computation",
     "rlcore.algorithms.ppo.Surrogate": "a NamedTuple type returned by the fuzzed surrogates",
+    "rlcore.algorithms.registry.REGISTRIES": "a table of the registries, no computation; each registry is fuzzed in "
+                                             "its home module",
+    "rlcore.algorithms.policy_gradient.POLICY_RATIO_LEVELS": "a table of level names per preset, no computation; "
+                                                             "each level is fuzzed through RATIO_LEVELS",
 }

@@ -7,8 +7,8 @@ import pytest
 
 from rlcore.loops import cli
 
-from rlcore.loops.recipes import dpo, grpo, sft
-from rlcore.loops.cli import RECIPES, recipe_module
+from rlcore.loops.recipes import dpo, grpo, ppo, sft
+from rlcore.loops.recipes import RECIPES
 from rlcore.loops.config import FIELD_RULES, check_config, load_config
 
 
@@ -59,7 +59,7 @@ def test_every_recipe_default_passes_and_every_rule_names_a_real_field():
 
     fields = set()
     for name in RECIPES:
-        config_cls = recipe_module(name).Config
+        config_cls = RECIPES[name].config
         check_config(config_cls())
         fields |= {f.name for f in dataclasses.fields(config_cls)}
     keywords = {p for fn in [*PREFERENCE_LOSSES.values(), *ADVANTAGE_ESTIMATORS.values()]
@@ -179,7 +179,7 @@ def test_every_shipped_yaml_config_loads():
 ])
 def test_loss_and_estimator_keywords_are_type_checked_at_load(recipe, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        load_config(recipe_module(recipe).Config, None, kwargs)
+        load_config(RECIPES[recipe].config, None, kwargs)
 
 
 def test_a_wrong_type_inside_loss_kwargs_fails_before_any_model_is_built(monkeypatch):
@@ -249,7 +249,7 @@ def test_an_estimator_without_its_inputs_is_refused_at_load(recipe, estimator, m
 
 
 def test_the_estimator_table_matches_what_each_estimator_reads():
-    """Each recipe's learner batch (its ``advantage_inputs``) feeds exactly the estimators
+    """Each recipe's learner batch (its table entry's ``advantage_inputs``) feeds exactly the estimators
     ``runnable_estimators`` names: the others fail on that batch for a key it lacks."""
     import torch
     from tensordict import TensorDict
@@ -260,13 +260,13 @@ def test_the_estimator_table_matches_what_each_estimator_reads():
 
     values = {K.SCORE: torch.tensor([1.0, 0.0, 2.0, 1.0]), K.RESPONSE_MASK: torch.ones(4, 3, dtype=torch.bool),
               K.REWARDS: torch.rand(4, 3), K.VALUES: torch.rand(4, 3), K.BASELINE_SCORE: torch.rand(4)}
-    for recipe in (grpo, recipe_module("rloo")):
-        held = recipe.Config.advantage_inputs
+    for recipe in (RECIPES["grpo"], RECIPES["rloo"]):
+        held = recipe.advantage_inputs
         batch = TensorDict({k: values[k] for k in held} | {K.GROUP_ID: torch.tensor([0, 0, 1, 1])}, batch_size=[4])
-        runnable = runnable_estimators(recipe.Config)
+        runnable = runnable_estimators(held)
         for name, estimator in ADVANTAGE_ESTIMATORS.items():
             if name in runnable:
-                assert K.ADVANTAGES in estimator(batch).keys(), (recipe.__name__, name)
+                assert K.ADVANTAGES in estimator(batch).keys(), (recipe.name, name)
             else:
                 with pytest.raises(KeyError, match="missing"):
                     estimator(batch)
@@ -284,13 +284,13 @@ def test_the_estimator_table_matches_what_each_estimator_reads():
 ])
 def test_other_combinations_an_online_recipe_cannot_run_are_refused_at_load(recipe, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        load_config(recipe_module(recipe).Config, None, kwargs)
+        load_config(RECIPES[recipe].config, None, kwargs)
 
 
 @pytest.mark.parametrize("recipe", ["sft", "dpo", "reward", "grpo", "ppo", "reft"])
 def test_num_eval_0_with_evaluation_is_refused_at_load(recipe):
     """num_eval 0 holds nothing out: evaluation every eval_every steps has nothing to run on."""
-    cls = recipe_module(recipe).Config
+    cls = RECIPES[recipe].config
     with pytest.raises(ValueError, match=r"eval_every: got 5, but num_eval is 0 and no eval_dataset is given"):
         load_config(cls, None, {"num_eval": 0, "eval_every": 5})
     assert load_config(cls, None, {"num_eval": 0}).num_eval == 0  # no evaluation: fine
@@ -372,8 +372,7 @@ def test_the_bound_loss_checks_its_settings_at_load(recipe, flags, message, monk
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_every_default_config_passes_its_loss_trial(name):
-    module = recipe_module(name)
-    config = module.Config()
+    config = RECIPES[name].config()
     assert check_config(config) is config
 
 
@@ -384,3 +383,68 @@ def test_every_loss_of_the_registries_passes_the_trial_with_its_defaults():
         check_config(dpo.Config(loss_type=loss_type))
     for loss_type in POLICY_LOSSES:
         check_config(grpo.Config(loss_type=loss_type, kl_coef=0.1))
+
+
+# --- a run checks its config once ---------------------------------------------------------------
+_TINY_FLAGS = dict(hidden_size=16, num_layers=1, num_heads=2, max_new_tokens=4, batch_size=2, num_samples=2,
+                   num_train=8, num_eval=4, steps=1, log_every=0)
+
+
+@pytest.fixture
+def check_calls(monkeypatch):
+    """Every call of ``check_config`` (wrapped, still checking), as the list of configs it was given."""
+    from rlcore.loops import config as config_lib
+    calls, original = [], config_lib.check_config
+
+    def counted(config):
+        calls.append(config)
+        return original(config)
+
+    monkeypatch.setattr(config_lib, "check_config", counted)
+    return calls
+
+
+@pytest.mark.parametrize("extra", [[], ["--async", "--max_lag", "1"]], ids=["sync", "async"])
+def test_the_cli_train_path_checks_its_config_once(extra, check_calls, tmp_path):
+    flags = [part for k, v in _TINY_FLAGS.items() for part in (f"--{k}", str(v))]
+    assert cli.main(["train", "grpo", *flags, *extra, "--run_dir", str(tmp_path / "run")]) == 0
+    assert len(check_calls) == 1
+
+
+def test_load_config_then_train_checks_once(check_calls):
+    config = load_config(grpo.Config, None, {**_TINY_FLAGS, "run_dir": None})
+    grpo.train(config)
+    assert len(check_calls) == 1 and check_calls[0] is config
+
+
+@pytest.mark.parametrize("module, extra", [(grpo, {}), (ppo, {"value_model": "separate"}), (dpo, {}), (sft, {})],
+                         ids=["grpo", "ppo", "dpo", "sft"])
+def test_a_config_built_in_python_is_checked_once_by_train(module, extra, check_calls):
+    """The policy, the reference and a separate critic are each built from the config: still one check."""
+    fields = {k: v for k, v in _TINY_FLAGS.items() if k in {f.name for f in dataclasses.fields(module.Config)}}
+    config = module.Config(**fields, **extra, run_dir=None)
+    module.train(config)
+    assert check_calls == [config]
+
+
+def test_the_async_path_checks_its_config_once(check_calls):
+    from rlcore.loops.scale.async_rl import train_async
+
+    config = grpo.Config(**_TINY_FLAGS, run_dir=None)
+    train_async(config, max_lag=1)
+    assert check_calls == [config]
+
+
+def test_the_checked_mark_is_no_field_and_a_replaced_config_is_checked_again(check_calls):
+    from rlcore.loops.config import config_dict, ensure_checked, is_checked
+
+    config = grpo.Config(run_dir=None)
+    assert not is_checked(config)
+    assert ensure_checked(config) is config and is_checked(config)
+    assert ensure_checked(config) is config and len(check_calls) == 1
+    assert config == grpo.Config(run_dir=None) and "checked" not in repr(config) + str(config_dict(config))
+    changed = dataclasses.replace(config, batch_size=0)
+    assert not is_checked(changed)
+    with pytest.raises(ValueError, match=r"batch_size: expected >= 1, got 0"):
+        ensure_checked(changed)
+    assert not is_checked(changed) and len(check_calls) == 2

@@ -2,6 +2,7 @@
 outside its folder, never follows a link, never loads a file the manifest does not vouch for, and
 every load path (resume, ``init_from``, ``rlcore eval``) checks the SHA-256 of every file."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from rlcore.loops.checkpoint_codec import CheckpointError
 from rlcore.loops.recipe import checkpoint_model_dir
+from rlcore.loops.recipes import RECIPES
 from tests.loops.test_checkpoint import make_state
 
 
@@ -185,9 +187,9 @@ def test_eval_takes_stored_hyper_parameters_but_not_trust(tmp_path, grpo_checkpo
     """``temperature`` (it only shapes numbers) comes from the checkpoint; ``trust_remote_code``,
     ``reward_funcs``, ``dataset``, ``device`` and ``init_from`` are the caller's."""
     from rlcore.loops import cli
-    from rlcore.loops.recipes import grpo
     seen = []
-    monkeypatch.setattr(grpo, "evaluate", lambda state, config: seen.append(config) or {})
+    monkeypatch.setitem(RECIPES, "grpo", dataclasses.replace(RECIPES["grpo"],
+                                                             evaluate=lambda state, config: seen.append(config) or {}))
     path, marker = plant(tmp_path, grpo_checkpoint, monkeypatch, dataset=str(tmp_path / "x.jsonl"), device="cuda:7",
                          init_from=str(tmp_path / "elsewhere"), reward_model=str(tmp_path / "rm"),
                          reward_weights=[0.5])  # they weigh the stored functions: without them, a crash
@@ -375,7 +377,7 @@ def test_init_from_a_reward_checkpoint_is_refused_for_a_policy(tmp_path):
     with pytest.raises(ValueError, match=r"holds a sequence classifier \(a reward model\); this recipe trains a causal "
                                          r"language model \(a policy\) and would start from a random LM head"):
         build_policy(sft.Config(init_from=str(path), **TINY))
-    loaded, _ = build_policy(reward.Config(init_from=str(path), **TINY))  # a reward recipe may
+    loaded, _ = build_policy(reward.Config(init_from=str(path), **TINY), task=reward.MODEL_TASK)  # a reward recipe may
     assert type(loaded).__name__ == "LlamaForSequenceClassification"
 
 
@@ -539,14 +541,14 @@ def test_load_exact_names_transformers_own_load_error(tmp_path, monkeypatch):
 
 def test_stored_work_sizes_are_bounded_by_the_callers(tmp_path, grpo_checkpoint, monkeypatch, capsys):
     from rlcore.loops import cli
-    from rlcore.loops.recipes import grpo
     seen = []
-    monkeypatch.setattr(grpo, "evaluate", lambda state, config: seen.append(config) or {})
+    monkeypatch.setitem(RECIPES, "grpo", dataclasses.replace(RECIPES["grpo"],
+                                                             evaluate=lambda state, config: seen.append(config) or {}))
     path = _copy(tmp_path, grpo_checkpoint)
     _edit_json(path, "config.json", num_eval=30_000_000, max_new_tokens=1 << 30, eval_batch_size=2)
     assert cli.main(["eval", "grpo", "--checkpoint", str(path), "--hidden_size", "16", "--num_layers", "1",
                      "--num_heads", "2"]) == 0
-    defaults = grpo.Config()
+    defaults = RECIPES["grpo"].config()
     assert seen[-1].num_eval == defaults.num_eval and seen[-1].max_new_tokens == defaults.max_new_tokens
     assert seen[-1].eval_batch_size == 2  # a smaller stored work size is taken
     err = capsys.readouterr().err

@@ -3,6 +3,7 @@ longer than any budget, prompts past the model's context and rewards too large f
 are refused before training with the file, row and column named (or, for long rows, read with
 bounded memory)."""
 
+import dataclasses
 import json
 import re
 
@@ -11,7 +12,7 @@ import torch
 
 from rlcore.logprobs import token_logprobs
 from rlcore.lm_head import hidden_logprobs
-from rlcore.loops.recipes import grpo, sft
+from rlcore.loops.recipes import RECIPES, grpo, sft
 from rlcore.loops.data import load_local
 from rlcore.loops.tokenization import max_token_chars, text_window, tokenize_example
 from rlcore.loops.models import build_tokenizer
@@ -292,8 +293,9 @@ def test_a_line_nested_past_the_readers_stack_is_named_not_a_crash(tmp_path, suf
 def test_the_final_line_of_a_run_is_strict_json(monkeypatch, capsys):
     """A NaN loss printed ``{"final": {"loss": NaN}}``, which is not JSON."""
     from rlcore.loops import cli
-    monkeypatch.setattr(sft, "train", lambda config, callbacks=(): (None, [{"loss": float("nan"), "lr": 1e-3,
-                                                                             "x": [float("inf")]}]))
+    def train(config, callbacks=()):
+        return None, [{"loss": float("nan"), "lr": 1e-3, "x": [float("inf")]}]
+    monkeypatch.setitem(RECIPES, "sft", dataclasses.replace(RECIPES["sft"], train=train))
     assert cli.main(["train", "sft", "--run_dir", "null", "--steps", "1"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(line) == {"final": {"loss": None, "lr": 1e-3, "x": [None]}}
