@@ -577,33 +577,20 @@ def test_token_logprobs_never_materialises_full_size_temporaries(dtype):
     assert len([c for c in bwd.created if c[1] > rows * vocab]) == 1, bwd.created
 
 
-@pytest.mark.parametrize("path", ["vocabulary blocks", "row blocks over the kernels"])
-def test_hidden_logprobs_never_materialises_the_logits(path, monkeypatch):
-    """The pure-PyTorch path folds ``[n, chunk]`` vocabulary blocks; the kernel path takes
-    ``[rows, V]`` row blocks (here 16 rows); neither ever holds the ``[n, V]`` logits."""
-    from rlcore import _kernels, lm_head
-
+def test_hidden_logprobs_never_materialises_the_logits():
     n, vocab, hidden, chunk = 64, 1000, 8, 100
-    if path == "vocabulary blocks":
-        monkeypatch.setattr(_kernels, "usable", lambda *a: False)
-        block = n * chunk
-    else:
-        if _kernels.ops is None:
-            pytest.skip(f"no compiled kernels here: {_kernels.reason}")
-        monkeypatch.setattr(lm_head, "_hidden_rows", lambda vocab, device: 16)
-        block = 16 * vocab
     h = _logits(n, hidden, dtype=torch.float32).requires_grad_()
     w = _logits(vocab, hidden, dtype=torch.float32, seed=1).requires_grad_()
     y = _labels((n,), vocab)
     with _Allocations() as fwd:
         lp, ent = hidden_logprobs(h, w, y, chunk_size=chunk, with_entropy=True, softcap=5.0)
-    assert max(size for _, size, _ in fwd.created) <= block, fwd.created
+    assert max(size for _, size, _ in fwd.created) <= n * chunk, fwd.created
     node = lp.grad_fn.next_functions[0][0]  # through the final view, the custom Function's node
     assert all(t.numel() <= max(n * hidden, vocab * hidden) for t in node.saved_tensors if t is not None)
     with _Allocations() as bwd:
         torch.autograd.grad(lp.sum() + ent.sum(), (h, w))
-    # backward: the blocks, and the gradients [n, H], [V, H]; never [n, V]
-    assert max(size for _, size, _ in bwd.created) <= max(block, vocab * hidden) < n * vocab // 3
+    # backward: blocks of [n, chunk], and the gradients [n, H], [V, H]; never [n, V]
+    assert max(size for _, size, _ in bwd.created) <= max(n * chunk, vocab * hidden) < n * vocab // 4
 
 
 # --- parity with TRL --------------------------------------------------------------------------
@@ -678,60 +665,18 @@ def test_chunk_budgets_are_larger_on_an_accelerator():
     assert _hidden_rows(4096, gpu) == L._GPU_SCALE * _hidden_rows(4096, cpu)
 
 
-@pytest.mark.parametrize("config", HIDDEN_CONFIGS)
-@pytest.mark.parametrize("use_bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_hidden_logprobs_over_the_kernels_match_float64(config, use_bias, rows, monkeypatch):
-    """The row-block path (float32 on the compiled kernels, ``rows`` rows per block) against the
-    float64 formula: log-probs, entropy, the two statistics and the three gradients."""
-    from rlcore import _kernels, lm_head
-
-    if _kernels.ops is None:
-        pytest.skip(f"no compiled kernels here: {_kernels.reason}")
-    monkeypatch.setattr(lm_head, "_hidden_rows", lambda vocab, device: rows)
-    h64, w64 = _logits(3, 7, 16, scale=1.0), _logits(301, 16, scale=0.5, seed=7)
-    b64 = _logits(301, scale=1.0, seed=8) if use_bias else None
-    y = _labels((3, 7), 301)
-    leaves = [t.float().requires_grad_() for t in (h64, w64, b64) if t is not None]
-    h, w, b = (*leaves, None)[:3] if use_bias else (leaves[0], leaves[1], None)
-    out = hidden_logprobs(h, w, y, bias=b, with_stats=True, **config)
-    refs = [t.clone().requires_grad_() for t in (h64, w64, b64) if t is not None]
-    logits = naive_head_logits(refs[0], refs[1], refs[2] if use_bias else None, **config)
-    lp_ref, ent_ref = naive_logprobs(logits, y), naive_entropy(logits)
-    torch.testing.assert_close(out.logprobs.double(), lp_ref, rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(out.entropy.double(), ent_ref, rtol=1e-5, atol=2e-5)
-    assert torch.equal(out.top1, logits.argmax(-1) == y)
-    torch.testing.assert_close(out.mean_logit.double(), logits.mean(-1), rtol=1e-5, atol=1e-5)
-    g1, g2 = torch.randn(3, 7, generator=_gen(5), dtype=F64), torch.randn(3, 7, generator=_gen(6), dtype=F64)
-    ours = torch.autograd.grad((out.logprobs * g1.float()).sum() + (out.entropy * g2.float()).sum(), leaves)
-    theirs = torch.autograd.grad((lp_ref * g1).sum() + (ent_ref * g2).sum(), refs, retain_graph=True)
-    for a, r in zip(ours, theirs):
-        torch.testing.assert_close(a.double(), r, rtol=1e-4, atol=2e-5)
-    # the log-prob gradient alone, and under bf16 autocast (bf16 products: ~3 significant digits)
-    (gh,) = torch.autograd.grad(hidden_logprobs(h, w, y, bias=b, **config).sum(), (h,))
-    torch.testing.assert_close(gh.double(), torch.autograd.grad(lp_ref.sum(), refs[0])[0], rtol=1e-4, atol=2e-5)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        lp16 = hidden_logprobs(h, w, y, bias=b, **config)
-    torch.testing.assert_close(lp16.double(), lp_ref, rtol=0, atol=0.15)
-
-
-@pytest.mark.parametrize("path", ["vocabulary blocks", "row blocks over the kernels"])
-def test_hidden_logprobs_label_outside_the_vocabulary_is_a_nan_row_when_unchecked(path, monkeypatch):
+def test_hidden_logprobs_label_outside_the_vocabulary_is_a_nan_row_when_unchecked(monkeypatch):
     """Where the eager label check is skipped (under torch.compile), an id outside ``[0, V)`` gives
-    a NaN log-prob for its row and no gradient from it; the other rows are unchanged."""
-    from rlcore import _kernels, lm_head
+    a NaN log-prob for its row; the other rows and their gradients are unchanged."""
+    from rlcore import lm_head
 
-    if path == "vocabulary blocks":
-        monkeypatch.setattr(_kernels, "usable", lambda *a: False)
-    elif _kernels.ops is None:
-        pytest.skip(f"no compiled kernels here: {_kernels.reason}")
     monkeypatch.setattr(lm_head, "_check_labels", lambda *a, **k: None)
     h = _logits(4, 6, dtype=torch.float32).requires_grad_()
     w = _logits(50, 6, dtype=torch.float32, seed=3)
-    y = torch.tensor([1, 50, 7, -3])
-    lp = hidden_logprobs(h, w, y)
+    lp = hidden_logprobs(h, w, torch.tensor([1, 50, 7, -3]))
     assert lp[[1, 3]].isnan().all() and torch.isfinite(lp[[0, 2]]).all()
     good = hidden_logprobs(h, w, torch.tensor([1, 0, 7, 0]))
     torch.testing.assert_close(lp[[0, 2]], good[[0, 2]])
     (g,) = torch.autograd.grad(lp[[0, 2]].sum(), (h,))
-    assert torch.isfinite(g).all() and g[[1, 3]].abs().sum() == 0
+    (ref,) = torch.autograd.grad(good[[0, 2]].sum(), (h,))
+    torch.testing.assert_close(g, ref)
