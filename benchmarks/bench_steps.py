@@ -76,7 +76,7 @@ from rlcore.loops.collect import generate_rollout  # noqa: E402
 from rlcore.loops.collate import collate_preference  # noqa: E402
 from rlcore.loops.models import build_model, make_reference  # noqa: E402
 from rlcore.loops.state import TrainState, init_state  # noqa: E402
-from rlcore.loops.update import make_optimizer, update  # noqa: E402
+from rlcore.loops.update import chain, clip_by_global_norm, make_optimizer, skip_nonfinite, update  # noqa: E402
 
 try:  # imported once here, so that the memory server's forked children inherit it
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -202,7 +202,8 @@ def _dpo_rlcore(s: Sizes, autocast: bool):
     def step(st: TrainState):  # dpo_step's pieces, the reference forward under autocast as well
         with torch.autocast("cpu", dtype=bf16):
             scored = dpo_recipe.with_reference(st, batch)
-        return update(st, scored, loss_fn, autocast_dtype=bf16, max_grad_norm=1.0)
+        return update(st, scored, loss_fn, autocast_dtype=bf16,
+                      transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
     return _stateful(step, state)
 
 

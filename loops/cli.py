@@ -262,8 +262,8 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         if command == "export":
             p.add_argument("--out", required=True, help="the folder to write (new or empty)")
         elif command == "train":
-            scale = p.add_argument_group("asynchronous off-policy training (grpo, rloo, ppo, online_dpo; "
-                                         "rlcore.loops.scale.async_rl)")
+            learners = ", ".join(name for name, r in RECIPES.items() if r.learn is not None)
+            scale = p.add_argument_group(f"asynchronous off-policy training ({learners}; rlcore.loops.scale.async_rl)")
             scale.add_argument("--async", dest="run_async", action="store_true",
                                help="generate in a separate process, at most --max_lag policy versions behind")
             scale.add_argument("--max_lag", type=int, default=1, help="policy versions the generator may lag [default: 1]")

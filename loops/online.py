@@ -66,7 +66,7 @@ from rlcore.loops.reward_fns import (RewardFn, make_reward_fn, missing_eos_penal
 from rlcore.loops.score import score_rollout, sequences, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
 from rlcore.loops.tasks import task_dataset
-from rlcore.loops.update import update
+from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 from rlcore.rewards import soft_overlong_penalty
 from rlcore.transforms import observed_kl
 
@@ -490,9 +490,11 @@ def policy_update(state: TrainState, batch: TensorDictBase, loss: Callable[..., 
     loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature,
                                 with_entropy=getattr(config, "log_entropy", False))
     loss_fn = loss_fn if wrap_loss is None else wrap_loss(loss_fn)
+    grad_clip = None if config.max_grad_norm is None else clip_by_global_norm(config.max_grad_norm)
     state, metrics = update(state, batch, loss_fn, **update_sizes(config, batch.batch_size[0]),
                             autocast_dtype=autocast_dtype(config),
-                            epochs=config.epochs, mask_key=K.RESPONSE_MASK, max_grad_norm=config.max_grad_norm)
+                            epochs=config.epochs, mask_key=K.RESPONSE_MASK,
+                            transform=chain(skip_nonfinite(), grad_clip))
     return state, metrics.update(info).update(extra)
 
 

@@ -37,7 +37,16 @@ A recipe's loss closure, for instance::
         return ppo_loss(mb, clip_eps=0.2, **denominators)
 
     state, metrics = update(state, rollout, loss_fn, minibatch_size=64, micro_batch_size=16,
-                            epochs=4, mask_key=keys.RESPONSE_MASK)
+                            epochs=4, mask_key=keys.RESPONSE_MASK,
+                            transform=chain(skip_nonfinite(), stop_on("early_stop"), clip_by_global_norm(1.0)))
+
+Gradient transforms
+-------------------
+What happens between the backward passes and ``optimizer.step()`` is a chain of transforms, in
+the manner of optax: each is a plain callable ``GradStep -> outcome | None`` that may act on the
+gradients in place (``clip_by_global_norm``), veto the step with an outcome (``"skipped"``: the
+gradients are dropped and the epochs go on; ``"stopped"``: dropped, and the epochs end) or raise
+(``raise_nonfinite``). ``chain(*transforms)`` applies them in order and the first veto wins.
 """
 
 from __future__ import annotations
@@ -61,10 +70,13 @@ from rlcore.loops.dist import agree, all_reduce_sum
 from rlcore.loops.state import TrainState, copy_generator
 
 __all__ = ["update", "global_denominators", "make_optimizer", "make_scheduler", "SCHEDULES", "linear_schedule",
-           "cosine_schedule", "constant_schedule", "enable_gradient_checkpointing", "NONFINITE_MODES"]
+           "cosine_schedule", "constant_schedule", "enable_gradient_checkpointing", "NONFINITE_MODES", "GradStep",
+           "Transform", "OUTCOMES", "DEFAULT_TRANSFORM", "chain", "skip_nonfinite", "raise_nonfinite", "nonfinite",
+           "stop_on", "clip_by_global_norm"]
 
 NONFINITE_MODES = ("skip", "raise")
 EARLY_STOP_CHECKS = ("minibatch", "epoch")
+OUTCOMES = ("skipped", "stopped")
 LossFn = Callable[..., tuple[torch.Tensor, Any]]
 
 
@@ -184,6 +196,155 @@ def enable_gradient_checkpointing(model: nn.Module) -> bool:
     return True
 
 
+# --- gradient transforms --------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GradStep:
+    """One optimiser step's gradients as the transforms see them, before ``optimizer.step()``.
+
+    Attributes:
+        params: the parameters clipped, checked and zeroed (``update``'s ``params``), holding the
+            step's summed gradients in ``.grad`` (over the ranks, under a process group).
+        grad_norm: 0-d tensor, the global L2 norm of those gradients before any transform
+            (``rlcore.loops.dist.total_grad_norm``, over every rank's shards).
+        loss_finite: the loss of every micro-batch was finite, on every rank.
+        grad_finite: ``grad_norm`` is finite.
+        stop: the ``stop_on`` metric of the chain was true for some micro-batch on some rank
+            (``False`` without a ``stop_on``).
+        where: the step's place for messages (``"epoch 0, rows 0:64"``).
+    """
+
+    params: list[torch.Tensor]
+    grad_norm: torch.Tensor
+    loss_finite: bool
+    grad_finite: bool
+    stop: bool
+    where: str
+
+
+Transform = Callable[[GradStep], str | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chain:
+    transforms: tuple[Transform, ...]
+
+    def __call__(self, step: GradStep) -> str | None:
+        for transform in self.transforms:
+            outcome = transform(step)
+            if outcome is not None:
+                return outcome
+        return None
+
+
+def chain(*transforms: Transform | None) -> Transform:
+    """The transforms applied in order; the first veto (an outcome other than ``None``) wins.
+
+    ``None`` entries are left out, so an optional transform reads
+    ``clip_by_global_norm(m) if m is not None else None``.
+
+    Examples:
+        >>> step = GradStep(params=[], grad_norm=torch.tensor(0.0), loss_finite=True, grad_finite=True,
+        ...                 stop=True, where="epoch 0")
+        >>> chain(skip_nonfinite(), stop_on("early_stop"), lambda s: "skipped")(step)
+        'stopped'
+    """
+    for i, transform in enumerate(transforms):
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transforms[{i}]: expected a callable GradStep -> outcome | None, got {transform!r}")
+    return _Chain(tuple(t for t in transforms if t is not None))
+
+
+def _skip_nonfinite(step: GradStep) -> str | None:
+    return None if step.loss_finite and step.grad_finite else "skipped"
+
+
+def _raise_nonfinite(step: GradStep) -> str | None:
+    if step.loss_finite and step.grad_finite:
+        return None
+    raise NonFiniteError(f"update: non-finite {'gradient' if step.loss_finite else 'loss'} at {step.where} "
+                         f"(grad norm {float(step.grad_norm)}); the step was not taken, weights and "
+                         f"optimiser state are unchanged")
+
+
+def skip_nonfinite() -> Transform:
+    """A non-finite loss (any micro-batch, any rank) or gradient norm skips the step: gradients are
+    dropped, weights, optimiser and scheduler are left exactly as they were, and the step is
+    counted in ``state.skipped_steps``."""
+    return _skip_nonfinite
+
+
+def raise_nonfinite() -> Transform:
+    """A non-finite loss or gradient norm raises ``NonFiniteError`` (naming the step); the
+    gradients are dropped and weights, optimiser and scheduler left as they were."""
+    return _raise_nonfinite
+
+
+def nonfinite(mode: str = "skip") -> Transform:
+    """``skip_nonfinite()`` for ``mode="skip"``, ``raise_nonfinite()`` for ``"raise"``."""
+    if mode not in NONFINITE_MODES:
+        raise ValueError(f"mode: unknown non-finite mode {mode!r}; valid: {list(NONFINITE_MODES)}")
+    return skip_nonfinite() if mode == "skip" else raise_nonfinite()
+
+
+@dataclasses.dataclass(frozen=True)
+class _StopOn:
+    key: str
+    when: str
+
+    def __call__(self, step: GradStep) -> str | None:
+        return "stopped" if self.when == "minibatch" and step.stop else None
+
+
+def stop_on(key: str = "early_stop", *, when: str = "minibatch") -> Transform:
+    """End the epochs on a true ``key`` metric from ``loss_fn`` (PPO's target KL).
+
+    ``update`` reads the metric as the flag ``GradStep.stop`` (true if any micro-batch's value is
+    true on any rank; the metric itself is not reported) and:
+
+    - ``when="minibatch"``: a flagged step is vetoed (``"stopped"``: its gradients are dropped) and
+      the epochs end at once;
+    - ``when="epoch"`` (legacy TRL's PPO): no step is vetoed; the flag of each epoch's last
+      minibatch is read after its step (taken or skipped), and a true one skips the remaining
+      epochs (every step of the epoch is kept).
+
+    A chain holds at most one ``stop_on``.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key: expected a metric name (a non-empty str), got {key!r}")
+    if when not in EARLY_STOP_CHECKS:
+        raise ValueError(f"when: unknown {when!r}; valid: {list(EARLY_STOP_CHECKS)}")
+    return _StopOn(key, when)
+
+
+def clip_by_global_norm(max_norm: float) -> Transform:
+    """``g ← g·min(1, max_norm/(‖g‖₂ + 1e-6))`` in place, with ``‖g‖₂`` = ``GradStep.grad_norm``.
+
+    Never vetoes. Leave it out of the chain not to clip (``None`` is refused).
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm: expected a number > 0 (leave clip_by_global_norm out of the chain not "
+                         f"to clip), got {max_norm!r}")
+
+    def clip(step: GradStep) -> str | None:
+        torch.nn.utils.clip_grads_with_norm_(step.params, max_norm, step.grad_norm)
+        return None
+
+    return clip
+
+
+def _stop_rule(transform: Transform) -> _StopOn | None:
+    if isinstance(transform, _StopOn):
+        return transform
+    inner = transform.transforms if isinstance(transform, _Chain) else ()
+    rules = [r for t in inner if (r := _stop_rule(t)) is not None]
+    if len(rules) > 1:
+        raise ValueError(f"transform: more than one stop_on in the chain ({rules}); keep one")
+    return rules[0] if rules else None
+
+
+DEFAULT_TRANSFORM = chain(skip_nonfinite(), clip_by_global_norm(1.0))  # update's default
+
+
 # --- update ---------------------------------------------------------------------------------
 def _counts(batch: TensorDictBase, mask_key: Any) -> torch.Tensor:
     mask = batch.get(mask_key)
@@ -256,7 +417,8 @@ def _named(metrics: Any) -> Iterable[tuple[str, torch.Tensor]]:
 
 def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *, micro_batch_size: int,
                 rows: int, mask_key: Any, autocast_dtype: torch.dtype | None, device_type: str,
-                early_stop_key: str, sync: GradSync | None) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+                early_stop_key: str | None,
+                sync: GradSync | None) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """Forward/backward over the micro-batches of one minibatch; gradients add up in ``.grad``.
 
     ``rows``: the minibatch's rows over every rank; each micro-batch's share of the step is
@@ -325,27 +487,31 @@ def _zero_grads(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) ->
 
 
 def _optimizer_step(state: TrainState, params: list[torch.Tensor], finite: torch.Tensor, stop: torch.Tensor, *,
-                    max_grad_norm: float | None, nonfinite: str, where: str) -> tuple[str, torch.Tensor]:
-    """Check, clip and step, or leave everything untouched. Returns ``(outcome, grad_norm)``."""
+                    transform: Transform, where: str) -> tuple[str, torch.Tensor, bool]:
+    """Run the transforms, then step, or leave everything untouched on a veto or an error.
+
+    Returns ``(outcome, grad_norm, stop)``: ``"taken"``, ``"skipped"`` or ``"stopped"``, the norm
+    before the transforms, and the step's early-stop flag on the host.
+    """
     norm = total_grad_norm([p.grad for p in params if p.grad is not None]).to(finite.device)
-    ok, halt = torch.stack([finite & torch.isfinite(norm), stop]).tolist()  # the one sync of a step
-    if not ok:
+    loss_ok, norm_ok, halt = torch.stack([finite, torch.isfinite(norm), stop]).tolist()  # the one sync of a step
+    step = GradStep(params=params, grad_norm=norm, loss_finite=bool(loss_ok), grad_finite=bool(norm_ok),
+                    stop=bool(halt), where=where)
+    try:
+        outcome = transform(step)
+    except BaseException:
         _zero_grads(params, state.optimizer)
-        if nonfinite == "raise":
-            raise NonFiniteError(f"update: non-finite {'gradient' if finite else 'loss'} at {where} "
-                                 f"(grad norm {float(norm)}); the step was not taken, weights and "
-                                 f"optimiser state are unchanged")
-        return "skipped", norm
-    if halt:
+        raise
+    if outcome is not None:
         _zero_grads(params, state.optimizer)
-        return "stopped", norm
-    if max_grad_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
+        if outcome not in OUTCOMES:
+            raise ValueError(f"transform: returned {outcome!r} at {where}; expected None or one of {list(OUTCOMES)}")
+        return outcome, norm, step.stop
     state.optimizer.step()
     if state.scheduler is not None:
         state.scheduler.step()
     _zero_grads(params, state.optimizer)
-    return "taken", norm
+    return "taken", norm, step.stop
 
 
 def _mean(steps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -376,9 +542,9 @@ def training_mode(models: Iterable[nn.Module], trained: Iterable[torch.Tensor]) 
 
 def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibatch_size: int | None = None,
            micro_batch_size: int | None = None, epochs: int = 1, mask_key: Any = None,
-           max_grad_norm: float | None = 1.0, params: Iterable[torch.Tensor] | None = None,
-           nonfinite: str = "skip", autocast_dtype: torch.dtype | None = None, shuffle: bool = True,
-           early_stop_key: str = "early_stop", early_stop_check: str = "minibatch") -> tuple[TrainState, TensorDict]:
+           params: Iterable[torch.Tensor] | None = None, autocast_dtype: torch.dtype | None = None,
+           shuffle: bool = True,
+           transform: Transform = DEFAULT_TRANSFORM) -> tuple[TrainState, TensorDict]:
     """Optimise ``loss_fn`` on ``batch``: ``epochs`` passes of shuffled minibatches (impure).
 
     Per epoch the rows are permuted with ``state.rng`` (when there is more than one minibatch and
@@ -386,18 +552,21 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
     every row seen once per epoch (the last minibatch is smaller when the sizes do not divide).
     A minibatch is cut into micro-batches of ``micro_batch_size`` rows whose gradients accumulate
     (``grad_accum = ceil(minibatch_size / micro_batch_size)``, derived); see the module doc for the
-    loss contract that makes accumulation equal the full-minibatch gradient. Then
-    ``g ← g·min(1, max_grad_norm/(‖g‖₂ + 1e-6))``, ``optimizer.step()``, ``scheduler.step()``.
+    loss contract that makes accumulation equal the full-minibatch gradient. Then the global
+    gradient norm ``‖g‖₂`` is computed once, ``transform`` runs on a ``GradStep`` (the default
+    skips non-finite steps, then ``g ← g·min(1, 1.0/(‖g‖₂ + 1e-6))``), and unless it vetoes,
+    ``optimizer.step()``, ``scheduler.step()``.
 
-    Guards:
-        a non-finite loss (any micro-batch) or gradient norm skips the step: gradients are
-        dropped, weights, optimiser and scheduler are left exactly as they were, and the step is
-        counted in ``state.skipped_steps`` (``nonfinite="skip"``), or ``NonFiniteError`` is raised
-        (``"raise"``). A true ``early_stop_key`` metric from ``loss_fn`` (PPO's target KL) ends
-        the epochs loop: with ``early_stop_check="minibatch"`` any minibatch's flag drops that
-        step's gradients and stops at once; with ``"epoch"`` (legacy TRL's PPO) the flag of each
-        epoch's last minibatch is read after its step is taken, and a true one skips the
-        remaining epochs (every step of the epoch is kept).
+    Guards (the transforms, see the module doc):
+        ``skip_nonfinite()``: a non-finite loss (any micro-batch) or gradient norm skips the step:
+        gradients are dropped, weights, optimiser and scheduler are left exactly as they were, and
+        the step is counted in ``state.skipped_steps``; ``raise_nonfinite()`` raises
+        ``NonFiniteError`` instead. ``stop_on(key, when=)``: a true ``key`` metric from ``loss_fn``
+        (PPO's target KL) ends the epochs loop: with ``when="minibatch"`` any minibatch's flag
+        drops that step's gradients and stops at once; with ``"epoch"`` (legacy TRL's PPO) the
+        flag of each epoch's last minibatch is read after its step, and a true one skips the
+        remaining epochs (every step of the epoch is kept). A transform that raises leaves the
+        gradients dropped and the weights, optimiser and scheduler as they were.
 
     Distributed (a process group of ``W > 1`` ranks, ``rlcore.loops.dist``): ``batch`` is this
     rank's share of the global batch and ``minibatch_size`` / ``micro_batch_size`` count this
@@ -420,14 +589,14 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
         micro_batch_size: rows per forward/backward (default ``minibatch_size``).
         epochs: passes over ``batch`` (PPO's K epochs).
         mask_key: key of the ``[B, ..., T]`` bool mask the global denominators count, or ``None``.
-        max_grad_norm: clipping threshold on the global L2 norm; ``None`` never clips.
         params: what is clipped, checked and zeroed (default: every parameter of the optimiser).
-        nonfinite: ``"skip"`` or ``"raise"``.
         autocast_dtype: e.g. ``torch.bfloat16``: forward and loss under ``torch.autocast`` on the
             parameters' device type; backward outside it. ``None``: no autocast.
         shuffle: permute rows each epoch (needs ``state.rng``).
-        early_stop_key: the metric name that stops the epochs loop.
-        early_stop_check: ``"minibatch"`` or ``"epoch"`` (above).
+        transform: ``GradStep -> outcome | None``, usually a ``chain`` of ``skip_nonfinite()`` or
+            ``raise_nonfinite()``, ``stop_on(...)`` and ``clip_by_global_norm(max_norm)``, applied
+            in that order (non-finite check, early stop, clip); the default ``DEFAULT_TRANSFORM`` is
+            ``chain(skip_nonfinite(), clip_by_global_norm(1.0))`` (no early stop).
     Returns:
         ``(state, metrics)``: ``state`` with the advanced generator copy as ``rng`` and
         ``optimizer_steps``, ``skipped_steps``, ``policy_version`` (+1 if any step was taken)
@@ -441,11 +610,10 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
     """
     if state.optimizer is None:
         raise ValueError("state.optimizer: update needs an optimiser (see make_optimizer)")
-    if nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite: unknown mode {nonfinite!r}; valid: {list(NONFINITE_MODES)}")
-    if early_stop_check not in EARLY_STOP_CHECKS:
-        raise ValueError(f"early_stop_check: unknown {early_stop_check!r}; valid: {list(EARLY_STOP_CHECKS)}")
-    per_epoch = early_stop_check == "epoch"
+    if not callable(transform):
+        raise TypeError(f"transform: expected a callable GradStep -> outcome | None (see chain), got {transform!r}")
+    rule = _stop_rule(transform)
+    per_epoch = rule is not None and rule.when == "epoch"
     n, mb, micro = _sizes(batch, minibatch_size, micro_batch_size, epochs)
     params = [p for g in state.optimizer.param_groups for p in g["params"]] if params is None else list(params)
     shuffled = shuffle and mb < n
@@ -465,18 +633,17 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
                 sums, finite, stop = _accumulate(
                     state, batch[order[start:start + mb]], loss_fn, micro_batch_size=micro, rows=rows[k],
                     mask_key=mask_key, autocast_dtype=autocast_dtype, device_type=device_type,
-                    early_stop_key=early_stop_key, sync=sync)
+                    early_stop_key=None if rule is None else rule.key, sync=sync)
                 sums, finite, stop = _synchronise(sums, finite, stop, sync)
                 step_lr = state.optimizer.param_groups[0]["lr"]
-                outcome, norm = _optimizer_step(state, params, finite, torch.zeros_like(stop) if per_epoch else stop,
-                                                max_grad_norm=max_grad_norm, nonfinite=nonfinite,
-                                                where=f"epoch {epoch}, rows {start}:{start + mb}")
+                outcome, norm, flagged = _optimizer_step(state, params, finite, stop, transform=transform,
+                                                         where=f"epoch {epoch}, rows {start}:{start + mb}")
                 counts[outcome] += 1
                 lr = step_lr if outcome == "taken" else lr
                 steps.append({**sums, "grad_norm": norm.detach()})
                 if outcome == "stopped":
                     break
-            if counts["stopped"] or (per_epoch and bool(stop)):  # the epoch's last minibatch decides
+            if counts["stopped"] or (per_epoch and flagged):  # the epoch's last minibatch decides
                 halted = True
                 break
         else:

@@ -68,7 +68,7 @@ from rlcore.loops.recipe import run
 from rlcore.loops.sd import (LORA_TARGETS, LatentDecoder, TextEncoder, apply_unet_lora, export_lora,
                              load_pipeline, pipeline_schedule, scheduler_config)
 from rlcore.loops.state import TrainState, advance, copy_generator, init_state, with_transforms
-from rlcore.loops.update import make_optimizer, update
+from rlcore.loops.update import chain, clip_by_global_norm, make_optimizer, skip_nonfinite, update
 from rlcore.transforms import StateTransform
 
 __all__ = ["Config", "build_state", "collect", "score", "train_epoch", "step", "evaluate", "train",
@@ -126,7 +126,7 @@ class Config:
     train_adam_beta2: float = 0.999        # make_optimizer(betas=)
     train_adam_weight_decay: float = 1e-4  # make_optimizer(weight_decay=)
     train_adam_epsilon: float = 1e-8       # make_optimizer(eps=)
-    train_max_grad_norm: float = 1.0       # update(max_grad_norm=)
+    train_max_grad_norm: float = 1.0       # update's clip_by_global_norm(max_norm)
     train_num_inner_epochs: int = 1        # passes over each epoch's samples
     train_cfg: bool = True                 # training log-probs with the sampling guidance (else conditional only)
     train_adv_clip_max: float = 5.0        # ddpo_loss(adv_clip_max=)
@@ -395,7 +395,8 @@ def train_epoch(state: TrainState, rollout, config: Config):
         order = torch.arange(b * n, device=perm.device).reshape(b // sb, sb, n).transpose(1, 2).reshape(-1)
         state, metrics = update(dataclasses.replace(state, rng=g), rows.reshape(-1)[order], loss_fn,
                                 minibatch_size=sb * n, micro_batch_size=config.train_batch_size,
-                                max_grad_norm=config.train_max_grad_norm, shuffle=False,
+                                transform=chain(skip_nonfinite(), clip_by_global_norm(config.train_max_grad_norm)),
+                                shuffle=False,
                                 autocast_dtype=_autocast_dtype(config))
         history.append(metrics)
     return state, torch.stack(history).mean(0)  # metrics averaged over the inner epochs

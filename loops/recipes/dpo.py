@@ -53,7 +53,7 @@ from rlcore.loops.config import RunConfig, autocast_dtype, try_loss
 from rlcore.loops.score import MEAN_LOGIT, STAT_KEYS, TOP1, concatenated_forward, precompute_reference_logps, score_sequences
 from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
-from rlcore.loops.update import update
+from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 from rlcore.checks import bind_keywords, lookup
 from rlcore.testing import make_preference_batch
 
@@ -233,7 +233,8 @@ def _update(state, batch, *, loss, chunked, micro_batch_size, max_grad_norm, con
     loss_fn = functools.partial(preference_loss_fn, loss=loss, chunked=chunked, with_stats=True)
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
                             autocast_dtype=autocast_dtype(config) if config is not None else None,
-                            max_grad_norm=max_grad_norm)
+                            transform=chain(skip_nonfinite(),
+                                            None if max_grad_norm is None else clip_by_global_norm(max_grad_norm)))
     return advance(state, samples_seen=rows, tokens_seen=batch_tokens(batch)), metrics
 
 

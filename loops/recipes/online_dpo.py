@@ -46,7 +46,7 @@ from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollo
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.config import autocast_dtype
 from rlcore.loops.state import TrainState
-from rlcore.loops.update import update
+from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 
 __all__ = ["Config", "build_state", "learn", "step", "train", "evaluate"]
 
@@ -114,8 +114,10 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple[T
     if needs_reference(config):
         pairs = with_reference(state, pairs, chunked=config.chunked)
     loss_fn = functools.partial(preference_loss_fn, loss=bind_loss(config), chunked=config.chunked)
+    grad_clip = None if config.max_grad_norm is None else clip_by_global_norm(config.max_grad_norm)
     state, metrics = update(state, pairs, loss_fn, **update_sizes(config, pairs.batch_size[0]), epochs=config.epochs,
-                            autocast_dtype=autocast_dtype(config), max_grad_norm=config.max_grad_norm)
+                            autocast_dtype=autocast_dtype(config),
+                            transform=chain(skip_nonfinite(), grad_clip))
     return sync_reference(state, config), metrics.update({**info, "rollout/score_chosen": pairs[K.CHOSEN, K.SCORE].mean(),
                                                           "rollout/score_rejected": pairs[K.REJECTED, K.SCORE].mean()})
 

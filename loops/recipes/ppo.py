@@ -60,7 +60,7 @@ from rlcore.loops.config import autocast_dtype, try_loss
 from rlcore.loops.recipes.grpo import dummy_rollout
 from rlcore.loops.score import full_kl_from_models, sequences
 from rlcore.loops.state import TrainState, with_transforms
-from rlcore.loops.update import EARLY_STOP_CHECKS, update
+from rlcore.loops.update import EARLY_STOP_CHECKS, chain, clip_by_global_norm, skip_nonfinite, stop_on, update
 from rlcore.masked import masked_whiten
 from rlcore.returns import with_gae
 from rlcore.rewards import process_scores, with_rewards
@@ -261,10 +261,12 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
     value loss is not reweighted)."""
     state, batch, info = rewards_and_advantages(state, rollout, config)
     batch, extra = (batch, {}) if correction is None else correction(batch)
+    grad_clip = None if config.max_grad_norm is None else clip_by_global_norm(config.max_grad_norm)
     state, metrics = update(state, batch, functools.partial(ppo_loss_fn, config=config),
                             **update_sizes(config, batch.batch_size[0]), epochs=config.epochs, mask_key=K.RESPONSE_MASK,
-                            autocast_dtype=autocast_dtype(config), max_grad_norm=config.max_grad_norm,
-                            early_stop_check=config.early_stopping_check)
+                            autocast_dtype=autocast_dtype(config),
+                            transform=chain(skip_nonfinite(), stop_on("early_stop", when=config.early_stopping_check),
+                                            grad_clip))
     return state, metrics.update(info).update(extra)
 
 

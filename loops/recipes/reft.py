@@ -57,7 +57,7 @@ from rlcore.loops.reft_model import (ReftInterventions, ReftModel, intervention_
 from rlcore.loops.recipes.sft import scoring_mask, sft_loss_fn
 from rlcore.loops.state import TrainState, advance, init_state
 from rlcore.loops.tasks import task_dataset
-from rlcore.loops.update import make_optimizer, update
+from rlcore.loops.update import chain, clip_by_global_norm, make_optimizer, skip_nonfinite, update
 
 __all__ = [
     "init_reft_state", "trainable_fraction", "reft_sft_step", "reft_dpo_step", "reft_grpo_step", "reft_rloo_step",
@@ -114,7 +114,8 @@ def reft_sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token
     loss_fn = with_interventions(functools.partial(sft_loss_fn, agg=agg, chunked=chunked))
     state, metrics = update(state, batch, loss_fn, micro_batch_size=micro_batch_size, mask_key=K.LOSS_MASK,
                             autocast_dtype=autocast_dtype,
-                            max_grad_norm=max_grad_norm)
+                            transform=chain(skip_nonfinite(),
+                                            None if max_grad_norm is None else clip_by_global_norm(max_grad_norm)))
     return (advance(state, samples_seen=batch.batch_size[0], tokens_seen=batch.get(K.ATTENTION_MASK).sum()),
             metrics.rename_key_("num_tokens", "scored_tokens"))  # as sft_step: num_tokens is the cumulative count
 
@@ -130,8 +131,9 @@ def reft_dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, c
     """
     batch = with_reference(state, batch.to(_device(state)), chunked=chunked)
     loss_fn = with_interventions(functools.partial(preference_loss_fn, loss=loss, chunked=chunked))
-    state, metrics = update(state, batch, loss_fn, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm,
-                            autocast_dtype=autocast_dtype)
+    state, metrics = update(state, batch, loss_fn, micro_batch_size=micro_batch_size, autocast_dtype=autocast_dtype,
+                            transform=chain(skip_nonfinite(),
+                                            None if max_grad_norm is None else clip_by_global_norm(max_grad_norm)))
     return advance(state, samples_seen=batch.batch_size[0]), metrics
 
 

@@ -43,7 +43,7 @@ from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, l
 from rlcore.loops.config import RunConfig, autocast_dtype
 from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
-from rlcore.loops.update import update
+from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 
 __all__ = ["MODEL_TASK", "Config", "collate_pairs", "with_rewards", "reward_loss_fn", "reward_step", "evaluate", "train"]
 
@@ -117,7 +117,8 @@ def reward_step(state: TrainState, batch: TensorDictBase, *, margin_key: str | N
     loss_fn = wrap_loss(loss_fn) if wrap_loss is not None else loss_fn
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
                             autocast_dtype=autocast_dtype,
-                            max_grad_norm=max_grad_norm)
+                            transform=chain(skip_nonfinite(),
+                                            None if max_grad_norm is None else clip_by_global_norm(max_grad_norm)))
     return advance(state, samples_seen=rows, tokens_seen=batch_tokens(batch)), metrics
 
 

@@ -45,7 +45,7 @@ from rlcore.loops.score import STAT_KEYS, TOP1, score_sequences, token_logprobs_
 from rlcore.masked import masked_mean
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import exact_match, task_dataset
-from rlcore.loops.update import update
+from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 
 __all__ = ["Config", "scoring_mask", "token_stat_metrics", "sft_loss_fn", "sft_step", "check_lengths", "evaluate", "train"]
 
@@ -138,7 +138,9 @@ def sft_step(state: TrainState, batch: TensorDictBase, *, agg: str = "token_mean
     loss_fn = functools.partial(sft_loss_fn, agg=agg, chunked=chunked)
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
                             autocast_dtype=autocast_dtype,
-                            mask_key=K.LOSS_MASK, max_grad_norm=max_grad_norm)
+                            mask_key=K.LOSS_MASK,
+                            transform=chain(skip_nonfinite(),
+                                            None if max_grad_norm is None else clip_by_global_norm(max_grad_norm)))
     state = advance(state, samples_seen=examples or rows, tokens_seen=batch.get(K.ATTENTION_MASK).sum())
     # the loss's num_tokens (the step's scored tokens, per micro-batch) is logged as scored_tokens: num_tokens is
     # TRL's cumulative count of every token seen (state.tokens_seen, loops.logging.trl_names)

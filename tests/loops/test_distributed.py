@@ -28,7 +28,7 @@ from rlcore.loops.fold import fold
 from rlcore.loops.models import build_model
 from rlcore.loops.online import policy_loss_fn
 from rlcore.loops.state import init_state
-from rlcore.loops.update import global_denominators, update
+from rlcore.loops.update import chain, clip_by_global_norm, global_denominators, skip_nonfinite, stop_on, update
 from rlcore.masked import aggregate
 from rlcore.testing import MockLM, make_rollout
 from rlcore.transforms import running_moments_init
@@ -106,14 +106,14 @@ def _equivalence(out, tensors):
         for strategy in WRAPS:
             state = model_state(strategy)
             new, metrics = update(state, local, make_loss(mode), micro_batch_size=2, mask_key=K.RESPONSE_MASK,
-                                  max_grad_norm=1.0)
+                                  transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
             tensors[f"{mode}/{strategy}"] = flat(new.model())
             out[f"{mode}/{strategy}"] = floats(metrics)
     new, metrics = update(recipe_state(), shard_batch(recipe_batch()), RECIPE_LOSS, micro_batch_size=2,
                           mask_key=K.RESPONSE_MASK)
     tensors["recipe"], out["recipe"] = flat(new.model()), floats(metrics)
     rows = shard_batch(global_batch(7))  # 4 + 3 rows, per-row mean loss, no mask_key
-    new, metrics = update(model_state(), rows, row_mean_loss, micro_batch_size=3, max_grad_norm=None)
+    new, metrics = update(model_state(), rows, row_mean_loss, micro_batch_size=3, transform=chain(skip_nonfinite()))
     tensors["rows"], out["rows"] = flat(new.model()), floats(metrics)
     out["local_tokens"] = int(local[K.RESPONSE_MASK].sum())
     out["denominators"] = {k: int(v) for k, v in global_denominators(local, K.RESPONSE_MASK).items()}
@@ -136,7 +136,8 @@ def _guards(out, tensors):
         loss, m = make_loss("token_mean")(state, mb, **d)
         return loss, {**m, "early_stop": torch.tensor(info.rank == 0)}
 
-    new, metrics = update(model_state(), local, stop_on_rank_0, minibatch_size=2, epochs=3, mask_key=K.RESPONSE_MASK)
+    new, metrics = update(model_state(), local, stop_on_rank_0, minibatch_size=2, epochs=3, mask_key=K.RESPONSE_MASK,
+                          transform=chain(skip_nonfinite(), stop_on("early_stop"), clip_by_global_norm(1.0)))
     out["stop"] = {"steps": new.optimizer_steps, "early_stop": float(metrics["early_stop"])}
 
     uneven = global_batch(4 if info.rank == 0 else 6)  # 2 vs 3 minibatches of 2 rows
@@ -228,7 +229,8 @@ def ranks(tmp_path_factory):
 
 # --- single-process references -------------------------------------------------------------------------
 def one_process(mode):
-    new, metrics = update(model_state(), global_batch(), make_loss(mode), mask_key=K.RESPONSE_MASK, max_grad_norm=1.0)
+    new, metrics = update(model_state(), global_batch(), make_loss(mode), mask_key=K.RESPONSE_MASK,
+                          transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
     return flat(new.model()), floats(metrics)
 
 
@@ -266,13 +268,13 @@ def test_local_denominators_would_not_match(ranks):
     expected, _ = one_process("token_mean")
     assert r0["denominators"]["num_tokens"] == int(global_batch()[K.RESPONSE_MASK].sum())
     alone, _ = update(model_state(), global_batch()[:4], make_loss("token_mean"), mask_key=K.RESPONSE_MASK,
-                      max_grad_norm=1.0)
+                      transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
     assert (flat(alone.model()) - expected).abs().max() > 1e-6
 
 
 def test_row_mean_losses_weight_unequal_shards_by_global_rows(ranks):
     (r0, t0), (r1, t1) = ranks[0]
-    new, metrics = update(model_state(), global_batch(7), row_mean_loss, max_grad_norm=None)
+    new, metrics = update(model_state(), global_batch(7), row_mean_loss, transform=chain(skip_nonfinite()))
     torch.testing.assert_close(t0["rows"], flat(new.model()), **TOL)
     torch.testing.assert_close(t1["rows"], flat(new.model()), **TOL)
     assert r0["rows"]["loss_rows"] == pytest.approx(float(metrics["loss_rows"]), rel=1e-10)

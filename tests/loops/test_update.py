@@ -12,8 +12,9 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.checks import NonFiniteError
 from rlcore.loops.state import TrainState, init_state
-from rlcore.loops.update import (SCHEDULES, enable_gradient_checkpointing, global_denominators, make_optimizer,
-                                 make_scheduler, update)
+from rlcore.loops.update import (SCHEDULES, GradStep, chain, clip_by_global_norm, enable_gradient_checkpointing,
+                                 global_denominators, make_optimizer, make_scheduler, nonfinite, raise_nonfinite,
+                                 skip_nonfinite, stop_on, update)
 from rlcore.masked import aggregate
 from rlcore.testing import MockLM, assert_pure, make_rollout
 
@@ -69,7 +70,7 @@ def test_accumulation_equals_the_full_batch_gradient(mode):
     for micro in (8, 2, 3):  # 1 micro-batch of 8, 4 of 2, uneven 3+3+2
         state = sgd_state()
         new, metrics = update(state, batch, make_loss(mode), micro_batch_size=micro, mask_key=K.RESPONSE_MASK,
-                              max_grad_norm=None)
+                              transform=chain(skip_nonfinite()))
         results.append(flat_params(new))
         torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(metrics["loss_nll"], loss.detach(), rtol=1e-12, atol=1e-12)
@@ -85,8 +86,10 @@ def test_accumulation_with_local_denominators_would_differ():
     def local(state, mb, **ignored):
         return make_loss("token_mean")(state, mb)
 
-    a, _ = update(sgd_state(), batch, local, micro_batch_size=8, mask_key=K.RESPONSE_MASK, max_grad_norm=None)
-    b, _ = update(sgd_state(), batch, local, micro_batch_size=2, mask_key=K.RESPONSE_MASK, max_grad_norm=None)
+    a, _ = update(sgd_state(), batch, local, micro_batch_size=8, mask_key=K.RESPONSE_MASK,
+                  transform=chain(skip_nonfinite()))
+    b, _ = update(sgd_state(), batch, local, micro_batch_size=2, mask_key=K.RESPONSE_MASK,
+                  transform=chain(skip_nonfinite()))
     assert (flat_params(a) - flat_params(b)).abs().max() > 1e-6
 
 
@@ -97,7 +100,8 @@ def test_row_weighted_accumulation_without_mask_key():
     loss.backward()
     expected = flat_params(ref) - torch.cat([p.grad.reshape(-1) for p in ref.model().parameters()])
     for micro in (8, 2, 3):
-        new, metrics = update(sgd_state(), batch, row_mean_loss, micro_batch_size=micro, max_grad_norm=None)
+        new, metrics = update(sgd_state(), batch, row_mean_loss, micro_batch_size=micro,
+                              transform=chain(skip_nonfinite()))
         torch.testing.assert_close(flat_params(new), expected, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(metrics["loss_rows"], loss.detach(), rtol=1e-12, atol=1e-12)
 
@@ -133,13 +137,15 @@ def const_grad(c):
 
 def test_grad_clipping_golden():
     batch = TensorDict({"x": torch.zeros(4)}, [4])
-    new, metrics = update(linear_state(), batch, const_grad([3.0, 4.0]), max_grad_norm=1.0)
+    new, metrics = update(linear_state(), batch, const_grad([3.0, 4.0]),
+                          transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
     # ‖g‖ = 5, clip coefficient 1/(5 + 1e-6): w = -g·coef
     torch.testing.assert_close(new.model().w.detach(), -torch.tensor([3.0, 4.0], dtype=DT) / (5 + 1e-6))
     assert metrics["grad_norm"] == 5.0  # reported before clipping
-    new, _ = update(linear_state(), batch, const_grad([0.3, 0.4]), max_grad_norm=1.0)
+    new, _ = update(linear_state(), batch, const_grad([0.3, 0.4]),
+                    transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
     torch.testing.assert_close(new.model().w.detach(), -torch.tensor([0.3, 0.4], dtype=DT))  # under the limit
-    new, _ = update(linear_state(), batch, const_grad([3.0, 4.0]), max_grad_norm=None)
+    new, _ = update(linear_state(), batch, const_grad([3.0, 4.0]), transform=chain(skip_nonfinite()))
     torch.testing.assert_close(new.model().w.detach(), -torch.tensor([3.0, 4.0], dtype=DT))
 
 
@@ -197,7 +203,8 @@ def test_early_stop_metric_ends_the_epochs_and_skips_that_step():
         return (state.model().w * 1.0).sum(), {"early_stop": stop}
 
     state = linear_state()
-    new, metrics = update(state, TensorDict({"x": torch.zeros(8)}, [8]), loss_fn, minibatch_size=2, epochs=4)
+    new, metrics = update(state, TensorDict({"x": torch.zeros(8)}, [8]), loss_fn, minibatch_size=2, epochs=4,
+                          transform=chain(skip_nonfinite(), stop_on("early_stop"), clip_by_global_norm(1.0)))
     assert len(calls) == 2 and new.optimizer_steps == 1 and metrics["early_stop"] == 1.0
     torch.testing.assert_close(new.model().w.detach(), -torch.ones(2, dtype=DT) / (math.sqrt(2) + 1e-6))
 
@@ -212,15 +219,14 @@ def test_epoch_check_reads_each_epochs_last_minibatch_after_its_steps(flagged, s
         return (state.model().w * 1.0).sum(), {"early_stop": torch.tensor(len(calls) in flagged)}
 
     new, metrics = update(linear_state(), TensorDict({"x": torch.zeros(8)}, [8]), loss_fn, minibatch_size=4, epochs=4,
-                          early_stop_check="epoch")
+                          transform=chain(skip_nonfinite(), stop_on(when="epoch"), clip_by_global_norm(1.0)))
     assert len(calls) == steps and new.optimizer_steps == steps and new.skipped_steps == 0
     assert metrics["early_stop"] == float(steps < 8) and metrics["optimizer_steps"] == steps
 
 
 def test_unknown_early_stop_check_is_refused():
-    with pytest.raises(ValueError, match=r"early_stop_check: unknown 'step'; valid: \['minibatch', 'epoch'\]"):
-        update(linear_state(), TensorDict({"x": torch.zeros(2)}, [2]), lambda s, mb: (s.model().w.sum(), {}),
-               early_stop_check="step")
+    with pytest.raises(ValueError, match=r"when: unknown 'step'; valid: \['minibatch', 'epoch'\]"):
+        stop_on("early_stop", when="step")
 
 
 # --- non-finite guard ------------------------------------------------------------------------------
@@ -280,11 +286,107 @@ def test_nonfinite_raise_mode():
     state = sgd_state()
     before = flat_params(state)
     with pytest.raises(NonFiniteError, match="non-finite loss .* weights and optimiser state are unchanged"):
-        update(state, rollout(), nan_at(1), mask_key=K.RESPONSE_MASK, nonfinite="raise")
+        update(state, rollout(), nan_at(1), mask_key=K.RESPONSE_MASK,
+               transform=chain(raise_nonfinite(), clip_by_global_norm(1.0)))
     assert torch.equal(flat_params(state), before)
     assert all(p.grad is None for p in state.model().parameters())
     with pytest.raises(NonFiniteError, match="non-finite gradient"):
-        update(state, rollout(), nan_at(1, grad=True), mask_key=K.RESPONSE_MASK, nonfinite="raise")
+        update(state, rollout(), nan_at(1, grad=True), mask_key=K.RESPONSE_MASK,
+               transform=chain(raise_nonfinite(), clip_by_global_norm(1.0)))
+
+
+# --- gradient transforms ---------------------------------------------------------------------------
+def grad_step(**fields):
+    return GradStep(**{"params": [], "grad_norm": torch.tensor(1.0), "loss_finite": True, "grad_finite": True,
+                       "stop": False, "where": "epoch 0, rows 0:8", **fields})
+
+
+def test_chain_applies_in_order_and_the_first_veto_wins():
+    seen = []
+
+    def mark(name, outcome=None):
+        return lambda step: seen.append(name) or outcome
+
+    assert chain(mark("a"), None, mark("b"), mark("c"))(grad_step()) is None and seen == ["a", "b", "c"]
+    seen.clear()
+    assert chain(mark("a"), mark("b", "skipped"), mark("c", "stopped"))(grad_step()) == "skipped" and seen == ["a", "b"]
+    seen.clear()
+    assert chain(chain(mark("a"), mark("b", "stopped")), mark("c", "skipped"))(grad_step()) == "stopped"
+    assert seen == ["a", "b"]
+    flagged_nan = grad_step(loss_finite=False, stop=True)
+    assert chain(skip_nonfinite(), stop_on())(flagged_nan) == "skipped"
+    assert chain(stop_on(), skip_nonfinite())(flagged_nan) == "stopped"
+    assert chain(stop_on(when="epoch"), skip_nonfinite())(grad_step(stop=True)) is None  # epoch: read by update
+
+
+def test_transforms_see_the_norm_before_clipping_and_a_veto_drops_the_step():
+    batch, norms = TensorDict({"x": torch.zeros(4)}, [4]), []
+    new, metrics = update(linear_state(), batch, const_grad([3.0, 4.0]),
+                          transform=chain(clip_by_global_norm(1.0), lambda s: norms.append(float(s.grad_norm))))
+    assert norms == [5.0] and metrics["grad_norm"] == 5.0
+    torch.testing.assert_close(new.model().w.detach(), -torch.tensor([3.0, 4.0], dtype=DT) / (5 + 1e-6))
+    state = linear_state()
+    new, metrics = update(state, batch, const_grad([3.0, 4.0]), transform=chain(lambda s: "skipped"))
+    assert (new.skipped_steps, new.optimizer_steps, new.policy_version) == (1, 0, 0)
+    assert torch.equal(new.model().w.detach(), torch.zeros(2, dtype=DT))
+    assert all(p.grad is None for p in state.model().parameters())
+
+
+def test_default_transform_is_the_explicit_chain_and_the_plain_step_bitwise():
+    def fresh():
+        model = MockLM()
+        opt = make_optimizer(model, lr=1e-2, weight_decay=0.1)
+        return init_state(model, optimizer=opt, scheduler=make_scheduler(opt, total_steps=10), seed=0)
+
+    def big(state, mb, **denominators):  # a gradient norm past 1: the clip acts
+        loss, metrics = make_loss("token_mean")(state, mb, **denominators)
+        return loss * 100, metrics
+
+    batch, runs = rollout(dtype=torch.float32), []
+    for kw in ({}, {"transform": chain(skip_nonfinite(), clip_by_global_norm(1.0))}):
+        state = fresh()
+        for _ in range(2):
+            state, metrics = update(state, batch, big, minibatch_size=4, micro_batch_size=2, epochs=2,
+                                    mask_key=K.RESPONSE_MASK, **kw)
+        runs.append((flat_params(state), metrics, state.optimizer.state_dict()["state"]))
+    (p0, m0, s0), (p1, m1, s1) = runs
+    assert torch.equal(p0, p1) and all(torch.equal(m0[k], m1[k]) for k in m0.keys()) and m0["grad_norm"] > 1
+    assert all(torch.equal(s0[i][n], s1[i][n]) for i in s0 for n in s0[i])
+
+    # one step of the default against the plain step: backward, global-norm clip, AdamW, scheduler
+    state, metrics = update(fresh(), batch, big, mask_key=K.RESPONSE_MASK)
+    ref = fresh()
+    params = [p for g in ref.optimizer.param_groups for p in g["params"]]
+    big(ref, batch, **global_denominators(batch, K.RESPONSE_MASK))[0].backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
+    ref.optimizer.step()
+    ref.scheduler.step()
+    assert torch.equal(flat_params(state), flat_params(ref)) and torch.equal(metrics["grad_norm"], norm.double())
+
+
+def test_transform_arguments_name_themselves():
+    for bad in (None, 0, -1.0, float("nan"), True, "1.0"):
+        with pytest.raises(ValueError, match=r"max_norm: expected a number > 0 \(leave clip_by_global_norm out"):
+            clip_by_global_norm(bad)
+    with pytest.raises(ValueError, match=r"mode: unknown non-finite mode 'ignore'; valid: \['skip', 'raise'\]"):
+        nonfinite("ignore")
+    assert nonfinite("skip") is skip_nonfinite() and nonfinite("raise") is raise_nonfinite()
+    with pytest.raises(ValueError, match=r"when: unknown 'step'; valid: \['minibatch', 'epoch'\]"):
+        stop_on(when="step")
+    with pytest.raises(ValueError, match="key: expected a metric name"):
+        stop_on("")
+    with pytest.raises(TypeError, match=r"transforms\[1\]: expected a callable GradStep -> outcome \| None, got 1.0"):
+        chain(skip_nonfinite(), 1.0)
+    state, batch = linear_state(), TensorDict({"x": torch.zeros(2)}, [2])
+    with pytest.raises(TypeError, match="transform: expected a callable"):
+        update(state, batch, const_grad([1.0, 1.0]), transform=[skip_nonfinite()])
+    with pytest.raises(ValueError, match="transform: more than one stop_on in the chain"):
+        update(state, batch, const_grad([1.0, 1.0]), transform=chain(stop_on(), chain(stop_on("kl"))))
+    with pytest.raises(ValueError, match=r"transform: returned 'maybe' at epoch 0, rows 0:2; expected None or one "
+                                         r"of \['skipped', 'stopped'\]"):
+        update(state, batch, const_grad([1.0, 1.0]), transform=lambda s: "maybe")
+    assert all(p.grad is None for p in state.model().parameters())
 
 
 # --- autocast ------------------------------------------------------------------------------------------
@@ -321,8 +423,8 @@ def test_bad_arguments_name_themselves():
         update(state, batch, fn, minibatch_size=4, micro_batch_size=5)
     with pytest.raises(ValueError, match="epochs: expected a positive int, got 0"):
         update(state, batch, fn, epochs=0)
-    with pytest.raises(ValueError, match=r"nonfinite: unknown mode 'ignore'; valid: \['skip', 'raise'\]"):
-        update(state, batch, fn, nonfinite="ignore")
+    with pytest.raises(TypeError, match="transform: expected a callable"):
+        update(state, batch, fn, transform="clip")
     with pytest.raises(ValueError, match="state.optimizer: update needs an optimiser"):
         update(TrainState(models={"policy": MockLM()}), batch, fn)
     with pytest.raises(ValueError, match="state.rng: shuffling"):

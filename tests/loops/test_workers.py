@@ -8,7 +8,7 @@ from rlcore import keys as K
 from rlcore.loops.models import build_model, build_value_model
 from rlcore.loops.score import score_rollout
 from rlcore.loops.state import init_state
-from rlcore.loops.update import update
+from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 from rlcore.loops.scale.workers import WORKER_OPS, compute_log_probs, compute_rewards, compute_values, train_step
 from rlcore.masked import aggregate
 from rlcore.testing import assert_pure, make_rollout
@@ -80,7 +80,8 @@ def test_train_step_is_update():
         lp = logits.gather(-1, mb[K.RESPONSE_IDS][..., None])[..., 0]
         return aggregate(-lp, mb[K.RESPONSE_MASK], "token_mean", **d), TensorDict({}, [])
 
-    batch, kw = rollout(), {"mask_key": K.RESPONSE_MASK, "micro_batch_size": 2}
+    batch, kw = rollout(), {"mask_key": K.RESPONSE_MASK, "micro_batch_size": 2,
+                            "transform": chain(skip_nonfinite(), clip_by_global_norm(1.0))}
     a, b = lm(0), lm(0)
     sa = init_state(a, optimizer=torch.optim.SGD(a.parameters(), lr=0.1), seed=0)
     sb = init_state(b, optimizer=torch.optim.SGD(b.parameters(), lr=0.1), seed=0)

@@ -15,7 +15,8 @@ from torch import nn
 
 from rlcore.checks import NonFiniteError
 from rlcore.loops.state import init_state
-from rlcore.loops.update import make_optimizer, make_scheduler, update
+from rlcore.loops.update import (chain, clip_by_global_norm, make_optimizer, make_scheduler, raise_nonfinite,
+                                  skip_nonfinite, update)
 
 KINDS = ("nan", "inf", "-inf", "inf_grad")
 
@@ -94,7 +95,7 @@ def test_raise_mode_mid_accumulation_leaves_everything_untouched(kind):
     before = snapshot(state)
     with pytest.raises(NonFiniteError, match="the step was not taken"):
         update(state, make_batch(), poisoned({1}, kind), minibatch_size=6, micro_batch_size=2, shuffle=False,
-               nonfinite="raise")
+               transform=chain(raise_nonfinite(), clip_by_global_norm(1.0)))
     assert_same_snapshot(before, snapshot(state))
     assert all(p.grad is None for p in state.model().parameters())
 
@@ -118,7 +119,8 @@ def test_a_finite_gradient_whose_norm_overflows_never_reaches_the_weights():
         loss, metrics = mse(state, mb)
         return loss * 1e25, metrics
 
-    new, metrics = update(state, make_batch(dtype=torch.float32), huge, max_grad_norm=1.0)
+    new, metrics = update(state, make_batch(dtype=torch.float32), huge,
+                          transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
     params = [p.detach() for p in new.model().parameters()]
     assert all(torch.isfinite(p).all() for p in params)
     for group in new.optimizer.state_dict()["state"].values():
