@@ -13,8 +13,9 @@ Laid out by role:
   one run per folder), ``logging``, ``diffusion`` (with
   ``images``: JPEG rewards, grids; ``sd``: Stable Diffusion pipelines; ``aesthetic``: an
   aesthetic-style image reward),
-  ``reft_data`` / ``reft_model``; ``trl_defaults`` (TRL's defaults where rlcore's differ); the ``cli``
-  and the ``demo``;
+  ``reft_data`` / ``reft_model``; ``tools`` (tool schemas, tool calls parsed from a model's text,
+  running them) and ``sandbox`` (model-written Python in a limited subprocess); ``trl_defaults``
+  (TRL's defaults where rlcore's differ); the ``cli`` and the ``demo``;
 - ``rlcore.loops.recipes``: one module per trainer (``sft``, ``reward``, ``dpo``, ``ppo``,
   ``rloo``, ``grpo``, ``online_dpo``, ``ddpo``, ``reft``), each with a ``Config``,
   ``train(config)`` and ``evaluate(state, config)``; the ``rlcore`` command runs them
@@ -63,6 +64,7 @@ from rlcore.loops.reft_data import *  # noqa: F401,F403
 from rlcore.loops.reft_model import *  # noqa: F401,F403
 from rlcore.loops.reward_fns import *  # noqa: F401,F403
 from rlcore.loops.run_dir import *  # noqa: F401,F403
+from rlcore.loops.sandbox import *  # noqa: F401,F403
 from rlcore.loops.vllm_engine import *  # noqa: F401,F403
 from rlcore.loops.score import *  # noqa: F401,F403
 from rlcore.loops.sd import *  # noqa: F401,F403
@@ -70,11 +72,12 @@ from rlcore.loops.shapes import *  # noqa: F401,F403
 from rlcore.loops.state import *  # noqa: F401,F403
 from rlcore.loops.tasks import *  # noqa: F401,F403
 from rlcore.loops.tokenization import *  # noqa: F401,F403
+from rlcore.loops.tools import *  # noqa: F401,F403
 from rlcore.loops.trl_defaults import *  # noqa: F401,F403
 from rlcore.loops.update import *  # noqa: F401,F403
 
 _MODULES = ("aesthetic", "checkpoint", "checkpoint_codec", "checkpoint_config", "chunks", "collate", "collect", "config", "data",
             "diffusion", "engines", "evaluate", "filters", "fold", "images", "logging", "lora", "models", "online",
-            "recipe", "reft_data", "reft_model", "reward_fns", "run_dir", "score", "sd", "shapes",
-            "state", "tasks", "tokenization", "trl_defaults", "update", "vllm_engine")
+            "recipe", "reft_data", "reft_model", "reward_fns", "run_dir", "sandbox", "score", "sd",
+            "shapes", "state", "tasks", "tokenization", "tools", "trl_defaults", "update", "vllm_engine")
 __all__ = [name for m in _MODULES for name in _import_module(f"rlcore.loops.{m}").__all__]
