@@ -19,6 +19,7 @@ import difflib
 import math
 import types
 import typing
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -591,17 +592,31 @@ def check_config(config: Any) -> Any:
     check_trackers(getattr(config, "report_to", ()))
     if isinstance(config, RunConfig):  # a language-model recipe's (DDPO's config loads no such model)
         check_quantization(config)
-    object.__setattr__(config, _CHECKED, True)  # the dataclass is frozen; the marker is no field
+    _mark_checked(config)
     return config
 
 
-# The instance attribute that marks a config as having passed ``check_config``.
-_CHECKED = "_config_checked"
+# The configs of this process that passed ``check_config``: id -> (a weak reference to the very
+# object, its repr then). Kept beside the config, not on it, so that a copy, a pickle sent to a
+# worker process or an actor, or an object that cannot hold attributes is checked again where it
+# lands (devices and trackers are the machine's own), and a config changed since (a dict field
+# edited in place) no longer matches its repr and is checked again.
+_CHECKED: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _mark_checked(config: Any) -> None:
+    key = id(config)
+    try:
+        ref = weakref.ref(config, lambda _, key=key: _CHECKED.pop(key, None))
+    except TypeError:  # no weak references (a slots class): such a config is checked at every stage
+        return
+    _CHECKED[key] = (ref, repr(config))
 
 
 def is_checked(config: Any) -> bool:
-    """Whether this very ``config`` instance has passed ``check_config``."""
-    return bool(vars(config).get(_CHECKED, False))
+    """Whether this very ``config`` object passed ``check_config`` in this process and is unchanged since."""
+    entry = _CHECKED.get(id(config))
+    return entry is not None and entry[0]() is config and entry[1] == repr(config)
 
 
 def ensure_checked(config: Any) -> Any:

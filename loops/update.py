@@ -251,7 +251,11 @@ def chain(*transforms: Transform | None) -> Transform:
     for i, transform in enumerate(transforms):
         if transform is not None and not callable(transform):
             raise TypeError(f"transforms[{i}]: expected a callable GradStep -> outcome | None, got {transform!r}")
-    return _Chain(tuple(t for t in transforms if t is not None))
+    chained = _Chain(tuple(t for t in transforms if t is not None))
+    clips = [t for t in _flat(chained) if isinstance(t, _ClipByGlobalNorm)]
+    if len(clips) > 1:  # each scales by the norm before any transform: two would compound
+        raise ValueError(f"transforms: more than one clip_by_global_norm in the chain ({clips}); keep one")
+    return chained
 
 
 def _skip_nonfinite(step: GradStep) -> str | None:
@@ -319,17 +323,27 @@ def stop_on(key: str = "early_stop", *, when: str = "minibatch") -> Transform:
 def clip_by_global_norm(max_norm: float) -> Transform:
     """``g ← g·min(1, max_norm/(‖g‖₂ + 1e-6))`` in place, with ``‖g‖₂`` = ``GradStep.grad_norm``.
 
-    Never vetoes. Leave it out of the chain not to clip (``None`` is refused).
+    Never vetoes. Leave it out of the chain not to clip (``None`` is refused). A chain holds at
+    most one: each clip scales by the norm from before any transform.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"max_norm: expected a number > 0 (leave clip_by_global_norm out of the chain not "
                          f"to clip), got {max_norm!r}")
+    return _ClipByGlobalNorm(float(max_norm))
 
-    def clip(step: GradStep) -> str | None:
-        torch.nn.utils.clip_grads_with_norm_(step.params, max_norm, step.grad_norm)
+
+@dataclasses.dataclass(frozen=True)
+class _ClipByGlobalNorm:
+    max_norm: float
+
+    def __call__(self, step: GradStep) -> str | None:
+        torch.nn.utils.clip_grads_with_norm_(step.params, self.max_norm, step.grad_norm)
         return None
 
-    return clip
+
+def _flat(transform: Transform) -> list[Transform]:
+    return [t for inner in transform.transforms for t in _flat(inner)] if isinstance(transform, _Chain) \
+        else [transform]
 
 
 def _stop_rule(transform: Transform) -> _StopOn | None:

@@ -7,7 +7,8 @@ draws and the GRPO step from the source; both are checked here so that the page 
 The graph is read from the sources with ``ast`` (nothing is imported), laid out as installed:
 ``rlcore/`` is ``rlcore``, ``algorithms/`` is ``rlcore.algorithms``, ``loops/`` is
 ``rlcore.loops``. Every import counts: at the top of a module, inside a function (a lazy import
-is still a dependency) and under ``TYPE_CHECKING``.
+is still a dependency), under ``TYPE_CHECKING``, and a module named by a string constant in a
+call (``importlib.import_module("rlcore...")``, ``__import__``, a forkserver preload list).
 """
 
 from __future__ import annotations
@@ -71,8 +72,22 @@ def import_graph(sources: dict[str, Path] = SOURCES) -> dict[str, set[str]]:
                 base = (".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
                         if node.level else node.module or "")
                 targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+            elif isinstance(node, ast.Call):  # importlib.import_module("rlcore..."), __import__, preload lists
+                targets.update(_named_modules([*node.args, *(k.value for k in node.keywords)], modules))
         graph[name] = {_owner(t, modules) for t in targets if _owner(t, modules)} - {name}
     return graph
+
+
+def _named_modules(nodes: list[ast.expr], modules: dict[str, Path]) -> set[str]:
+    """The module names spelled out as string constants among a call's arguments (inside lists and
+    tuples too): a module imported by name is still a dependency."""
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in modules:
+            found.add(node.value)
+        elif isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            found |= _named_modules(list(node.elts), modules)
+    return found
 
 
 def _owner(target: str, modules: dict[str, Path]) -> str:
@@ -238,11 +253,15 @@ def test_the_graph_sees_lazy_relative_and_type_checking_imports(tmp_path):
             from .other import X
         def f():
             from rlcore.loops.scale import runner
+        def g():
+            importlib.import_module("rlcore.loops.scale")
+            ctx.set_forkserver_preload(["rlcore.loops.scale.runner"])
     """))
     (pkg / "other.py").write_text("from . import piece\n")
     graph = import_graph({"rlcore.loops": pkg})
-    assert graph["rlcore.loops.piece"] == {"rlcore.loops.other", "rlcore.loops.scale.runner"}
-    assert upward_imports(graph) == [("rlcore.loops.piece", "rlcore.loops.scale.runner")]
+    assert graph["rlcore.loops.piece"] == {"rlcore.loops.other", "rlcore.loops.scale", "rlcore.loops.scale.runner"}
+    assert upward_imports(graph) == [("rlcore.loops.piece", "rlcore.loops.scale"),
+                                     ("rlcore.loops.piece", "rlcore.loops.scale.runner")]
     assert cycles(graph) == [["rlcore.loops.other", "rlcore.loops.piece"]]
 
 

@@ -448,12 +448,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_context(start_method: str = "spawn"):
-    """The ``torch.multiprocessing`` context for ``start_method``; ``"forkserver"`` preloads
-    ``rlcore.loops`` in its server, so each child starts from a process that imported it once."""
+def process_context(start_method: str = "spawn", preload: Sequence[str] = ()):
+    """The ``torch.multiprocessing`` context for ``start_method``; with ``"forkserver"`` its server
+    imports the modules named in ``preload`` (the caller's, e.g. ``"rlcore.loops"``) once, so each
+    child starts from a process that has them."""
     ctx = torch.multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["rlcore.loops"])
+        ctx.set_forkserver_preload(list(preload))
     return ctx
 
 
@@ -468,7 +469,7 @@ def _spawned(local_rank: int, fn: Callable, world_size: int, port: int, backend:
 
 
 def spawn(fn: Callable, nprocs: int, *args: Any, backend: str | None = None, port: int | None = None,
-          start_method: str = "spawn") -> None:
+          start_method: str = "spawn", preload: Sequence[str] = ()) -> None:
     """Run ``fn(*args)`` in ``nprocs`` new processes forming one process group on this machine.
 
     ``torchrun --nproc_per_node=nprocs`` for a function: each child gets the torchrun environment
@@ -478,11 +479,11 @@ def spawn(fn: Callable, nprocs: int, *args: Any, backend: str | None = None, por
     is raised here (``torch.multiprocessing.ProcessRaisedException``).
 
     ``start_method``: ``"spawn"`` (default, always safe), ``"forkserver"`` (children fork from a
-    server that imported ``rlcore.loops`` once: fast after the first launch), or ``"fork"``
+    server that imported the ``preload`` modules once: fast after the first launch), or ``"fork"``
     (no import at all, but only from a process that has not yet run multi-threaded work: a fork
     after OpenMP ran can deadlock, and never after CUDA is initialised).
     """
     import torch.multiprocessing as mp
-    process_context(start_method)
+    process_context(start_method, preload)
     mp.start_processes(_spawned, args=(fn, nprocs, port or free_port(), backend, args), nprocs=nprocs,
                        start_method=start_method, join=True)

@@ -8,10 +8,10 @@ representation interventions. Import one by name: ``from rlcore.loops.recipes im
 ``RECIPES`` (``table``) holds one ``Recipe`` value per trainer, by the name ``rlcore train`` runs it
 by: its ``Config`` type, ``train``, ``evaluate`` and, as explicit fields, what the command line and
 the asynchronous learners need of it (``build_state``, ``step``, ``learn``, ``checkpoint_state``,
-``ratio_level``, ...); ``BY_CONFIG`` finds one from its ``Config`` type. A new recipe is a module
+``ratio_level``, ...); ``by_config`` finds one from its ``Config`` type. A new recipe is a module
 here and its entry in that table.
 """
 
-from rlcore.loops.recipes.table import BY_CONFIG, RECIPES, Recipe
+from rlcore.loops.recipes.table import RECIPES, Recipe, by_config
 
-__all__ = ["Recipe", "RECIPES", "BY_CONFIG"]
+__all__ = ["Recipe", "RECIPES", "by_config"]

@@ -112,7 +112,11 @@ def ratio_level(config: Config) -> str:
     (``algorithms.policy_gradient.POLICY_RATIO_LEVELS``)."""
     if config.importance_sampling_level is not None:
         return config.importance_sampling_level
-    return lookup(POLICY_RATIO_LEVELS, config.loss_type, what="loss_type")
+    if config.loss_type not in POLICY_RATIO_LEVELS:
+        raise ValueError(f"loss_type: {config.loss_type!r} declares no ratio level, which the asynchronous importance "
+                         f"correction needs: add it to algorithms.policy_gradient.POLICY_RATIO_LEVELS (one of "
+                         f"{sorted(set(POLICY_RATIO_LEVELS.values()))}) or set importance_sampling_level")
+    return POLICY_RATIO_LEVELS[config.loss_type]
 
 
 def rollout_ref_logprobs(config: Config) -> bool:

@@ -1,4 +1,4 @@
-"""The recipe table: one :class:`Recipe` value per trainer, ``RECIPES`` by name, ``BY_CONFIG`` by ``Config`` type.
+"""The recipe table: one :class:`Recipe` value per trainer, ``RECIPES`` by name, :func:`by_config` by ``Config`` type.
 
 A ``Recipe`` holds, as fields, everything code above the recipes needs of one: the command line
 (``loops.cli``: its ``Config``, ``train``, ``evaluate``, how a checkpoint becomes a state, the
@@ -19,7 +19,7 @@ from rlcore.loops.recipes import (ddpo, dpo, grpo, online_dpo, ppo, reft, reft_r
                                   sft)
 from rlcore.loops.state import TrainState
 
-__all__ = ["Recipe", "RECIPES", "BY_CONFIG"]
+__all__ = ["Recipe", "RECIPES", "by_config"]
 
 
 def _with_reference(config: Any) -> bool:
@@ -97,5 +97,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            model_task=reward.MODEL_TASK),
 ]}
 
-# Config type -> its recipe (each Config type belongs to one recipe)
-BY_CONFIG: dict[type, Recipe] = {r.config: r for r in RECIPES.values()}
+def by_config(config_type: type) -> Recipe | None:
+    """The recipe of ``RECIPES`` whose ``Config`` is ``config_type`` (each belongs to one), read from
+    the table as it is now, so an entry a user adds is found too; ``None`` for no recipe's."""
+    return next((r for r in RECIPES.values() if r.config is config_type), None)

@@ -42,7 +42,7 @@ from rlcore import keys as K
 from rlcore.algorithms.ratios import importance_log_ratio
 from rlcore.checks import check_mask, check_same_shape
 from rlcore.loops.online import Correction, replay_seed_draw, score_collected, with_policy_logprobs
-from rlcore.loops.recipes import BY_CONFIG, Recipe
+from rlcore.loops.recipes import RECIPES, Recipe, by_config
 from rlcore.loops.state import TrainState
 from rlcore.masked import masked_mean
 
@@ -111,17 +111,17 @@ def off_policy_metrics(rollout: TensorDictBase, proximal_logprobs: torch.Tensor,
 
 # --- what the learner does with a generated rollout ------------------------------------------------------
 def online_recipe(config: Any) -> Recipe:
-    """The recipe of ``loops.recipes.RECIPES`` whose ``Config`` is ``config``'s type (``BY_CONFIG``),
+    """The recipe of ``loops.recipes.RECIPES`` whose ``Config`` is ``config``'s type (``by_config``),
     which must have a ``learn`` and a ``build_state`` (``grpo``, ``rloo``, ``ppo``, ``online_dpo``).
     A subclass is not its parent's recipe (the ReFT recipes' configs: their entries have no ``learn``).
 
     Raises:
         TypeError: ``config`` is the Config of no recipe with a ``learn``.
     """
-    recipe = BY_CONFIG.get(type(config))
+    recipe = by_config(type(config))
     if recipe is not None and recipe.learn is not None and recipe.build_state is not None:
         return recipe
-    online = [r.name for r in BY_CONFIG.values() if r.learn is not None]
+    online = [r.name for r in RECIPES.values() if r.learn is not None]
     raise TypeError(f"config: expected the Config of an online recipe (a recipe with a learn: {', '.join(online)}), "
                     f"got {type(config).__module__}.{type(config).__qualname__}")
 
@@ -144,6 +144,8 @@ def check_learner(config: Any, is_clip: float | None) -> Recipe:
                          "loss is an offline objective on pairs); pass is_clip=None")
     if is_clip is not None and not is_clip > 0:
         raise ValueError(f"is_clip: expected C > 0 or None, got {is_clip}")
+    if is_clip is not None:
+        recipe.ratio_level(config)  # a loss with no declared level is named now, before any model is built
     return recipe
 
 

@@ -180,7 +180,7 @@ def generator_process(policy: nn.Module, tokenizer, *, max_lag: int, steps_done:
             rollout's sampling has its own seed from the learner.
     """
     check_max_lag(max_lag)
-    ctx = process_context(start_method)
+    ctx = process_context(start_method, preload=("rlcore.loops",))
     weights = copy.deepcopy(policy).to("cpu").share_memory()
     cond, stop = ctx.Condition(), ctx.Event()
     steps, ver = ctx.Value("q", steps_done), ctx.Value("q", version)

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlcore import keys as K
-from rlcore.loops.recipes import BY_CONFIG, RECIPES, grpo, online_dpo, ppo, rloo, sft
+from rlcore.loops.recipes import RECIPES, by_config, grpo, online_dpo, ppo, rloo, sft
 from rlcore.loops.scale import async_rl
 from rlcore.loops.scale.async_learners import (check_learner, importance_correction, learn_off_policy,
                                                off_policy_metrics, online_recipe, truncated_importance_weights,
@@ -136,7 +136,7 @@ def test_the_learner_is_the_table_entry_of_its_config(recipe):
     entry = RECIPES[recipe.__name__.rsplit(".", 1)[-1]]
     assert (entry.config, entry.learn, entry.build_state) == (recipe.Config, recipe.learn, recipe.build_state)
     assert online_recipe(recipe.Config()) is entry and check_learner(recipe.Config(), None) is entry
-    assert BY_CONFIG[recipe.Config] is entry
+    assert by_config(recipe.Config) is entry
 
 
 def test_only_the_online_recipes_learn():
@@ -389,3 +389,26 @@ def test_generator_failure_is_raised_in_the_learner(monkeypatch):
     with recorded_generator(monkeypatch) as handles, pytest.raises(RuntimeError, match="generator process failed"):
         train_async(config, max_lag=1, reward_fn=digits, start_method=METHOD)
     assert_stopped(handles[0])
+
+
+def test_a_recipe_added_to_the_table_is_found_and_an_undeclared_loss_is_named_before_models(monkeypatch):
+    """``by_config`` reads the table as it is; a loss with no declared ratio level is refused by
+    ``check_learner`` when ``is_clip`` needs the level, before anything is built."""
+    import dataclasses as dc
+    import functools
+
+    from rlcore.algorithms.policy_gradient import POLICY_LOSSES
+    from rlcore.loops.scale.async_learners import check_learner
+
+    @dc.dataclass(frozen=True)
+    class MyConfig(grpo.Config):
+        pass
+
+    monkeypatch.setitem(RECIPES, "my_grpo", dc.replace(RECIPES["grpo"], name="my_grpo", config=MyConfig))
+    assert by_config(MyConfig).name == "my_grpo" and check_learner(MyConfig(), None).name == "my_grpo"
+    monkeypatch.setitem(POLICY_LOSSES, "my_gspo", functools.partial(POLICY_LOSSES["gspo"]))
+    config = grpo.Config(loss_type="my_gspo", run_dir=None)
+    assert check_learner(config, None).name == "grpo"
+    with pytest.raises(ValueError, match="loss_type: 'my_gspo' declares no ratio level.*POLICY_RATIO_LEVELS"):
+        check_learner(config, 2.0)
+    assert check_learner(dc.replace(config, importance_sampling_level="sequence"), 2.0).name == "grpo"

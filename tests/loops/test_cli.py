@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlcore.loops import cli
-from rlcore.loops.recipes import BY_CONFIG, RECIPES, Recipe
+from rlcore.loops.recipes import RECIPES, Recipe, by_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ def test_every_recipe_is_one_entry_of_the_table(capsys):
     assert sorted(RECIPES) == CLI_RECIPES
     for name, recipe in RECIPES.items():
         assert isinstance(recipe, Recipe) and recipe.name == name
-        assert BY_CONFIG[recipe.config] is recipe and dataclasses.is_dataclass(recipe.config), name
+        assert by_config(recipe.config) is recipe and dataclasses.is_dataclass(recipe.config), name
         assert callable(recipe.train) and callable(recipe.evaluate) and recipe.doc, name
         assert (ROOT / "configs" / f"{'reft_sft' if name == 'reft' else name}.yaml").exists(), name
     with pytest.raises(SystemExit):

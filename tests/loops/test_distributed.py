@@ -222,7 +222,7 @@ def _worker(out_dir):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    spawn(_worker, 2, str(out), backend="gloo", start_method="forkserver")  # imports once, in the server
+    spawn(_worker, 2, str(out), backend="gloo", start_method="forkserver", preload=("rlcore.loops",))
     return [(json.loads((out / f"rank{r}.json").read_text()), load_file(str(out / f"rank{r}.safetensors")))
             for r in range(2)], out
 

@@ -9,7 +9,7 @@ from tensordict import TensorDict
 from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import grpo_loss
 from rlcore.loops.chunks import generate_in_chunks
-from rlcore.loops.recipes import BY_CONFIG, grpo, online_dpo, ppo, rloo
+from rlcore.loops.recipes import by_config, grpo, online_dpo, ppo, rloo
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import ValueHead
 from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, generate_kwargs, policy_loss_fn,
@@ -177,7 +177,7 @@ def test_each_step_is_collect_then_learn(recipe):
     """A recipe's ``step`` is ``collect_rollout`` (with the reference its table entry scores with) then its
     ``learn``, nothing else: the same parameters, generator state, counters and metrics, bit for bit."""
     config = recipe.Config(**{**TINY, "num_samples": 2})
-    reference = BY_CONFIG[recipe.Config].rollout_ref_logprobs(config)
+    reference = by_config(recipe.Config).rollout_ref_logprobs(config)
     rows = {"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]}
     results = []
     for split in (False, True):

@@ -506,3 +506,18 @@ def test_trained_models_are_in_train_mode_inside_update_only():
     update(state, TensorDict({"x": torch.zeros(4)}, [4]), loss_fn, minibatch_size=2)
     assert seen == [(True, False)] * 2
     assert not state.model().training and not frozen.training
+
+
+def test_a_chain_holds_one_clip_and_transforms_pickle():
+    """Two clips would each scale by the norm from before any transform (compounding): refused,
+    nested chains included. The built-in transforms survive pickling (sent to Ray actors)."""
+    import pickle
+
+    from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, stop_on
+
+    with pytest.raises(ValueError, match="more than one clip_by_global_norm"):
+        chain(clip_by_global_norm(1.0), clip_by_global_norm(0.5))
+    with pytest.raises(ValueError, match="more than one clip_by_global_norm"):
+        chain(chain(skip_nonfinite(), clip_by_global_norm(1.0)), clip_by_global_norm(0.5))
+    full = chain(skip_nonfinite(), stop_on("early_stop"), clip_by_global_norm(0.5))
+    assert pickle.loads(pickle.dumps(full)) == full

@@ -448,3 +448,30 @@ def test_the_checked_mark_is_no_field_and_a_replaced_config_is_checked_again(che
     with pytest.raises(ValueError, match=r"batch_size: expected >= 1, got 0"):
         ensure_checked(changed)
     assert not is_checked(changed) and len(check_calls) == 2
+
+
+def test_a_checked_config_changed_copied_or_sent_elsewhere_is_checked_again(check_calls):
+    """The mark is this process's, for this object as it was: a dict field edited in place, a copy,
+    a pickle (what a worker process or an actor receives) and a slots config are checked again."""
+    import copy
+    import pickle
+
+    from rlcore.loops.config import ensure_checked, is_checked
+    from rlcore.loops.recipes import dpo
+
+    config = load_config(dpo.Config, None, {"run_dir": None})
+    assert is_checked(config) and len(check_calls) == 1
+    config.loss_kwargs["label_smoothing"] = "abc"
+    assert not is_checked(config)
+    with pytest.raises(ValueError, match=r"loss_kwargs.label_smoothing: expected float, got 'abc'"):
+        ensure_checked(config)
+    fine = ensure_checked(grpo.Config(run_dir=None))
+    for other in (copy.copy(fine), copy.deepcopy(fine), pickle.loads(pickle.dumps(fine))):
+        assert other == fine and not is_checked(other)
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Slots:
+        model: str = "tiny-llama"
+        lr: float = 1e-3
+
+    assert ensure_checked(Slots()) == Slots() and not is_checked(Slots())
