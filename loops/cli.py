@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,21 +46,11 @@ __all__ = ["field_docs", "main"]
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``field -> the comment written after it`` in the dataclass source: the recipe's own, else the
-    one of the base that declares it (``rlcore.loops.config.RunConfig`` for the shared fields)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            source = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        for match in re.finditer(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE):
-            if match.group(1) in names:  # a ClassVar is no field
-                docs[match.group(1)] = match.group(2).strip()
-    return docs
+    """``field -> its --help line``, generated from its declaration (``loops.settings.describe``: the
+    help text, units and range declared on the field in its section)."""
+    from rlcore.loops.settings import describe
+
+    return {f.name: describe(cls, f.name) for f in dataclasses.fields(cls)}
 
 
 def _recipe_parser(parser: argparse.ArgumentParser, config_cls: type) -> None:

@@ -1,10 +1,9 @@
-"""Run configs: the shared model-loading fields, field documentation and ranges, YAML + overrides → a checked config.
+"""Run configs: YAML + overrides → a config checked once, against the ranges declared on its fields.
 
-- :class:`RunConfig`: the one declaration of the fields every language-model recipe shares
-  (model and its loading, data, optimisation, evaluation, run); each recipe's ``Config``
-  subclasses it and adds its own;
-- :data:`FIELD_RULES`: the allowed range of fields by name (``check_config`` applies every rule
-  whose field a config has);
+- :class:`RunConfig`: the sections every language-model recipe shares (``loops.settings``: the
+  model and its loading, data, optimisation, the run); each recipe's ``Config`` adds its own;
+- :func:`check_config`: every field in its declared range and of its type, every ``*_kwargs``
+  entry in its keyword's range (:data:`KEYWORD_RULES`) and type, devices this machine has;
 - :func:`load_config` / :func:`config_dict`: configs from safe YAML plus overrides (unknown keys
   raise, naming the nearest field or TRL's name; values are coerced to the field types) and back
   to a plain dict;
@@ -33,10 +32,13 @@ from rlcore.loops.collect import check_length_range
 from rlcore.loops.engines import ENGINES, SAMPLERS
 from rlcore.loops.reward_fns import NONFINITE_REWARDS
 from rlcore.loops.logging import check_trackers
+from rlcore.loops.settings import (AT_LEAST_0, DataSettings, LanguageModelSettings, ModelSettings, OptimSettings, Rule,
+                                   RunSettings, field_rule, is_divisor)
+from rlcore.loops.trl_config import TABLES as TRL_TABLES, Accept
 from rlcore.loops.trl_config import translate as translate_trl_names
 
 __all__ = ["ConfigError", "RunConfig", "coerce_tuples", "DTYPES", "TINY_MODELS", "loading_kwargs", "quantization_kwargs", "check_quantization",
-           "autocast_dtype", "FIELD_RULES", "DIVISOR_FIELDS", "try_loss", "check_config", "is_checked", "ensure_checked", "TRL_NAMES", "load_config", "trl_translated",
+           "autocast_dtype", "KEYWORD_RULES", "DIVISOR_KEYWORDS", "try_loss", "check_config", "is_checked", "ensure_checked", "trl_hints", "load_config", "trl_translated",
            "config_dict", "parse_yaml", "read_config_file", "YAML_MAX_BYTES", "YAML_MAX_DEPTH", "YAML_MAX_ALIASES", "YAML_MAX_NODES"]
 
 
@@ -79,64 +81,10 @@ def coerce_tuples(config: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """The one declaration of the fields every language-model recipe shares: the model and how it
-    is loaded (TRL's ``ModelConfig`` names), the data, the optimiser, evaluation and the run.
-
-    A recipe's ``Config`` subclasses it and adds only its own fields, redeclaring a shared one
-    only to change its default (DPO's ``lr``, the online recipes' ``batch_size``, each recipe's
-    ``run_dir``); the comment after each field is its ``--help`` text (``cli.field_docs``).
-    """
-
-    # --- model (loops.recipe.build_policy) ---
-    model: str = "tiny-llama"                 # "tiny-llama" / "tiny-gpt2" (offline, char tokenizer) or a local path / hub name
-    hidden_size: int = 64                     # tiny models: width
-    num_layers: int = 2                       # tiny models: decoder blocks
-    num_heads: int = 4                        # tiny models: attention heads
-    max_position_embeddings: int = 256        # tiny models: context length
-    init_from: str | None = None              # start from the policy weights of a checkpoint or run directory (e.g. an SFT run)
-    device: str = "cpu"                       # where models and batches live (cpu, cuda)
-    dtype: str = "float32"                    # the weights' dtype: float32 | bfloat16 | float16 | auto (TRL dtype)
-    attn_implementation: str | None = None    # eager | sdpa | flash_attention_2 ... (None: transformers' choice)
-    revision: str | None = None               # hub revision (branch, tag or commit) of `model`
-    trust_remote_code: bool = False           # run code shipped with a hub model (off: such a model is refused)
-    gradient_checkpointing: bool = False      # recompute activations in the backward pass: less memory, more compute
-    mixed_precision: str | None = None        # "bf16": forward and loss under torch.autocast, weights stay float32 (TRL bf16)
-    use_peft: bool = False                    # train a LoRA adapter, not the weights; the reference is the base (adapter off)
-    lora_r: int = 16                          # LoRA rank r
-    lora_alpha: int = 32                      # LoRA scale α: the update is (α/r)·B·A
-    lora_dropout: float = 0.05                # dropout on the adapter's input (only where dropout is on: disable_dropout false)
-    lora_target_modules: tuple[str, ...] | None = None  # module names, or all-linear (None: peft's default for the architecture)
-    lora_modules_to_save: tuple[str, ...] | None = None  # modules trained in full beside the adapter (e.g. lm_head)
-    load_in_4bit: bool = False                # base weights quantised to 4 bits (bitsandbytes, CUDA; needs use_peft)
-    load_in_8bit: bool = False                # base weights quantised to 8 bits (bitsandbytes, CUDA; needs use_peft)
-    # --- data (loops.recipe.load_splits) ---
-    task: str | None = "add"                  # a built-in task (loops.tasks) when `dataset` is None
-    dataset: str | None = None                # local jsonl / json / parquet / csv file or folder, or hub name[:split]
-    eval_dataset: str | None = None           # held-out file or hub name[:split]; None: `num_eval` rows split off `dataset`
-    num_train: int = 256                      # built-in task: training examples (pairs, prompts)
-    num_eval: int = 64                        # held-out examples (0: none, every row trains, no evaluation)
-    max_prompt_length: int | None = None      # prompt tokens kept: the last ones of a longer prompt
-    # --- optimisation (loops.recipe.init_train_state, loops.update.update) ---
-    seed: int = 0                             # model init, data order, sampling
-    steps: int = 100                          # fold steps (offline: one optimiser step each; online: prompt batches)
-    batch_size: int = 16                      # rows per step: examples, pairs, or prompts (online)
-    micro_batch_size: int | None = None       # rows per forward/backward (gradient accumulation); None: all
-    lr: float = 1e-3                          # AdamW peak learning rate
-    weight_decay: float = 0.0                 # AdamW decoupled weight decay (matrices only)
-    warmup_steps: int = 0                     # optimiser steps of linear warm-up
-    schedule: str = "constant"                # learning-rate schedule after warm-up: linear | cosine | constant (loops.update.SCHEDULES)
-    max_grad_norm: float | None = 1.0         # global gradient-norm clip; None: off
-    # --- evaluation and the run (loops.recipe.run) ---
-    eval_batch_size: int = 32                 # held-out rows per evaluation batch
-    run_dir: str | None = None                # checkpoints and metrics.jsonl; None writes nothing
-    save_every: int = 0                       # checkpoint period in steps (0: only at the end)
-    keep_last: int | None = 2                 # checkpoints kept (None: all)
-    eval_every: int = 0                       # evaluation period in steps (0: never during training)
-    log_every: int = 10                       # progress line period in steps
-    report_to: tuple[str, ...] = ()           # trackers besides metrics.jsonl: tensorboard (run_dir/tensorboard), wandb (TRL report_to)
-    resume: bool = False                      # continue from the latest checkpoint of run_dir
-    overwrite: bool = False                   # start over in a run_dir holding another run: delete that run's files (checkpoints, logs) first
+class RunConfig(OptimSettings, DataSettings, LanguageModelSettings, ModelSettings, RunSettings):
+    """The sections every language-model recipe shares (``loops.settings``): the model and how it is
+    loaded, the data, the optimiser and the run. A recipe's ``Config`` adds its algorithm's sections
+    and gives inherited fields other defaults with ``defaults=`` (never a second declaration)."""
 
     def __post_init__(self):
         coerce_tuples(self)  # lora_target_modules="all-linear" is one name, not ten characters
@@ -338,49 +286,19 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(f"{where}: cannot read {value!r} as {tp}: {e.errors()[0]['msg']}") from None
 
 
-# The ranges of the fields recipes share, by name: ``(allowed?, what is allowed)``. ``None`` of an
-# optional field is always allowed; ``check_config`` applies every rule whose field a config has.
-_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
-
-
-_AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
-
-
-_POSITIVE = (lambda v: v > 0, "> 0")
-
-
-_UNIT = (lambda v: 0 <= v <= 1, "in [0, 1]")
-
-
-FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **dict.fromkeys(["batch_size", "num_samples", "max_new_tokens", "epochs", "num_epochs", "eval_batch_size",
-                     "hidden_size", "num_layers", "num_heads", "max_position_embeddings", "num_train",
-                     "minibatch_size", "micro_batch_size", "max_length", "max_prompt_length", "top_k", "keep_last",
-                     "rank", "sample_batch_size", "sample_num_batches_per_epoch", "sample_num_steps",
-                     "train_batch_size", "train_num_inner_epochs", "num_train_timesteps", "max_workers",
-                     "sample_size", "ref_model_sync_steps", "lora_r", "generation_batch_size",
-                     "forward_batch_size", "overlong_buffer", "max_sampling_rounds"], _AT_LEAST_1),
-    **dict.fromkeys(["steps", "num_eval", "save_every", "eval_every", "log_every", "log_completions", "warmup_steps",
-                     "pretrain_steps", "lr", "weight_decay", "kl_coef", "vf_coef", "clip_eps_low", "clip_eps_high", "cliprange_value",
-                     "ratio_threshold", "train_learning_rate", "pretrain_learning_rate", "train_clip_range",
-                     "train_adv_clip_max", "train_adam_weight_decay", "sample_eta", "eps", "rpo_alpha", "cpo_alpha",
-                     "missing_eos_penalty", "overlong_penalty_factor", "reward_timeout",
-                     "center_rewards_coefficient", "per_prompt_stat_tracking_buffer_size",
-                     "per_prompt_stat_tracking_min_count"], _AT_LEAST_0),
-    **dict.fromkeys(["temperature", "beta", "max_grad_norm", "train_max_grad_norm", "horizon", "target",
-                     "train_adam_epsilon", "discopop_tau", "desirable_weight", "undesirable_weight", "lora_alpha",
-                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                     "vespo_lambda_neg"], _POSITIVE),
-    "label_smoothing": (lambda v: 0 <= v <= 0.5, "in [0, 0.5] (past 0.5 the smoothed loss prefers the rejected answer)"),
-    **dict.fromkeys(["lam", "train_adam_beta1", "train_adam_beta2", "ref_model_mixup_alpha"],
-                    _UNIT),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "train_timestep_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "seed": (lambda v: 0 <= v < 2**63, "in [0, 2**63)"),     # torch generators, NumPy and datasets' shuffles
-    "eval_seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),  # also seeds NumPy's global generator
+# The ranges of the keywords a ``*_kwargs`` field passes to a loss or an estimator, by name (a
+# config field's range is declared on the field: ``loops.settings.setting``). A keyword named like a
+# field of the same config takes that field's range.
+KEYWORD_RULES: dict[str, Rule] = {
+    **dict.fromkeys(["eps", "rpo_alpha", "cpo_alpha"], AT_LEAST_0),
+    **dict.fromkeys(["discopop_tau", "desirable_weight", "undesirable_weight"], Rule(lambda v: v > 0, "> 0")),
+    "label_smoothing": Rule(lambda v: 0 <= v <= 0.5, "in [0, 0.5] (past 0.5 the smoothed loss prefers the rejected "
+                                                     "answer)"),
 }
+
+# Keywords a formula divides by (DiscoPOP's x/τ): past "> 0" they must be at least
+# ``rlcore.checks.MIN_DIVISOR`` (1e-12), as fields declared with ``divisor=True``.
+DIVISOR_KEYWORDS = ("discopop_tau",)
 
 
 _INT64 = 2**63
@@ -393,24 +311,32 @@ DIVISOR_FIELDS = ("temperature", "beta", "discopop_tau", "sapo_temperature_pos",
                   "horizon")
 
 
-def _value_fault(name: str, value: Any) -> str | None:
+def _value_fault(value: Any, rule: Rule | None = None, divisor: bool = False) -> str | None:
     """What is wrong with one value, or ``None``: an integer outside int64 or a float that is not
-    finite (any field, a keyword, an item of a tuple), else the range of its ``FIELD_RULES`` entry."""
+    finite (any field, a keyword, an item of a tuple), else outside ``rule`` (a field's declared range
+    or a keyword's ``KEYWORD_RULES`` entry); a ``divisor`` below ``MIN_DIVISOR``."""
     if isinstance(value, (tuple, list)):  # items have no rule of their own
-        return next((fault for item in value if (fault := _value_fault("", item))), None)
+        return next((fault for item in value if (fault := _value_fault(item))), None)
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     if isinstance(value, int) and not -_INT64 <= value < _INT64:
         return f"expected an integer within int64 [-2**63, 2**63), got {value}"
-    rule = FIELD_RULES.get(name)
     if rule is None:
         return None if math.isfinite(value) else f"expected a finite number, got {value!r}"
     allowed, what = rule
     if not (math.isfinite(value) and allowed(value)):
         return f"expected {what}, got {value!r}"
-    if name in DIVISOR_FIELDS and value < MIN_DIVISOR:
+    if divisor and value < MIN_DIVISOR:
         return f"expected >= {MIN_DIVISOR:g} (it is divided by: 1/{value!r} overflows), got {value!r}"
     return None
+
+
+def _keyword_rule(cls: type, key: str) -> tuple[Rule | None, bool]:
+    """The range of a ``*_kwargs`` entry ``key``: the same-named field's of ``cls``, else ``KEYWORD_RULES``'."""
+    rule = field_rule(cls, key)
+    if rule is not None:
+        return rule, is_divisor(cls, key)
+    return KEYWORD_RULES.get(key), key in DIVISOR_KEYWORDS
 
 
 @functools.lru_cache(maxsize=None)
@@ -523,8 +449,8 @@ def try_loss(loss: Callable[[Any], Any], batch: Any, *, fields: Mapping[str, str
 
 
 def check_config(config: Any) -> Any:
-    """``config`` itself when every field it shares with ``FIELD_RULES`` is in range, and every entry
-    of its ``loss_kwargs`` / ``advantage_kwargs`` that a rule names; when every value is of its
+    """``config`` itself when every field is in its declared range (``loops.settings.setting``), and
+    every entry of its ``loss_kwargs`` / ``advantage_kwargs`` in its keyword's (``KEYWORD_RULES``); when every value is of its
     field's type, and every ``*_kwargs`` entry of the type of the keyword it feeds (the loss's or
     estimator's signature); when the recipe's bound loss runs on a tiny dummy batch (its
     ``try_loss()``, :func:`try_loss`); when every integer fits int64 and every float is finite; and when each
@@ -538,13 +464,18 @@ def check_config(config: Any) -> Any:
     ``run`` take a config through :func:`ensure_checked`, so a config built in Python is checked once,
     before any model is built or any file written, and one already checked is not checked again.
     """
-    faults = []
-    values = [(f.name, f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    cls = type(config)
+    values = [(f.name, getattr(config, f.name), field_rule(cls, f.name), is_divisor(cls, f.name))
+              for f in dataclasses.fields(config)]
     for kwargs in ("loss_kwargs", "advantage_kwargs"):  # a loss's or an estimator's keywords by their names
         given = getattr(config, kwargs, None)
         if isinstance(given, Mapping):
-            values += [(str(k), f"{kwargs}.{k}", v) for k, v in given.items()]
-    faults += [f"{where}: {fault}" for name, where, value in values if (fault := _value_fault(name, value))]
+            values += [(f"{kwargs}.{k}", v, *_keyword_rule(cls, str(k))) for k, v in given.items()]
+    faults = [f"{where}: {fault}" for where, value, rule, divisor in values
+              if (fault := _value_fault(value, rule, divisor))]
+    if isinstance(config, RunConfig) and not isinstance(config.model, str):
+        faults.append(f"model: expected a model name (a built-in tiny one, a folder or a hub name), got "
+                      f"{config.model!r}")
     faults += _type_faults(config)
     if not faults and hasattr(config, "try_loss"):  # the recipe's bound loss once on a dummy batch (try_loss)
         try:
@@ -626,29 +557,21 @@ def ensure_checked(config: Any) -> Any:
     return config if is_checked(config) else check_config(config)
 
 
-# TRL's names as hints ("did you mean") for recipes without a translation table: the recipes of
-# ``loops.trl_config.TABLES`` (sft, dpo, reward, grpo, rloo, ppo) read TRL's names themselves.
-# Batch sizes are absent on purpose: TRL's count completions per device and accumulation steps,
-# rlcore's ``batch_size`` prompts or pairs over all ranks (docs/from_trl.md).
-TRL_NAMES: dict[str, tuple[str, ...]] = {
-    "learning_rate": ("lr",), "max_steps": ("steps",), "num_train_epochs": ("steps", "num_epochs"),
-    "save_steps": ("save_every",), "eval_steps": ("eval_every",), "logging_steps": ("log_every",),
-    "output_dir": ("run_dir",), "save_total_limit": ("keep_last",), "num_generations": ("num_samples",),
-    "max_completion_length": ("max_new_tokens",), "response_length": ("max_new_tokens",),
-    "beta": ("kl_coef", "beta"), "model_name_or_path": ("model",), "resume_from_checkpoint": ("resume",),
-    "lr_scheduler_type": ("schedule",), "num_iterations": ("epochs",), "ppo_epochs": ("epochs",),
-    "cliprange": ("clip_eps_low", "clip_eps_high"), "epsilon": ("clip_eps_low", "clip_eps_high"),
-    "kl_penalty": ("kl",), "init_kl_coef": ("kl_coef",), "adap_kl_ctrl": ("kl_controller",),
-    "dataset_name": ("dataset",), "loss_type": ("loss_type", "loss"), "reward_model_path": ("reward_model",),
-    "sft_model_path": ("init_from",),
-    "epsilon_high": ("clip_eps_high",), "train_dataset": ("dataset",), "num_completions_to_print": ("log_completions",),
-    "torch_dtype": ("dtype",), "model_revision": ("revision",), "bf16": ("mixed_precision",),
-}
+@functools.lru_cache(maxsize=None)
+def trl_hints() -> dict[str, tuple[str, ...]]:
+    """TRL's name -> the rlcore fields it sets in any recipe's TRL table (``loops.trl_config.TABLES``):
+    the "did you mean" of a recipe without a table of its own (online DPO, DDPO, the ReFT recipes)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for table in TRL_TABLES.values():
+        for name, entry in table.items():
+            if isinstance(entry, Accept):
+                out[name] = tuple(dict.fromkeys((*out.get(name, ()), *entry.to)))
+    return out
 
 
 def _did_you_mean(key: str, fields: Mapping[str, Any]) -> str:
     """A hint for an unknown config key: the field TRL's name maps to, else the closest field names."""
-    mapped = [f for f in TRL_NAMES.get(key, ()) if f in fields and f != key]
+    mapped = [f for f in trl_hints().get(key, ()) if f in fields and f != key]
     if mapped:
         return f"did you mean {' or '.join(repr(f) for f in mapped)} (TRL's {key})?"
     close = difflib.get_close_matches(key, list(fields), n=2, cutoff=0.75)

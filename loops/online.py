@@ -1,22 +1,26 @@
 """The pieces shared by the online recipes (PPO, RLOO, GRPO, online DPO): prompts → rollout → scores.
 
-Every online recipe is ``collect → score → (rewards, advantages) → update`` over batches of
-prompts. What differs is the middle (KL in the reward or in the loss, GAE or a group baseline,
-preference pairs) and the loss; what is the same lives here:
+Every online recipe's ``step`` is written out in its module: ``sample → score_samples → (rewards,
+advantages) → update(state, batch, loss_fn)``, the loss closure written where it is used. What
+differs is the middle (KL in the reward or in the loss, GAE or a group baseline, preference pairs)
+and the loss; the pieces that are the same live here, each taking the section it needs:
 
-- :class:`OnlineConfig`: the fields every online recipe has (model, data, generation, optimiser,
-  run); a recipe's ``Config`` subclasses it (still flat: one ``--flag`` per field);
+- :class:`OnlineConfig`: the sections every online recipe has (``loops.settings``: model, data,
+  optimiser, run, reference, rewards, generation, rollout updates); a recipe's ``Config`` adds its
+  algorithm's (still flat: one ``--flag`` per field);
 - :func:`build_online_state`: policy + frozen reference (+ frozen reward model, + the recipe's own
   models such as a critic), AdamW, schedule, transform states;
 - :func:`prompt_source`: a resumable stream of prompt batches (dicts of dataset columns);
-- :func:`collect_rollout`: the step's one seed draw from ``state.rng`` (``loops.collect.draw_seed``),
-  ``G`` samples per prompt from the policy (:func:`generate_kwargs`), then :func:`score_collected`:
-  reference log-probs, optional values, the task reward (or reward model) and the counters
-  (a rollout generated elsewhere: :func:`replay_seed_draw` first);
-- :func:`policy_loss_fn`: the ``update`` loss closure of the policy-gradient recipes (log-probs
-  through the policy, then any ``(batch, **denominators) -> (loss, metrics)`` loss);
-- :func:`evaluate_policy`: held-out mean reward and exact match (greedy) and KL to the reference
-  (sampled);
+- :func:`sample`: the step's one seed draw from ``state.rng`` (``loops.collect.draw_seed``) and ``G``
+  samples per prompt from the policy (:func:`generate_kwargs` of a generation section);
+- :func:`score_samples`: reference log-probs, optional values, the reward (functions and / or a
+  reward model) with the generation section's penalties, and the counters (a rollout generated
+  elsewhere: :func:`replay_seed_draw` first);
+- :func:`with_policy_logprobs`: the policy's log-probs of a batch's responses, the first line of
+  every policy-gradient loss closure;
+- :func:`advantage_fn`: the estimator a config names, its keywords checked;
+- ``loops.evaluate.evaluate_policy``: held-out mean reward and exact match (greedy) and KL to the
+  reference (sampled);
 - :func:`train_online`: build, wire :func:`rlcore.loops.recipe.run`, return ``(state, history)``.
 
 Randomness: generation draws its seed from a copy of ``state.rng`` that the returned state
@@ -55,68 +59,36 @@ from rlcore.kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.data import row_origin
-from rlcore.loops.config import RunConfig, autocast_dtype, loading_kwargs
-from rlcore.loops.filters import exclude_unscored, mask_truncated, prompt_refill, refill_informative
+from rlcore.loops.config import RunConfig, loading_kwargs
+from rlcore.loops.settings import GenerationSettings, ReferenceSettings, RewardSettings, RolloutSettings
+from rlcore.loops.filters import exclude_unscored, prompt_refill
 from rlcore.loops.tokenization import check_context, check_text, model_context, text_window, tokenize_example
 from rlcore.loops.evaluate import evaluate_policy
-from rlcore.loops.models import ValueHead, disable_dropout, load_model, pad_token_id, token_values
+from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_values
 from rlcore.loops.recipe import batch_source, build_policy, build_reference, init_train_state, load_splits, run
 from rlcore.loops.reward_fns import (RewardFn, make_reward_fn, missing_eos_penalty, repeat_columns, repeat_prompts,
                                      reward_columns, reward_settings, trainer_state)
 from rlcore.loops.score import score_rollout, sequences, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
 from rlcore.loops.tasks import task_dataset
-from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 from rlcore.rewards import soft_overlong_penalty
 from rlcore.transforms import observed_kl
 
-__all__ = ["OnlineConfig", "Correction", "ESTIMATOR_NEEDS", "check_kl_name", "runnable_estimators", "advantage_fn", "check_prompt_data", "check_prompt_lengths",
-           "build_online_state", "prompt_source", "update_sizes", "generate_kwargs", "collect_rollout",
-           "collect_groups", "replay_seed_draw", "critic_values", "score_collected", "with_policy_logprobs",
-           "policy_loss_fn", "policy_update", "rollout_metrics", "group_metrics", "length_metrics",
-           "reward_term_metrics", "LIVE", "train_online"]
+__all__ = ["OnlineConfig", "Correction", "ESTIMATOR_NEEDS", "check_kl_name", "runnable_estimators", "advantage_fn",
+           "check_prompt_data", "check_prompt_lengths", "build_online_state", "prompt_source", "update_sizes",
+           "generate_kwargs", "sample", "replay_seed_draw", "critic_values", "score_samples", "with_policy_logprobs",
+           "rollout_metrics", "group_metrics", "length_metrics", "reward_term_metrics", "LIVE", "train_online"]
 
 # the asynchronous learners' importance correction: a batch with advantages -> (the batch the loss sees, metrics)
 Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineConfig(RunConfig):
-    """Fields shared by every online recipe beyond ``RunConfig``'s (a recipe's ``Config`` subclasses
-    this and adds its own)."""
-
-    # --- models ---
-    reward_model: str | None = None  # local path of a sequence-classification reward model (same tokenizer)
-    ref_model: str | None = None     # the KL reference: a model folder or checkpoint (default: a copy of the initial policy; TRL ref_model)
-    ref_device: str | None = None    # where the reference lives (None: device; e.g. cpu beside a policy on cuda)
-    reward_device: str | None = None  # where the reward model lives (None: device)
-    reward_funcs: tuple[str, ...] = ()  # "package.module:function" reward functions to import (TRL reward_funcs)
-    reward_weights: tuple[float, ...] | None = None  # one weight per reward function (TRL reward_weights; None: all 1)
-    reward_timeout: float | None = 300.0  # seconds a reward function call may take; past it the step fails naming it (None or 0: no limit; the stuck call goes on in a background thread)
-    nonfinite_rewards: str = "raise"  # a NaN/inf score from a reward function or model: raise (names the rows) | drop (as a None score: out of the loss and group statistics)
-    # --- generation (collect) ---
-    num_samples: int = 1             # G samples per prompt (TRL num_generations)
-    max_new_tokens: int = 16         # response budget (TRL max_completion_length / response_length)
-    length_sampler: tuple[int, int] | None = None  # [low, high): each step's budget drawn from it with the step's sampling seed (TRL LengthSampler); evaluation keeps max_new_tokens
-    temperature: float = 1.0         # sampling temperature; log-probs are of softmax(logits / temperature)
-    top_k: int | None = None         # truncation (None: off)
-    top_p: float | None = None       # nucleus truncation (None: off)
-    stop_token_ids: tuple[int, ...] = ()  # token ids that also end a response (EOS always does; TRL stop_token_id)
-    missing_eos_penalty: float | None = None  # subtracted from the score of a response cut at max_new_tokens (TRL missing_eos_penalty)
-    overlong_buffer: int | None = None  # DAPO soft overlong punishment: responses in the last N tokens of max_new_tokens lose up to overlong_penalty_factor (None: off; verl overlong_buffer.len)
-    overlong_penalty_factor: float = 1.0  # the soft overlong penalty at max_new_tokens (verl overlong_buffer.penalty_factor)
-    engine: str = "loop"             # generation engine (loops.engines.ENGINES): loop (the KV-cache decode loop), hf (Hugging Face generate), vllm
-    sampler: str = "inverse_cdf"     # the loop engine's sampling rule (loops.engines.SAMPLERS)
-    engine_options: dict = dataclasses.field(default_factory=dict)  # vllm.LLM keywords when engine=vllm
-    # --- optimisation (update) ---
-    batch_size: int = 8              # prompts per step (the rollout has batch_size * num_samples rows)
-    epochs: int = 1                  # passes over each rollout (TRL ppo_epochs / num_iterations)
-    minibatch_size: int | None = None  # rollout rows per optimiser step (None: the whole rollout)
-    generation_batch_size: int | None = None  # rollout rows sampled per call, a multiple of num_samples (None: all; TRL generation_batch_size)
-    forward_batch_size: int | None = None  # rows per no-grad scoring forward: reference, values, reward model (None: all)
-    lr: float = 1e-5
-    log_entropy: bool = True         # the policy's token entropy, from the loss's own forward, logged as entropy (not trained: no bonus)
-    log_completions: int = 0         # held-out prompts whose greedy completions and rewards each evaluation writes to run_dir/completions.jsonl (TRL num_sample_generations / log_completions)
+class OnlineConfig(RolloutSettings, GenerationSettings, RewardSettings, ReferenceSettings, RunConfig,
+                   defaults={"batch_size": 8, "lr": 1e-5}):
+    """The sections every online recipe has beyond ``RunConfig``'s: the reference, the rewards,
+    generation and how a rollout is learned from (``loops.settings``); ``batch_size`` counts prompts
+    (the rollout has ``batch_size × num_samples`` rows). A recipe's ``Config`` adds its algorithm's."""
 
     def __post_init__(self):
         super().__post_init__()  # a single name given to a tuple field is a one-item tuple (coerce_tuples)
@@ -212,7 +184,8 @@ def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mappi
     for model in models.values():
         disable_dropout(model)  # RL needs the same log-probs in collect, score and update
     rows = rows_per_step or config.batch_size * config.num_samples
-    per_step = config.epochs * math.ceil(rows / update_sizes(config, rows)["minibatch_size"])
+    sizes = update_sizes(rows, minibatch_size=config.minibatch_size, micro_batch_size=config.micro_batch_size)
+    per_step = config.epochs * math.ceil(rows / sizes["minibatch_size"])
     state = init_train_state(models, config, trainable=trainable, total_steps=config.steps * per_step)
     return with_transforms(state, **(transforms or {})), tokenizer
 
@@ -223,74 +196,56 @@ def prompt_source(dataset: Dataset, config: Any) -> Callable[[int], Any]:
     return batch_source(dataset, config.batch_size, dict, seed=config.seed)
 
 
-def update_sizes(config: Any, rows: int) -> dict[str, int]:
-    """``minibatch_size`` / ``micro_batch_size`` for ``update`` on ``rows`` rows: the config's, capped
+def update_sizes(rows: int, *, minibatch_size: int | None, micro_batch_size: int | None) -> dict[str, int]:
+    """``minibatch_size`` / ``micro_batch_size`` for ``update`` on ``rows`` rows: the given ones capped
     at ``rows`` (``None``: all rows), so a short rollout (few pairs, a small last batch) still fits."""
-    minibatch = min(config.minibatch_size or rows, rows)
-    return {"minibatch_size": minibatch, "micro_batch_size": min(config.micro_batch_size or minibatch, minibatch)}
+    minibatch = min(minibatch_size or rows, rows)
+    return {"minibatch_size": minibatch, "micro_batch_size": min(micro_batch_size or minibatch, minibatch)}
 
 
 # --- collect and score ---------------------------------------------------------------------------
-def generate_kwargs(config: Any) -> dict[str, Any]:
-    """The sampling keywords of ``generate_in_chunks`` for ``config`` (everything but prompts, seed and
-    version): ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``num_samples``,
-    ``max_prompt_length``, ``engine``, ``sampler``, ``engine_options``, ``stop_token_ids``, ``length_sampler``,
-    ``rows_per_call`` (``generation_batch_size``). The
-    synchronous recipes, the generator process of
-    ``loops.scale.async_rl`` and the generator actor of ``loops.scale.placement`` all sample with these."""
-    return dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature, top_k=config.top_k,
-                top_p=config.top_p, num_samples=config.num_samples, max_prompt_length=config.max_prompt_length,
-                engine=config.engine, sampler=config.sampler, engine_options=config.engine_options,
-                stop_token_ids=tuple(getattr(config, "stop_token_ids", ())),
-                length_sampler=getattr(config, "length_sampler", None),
-                rows_per_call=getattr(config, "generation_batch_size", None))
+def generate_kwargs(generation: GenerationSettings, *, max_prompt_length: int | None = None) -> dict[str, Any]:
+    """The sampling keywords of ``generate_in_chunks`` for a generation section (everything but prompts,
+    seed and version): ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``num_samples``,
+    ``engine``, ``sampler``, ``engine_options``, ``stop_token_ids``, ``length_sampler``, ``rows_per_call``
+    (``generation_batch_size``), and the data's ``max_prompt_length``. The synchronous recipes
+    (:func:`sample`), the generator process of ``loops.scale.async_rl`` and the generator actor of
+    ``loops.scale.placement`` all sample with these."""
+    g = generation
+    return dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                num_samples=g.num_samples, max_prompt_length=max_prompt_length, engine=g.engine, sampler=g.sampler,
+                engine_options=g.engine_options, stop_token_ids=tuple(g.stop_token_ids),
+                length_sampler=g.length_sampler, rows_per_call=g.generation_batch_size)
 
 
-def collect_rollout(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
-                    reward_fn: RewardFn | None, num_samples: int | None = None,
-                    reference: bool = True) -> tuple[TrainState, TensorDict]:
-    """Sample ``G`` responses per prompt and score them: ``(state, rollout)``.
+def sample(state: TrainState, prompts: Sequence, *, generation: GenerationSettings, tokenizer,
+           max_prompt_length: int | None = None, num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
+    """``G`` responses per prompt from the state's policy: ``(state, rollout)``.
 
     The step's one seed draw (``draw_seed`` on a copy of ``state.rng``, which the returned state
-    carries on), ``generate_in_chunks(policy, ..., seed=)`` (``generate_kwargs``), then
-    :func:`score_collected`. Behaviour log-probs (``old_logprobs``) come from generation itself.
+    carries on), then ``generate_in_chunks(policy, ..., seed=)`` with :func:`generate_kwargs`.
+    Behaviour log-probs (``old_logprobs``) come from generation itself.
 
     Args:
-        rows: a prompt batch, dict of columns with ``prompt`` (``P`` rows).
-        num_samples: ``G`` (default ``config.num_samples``).
-        reference: as :func:`score_collected`.
+        prompts: ``P`` prompts (text or conversations).
+        num_samples: ``G`` (default ``generation.num_samples``).
     Returns:
-        As :func:`score_collected`: the advanced state and the rollout TensorDict ``[B = P·G]``.
+        The state with its generator advanced, and the unscored rollout ``[B = P·G]`` (``loops.collect``).
     """
-    G = config.num_samples if num_samples is None else num_samples
     rng = copy_generator(state.rng)
     seed = draw_seed(rng)
-    rollout = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]),
-                                 **{**generate_kwargs(config), "num_samples": G}, seed=seed,
+    kwargs = generate_kwargs(generation, max_prompt_length=max_prompt_length)
+    if num_samples is not None:
+        kwargs["num_samples"] = num_samples
+    rollout = generate_in_chunks(state.model("policy"), tokenizer, list(prompts), **kwargs, seed=seed,
                                  policy_version=state.policy_version)
-    return score_collected(dataclasses.replace(state, rng=rng), rows, rollout, config=config, tokenizer=tokenizer,
-                           reward_fn=reward_fn, num_samples=G, reference=reference)
-
-
-def collect_groups(state: TrainState, rows: Mapping[str, Sequence], *, config: Any, tokenizer,
-                   reward_fn: RewardFn | None, refill: Callable[[int, int], Mapping[str, Sequence]] | None = None,
-                   reference: bool = True) -> tuple[TrainState, TensorDict, dict[str, torch.Tensor]]:
-    """A group recipe's collection: :func:`collect_rollout` (``reference`` as there), or with the config's
-    ``dynamic_sampling`` (and a ``refill`` of fresh prompts) ``loops.filters.refill_informative`` around it.
-    ``(state, rollout, counts)``; ``counts`` the refill's metrics (``{}`` without)."""
-    collect = functools.partial(collect_rollout, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                                reference=reference)
-    if refill is None or not getattr(config, "dynamic_sampling", False):
-        return (*collect(state, rows), {})
-    return refill_informative(state, rows, collect, refill=refill, batch_size=config.batch_size,
-                              num_samples=config.num_samples, max_rounds=config.max_sampling_rounds,
-                              pad_id=pad_token_id(tokenizer))
+    return dataclasses.replace(state, rng=rng), rollout
 
 
 def replay_seed_draw(state: TrainState) -> TrainState:
     """``state`` with its generator past one ``draw_seed``: the draw a rollout generated elsewhere
     (``loops.scale.async_rl``'s generator process, ``loops.scale.placement``'s actor) was sampled
-    with, so the learner's state goes on as the synchronous ``collect_rollout`` leaves it."""
+    with, so the learner's state goes on as the synchronous :func:`sample` leaves it."""
     rng = copy_generator(state.rng)
     draw_seed(rng)
     return dataclasses.replace(state, rng=rng)
@@ -308,29 +263,31 @@ def critic_values(state: TrainState) -> Callable[[torch.Tensor, torch.Tensor], t
     return functools.partial(token_values, value)
 
 
-def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *, config: Any,
-                    tokenizer, reward_fn: RewardFn | None, num_samples: int | None = None,
-                    reference: bool = True) -> tuple[TrainState, TensorDict]:
-    """``collect_rollout`` after generation: score a rollout sampled from ``rows`` and advance the
-    state's counters past those samples.
+def score_samples(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *,
+                  generation: GenerationSettings, rewards: RewardSettings, tokenizer, reward_fn: RewardFn | None,
+                  total_steps: int | None = None, num_samples: int | None = None,
+                  reference: bool = True) -> tuple[TrainState, TensorDict]:
+    """Score a rollout sampled from ``rows`` and advance the state's counters past those samples.
 
     ``score_rollout`` with the models the state holds: ``ref_logprobs`` from ``models["ref"]``
-    (with ``reference``: a recipe's ``Recipe.rollout_ref_logprobs``; online DPO's pairs get
-    theirs in its ``learn``), ``values`` from a critic (:func:`critic_values`) and ``score`` from the reward
+    (with ``reference``), ``values`` from a critic (:func:`critic_values`) and ``score`` from the reward
     (``reward_fn`` called as TRL calls one: the batch's prompts as the data holds them, the
     completions in the same shape, their ids, the other dataset columns repeated per sample and a
-    ``trainer_state`` at ``state.step`` of ``config.steps``; plus ``models["reward"]``); then the
-    counters. The seed draw is the caller's: ``collect_rollout``
-    draws it; a learner scoring a rollout generated elsewhere (``loops.scale.async_rl``,
-    ``loops.scale.placement``) first replays it (:func:`replay_seed_draw`), and is then left
-    exactly as the synchronous ``collect_rollout`` leaves it. A learner whose state holds no
+    ``trainer_state`` at ``state.step`` of ``total_steps``; plus ``models["reward"]``, with the
+    ``rewards`` section's timeout and non-finite rule); then the generation section's penalties
+    (``missing_eos_penalty``, the soft ``overlong_buffer``) and the counters. The seed draw is the
+    caller's: :func:`sample` draws it; a learner scoring a rollout generated elsewhere
+    (``loops.scale.async_rl``, ``loops.scale.placement``) first replays it (:func:`replay_seed_draw`),
+    and is then left exactly as the synchronous step leaves it. A learner whose state holds no
     reference or reward model (the Ray scorer added those) scores only what it holds.
 
     Args:
         rows: the prompt batch the rollout was sampled from (``P`` rows of columns).
-        rollout: ``[B = P·G]`` from ``generate_rollout`` (``loops.collect``).
+        rollout: ``[B = P·G]`` from :func:`sample`.
+        generation: the temperature of the log-probs, the token budget and stop tokens of the penalties,
+            ``forward_batch_size`` rows per no-grad forward.
         reward_fn: ``None`` with no ``state.models["reward"]`` keeps the rollout's ``score`` (if any).
-        num_samples: ``G`` (default ``config.num_samples``).
+        num_samples: ``G`` (default ``generation.num_samples``).
         reference: whether to add the reference's ``ref_logprobs`` (when the state holds ``models["ref"]``).
     Returns:
         ``(state, rollout)``: the state with ``samples_seen``, ``episodes`` (``+B``) and
@@ -338,24 +295,23 @@ def score_collected(state: TrainState, rows: Mapping[str, Sequence], rollout: Te
         TRL's ``num_tokens`` counts them) advanced (the input state is untouched); a shallow
         copy of the rollout with the scores.
     """
+    g = generation
     ref = state.models.get("ref") if reference else None
-    G = config.num_samples if num_samples is None else num_samples
+    G = g.num_samples if num_samples is None else num_samples
     rollout = score_rollout(rollout, ref=ref, value_fn=critic_values(state),
                             reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
-                            prompts=repeat_prompts(rows, G), temperature=config.temperature,
+                            prompts=repeat_prompts(rows, G), temperature=g.temperature,
                             reward_columns={**repeat_columns(rows, G),
-                                            "trainer_state": trainer_state(state.step, getattr(config, "steps", None))},
-                            rows_per_forward=getattr(config, "forward_batch_size", None), **reward_settings(config))
-    penalty = getattr(config, "missing_eos_penalty", None)
-    if penalty:  # a response cut at max_new_tokens, with no stop token, loses `penalty`
-        stops = [tokenizer.eos_token_id, *getattr(config, "stop_token_ids", ())]
+                                            "trainer_state": trainer_state(state.step, total_steps)},
+                            rows_per_forward=g.forward_batch_size, **reward_settings(rewards))
+    if g.missing_eos_penalty:  # a response cut at max_new_tokens, with no stop token, loses the penalty
+        stops = [tokenizer.eos_token_id, *g.stop_token_ids]
         rollout[K.SCORE] = missing_eos_penalty(rollout[K.SCORE], rollout[K.RESPONSE_IDS], rollout[K.RESPONSE_MASK],
-                                               eos_token_id=stops, penalty=penalty)
-    buffer = getattr(config, "overlong_buffer", None)
-    if buffer:  # DAPO: a response running into the budget is worse, before it is cut
+                                               eos_token_id=stops, penalty=g.missing_eos_penalty)
+    if g.overlong_buffer:  # DAPO: a response running into the budget is worse, before it is cut
         rollout[K.SCORE] = rollout[K.SCORE] + soft_overlong_penalty(
-            rollout[K.RESPONSE_MASK], max_length=config.max_new_tokens, buffer=buffer,
-            factor=config.overlong_penalty_factor).to(rollout[K.SCORE])
+            rollout[K.RESPONSE_MASK], max_length=g.max_new_tokens, buffer=g.overlong_buffer,
+            factor=g.overlong_penalty_factor).to(rollout[K.SCORE])
     tokens = rollout[K.PROMPT_MASK].sum() + rollout[K.RESPONSE_MASK].sum()  # as TRL's num_tokens: prompt + completion
     rollout = exclude_unscored(rollout)
     B = rollout.batch_size[0]
@@ -417,7 +373,8 @@ def advantage_fn(config: Any, *, inputs: Sequence[str], recipe: str) -> Callable
 def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0,
                          with_entropy: bool = False) -> TensorDictBase:
     """A shallow copy of a rollout with the policy's ``logprobs [B, R]`` of its own responses
-    (and, with ``with_entropy``, its token ``entropy [B, R]`` from the same pass).
+    (and, with ``with_entropy``, its token ``entropy [B, R]`` from the same pass, detached: it is
+    logged, never trained).
 
     ``lp[b, j] = log softmax(z_{b, P−1+j}/τ)[response_ids[b, j]]``, ``z`` the logits of
     ``[prompt | response]`` (``loops.score.sequences``; ``loops.score.token_logprobs_from_model``,
@@ -438,64 +395,8 @@ def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature
     out = token_logprobs_from_model(model, ids, mask, response_length=batch[K.RESPONSE_IDS].shape[-1],
                                     temperature=temperature, with_entropy=with_entropy)
     if with_entropy:
-        return batch.copy().update({K.LOGPROBS: out[0], K.ENTROPY: out[1]})
+        return batch.copy().update({K.LOGPROBS: out[0], K.ENTROPY: out[1].detach()})
     return batch.copy().update({K.LOGPROBS: out})
-
-
-def policy_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable[..., tuple], temperature: float = 1.0,
-                   with_entropy: bool = False, **denominators) -> tuple[torch.Tensor, TensorDict]:
-    """The ``update`` loss closure of the policy-gradient recipes: ``loss(batch + logprobs, **denominators)``.
-
-    Args:
-        state: the ``TrainState`` (its ``"policy"`` computes the log-probs).
-        batch: a rollout micro-batch with ``old_logprobs``, ``advantages`` (and ``ref_logprobs`` for a
-            KL in the loss), as ``with_policy_logprobs`` needs.
-        loss: any ``(batch, **hyper) -> (loss, metrics)`` of ``algorithms.policy_gradient``
-            (hyper-parameters bound with ``functools.partial``).
-        temperature: ``τ`` of the log-probs.  denominators: ``num_tokens`` / ``num_seqs`` of the
-            optimiser step, from ``update``.
-        with_entropy: the batch also gets the policy's token ``entropy``, detached, from the same
-            pass (the loss reports its mean as ``entropy``).
-    Returns:
-        ``(loss [], metrics)`` of ``loss``.
-
-    Gradient: to the policy's parameters, through ``logprobs``.
-    """
-    batch = with_policy_logprobs(state.model("policy"), batch, temperature=temperature, with_entropy=with_entropy)
-    if with_entropy:
-        batch[K.ENTROPY] = batch[K.ENTROPY].detach()
-    return loss(batch, **denominators)
-
-
-def policy_update(state: TrainState, batch: TensorDictBase, loss: Callable[..., tuple], *, config: Any,
-                  correction: Correction | None = None,
-                  wrap_loss: Callable[[Callable], Callable] | None = None) -> tuple[TrainState, TensorDict]:
-    """``update`` of the policy on a scored batch with advantages, with a policy-gradient ``loss``
-    (impure: trains).
-
-    The minibatch sizes, epochs and gradient clipping come from ``config``; with its
-    ``mask_truncated_completions``, responses cut at the token budget leave the loss
-    (:func:`mask_truncated`, after the advantages: they keep their place in their group's
-    statistics). ``correction`` (the
-    asynchronous learners' importance correction) maps the batch to the one the loss sees and adds
-    its metrics; the step's metrics gain the batch's (``rollout_metrics``, taken before the
-    correction: those of the behaviour policy). ``wrap_loss`` maps the ``update`` loss closure
-    (:func:`policy_loss_fn` bound to ``loss``) to the one used, e.g.
-    ``loops.reft_model.with_interventions`` (``None``: as is).
-    """
-    info = rollout_metrics(batch)
-    if getattr(config, "mask_truncated_completions", False):
-        batch = mask_truncated(batch)
-    batch, extra = (batch, {}) if correction is None else correction(batch)
-    loss_fn = functools.partial(policy_loss_fn, loss=loss, temperature=config.temperature,
-                                with_entropy=getattr(config, "log_entropy", False))
-    loss_fn = loss_fn if wrap_loss is None else wrap_loss(loss_fn)
-    grad_clip = None if config.max_grad_norm is None else clip_by_global_norm(config.max_grad_norm)
-    state, metrics = update(state, batch, loss_fn, **update_sizes(config, batch.batch_size[0]),
-                            autocast_dtype=autocast_dtype(config),
-                            epochs=config.epochs, mask_key=K.RESPONSE_MASK,
-                            transform=chain(skip_nonfinite(), grad_clip))
-    return state, metrics.update(info).update(extra)
 
 
 def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ from torch import nn
 
 from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, verify_checkpoint
 from rlcore.loops.run_dir import check_resume, open_run_dir
-from rlcore.loops.config import FIELD_RULES, TINY_MODELS, config_dict, ensure_checked, loading_kwargs, quantization_kwargs
+from rlcore.loops.config import RunConfig, TINY_MODELS, config_dict, ensure_checked, loading_kwargs, quantization_kwargs
 from rlcore.loops.data import load_source, split_held_out
 from rlcore.loops.fold import Interrupted, every, fold, to_floats
 from rlcore.loops.logging import make_loggers
@@ -47,6 +47,7 @@ from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
 from rlcore.loops.dist import is_main, shard_source
+from rlcore.loops.settings import field_rule
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.trl_defaults import report_defaults
 from rlcore.loops.update import enable_gradient_checkpointing, make_optimizer, make_scheduler
@@ -214,9 +215,9 @@ class _BaseOf:
             if name in ("model", "revision", "init_from"):
                 ok, what = isinstance(value, str), "a string"
             else:
-                rule, what = FIELD_RULES.get(name, (lambda v: True, ""))
-                ok = isinstance(value, int) and not isinstance(value, bool) and rule(value)
-                what = f"an int {what}".strip()
+                rule = field_rule(RunConfig, name)
+                ok = isinstance(value, int) and not isinstance(value, bool) and (rule is None or rule.allowed(value))
+                what = f"an int {rule.what if rule else ''}".strip()
             if not ok:
                 raise ValueError(f"init_from: {where}: {name}: expected {what}, got {value!r}")
         base.update(_vouched_base(config, base, where, base_from))
@@ -550,20 +551,4 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
                 latest = latest_checkpoint(run_dir)
                 stopped.run_dir, stopped.checkpoint = str(run_dir), str(latest) if latest else None
             raise
-
-
-# --- configs -----------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
 

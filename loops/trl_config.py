@@ -127,6 +127,15 @@ def _none_if(*values: Any) -> Callable[[Any], Any]:
     return lambda v: None if v in values else v
 
 
+def _a_model(name: str) -> Callable[[Any], Any]:
+    """A model name or folder: TRL's ``None`` (no model given) refused, naming TRL's field."""
+    def check(value: Any) -> Any:
+        if not isinstance(value, str):
+            raise ValueError(f"{name}: expected a model name or folder, got {value!r}")
+        return value
+    return check
+
+
 # --- batch sizes ------------------------------------------------------------------------------------
 def _batch(value: Any, ctx: Context) -> dict[str, Any]:
     """TRL's per-device batch, accumulation and world size → ``batch_size`` (the recipe's unit, all
@@ -495,7 +504,7 @@ COMMON: dict[str, Entry] = {
     "train_sampling_strategy": Default(("random",), "rows are visited in a seeded random order each epoch"),
     "length_column_name": Ignore("read by group_by_length sampling only, which is not offered"),
     # ModelConfig
-    "model_name_or_path": rename("model", "a local folder or a hub name"),
+    "model_name_or_path": rename("model", "a local folder or a hub name", fn=_a_model("model_name_or_path")),
     "model_revision": rename("revision", "hub revision; main → None (the default branch)", fn=_none_if("main")),
     "dtype": same("dtype", "float32 | bfloat16 | float16 | auto"),
     "torch_dtype": rename("dtype", "older name of dtype"),
@@ -706,7 +715,7 @@ PPO: dict[str, Entry] = {
     "stop_token_id": Accept(("stop_token_ids",), _stop_token_id, "→ stop_token_ids: [id]"),
     "temperature": same("temperature"),
     "missing_eos_penalty": same("missing_eos_penalty"),
-    "sft_model_path": rename("model", "the policy (and reference) to start from"),
+    "sft_model_path": rename("model", "the policy (and reference) to start from", fn=_a_model("sft_model_path")),
     "reward_model_path": rename("reward_model", "a local sequence-classification folder"),
     "world_size": Refuse("computed by TRL's trainer: rlcore reads WORLD_SIZE from torchrun"),
     "num_total_batches": Refuse("computed by TRL's trainer: set max_steps or total_episodes"),

@@ -281,7 +281,7 @@ def test_cli_flags_take_trl_names_and_help_lists_them(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser(["train", "grpo"]).parse_args(["train", "grpo", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "AdamW peak learning rate (TRL: learning_rate)" in text
+    assert "AdamW peak learning rate [>= 0] (TRL: learning_rate)" in text  # help and range from the declaration
     assert "--per_device_train_batch_size VALUE → batch_size" in text
 
 

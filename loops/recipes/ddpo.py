@@ -67,6 +67,8 @@ from rlcore.loops.config import coerce_tuples
 from rlcore.loops.recipe import run
 from rlcore.loops.sd import (LORA_TARGETS, LatentDecoder, TextEncoder, apply_unet_lora, export_lora,
                              load_pipeline, pipeline_schedule, scheduler_config)
+from rlcore.loops.settings import (AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, POSITIVE, UNIT, ModelSettings, RewardModelSettings,
+                                   Rule, RunSettings, Section, setting)
 from rlcore.loops.state import TrainState, advance, copy_generator, init_state, with_transforms
 from rlcore.loops.update import chain, clip_by_global_norm, make_optimizer, skip_nonfinite, update
 from rlcore.transforms import StateTransform
@@ -78,7 +80,53 @@ PromptFn = Callable[[], tuple[str, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class DDPOSettings(Section):
+    """DDPO's own settings, named and defaulted as DDPO's trainer options; each help says what the
+    field feeds."""
+
+    prompts: tuple[str, ...] = setting(("stripes", "checkers", "blob"), help="drawn prompts; the tiny denoiser's classes")
+    prompt_file: str | None = setting(None, help="prompts drawn instead: one per line, or JSON lines {\"prompt\", ...metadata}")
+    negative_prompts: str = setting("", help="the unconditional branch of guidance (pipeline; \"\" the empty prompt)")
+    sample_size: int = setting(16, help="build_denoiser(sample_size=): images [3, H, W], pixel space", range=AT_LEAST_1)
+    block_out_channels: tuple[int, ...] = setting((16, 32), help="build_denoiser(block_out_channels=)")
+    pretrain_steps: int = setting(0, help="pretrain_denoiser(steps=) on synthetic prompts first (0: none)", range=AT_LEAST_0)
+    pretrain_learning_rate: float = setting(1e-3, help="pretrain_denoiser(lr=)", range=AT_LEAST_0)
+    num_train_timesteps: int = setting(1000, help="ddim_schedule(num_train_timesteps=) (a pipeline: its scheduler's)", range=AT_LEAST_1)
+    beta_schedule: str = setting("linear", help="ddim_schedule(beta_schedule=) (a pipeline: its scheduler's)")
+    prediction_type: str = setting("epsilon", help="ddim_schedule(prediction_type=): epsilon, sample, v_prediction")
+    allow_tf32: bool = setting(True, help="TF32 matmuls and convolutions on CUDA")
+    train_use_lora: bool = setting(False, help="pipeline: train a LoRA adapter on the UNet (apply_unet_lora), not the UNet")
+    sample_num_steps: int = setting(50, help="ddim_schedule(num_inference_steps=): S", range=AT_LEAST_1)
+    sample_eta: float = setting(1.0, help="ddim_step(eta=), > 0", range=AT_LEAST_0)
+    sample_guidance_scale: float = setting(5.0, help="predict_noise(guidance_scale=), in sampling (and training: train_cfg)")
+    sample_batch_size: int = setting(1, help="trajectories per sample batch (and per optimiser step)", range=AT_LEAST_1)
+    sample_num_batches_per_epoch: int = setting(2, help="sample batches per epoch", range=AT_LEAST_1)
+    reward_fn: str = setting("jpeg_compressibility", help="a REWARD_FUNCTIONS name, or \"aesthetic\" (loops.aesthetic)")
+    async_reward_computation: bool = setting(False, help="rewards in a thread pool while the next batch samples")
+    max_workers: int = setting(2, help="threads of that pool", range=AT_LEAST_1)
+    per_prompt_stat_tracking: bool = setting(False, help="algorithms.ddpo.prompt_stats instead of batch_advantages")
+    per_prompt_stat_tracking_buffer_size: int = setting(16, help="algorithms.ddpo.prompt_stats(buffer_size=)", range=AT_LEAST_0)
+    per_prompt_stat_tracking_min_count: int = setting(16, help="algorithms.ddpo.prompt_stats(min_count=)", range=AT_LEAST_0)
+    train_batch_size: int = setting(1, help="update(micro_batch_size=): rows per forward/backward", range=AT_LEAST_1)
+    train_learning_rate: float = setting(3e-4, help="make_optimizer(lr=)", range=AT_LEAST_0)
+    train_adam_beta1: float = setting(0.9, help="make_optimizer(betas=)", range=UNIT)
+    train_adam_beta2: float = setting(0.999, help="make_optimizer(betas=)", range=UNIT)
+    train_adam_weight_decay: float = setting(1e-4, help="make_optimizer(weight_decay=)", range=AT_LEAST_0)
+    train_adam_epsilon: float = setting(1e-8, help="make_optimizer(eps=)", range=POSITIVE)
+    train_max_grad_norm: float = setting(1.0, help="update's clip_by_global_norm(max_norm)", range=POSITIVE)
+    train_num_inner_epochs: int = setting(1, help="passes over each epoch's samples", range=AT_LEAST_1)
+    train_cfg: bool = setting(True, help="training log-probs with the sampling guidance (else conditional only)")
+    train_adv_clip_max: float = setting(5.0, help="ddpo_loss(adv_clip_max=)", range=AT_LEAST_0)
+    train_clip_range: float = setting(1e-4, help="ddpo_loss(clip_range=)", range=AT_LEAST_0)
+    train_timestep_fraction: float = setting(1.0, help="timestep_rows(timestep_fraction=)", range=OPEN_UNIT)
+    num_epochs: int = setting(100, help="fold steps (one DDPO epoch each)", range=AT_LEAST_1)
+    num_eval_images: int = setting(16, help="evaluate(): images sampled, prompts in turn")
+    eval_seed: int = setting(1234, help="evaluate(): the seed of their fixed noise", range=Rule(lambda v: 0 <= v < 2**32, "in [0, 2**32)"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(DDPOSettings, RewardModelSettings, ModelSettings, RunSettings,
+             defaults={"model": None, "lora_r": 4, "lora_alpha": 4, "lora_target_modules": LORA_TARGETS, "run_dir": "runs/ddpo", "save_every": 1, "keep_last": 5, "eval_every": 1, "log_every": 1}):
     """DDPO settings, named and defaulted as DDPO's trainer options (``configs/ddpo.yaml`` holds
     the tiny model's, ``configs/ddpo_sd.yaml`` a Stable Diffusion pipeline's); each comment says
     what the field feeds.
@@ -89,62 +137,6 @@ class Config:
     without it they are the conditional model's alone.
     """
 
-    model: str | None = None               # a local Stable Diffusion pipeline folder (loops.sd); None: the tiny denoiser
-    prompts: tuple[str, ...] = ("stripes", "checkers", "blob")  # drawn prompts; the tiny denoiser's classes
-    prompt_file: str | None = None         # prompts drawn instead: one per line, or JSON lines {"prompt", ...metadata}
-    negative_prompts: str = ""             # the unconditional branch of guidance (pipeline; "" the empty prompt)
-    sample_size: int = 16                  # build_denoiser(sample_size=): images [3, H, W], pixel space
-    block_out_channels: tuple[int, ...] = (16, 32)  # build_denoiser(block_out_channels=)
-    pretrain_steps: int = 0                # pretrain_denoiser(steps=) on synthetic prompts first (0: none)
-    pretrain_learning_rate: float = 1e-3   # pretrain_denoiser(lr=)
-    num_train_timesteps: int = 1000        # ddim_schedule(num_train_timesteps=) (a pipeline: its scheduler's)
-    beta_schedule: str = "linear"          # ddim_schedule(beta_schedule=) (a pipeline: its scheduler's)
-    prediction_type: str = "epsilon"       # ddim_schedule(prediction_type=): epsilon, sample, v_prediction
-    device: str = "cpu"                    # model, trajectories and generators
-    mixed_precision: str | None = None     # "bf16": frozen weights in bfloat16, forwards under autocast
-    allow_tf32: bool = True                # TF32 matmuls and convolutions on CUDA
-    gradient_checkpointing: bool = False   # pipeline: the UNet recomputes activations in backward (less memory)
-    train_use_lora: bool = False           # pipeline: train a LoRA adapter on the UNet (apply_unet_lora), not the UNet
-    lora_r: int = 4                        # apply_unet_lora(r=)
-    lora_alpha: int = 4                    # apply_unet_lora(alpha=)
-    lora_target_modules: tuple[str, ...] = LORA_TARGETS  # apply_unet_lora(target_modules=)
-    sample_num_steps: int = 50             # ddim_schedule(num_inference_steps=): S
-    sample_eta: float = 1.0                # ddim_step(eta=), > 0
-    sample_guidance_scale: float = 5.0     # predict_noise(guidance_scale=), in sampling (and training: train_cfg)
-    sample_batch_size: int = 1             # trajectories per sample batch (and per optimiser step)
-    sample_num_batches_per_epoch: int = 2  # sample batches per epoch
-    reward_fn: str = "jpeg_compressibility"  # a REWARD_FUNCTIONS name, or "aesthetic" (loops.aesthetic)
-    reward_model: str | None = None        # "aesthetic": the scorer's folder (None: a small one of random weights)
-    async_reward_computation: bool = False  # rewards in a thread pool while the next batch samples
-    max_workers: int = 2                   # threads of that pool
-    per_prompt_stat_tracking: bool = False  # algorithms.ddpo.prompt_stats instead of batch_advantages
-    per_prompt_stat_tracking_buffer_size: int = 16  # algorithms.ddpo.prompt_stats(buffer_size=)
-    per_prompt_stat_tracking_min_count: int = 16    # algorithms.ddpo.prompt_stats(min_count=)
-    train_batch_size: int = 1              # update(micro_batch_size=): rows per forward/backward
-    train_learning_rate: float = 3e-4      # make_optimizer(lr=)
-    train_adam_beta1: float = 0.9          # make_optimizer(betas=)
-    train_adam_beta2: float = 0.999        # make_optimizer(betas=)
-    train_adam_weight_decay: float = 1e-4  # make_optimizer(weight_decay=)
-    train_adam_epsilon: float = 1e-8       # make_optimizer(eps=)
-    train_max_grad_norm: float = 1.0       # update's clip_by_global_norm(max_norm)
-    train_num_inner_epochs: int = 1        # passes over each epoch's samples
-    train_cfg: bool = True                 # training log-probs with the sampling guidance (else conditional only)
-    train_adv_clip_max: float = 5.0        # ddpo_loss(adv_clip_max=)
-    train_clip_range: float = 1e-4         # ddpo_loss(clip_range=)
-    train_timestep_fraction: float = 1.0   # timestep_rows(timestep_fraction=)
-    seed: int = 0                          # model init, init_state(seed=): prompts, noise, shuffling
-    num_epochs: int = 100                  # fold steps (one DDPO epoch each)
-    num_eval_images: int = 16              # evaluate(): images sampled, prompts in turn
-    eval_seed: int = 1234                  # evaluate(): the seed of their fixed noise
-    run_dir: str | None = "runs/ddpo"      # checkpoints, metrics.jsonl, images/, lora/ (None: write nothing)
-    save_every: int = 1                    # checkpoint every N epochs (DDPO save_freq)
-    keep_last: int | None = 5              # checkpoints kept (DDPO num_checkpoint_limit)
-    eval_every: int = 1                    # evaluate (and save an image grid) every N epochs (0: never)
-    log_every: int = 1                     # progress line every N epochs
-    report_to: tuple[str, ...] = ()           # trackers besides metrics.jsonl: tensorboard, wandb (TRL report_to)
-    resume: bool = False                   # continue from the latest checkpoint of run_dir
-    overwrite: bool = False                # start over in a run_dir holding another run: delete that run's files (checkpoints, logs, images) first
-
     def __post_init__(self):
         coerce_tuples(self)  # prompts="a cat" is one prompt, lora_target_modules="to_q" one module
         if self.sample_batch_size % self.train_batch_size:
@@ -153,6 +145,9 @@ class Config:
         if not 0 < self.train_timestep_fraction <= 1 or int(self.sample_num_steps * self.train_timestep_fraction) < 1:
             raise ValueError(f"train_timestep_fraction: expected (0, 1] keeping at least one of the "
                              f"{self.sample_num_steps} steps, got {self.train_timestep_fraction}")
+        if self.lora_target_modules is None:
+            raise ValueError("lora_target_modules: expected the UNet's module names (default: "
+                             f"{list(LORA_TARGETS)}), got None")
         if self.sample_eta <= 0:
             raise ValueError(f"sample_eta: DDPO needs stochastic steps (eta > 0), got {self.sample_eta}")
         if self.mixed_precision not in (None, "no", "bf16"):

@@ -51,6 +51,8 @@ from rlcore.loops.recipe import (batch_source, build_policy, build_reference, in
                                  mean_metrics, policy_tokenizer, require_held_out, run)
 from rlcore.loops.config import RunConfig, autocast_dtype, try_loss
 from rlcore.loops.score import MEAN_LOGIT, STAT_KEYS, TOP1, concatenated_forward, precompute_reference_logps, score_sequences
+from rlcore.loops.settings import (ChunkSettings, DropoutSettings, LossTypeSettings, PreferenceSettings,
+                                   ReferenceSettings, Section, TruncationSettings, setting)
 from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
@@ -66,26 +68,19 @@ UNPAIRED = ("kto",)                        # losses on the unpaired layout
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(RunConfig):
-    """The preference recipe's settings (``configs/dpo.yaml``): the shared ``RunConfig`` fields and
-    these; each feeds the keyword of that name."""
+class DPOSettings(Section):
+    """The offline preference recipe's own settings."""
 
-    disable_dropout: bool = True           # dropout set to 0 in policy and reference (TRL DPOConfig.disable_dropout)
-    max_length: int | None = 64            # prompt + completion tokens kept per side
-    truncation_mode: str = "keep_end"      # which end of a cut prompt is kept: keep_end | keep_start (TRL truncation_mode)
-    # loss (rlcore.algorithms.preference.PREFERENCE_LOSSES) and reference
-    loss_type: str = "sigmoid"             # a key of PREFERENCE_LOSSES (TRL loss_type): sigmoid, ipo, hinge, ..., orpo, simpo, cpo, kto
-    precompute_ref: bool = False           # reference log-probs computed once before training, no ref model kept
-    ref_model: str | None = None           # the reference: a model folder or checkpoint (default: a copy of the initial policy; TRL ref_model)
-    ref_device: str | None = None          # where the reference lives (None: device; e.g. cpu beside a policy on cuda)
-    sync_ref_model: bool = False           # TR-DPO: every ref_model_sync_steps steps, ref ← α·policy + (1 − α)·ref (TRL sync_ref_model)
-    ref_model_mixup_alpha: float = 0.6     # α of that update (TRL ref_model_mixup_alpha)
-    ref_model_sync_steps: int = 512        # steps between updates (TRL ref_model_sync_steps)
-    beta: float | None = None              # β of every preference loss (None: the loss's default, 0.1 for the DPO family)
-    loss_kwargs: dict = dataclasses.field(default_factory=dict)  # the loss's other keywords, e.g. {label_smoothing: 0.1} (cDPO), {rpo_alpha: 1.0} (RPO), {gamma: 0.5} (SimPO)
-    chunked: bool = True                   # log-probs from hidden states in vocabulary chunks
-    lr: float = 5e-4
-    run_dir: str | None = "runs/dpo"
+    truncation_mode: str = setting("keep_end", help="which end of a cut prompt is kept: keep_end | keep_start")
+    precompute_ref: bool = setting(False, help="reference log-probs computed once before training, no ref model kept")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(DPOSettings, PreferenceSettings, ReferenceSettings, LossTypeSettings, ChunkSettings, TruncationSettings,
+             DropoutSettings, RunConfig, defaults={"lr": 5e-4, "run_dir": "runs/dpo"}):
+    """The preference recipe's settings (``configs/dpo.yaml``): ``RunConfig``'s sections, the loss
+    (``loss_type``: a key of ``PREFERENCE_LOSSES``; ``beta``, ``loss_kwargs``), the reference and
+    the recipe's own (``DPOSettings``)."""
 
     def keyword_functions(self) -> dict[str, Callable]:
         """The loss ``loss_kwargs`` feeds, bound (``bind_loss``): ``check_config`` checks each keyword's

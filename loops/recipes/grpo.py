@@ -1,9 +1,10 @@
 """GRPO: G samples per prompt, group-relative advantages, a clipped policy loss, k3 KL in the loss.
 
-One step reads top to bottom (:func:`step`: collect, then :func:`learn`)::
+One step reads top to bottom (:func:`step`: :func:`collect_groups`, then :func:`learn`)::
 
-    collect   G = num_samples responses per prompt from the policy (loops.online.collect_rollout),
-              scored by the task reward (or a reward model), with reference log-probs
+    collect   G = num_samples responses per prompt from the policy (loops.online.sample), scored by
+              the task reward (or a reward model), with reference log-probs when kl_coef > 0
+              (loops.online.score_samples)
     learn     advantages by the estimator named in `advantage` (rlcore.baselines.ADVANTAGE_ESTIMATORS), by
               default A_i = (r_i − μ_group)/(σ + eps) broadcast to the tokens (with_grpo_advantage;
               advantage_kwargs {scale: none} is Dr. GRPO's, {scale: batch} TRL's batch σ), then POLICY_LOSSES[loss_type]
@@ -34,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -43,44 +43,52 @@ from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES, POLICY_RATIO_LEVELS
 from rlcore.algorithms.ratios import RATIO_LEVELS
 from rlcore.checks import lookup
-from rlcore.loops.config import try_loss
+from rlcore.loops.config import autocast_dtype, try_loss
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
-from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_kl_name, collect_groups,
-                                 policy_update, train_online)
+from rlcore.loops.filters import mask_truncated, refill_informative
+from rlcore.loops.models import pad_token_id
+from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_kl_name, rollout_metrics, sample,
+                                 score_samples, train_online, update_sizes, with_policy_logprobs)
+from rlcore.loops.settings import (POSITIVE, ClipSettings, GroupSettings, KLSettings, LossTypeSettings, Section,
+                                   setting)
 from rlcore.loops.state import TrainState
+from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 from rlcore.testing import make_rollout
 
-__all__ = ["Config", "ADVANTAGE_INPUTS", "ratio_level", "rollout_ref_logprobs", "build_state", "learn", "step", "train",
-           "evaluate", "grpo_loss_fn"]
+__all__ = ["Config", "GRPOSettings", "ADVANTAGE_INPUTS", "ratio_level", "rollout_ref_logprobs", "build_state", "step",
+           "collect_groups", "learn", "update_policy", "train", "evaluate", "grpo_loss_fn"]
 
 # the learner batch's keys an estimator may read (loops.online.ESTIMATOR_NEEDS): scores, no token rewards
 ADVANTAGE_INPUTS: tuple[str, ...] = (K.SCORE, K.RESPONSE_MASK)
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(OnlineConfig):
-    """GRPO recipe settings (shared fields: ``loops.online.OnlineConfig``)."""
+class GRPOSettings(Section):
+    """GRPO's own settings: the ratio level and the shaped surrogates' parameters (None: the preset's)."""
 
-    num_samples: int = 8             # G samples per prompt (TRL num_generations)
-    loss_type: str = "grpo"          # a key of algorithms.policy_gradient.POLICY_LOSSES (TRL loss_type)
-    clip_eps_low: float | None = None   # ε_low, None: the preset's (TRL epsilon)
-    clip_eps_high: float | None = None  # ε_high, None: the preset's (TRL epsilon_high)
-    importance_sampling_level: str | None = None  # the loss's ratio_level: token | sequence (GSPO) | sequence_sum (algorithms.ratios.RATIO_LEVELS), None: the preset's (TRL's name)
-    sapo_temperature_pos: float | None = None  # τ_pos of loss_type sapo, None: the preset's 1.0 (TRL sapo_temperature_pos)
-    sapo_temperature_neg: float | None = None  # τ_neg of loss_type sapo, None: the preset's 1.05 (TRL sapo_temperature_neg)
-    vespo_k_pos: float | None = None     # k of loss_type vespo for A > 0, None: the preset's 2.0 (TRL vespo_k_pos)
-    vespo_lambda_pos: float | None = None  # λ of loss_type vespo for A > 0, None: the preset's 3.0 (TRL vespo_lambda_pos)
-    vespo_k_neg: float | None = None     # k of loss_type vespo for A < 0, None: the preset's 3.0 (TRL vespo_k_neg)
-    vespo_lambda_neg: float | None = None  # λ of loss_type vespo for A < 0, None: the preset's 2.0 (TRL vespo_lambda_neg)
-    kl_coef: float = 0.0             # β of the k3 KL in the loss (TRL beta); 0: no reference forward in the step, so no rollout/kl_ref (eval/kl_ref stays)
-    kl: str = "k3"                   # KL estimator in the loss (rlcore.kl.KL_ESTIMATORS)
-    advantage: str = "grpo"          # a key of rlcore.baselines.ADVANTAGE_ESTIMATORS (verl adv_estimator)
-    advantage_kwargs: dict = dataclasses.field(default_factory=dict)  # its keywords, e.g. {scale: batch, eps: 1.0e-4} (grpo: σ of the batch, TRL scale_rewards; eps on σ)
-    mask_truncated_completions: bool = False  # a response cut at max_new_tokens with no stop token leaves the loss (TRL mask_truncated_completions; DAPO overlong filtering)
-    dynamic_sampling: bool = False   # DAPO: drop groups whose scores are all equal, refill with fresh prompts (loops.filters)
-    max_sampling_rounds: int = 3     # at most this many generations per step when refilling (verl max_num_gen_batches)
-    run_dir: str | None = "runs/grpo"
+    importance_sampling_level: str | None = setting(None, help="the loss's ratio_level: token | sequence (GSPO) | "
+                                                               "sequence_sum (algorithms.ratios.RATIO_LEVELS); None: "
+                                                               "the preset's")
+    sapo_temperature_pos: float | None = setting(None, help="τ_pos of loss_type sapo (None: the preset's 1.0)",
+                                                 range=POSITIVE, divisor=True)
+    sapo_temperature_neg: float | None = setting(None, help="τ_neg of loss_type sapo (None: the preset's 1.05)",
+                                                 range=POSITIVE, divisor=True)
+    vespo_k_pos: float | None = setting(None, help="k of loss_type vespo for A > 0 (None: the preset's 2.0)",
+                                        range=POSITIVE)
+    vespo_lambda_pos: float | None = setting(None, help="λ of loss_type vespo for A > 0 (None: the preset's 3.0)",
+                                             range=POSITIVE)
+    vespo_k_neg: float | None = setting(None, help="k of loss_type vespo for A < 0 (None: the preset's 3.0)",
+                                        range=POSITIVE)
+    vespo_lambda_neg: float | None = setting(None, help="λ of loss_type vespo for A < 0 (None: the preset's 2.0)",
+                                             range=POSITIVE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(GRPOSettings, GroupSettings, ClipSettings, KLSettings, LossTypeSettings, OnlineConfig,
+             defaults={"num_samples": 8, "loss_type": "grpo", "run_dir": "runs/grpo"}):
+    """GRPO recipe settings: ``OnlineConfig``'s sections, the loss (``loss_type``, clip range, β and
+    the KL estimator), the group advantages and GRPO's own (``GRPOSettings``)."""
 
     def check(self) -> None:
         """Fail on a bad config before any model is built (an unknown ``loss_type``, ``kl`` or ``advantage``,
@@ -138,13 +146,16 @@ def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, 
     return train_online(config, build_state, step, reward_fn=reward_fn, name="grpo", callbacks=callbacks)
 
 
-def grpo_loss_fn(config: Any):
-    """The loss of a GRPO update: ``POLICY_LOSSES[loss_type]`` bound to the config's keywords."""
+def grpo_loss_fn(config: Config):
+    """``POLICY_LOSSES[loss_type]`` with every setting of the config that reaches it: β = ``kl_coef`` and
+    the ``kl`` estimator of the KL term, ``max_new_tokens`` as Dr. GRPO's constant normaliser, and
+    the preset's clip range, ratio level and surrogate shape where the config sets them (:data:`LOSS_FIELDS`)."""
     loss = lookup(POLICY_LOSSES, config.loss_type, what="loss_type")
-    clip = {key: getattr(config, field) for field, key in LOSS_FIELDS.items() if getattr(config, field, None) is not None}
-    if clip.get("ratio_level", "token") not in RATIO_LEVELS:
-        raise ValueError(f"importance_sampling_level: expected one of {sorted(RATIO_LEVELS)}, got {clip['ratio_level']!r}")
-    return functools.partial(loss, kl_coef=config.kl_coef, kl=config.kl, max_length=config.max_new_tokens, **clip)
+    presets = {key: getattr(config, field) for field, key in LOSS_FIELDS.items() if getattr(config, field) is not None}
+    if presets.get("ratio_level", "token") not in RATIO_LEVELS:
+        raise ValueError(f"importance_sampling_level: expected one of {sorted(RATIO_LEVELS)}, "
+                         f"got {presets['ratio_level']!r}")
+    return functools.partial(loss, kl_coef=config.kl_coef, kl=config.kl, max_length=config.max_new_tokens, **presets)
 
 
 # field -> the loss keyword it overrides only when set (None: the preset's own)
@@ -153,22 +164,70 @@ LOSS_FIELDS = {"clip_eps_low": "clip_eps_low", "clip_eps_high": "clip_eps_high",
                                  "vespo_k_neg", "vespo_lambda_neg")}}
 
 
-def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
-          correction: Correction | None = None, wrap_loss: Callable | None = None) -> tuple[TrainState, TensorDict]:
-    """A scored rollout → advantages (``advantage``) → the policy update (impure: trains).
-
-    ``correction`` (the asynchronous learners' importance correction) maps the batch with its
-    advantages to the one the loss sees; ``wrap_loss`` the loss closure (``loops.recipes.reft``'s interventions).
-    """
-    batch = advantage_fn(config, inputs=ADVANTAGE_INPUTS, recipe="grpo")(rollout)
-    return policy_update(state, batch, grpo_loss_fn(config), config=config, correction=correction, wrap_loss=wrap_loss)
-
-
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn,
          refill: Callable | None = None) -> tuple[TrainState, TensorDict]:
-    """One GRPO step on a batch of prompts: collect (with ``dynamic_sampling``, refilled from ``refill``
-    until the groups are informative) → :func:`learn` (impure: trains)."""
+    """One GRPO step on a batch of prompts: :func:`collect_groups` → :func:`learn` (impure: trains)."""
     state, rollout, counts = collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
                                             refill=refill, reference=rollout_ref_logprobs(config))
     state, metrics = learn(state, rollout, config)
     return state, metrics.update(counts)
+
+
+def collect_groups(state: TrainState, rows: dict, *, config: OnlineConfig, tokenizer, reward_fn,
+                   refill: Callable | None = None, reference: bool = True) -> tuple[TrainState, TensorDict, dict]:
+    """G = ``num_samples`` scored responses per prompt, ``(state, rollout, counts)``: GRPO's and RLOO's
+    collection, from a config with the group section (``GroupSettings``: ``dynamic_sampling``,
+    ``max_sampling_rounds``); ``counts``: the refill's metrics under ``dynamic_sampling``, else empty."""
+    c = config
+
+    def collect(state: TrainState, rows: dict) -> tuple[TrainState, TensorDict]:
+        # generate: G responses per prompt (max_new_tokens, temperature, top_k, top_p), seeded by state.rng
+        state, rollout = sample(state, rows["prompt"], generation=c, tokenizer=tokenizer,
+                                max_prompt_length=c.max_prompt_length)
+        # score: reward_fn (+ reward_model) -> score; the reference's log-probs when `reference`
+        return score_samples(state, rows, rollout, generation=c, rewards=c, tokenizer=tokenizer, reward_fn=reward_fn,
+                             total_steps=c.steps, reference=reference)
+
+    if not (c.dynamic_sampling and refill is not None):
+        return (*collect(state, rows), {})
+    # DAPO: groups whose scores are all alike (every advantage 0) are swapped for fresh prompts' groups
+    return refill_informative(state, rows, collect, refill=refill, batch_size=c.batch_size, num_samples=c.num_samples,
+                              max_rounds=c.max_sampling_rounds, pad_id=pad_token_id(tokenizer))
+
+
+def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
+          correction: Correction | None = None, wrap_loss: Callable | None = None) -> tuple[TrainState, TensorDict]:
+    """A scored rollout → group advantages → ``epochs`` passes of the clipped policy loss (impure: trains).
+
+    The asynchronous learners (``loops.scale.async_learners``) run this on a rollout sampled by a lagging
+    policy with their importance ``correction`` (the batch with advantages -> the one the loss sees, and
+    its metrics); the ReFT recipes wrap the loss closure (``wrap_loss``: the interventions on).
+    """
+    c = config
+    # advantages: by default A_i = (r_i − mean_group)/(std_group + eps) per response, broadcast to its tokens
+    batch = advantage_fn(c, inputs=ADVANTAGE_INPUTS, recipe="grpo")(rollout)
+    info = rollout_metrics(batch)  # of the behaviour policy's samples, before any correction
+    if c.mask_truncated_completions:  # responses cut at max_new_tokens leave the loss (kept in their group's stats)
+        batch = mask_truncated(batch)
+    batch, extra = (batch, {}) if correction is None else correction(batch)
+    loss = grpo_loss_fn(c)  # POLICY_LOSSES[loss_type](kl_coef, kl, max_length, clip / ratio level / shape when set)
+    state, metrics = update_policy(state, batch, loss, config=c, wrap_loss=wrap_loss)
+    return state, metrics.update(info).update(extra)
+
+
+def update_policy(state: TrainState, batch: TensorDictBase, loss: Callable, *, config: OnlineConfig,
+                  wrap_loss: Callable | None = None) -> tuple[TrainState, TensorDict]:
+    """``epochs`` passes of minibatches of a policy-gradient ``loss`` on the policy's log-probs of
+    ``batch`` (GRPO's and RLOO's update; impure: trains). ``wrap_loss`` maps the closure (ReFT's
+    interventions)."""
+    c = config
+
+    def loss_fn(state: TrainState, mb: TensorDictBase, **denominators) -> tuple[torch.Tensor, TensorDict]:
+        mb = with_policy_logprobs(state.model("policy"), mb, temperature=c.temperature, with_entropy=c.log_entropy)
+        return loss(mb, **denominators)  # num_tokens / num_seqs of the whole optimiser step
+
+    return update(state, batch, loss_fn if wrap_loss is None else wrap_loss(loss_fn),
+                  **update_sizes(len(batch), minibatch_size=c.minibatch_size, micro_batch_size=c.micro_batch_size),
+                  epochs=c.epochs, mask_key=K.RESPONSE_MASK, autocast_dtype=autocast_dtype(c),
+                  transform=chain(skip_nonfinite(),
+                                  None if c.max_grad_norm is None else clip_by_global_norm(c.max_grad_norm)))

@@ -3,7 +3,7 @@
 One step reads top to bottom (:func:`step`: collect, then :func:`learn`)::
 
     collect   G = num_samples responses per prompt from the current policy
-              (loops.online.collect_rollout), scored by the task reward or a reward model (the judge)
+              (loops.online.sample), scored by the task reward or a reward model (the judge)
     learn     per prompt its best-scored sample as `chosen`, its worst as `rejected`
               (algorithms.online.online_preference_batch; prompts whose samples all tie are dropped),
               then the reference log-probs of both sides (frozen copy of the initial policy,
@@ -30,7 +30,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -39,12 +38,14 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.online import online_preference_batch
-from rlcore.loops.recipes.dpo import (UNPAIRED, bind_loss, check_reference_sync, needs_reference, preference_loss_fn,
-                                      reference_models, sync_reference, try_bound_loss, with_reference)
-from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, rollout_metrics, train_online,
-                                 update_sizes)
+from rlcore.loops.recipes.dpo import (UNPAIRED, bind_loss, check_reference_sync, needs_reference, reference_models,
+                                      sync_reference, try_bound_loss, with_reference)
+from rlcore.loops.online import (OnlineConfig, build_online_state, rollout_metrics, sample, score_samples,
+                                 train_online, update_sizes)
+from rlcore.loops.score import concatenated_forward
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.config import autocast_dtype
+from rlcore.loops.settings import ChunkSettings, LossTypeSettings, PreferenceSettings
 from rlcore.loops.state import TrainState
 from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 
@@ -52,19 +53,10 @@ __all__ = ["Config", "build_state", "learn", "step", "train", "evaluate"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(OnlineConfig):
-    """Online DPO recipe settings (shared fields: ``loops.online.OnlineConfig``). The loss is bound as
-    the DPO recipe binds it (``loops.recipes.dpo.bind_loss``: ``beta``, then ``loss_kwargs``)."""
-
-    num_samples: int = 2             # G ≥ 2 samples per prompt (TRL num_generations: 2)
-    loss_type: str = "sigmoid"       # a pairwise key of rlcore.algorithms.preference.PREFERENCE_LOSSES (TRL loss_type)
-    beta: float | None = None        # β (None: the loss's default, 0.1 for the DPO family; TRL beta)
-    loss_kwargs: dict = dataclasses.field(default_factory=dict)  # the loss's other keywords, e.g. {label_smoothing: 0.1}, {rpo_alpha: 1.0}
-    chunked: bool = True             # pairs' log-probs from hidden states in vocabulary chunks
-    sync_ref_model: bool = False     # TR-DPO: every ref_model_sync_steps steps, ref ← α·policy + (1 − α)·ref (TRL sync_ref_model)
-    ref_model_mixup_alpha: float = 0.6  # α of that update (TRL ref_model_mixup_alpha)
-    ref_model_sync_steps: int = 512  # steps between updates (TRL ref_model_sync_steps)
-    run_dir: str | None = "runs/online_dpo"
+class Config(PreferenceSettings, ChunkSettings, LossTypeSettings, OnlineConfig,
+             defaults={"num_samples": 2, "run_dir": "runs/online_dpo"}):
+    """Online DPO recipe settings: ``OnlineConfig``'s sections and the preference loss's
+    (``PreferenceSettings``), bound as the DPO recipe binds it (``loops.recipes.dpo.bind_loss``)."""
 
     def check(self) -> None:
         """Fail on a bad config before any model is built: an unpaired loss, fewer than 2 samples per
@@ -102,29 +94,42 @@ def build_state(config: Config) -> tuple[TrainState, Any]:
     return build_online_state(config, rows_per_step=config.batch_size)
 
 
+def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
+    """One online DPO step on a batch of prompts: generate → score (no reference log-probs: the pairs
+    get theirs, at temperature 1, in :func:`learn`) → :func:`learn` (impure: trains)."""
+    c = config
+    # generate: G = num_samples responses per prompt (max_new_tokens, temperature, top_k, top_p), seeded by state.rng
+    state, rollout = sample(state, rows["prompt"], generation=c, tokenizer=tokenizer,
+                            max_prompt_length=c.max_prompt_length)
+    # score: the judge (reward_fn and / or reward_model) -> score
+    state, rollout = score_samples(state, rows, rollout, generation=c, rewards=c, tokenizer=tokenizer,
+                                   reward_fn=reward_fn, total_steps=c.steps, reference=False)
+    return learn(state, rollout, c)
+
+
 def learn(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple[TrainState, TensorDict]:
     """A scored rollout → per prompt its best sample against its worst (ties dropped) → their reference
-    log-probs when the loss reads them → the update, then the reference's TR-DPO update when due
-    (``loops.recipes.dpo.sync_reference``). Impure: trains. No optimiser step without a pair
-    (``rollout/pairs`` = 0 in the metrics)."""
-    pairs = online_preference_batch(rollout, num_groups=rollout.batch_size[0] // config.num_samples)
+    log-probs when the loss reads them → ``epochs`` passes of the preference loss, then the reference's
+    TR-DPO update when due (``loops.recipes.dpo.sync_reference``). Impure: trains. No optimiser step
+    without a pair (``rollout/pairs`` = 0 in the metrics)."""
+    c = config
+    pairs = online_preference_batch(rollout, num_groups=rollout.batch_size[0] // c.num_samples)
     info = {**rollout_metrics(rollout), "rollout/pairs": torch.tensor(float(pairs.batch_size[0]))}
     if pairs.batch_size[0] == 0:  # every prompt tied: nothing to prefer
-        return sync_reference(state, config), TensorDict(info, batch_size=[])
-    if needs_reference(config):
-        pairs = with_reference(state, pairs, chunked=config.chunked)
-    loss_fn = functools.partial(preference_loss_fn, loss=bind_loss(config), chunked=config.chunked)
-    grad_clip = None if config.max_grad_norm is None else clip_by_global_norm(config.max_grad_norm)
-    state, metrics = update(state, pairs, loss_fn, **update_sizes(config, pairs.batch_size[0]), epochs=config.epochs,
-                            autocast_dtype=autocast_dtype(config),
-                            transform=chain(skip_nonfinite(), grad_clip))
-    return sync_reference(state, config), metrics.update({**info, "rollout/score_chosen": pairs[K.CHOSEN, K.SCORE].mean(),
-                                                          "rollout/score_rejected": pairs[K.REJECTED, K.SCORE].mean()})
+        return sync_reference(state, c), TensorDict(info, batch_size=[])
+    if needs_reference(c):  # the reference's log-probs of both sides, once (not for ORPO, SimPO, CPO)
+        pairs = with_reference(state, pairs, chunked=c.chunked)
+    loss = bind_loss(c)  # PREFERENCE_LOSSES[loss_type](beta, **loss_kwargs): a mean over pairs
 
+    def loss_fn(state: TrainState, mb: TensorDictBase, **_) -> tuple[torch.Tensor, TensorDict]:
+        return loss(concatenated_forward(state.model("policy"), mb, chunked=c.chunked))  # chosen + rejected, one pass
 
-def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
-    """One online DPO step on a batch of prompts: collect (no reference log-probs: the pairs get theirs, at
-    temperature 1, in :func:`learn`) → :func:`learn` (impure: trains)."""
-    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                                     reference=False)
-    return learn(state, rollout, config)
+    state, metrics = update(state, pairs, loss_fn,
+                            **update_sizes(len(pairs), minibatch_size=c.minibatch_size,
+                                           micro_batch_size=c.micro_batch_size),
+                            epochs=c.epochs, autocast_dtype=autocast_dtype(c),
+                            transform=chain(skip_nonfinite(),
+                                            None if c.max_grad_norm is None else clip_by_global_norm(c.max_grad_norm)))
+    info.update({"rollout/score_chosen": pairs[K.CHOSEN, K.SCORE].mean(),
+                 "rollout/score_rejected": pairs[K.REJECTED, K.SCORE].mean()})
+    return sync_reference(state, c), metrics.update(info)

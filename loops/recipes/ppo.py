@@ -3,7 +3,7 @@
 One step reads top to bottom (:func:`step`: collect, then :func:`learn`)::
 
     collect   one response per prompt (num_samples) from the policy, scored by the task reward (or a
-              reward model), with reference log-probs and the critic's values (loops.online.collect_rollout)
+              reward model), with reference log-probs and the critic's values (loops.online.sample, score_samples)
     learn     score ← process_scores(score) with running moments (scale / normalize / clip), then
               r_t = −β·KL_t (+ score on the last token) with β from the KL controller
               (rlcore.rewards.with_rewards), optionally whitened (whiten_rewards), then GAE and
@@ -52,13 +52,15 @@ from rlcore.kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
 from rlcore.logprobs import entropy_from_logits, token_logprobs
 from rlcore.loops.dist import all_gather_moments, all_reduce_sum, dist_info
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
-from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, collect_rollout, rollout_metrics,
+from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, rollout_metrics, sample, score_samples,
                                  train_online, update_sizes, with_policy_logprobs)
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.recipe import build_policy
 from rlcore.loops.config import autocast_dtype, try_loss
 from rlcore.loops.recipes.grpo import dummy_rollout
 from rlcore.loops.score import full_kl_from_models, sequences
+from rlcore.loops.settings import (AT_LEAST_0, POSITIVE, UNIT, ClipSettings, KLSettings, Section, check_clip_range,
+                                   setting)
 from rlcore.loops.state import TrainState, with_transforms
 from rlcore.loops.update import EARLY_STOP_CHECKS, chain, clip_by_global_norm, skip_nonfinite, stop_on, update
 from rlcore.masked import masked_whiten
@@ -67,41 +69,50 @@ from rlcore.rewards import process_scores, with_rewards
 from rlcore.transforms import (StateTransform, kl_controller, observed_kl, running_moments_init, running_moments_merge,
                                running_moments_update)
 
-__all__ = ["Config", "ratio_level", "Critic", "CRITICS", "build_state", "rewards_and_advantages", "learn", "step", "train", "evaluate", "ppo_loss_fn"]
+__all__ = ["Config", "ratio_level", "Critic", "CRITICS", "build_state", "rewards_and_advantages", "step", "learn", "train", "evaluate"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(OnlineConfig):
-    """PPO recipe settings (shared fields: ``loops.online.OnlineConfig``); TRL ``PPOConfig`` names in comments."""
+class PPOSettings(Section):
+    """PPO's own settings: the critic, the KL controller, GAE, the value loss, early stopping and the
+    score processing (TRL ``PPOConfig``'s)."""
 
-    value_model: str = "shared"      # critic: "shared" ValueHead on the policy trunk | "separate" model (CRITICS)
-    kl_coef: float = 0.2             # initial β of the KL penalty in the reward (TRL init_kl_coef)
-    kl_controller: str = "adaptive"  # "adaptive" | "fixed" (TRL adap_kl_ctrl=True/False)
-    target: float = 6.0              # adaptive controller's target KL, nats per response (TRL target)
-    horizon: float = 10000.0         # adaptive controller's horizon (TRL horizon)
-    kl: str = "k1"                   # per-token KL in the reward: k1 | abs | k2 estimators, or "full": exact over the vocabulary (TRL kl_penalty kl|abs|mse|full)
-    gamma: float = 1.0               # discount (TRL gamma)
-    lam: float = 0.95                # GAE λ (TRL lam)
-    whiten_rewards: bool = False     # scale per-token rewards by their std before GAE (TRL whiten_rewards)
-    whiten: bool = True              # whiten the advantages over the rollout's tokens (TRL: always)
-    clip_eps_low: float = 0.2        # ε_low of the ratio clip (TRL cliprange)
-    clip_eps_high: float = 0.2       # ε_high of the ratio clip (TRL cliprange)
-    cliprange_value: float | None = 0.2  # value clip around the rollout's values (TRL cliprange_value)
-    vf_coef: float = 0.1             # value-loss weight (TRL vf_coef)
-    epochs: int = 4                  # passes over each rollout (TRL ppo_epochs)
-    ratio_threshold: float | None = 10.0  # skip a minibatch whose mean ratio exceeds this (TRL ratio_threshold)
-    early_stopping: bool = False     # stop the epochs when the policy KL > 1.5·target_kl (TRL early_stopping)
-    target_kl: float = 1.0           # the early-stopping KL (TRL target_kl)
-    early_stopping_check: str = "epoch"  # "epoch": after each epoch, on its last minibatch's KL, keeping its steps (TRL); "minibatch": before every step, dropping it
-    scale: bool = False              # score / running std (TRL use_score_scaling)
-    normalize: bool = False          # (score − running mean) / running std (TRL use_score_norm)
-    clip: float | None = None        # clamp processed scores to ±clip (TRL score_clip)
-    run_dir: str | None = "runs/ppo"
+    value_model: str = setting("shared", help="critic: shared (a ValueHead on the policy trunk) | separate (a model "
+                                              "of its own) (CRITICS)")
+    kl_controller: str = setting("adaptive", help="adaptive | fixed β of the KL in the reward")
+    target: float = setting(6.0, help="the adaptive controller's target KL", units="nats per response",
+                            range=POSITIVE, divisor=True)
+    horizon: float = setting(10000.0, help="the adaptive controller's horizon", range=POSITIVE, divisor=True)
+    gamma: float = setting(1.0, help="discount γ")
+    lam: float = setting(0.95, help="GAE λ", range=UNIT)
+    whiten_rewards: bool = setting(False, help="scale per-token rewards by their std before GAE")
+    whiten: bool = setting(True, help="whiten the advantages over the rollout's tokens")
+    cliprange_value: float | None = setting(0.2, help="value clip around the rollout's values (None: off)",
+                                            range=AT_LEAST_0)
+    vf_coef: float = setting(0.1, help="value-loss weight", range=AT_LEAST_0)
+    ratio_threshold: float | None = setting(10.0, help="skip a minibatch whose mean ratio exceeds this (None: off)",
+                                            range=AT_LEAST_0)
+    early_stopping: bool = setting(False, help="stop the epochs when the policy KL > 1.5·target_kl")
+    target_kl: float = setting(1.0, help="the early-stopping KL")
+    early_stopping_check: str = setting("epoch", help="epoch: after each epoch, on its last minibatch's KL, keeping "
+                                                      "its steps (TRL); minibatch: before every step, dropping it")
+    scale: bool = setting(False, help="score / running std (TRL use_score_scaling)")
+    normalize: bool = setting(False, help="(score − running mean) / running std (TRL use_score_norm)")
+    clip: float | None = setting(None, help="clamp processed scores to ±clip (None: off)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(PPOSettings, ClipSettings, KLSettings, OnlineConfig,
+             defaults={"kl_coef": 0.2, "kl": "k1", "clip_eps_low": 0.2, "clip_eps_high": 0.2, "epochs": 4,
+                       "run_dir": "runs/ppo"}):
+    """PPO recipe settings: ``OnlineConfig``'s sections, the KL in the reward (``kl_coef``: the
+    controller's initial β), the ratio clip and PPO's own (``PPOSettings``)."""
 
     def check(self) -> None:
         """Fail on a bad config before any model is built (an unknown ``value_model``, ``kl_controller``
         or ``kl``)."""
         lookup(CRITICS, self.value_model, what="value_model")
+        check_clip_range(self)
         if self.kl not in ("full", *KL_ESTIMATORS, *KL_ALIASES):
             raise ValueError(f"kl: expected one of {[*KL_ESTIMATORS, *KL_ALIASES, 'full']}, got {self.kl!r}")
         kl_controller(self.kl_controller)
@@ -162,8 +173,6 @@ def _separate_model(policy: nn.Module, config: Any) -> nn.Module:
 
 def _separate_forward(state, batch, ids, mask, temperature, with_entropy=False):
     batch = with_policy_logprobs(state.model("policy"), batch, temperature=temperature, with_entropy=with_entropy)
-    if with_entropy:
-        batch[K.ENTROPY] = batch[K.ENTROPY].detach()
     return batch.update({K.VALUE_PREDS: _response(token_values(state.model("value"), ids, mask), batch)})
 
 
@@ -171,22 +180,6 @@ CRITICS: dict[str, Critic] = {
     "shared": Critic(_shared_head, _shared_forward),          # ValueHead on the trunk (TRL legacy)
     "separate": Critic(_separate_model, _separate_forward),  # token classifier (TRL 1.x)
 }
-
-
-def ppo_loss_fn(state: TrainState, batch: TensorDictBase, *, config: Config,
-                **denominators) -> tuple[torch.Tensor, Any]:
-    """The ``update`` loss of PPO: ``ppo_loss`` on log-probs and values through the models, plus the
-    ``early_stop`` flag (``approx_kl_k1 > 1.5·target_kl``) when ``early_stopping``."""
-    ids, mask = sequences(batch)
-    critic = lookup(CRITICS, config.value_model, what="value_model")
-    batch = critic.forward(state, batch, ids, mask, config.temperature,  # logprobs, value_preds: differentiable
-                           with_entropy=config.log_entropy)
-    loss, metrics = ppo_loss(batch, clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
-                             vf_coef=config.vf_coef, cliprange_value=config.cliprange_value,
-                             ratio_threshold=config.ratio_threshold, **denominators)
-    if config.early_stopping:
-        metrics = metrics.copy().update({"early_stop": early_stop(metrics["approx_kl_k1"], target_kl=config.target_kl)})
-    return loss, metrics
 
 
 # --- the step ------------------------------------------------------------------------------------
@@ -254,23 +247,42 @@ def rewards_and_advantages(state: TrainState, rollout: TensorDictBase,
     return with_transforms(state, kl=new_kl, score_moments=moments), batch, info
 
 
+def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
+    """One PPO step on a batch of prompts: generate → score (with the critic's values) → :func:`learn` (impure)."""
+    c = config
+    # generate: num_samples responses per prompt (max_new_tokens, temperature, top_k, top_p), seeded by state.rng
+    state, rollout = sample(state, rows["prompt"], generation=c, tokenizer=tokenizer,
+                            max_prompt_length=c.max_prompt_length)
+    # score: reward_fn (+ reward_model) -> score, the reference's log-probs, the critic's values
+    state, rollout = score_samples(state, rows, rollout, generation=c, rewards=c, tokenizer=tokenizer,
+                                   reward_fn=reward_fn, total_steps=c.steps, reference=True)
+    return learn(state, rollout, c)
+
+
 def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
           correction: Correction | None = None) -> tuple[TrainState, TensorDict]:
     """A scored rollout (with the critic's ``values``) → :func:`rewards_and_advantages` → ``epochs``
-    passes of :func:`ppo_loss_fn` (impure: trains). ``correction`` as in ``loops.recipes.grpo.learn`` (PPO's
-    value loss is not reweighted)."""
-    state, batch, info = rewards_and_advantages(state, rollout, config)
+    passes of the clipped surrogate and value loss (impure: trains). ``correction`` as in
+    ``loops.recipes.grpo.learn`` (PPO's value loss is not reweighted)."""
+    c = config
+    # rewards: processed scores, −β·KL per token with β from the controller, GAE advantages and returns
+    state, batch, info = rewards_and_advantages(state, rollout, c)
     batch, extra = (batch, {}) if correction is None else correction(batch)
-    grad_clip = None if config.max_grad_norm is None else clip_by_global_norm(config.max_grad_norm)
-    state, metrics = update(state, batch, functools.partial(ppo_loss_fn, config=config),
-                            **update_sizes(config, batch.batch_size[0]), epochs=config.epochs, mask_key=K.RESPONSE_MASK,
-                            autocast_dtype=autocast_dtype(config),
-                            transform=chain(skip_nonfinite(), stop_on("early_stop", when=config.early_stopping_check),
-                                            grad_clip))
+    critic = lookup(CRITICS, c.value_model, what="value_model")
+
+    def loss_fn(state: TrainState, mb: TensorDictBase, **denominators) -> tuple[torch.Tensor, TensorDict]:
+        ids, mask = sequences(mb)  # log-probs and value predictions through the models, differentiable
+        mb = critic.forward(state, mb, ids, mask, c.temperature, with_entropy=c.log_entropy)
+        loss, metrics = ppo_loss(mb, clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, vf_coef=c.vf_coef,
+                                 cliprange_value=c.cliprange_value, ratio_threshold=c.ratio_threshold, **denominators)
+        if c.early_stopping:  # approx KL > 1.5·target_kl ends the epochs (stop_on below)
+            metrics = metrics.copy().update({"early_stop": early_stop(metrics["approx_kl_k1"], target_kl=c.target_kl)})
+        return loss, metrics
+
+    state, metrics = update(state, batch, loss_fn,
+                            **update_sizes(len(batch), minibatch_size=c.minibatch_size,
+                                           micro_batch_size=c.micro_batch_size),
+                            epochs=c.epochs, mask_key=K.RESPONSE_MASK, autocast_dtype=autocast_dtype(c),
+                            transform=chain(skip_nonfinite(), stop_on("early_stop", when=c.early_stopping_check),
+                                            None if c.max_grad_norm is None else clip_by_global_norm(c.max_grad_norm)))
     return state, metrics.update(info).update(extra)
-
-
-def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn) -> tuple[TrainState, TensorDict]:
-    """One PPO step on a batch of prompts: collect (with the critic's values) → :func:`learn` (impure)."""
-    state, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
-    return learn(state, rollout, config)

@@ -15,8 +15,8 @@ therefore the reference policy for free (``"ref"`` is the same object: no copy).
   ``ReftModel`` (``{"policy": ReftModel(base), "ref": base}``), so the online recipes' collection
   and evaluation generate with the interventions at the prompt positions (with a KV cache only the
   prompt is edited, ``rlcore.loops.reft_model``); each step is the recipe's own
-  ``collect_rollout`` then ``learn`` (``grpo.learn`` / ``rloo.learn``), with the rollout's
-  locations added and the loss closure ``loops.online.policy_loss_fn`` run inside ``intervened``.
+  ``grpo.collect_groups`` then ``learn`` (``grpo.learn`` / ``rloo.learn``), with the rollout's
+  locations added and the recipe's loss closure run inside ``intervened`` (``wrap_loss``).
 
 ``train_reft_sft(config)`` runs the SFT recipe from a ``ReftConfig`` (``configs/reft_sft.yaml`` via
 ``load_config``) with the scaffolding of ``rlcore.loops.recipe``.
@@ -44,7 +44,7 @@ from rlcore.loops.recipes.dpo import preference_loss_fn, with_reference
 from rlcore.loops.tokenization import check_rows_fit, tokenize_dataset
 from rlcore.loops.recipes import grpo, rloo
 from rlcore.loops.models import pad_token_id
-from rlcore.loops.online import build_online_state, collect_groups, train_online
+from rlcore.loops.online import build_online_state, train_online
 from rlcore.loops.checkpoint import load_checkpoint
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, policy_tokenizer,
                                  require_held_out, run)
@@ -55,6 +55,7 @@ from rlcore.loops.reft_data import ReftSpec, collate_reft, with_intervention_loc
 from rlcore.loops.reft_model import (ReftInterventions, ReftModel, intervention_dtype, make_interventions,
                                      with_interventions)
 from rlcore.loops.recipes.sft import scoring_mask, sft_loss_fn
+from rlcore.loops.settings import AT_LEAST_1, BELOW_1, AggregationSettings, Section, TruncationSettings, setting
 from rlcore.loops.state import TrainState, advance, init_state
 from rlcore.loops.tasks import task_dataset
 from rlcore.loops.update import chain, clip_by_global_norm, make_optimizer, skip_nonfinite, update
@@ -142,8 +143,8 @@ def _reft_online_step(recipe: ModuleType, state: TrainState, rows: dict, *, conf
     """``recipe.step`` for a ``ReftModel`` policy: the rollout (with ``dynamic_sampling``, refilled as
     ``recipe.step`` does; with the reference's log-probs when ``reference``) gains its intervention
     locations and ``recipe.learn``'s loss runs inside ``intervened``."""
-    state, rollout, counts = collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                                            refill=refill, reference=reference)
+    state, rollout, counts = grpo.collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
+                                                 refill=refill, reference=reference)
     rollout = with_intervention_locations(rollout, state.model("policy").spec)
     state, metrics = recipe.learn(state, rollout, config, wrap_loss=with_interventions)
     return state, metrics.update(counts)
@@ -188,40 +189,31 @@ def train_reft_online(config: Any, step: Callable, spec: ReftSpec, *, zero_init:
 
 # --- configs -----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class ReftFields:
-    """The intervention fields of every ReFT recipe's config: the ``ReftSpec`` fields (``layers`` …
+class ReftFields(Section):
+    """The intervention section of every ReFT recipe's config: the ``ReftSpec`` fields (``layers`` …
     ``blocks``, read by ``reft_spec``) and ``zero_init`` (the interventions start as the identity, so
     the policy starts as its base model; the paper draws ``W, b`` at random)."""
 
-    layers: tuple[int, ...] = (0, 1)            # decoder blocks intervened on
-    component: str = "block_output"             # block_output | block_input (REFT_COMPONENTS)
-    positions: str = "f3+l3"                    # prompt positions: "f3+l3" = first 3 and last 3 tokens
-    rank: int = 4                               # r, the rank of the subspace
-    share_weights: bool = False                 # one intervention for all positions of a layer
-    dropout: float = 0.0                        # dropout on the edited state
-    variant: str = "loreft"                     # loreft | noreft | direft | nodireft | consreft | lobireft (REFT_INTERVENTIONS)
-    act: str = "identity"                       # activation of W h + b (REFT_ACTIVATIONS)
-    blocks: str | None = None                   # dotted path of the block list; None: found automatically
-    zero_init: bool = True                      # interventions start as the identity (the policy as its base)
+    layers: tuple[int, ...] = setting((0, 1), help="decoder blocks intervened on")
+    component: str = setting("block_output", help="block_output | block_input (REFT_COMPONENTS)")
+    positions: str = setting("f3+l3", help="prompt positions: f3+l3 = the first 3 and last 3 tokens")
+    rank: int = setting(4, help="r, the rank of the subspace", range=AT_LEAST_1)
+    share_weights: bool = setting(False, help="one intervention for all positions of a layer")
+    dropout: float = setting(0.0, help="dropout on the edited state", range=BELOW_1)
+    variant: str = setting("loreft", help="loreft | noreft | direft | nodireft | consreft | lobireft "
+                                          "(REFT_INTERVENTIONS)")
+    act: str = setting("identity", help="activation of W h + b (REFT_ACTIVATIONS)")
+    blocks: str | None = setting(None, help="dotted path of the block list; None: found automatically")
+    zero_init: bool = setting(True, help="interventions start as the identity (the policy as its base; the paper "
+                                         "draws W, b at random)")
 
 
 @dataclasses.dataclass(frozen=True)
-class ReftConfig(ReftFields, RunConfig):
-    """Every setting of ``train_reft_sft`` (the keys of ``configs/reft_sft.yaml``): the shared
-    ``RunConfig`` fields (some with other defaults), the intervention fields of ``ReftFields`` and
-    the loss's."""
-
-    layers: tuple[int, ...] = (1, 2)            # decoder blocks intervened on
-    zero_init: bool = False                     # interventions start as the identity (the paper draws W, b at random)
-    num_layers: int = 4
-    task: str | None = "sort"
-    num_eval: int = 32
-    max_length: int = 64                        # prompt + completion tokens kept
-    lr: float = 4e-3
-    batch_size: int = 8
-    steps: int = 60
-    agg: str = "token_mean"                     # token aggregation of the loss (rlcore.masked.AGGREGATIONS)
-    keep_last: int | None = None
+class ReftConfig(ReftFields, AggregationSettings, TruncationSettings, RunConfig,
+                 defaults={"layers": (1, 2), "zero_init": False, "num_layers": 4, "task": "sort", "num_eval": 32,
+                           "lr": 4e-3, "batch_size": 8, "steps": 60, "keep_last": None}):
+    """Every setting of ``train_reft_sft`` (the keys of ``configs/reft_sft.yaml``): ``RunConfig``'s
+    sections (some with other defaults), the intervention section ``ReftFields`` and the loss's."""
 
 
 def reft_spec(config: Any) -> ReftSpec:

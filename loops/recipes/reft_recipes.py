@@ -53,34 +53,26 @@ __all__ = ["ReftGrpoConfig", "ReftRlooConfig", "ReftDpoConfig", "ReftRewardConfi
 
 # --- configs -----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class ReftGrpoConfig(ReftFields, grpo.Config):
+class ReftGrpoConfig(ReftFields, grpo.Config, defaults={"run_dir": "runs/reft_grpo"}):
     """GRPO with ReFT (``rlcore train reft_grpo``): ``loops.recipes.grpo.Config`` and ``ReftFields``."""
 
-    run_dir: str | None = "runs/reft_grpo"
-
 
 @dataclasses.dataclass(frozen=True)
-class ReftRlooConfig(ReftFields, rloo.Config):
+class ReftRlooConfig(ReftFields, rloo.Config, defaults={"run_dir": "runs/reft_rloo"}):
     """RLOO with ReFT (``rlcore train reft_rloo``): ``loops.recipes.rloo.Config`` and ``ReftFields``."""
 
-    run_dir: str | None = "runs/reft_rloo"
-
 
 @dataclasses.dataclass(frozen=True)
-class ReftDpoConfig(ReftFields, dpo.Config):
+class ReftDpoConfig(ReftFields, dpo.Config, defaults={"run_dir": "runs/reft_dpo"}):
     """DPO with ReFT (``rlcore train reft_dpo``): ``loops.recipes.dpo.Config`` and ``ReftFields``; pairwise
     losses (KTO's unpaired rows are not offered), the base model as the reference."""
 
-    run_dir: str | None = "runs/reft_dpo"
-
 
 @dataclasses.dataclass(frozen=True)
-class ReftRewardConfig(ReftFields, reward.Config):
+class ReftRewardConfig(ReftFields, reward.Config, defaults={"run_dir": "runs/reft_reward"}):
     """Reward modelling with ReFT (``rlcore train reft_reward``, pyreft's reward example):
     ``loops.recipes.reward.Config`` and ``ReftFields``. The interventions edit the pairs' prompt positions
     and the model's score head trains with them; the rest of the model is frozen."""
-
-    run_dir: str | None = "runs/reft_reward"
 
 
 # --- the recipes ---------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
                                  policy_tokenizer, require_held_out, run)
 from rlcore.loops.config import RunConfig, autocast_dtype
+from rlcore.loops.settings import AT_LEAST_0, DropoutSettings, Section, TruncationSettings, setting
 from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
@@ -52,16 +53,19 @@ MODEL_TASK = "reward"  # the policy is a one-label sequence classifier (loops.mo
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(RunConfig):
-    """The reward-modelling recipe's settings (``configs/reward.yaml``): the shared ``RunConfig``
-    fields and these; each feeds the keyword of that name."""
+class RewardLossSettings(Section):
+    """The pairwise reward loss's settings (``algorithms.reward.reward_loss``)."""
 
-    disable_dropout: bool = False          # True sets dropout to 0; False trains with it (TRL's RewardTrainer)
-    max_length: int | None = 64            # prompt + completion tokens kept per side
-    # loss (algorithms.reward.reward_loss)
-    margin_key: str | None = None          # dataset column of per-pair margins m (Llama 2); None: no margin
-    center_rewards_coefficient: float | None = None  # c of c·mean((r_w + r_l)²); None: no centring
-    run_dir: str | None = "runs/reward"
+    margin_key: str | None = setting(None, help="dataset column of per-pair margins m (Llama 2); None: no margin")
+    center_rewards_coefficient: float | None = setting(None, help="c of c·mean((r_w + r_l)²); None: no centring",
+                                                       range=AT_LEAST_0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(RewardLossSettings, TruncationSettings, DropoutSettings, RunConfig,
+             defaults={"disable_dropout": False, "run_dir": "runs/reward"}):
+    """The reward-modelling recipe's settings (``configs/reward.yaml``): ``RunConfig``'s sections and the
+    loss's; dropout stays on as in TRL's trainer."""
 
 
 # --- data ----------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 One step reads top to bottom (TRL's RLOO trainer; :func:`step`: collect, then :func:`learn`)::
 
-    collect   G = num_samples responses per prompt (loops.online.collect_rollout), scored by the
+    collect   G = num_samples responses per prompt (loops.recipes.grpo.collect_groups), scored by the
               task reward (or a reward model), with reference log-probs
     learn     r_t = −β·(old_t − ref_t) on every token + score on the last one
               (rlcore.rewards.with_rewards, k1), so Σ_t r_t = score − β·Σ_t k1;
@@ -34,10 +34,11 @@ from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import POLICY_RATIO_LEVELS, rloo_loss
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
-from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_kl_name, collect_groups,
-                                 policy_update, train_online)
 from rlcore.loops.config import try_loss
-from rlcore.loops.recipes.grpo import dummy_rollout
+from rlcore.loops.filters import mask_truncated
+from rlcore.loops.online import Correction, OnlineConfig, advantage_fn, check_kl_name, rollout_metrics, train_online
+from rlcore.loops.recipes.grpo import collect_groups, dummy_rollout, update_policy
+from rlcore.loops.settings import ClipSettings, GroupSettings, KLSettings, check_clip_range
 from rlcore.loops.state import TrainState
 from rlcore.kl import kl_estimate
 from rlcore.masked import masked_mean
@@ -51,20 +52,11 @@ ADVANTAGE_INPUTS: tuple[str, ...] = (K.SCORE, K.RESPONSE_MASK, K.REWARDS)
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(OnlineConfig):
-    """RLOO recipe settings (shared fields: ``loops.online.OnlineConfig``)."""
-
-    num_samples: int = 2             # G ≥ 2 samples per prompt, the leave-one-out group (TRL num_generations)
-    kl_coef: float = 0.05            # β of the k1 KL penalty in the reward (TRL beta)
-    kl: str = "k1"                   # KL estimator in the reward (rlcore.kl.KL_ESTIMATORS; TRL: k1)
-    clip_eps_low: float = 0.2        # ε_low of the sequence-ratio clip (TRL epsilon / cliprange)
-    clip_eps_high: float = 0.2       # ε_high (TRL epsilon_high)
-    advantage: str = "rloo"          # a key of rlcore.baselines.ADVANTAGE_ESTIMATORS, on the KL-penalised rewards
-    advantage_kwargs: dict = dataclasses.field(default_factory=dict)  # the estimator's keywords
-    mask_truncated_completions: bool = False  # a response cut at max_new_tokens with no stop token leaves the loss (TRL mask_truncated_completions)
-    dynamic_sampling: bool = False   # DAPO: drop groups whose scores are all equal, refill with fresh prompts (loops.filters)
-    max_sampling_rounds: int = 3     # at most this many generations per step when refilling (verl max_num_gen_batches)
-    run_dir: str | None = "runs/rloo"
+class Config(GroupSettings, ClipSettings, KLSettings, OnlineConfig,
+             defaults={"num_samples": 2, "kl_coef": 0.05, "kl": "k1", "clip_eps_low": 0.2, "clip_eps_high": 0.2,
+                       "advantage": "rloo", "run_dir": "runs/rloo"}):
+    """RLOO recipe settings: ``OnlineConfig``'s sections, the k1 KL folded into the reward, the
+    sequence-ratio clip and the group advantages (``rloo``: leave-one-out, on the KL-penalised rewards)."""
 
     def check(self) -> None:
         """Fail on a bad config before any model is built: RLOO needs ``num_samples ≥ 2``; an unknown
@@ -74,6 +66,7 @@ class Config(OnlineConfig):
             raise ValueError(f"num_samples: RLOO needs at least 2 samples per prompt (a leave-one-out baseline), "
                              f"got {self.num_samples}")
         check_kl_name(self)
+        check_clip_range(self)
         advantage_fn(self, inputs=ADVANTAGE_INPUTS, recipe="rloo")
 
     def keyword_functions(self) -> dict[str, Callable]:
@@ -105,16 +98,21 @@ def rloo_loss_fn(config: Config):
 
 def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
           correction: Correction | None = None, wrap_loss: Callable | None = None) -> tuple[TrainState, TensorDict]:
-    """A scored rollout → KL-penalised rewards → advantages (``advantage``: leave-one-out by default) →
-    the update (impure: trains).
-
-    ``correction`` and ``wrap_loss`` as in ``loops.recipes.grpo.learn``.
-    """
-    estimator = advantage_fn(config, inputs=ADVANTAGE_INPUTS, recipe="rloo")
-    batch = estimator(with_rewards(rollout, kl_coef=config.kl_coef, kl=config.kl))
-    state, metrics = policy_update(state, batch, rloo_loss_fn(config), config=config, correction=correction,
-                                   wrap_loss=wrap_loss)
-    return state, metrics.update(token_kl_metric(rollout))
+    """A scored rollout → KL-penalised rewards → advantages (leave-one-out by default) → ``epochs``
+    passes of the sequence-ratio clipped loss (impure: trains). ``correction`` and ``wrap_loss`` as in
+    ``loops.recipes.grpo.learn``."""
+    c = config
+    # rewards: r_t = −β·kl_t on every response token (kl_coef, kl) + the score on the last one
+    batch = with_rewards(rollout, kl_coef=c.kl_coef, kl=c.kl)
+    # advantages: by default A_i = R_i − mean_{j≠i} R_j over the prompt's G samples (R_i = Σ_t r_t)
+    batch = advantage_fn(c, inputs=ADVANTAGE_INPUTS, recipe="rloo")(batch)
+    info = {**rollout_metrics(batch), **token_kl_metric(rollout)}  # of the behaviour policy's samples
+    if c.mask_truncated_completions:  # responses cut at max_new_tokens leave the loss (kept in their group's stats)
+        batch = mask_truncated(batch)
+    batch, extra = (batch, {}) if correction is None else correction(batch)
+    loss = rloo_loss_fn(c)  # rloo_loss(clip_eps_low, clip_eps_high): ρ of whole sequences, clipped
+    state, metrics = update_policy(state, batch, loss, config=c, wrap_loss=wrap_loss)
+    return state, metrics.update(info).update(extra)
 
 
 def token_kl_metric(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
@@ -130,9 +128,9 @@ def token_kl_metric(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
 
 def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn,
          refill: Callable | None = None) -> tuple[TrainState, TensorDict]:
-    """One RLOO step: ``G ≥ 2`` samples per prompt (groups that all score the same swapped for fresh
-    prompts' under ``dynamic_sampling``), then :func:`learn` (impure: trains)."""
+    """One RLOO step: ``G ≥ 2`` scored samples per prompt with the reference's log-probs
+    (``loops.recipes.grpo.collect_groups``), then :func:`learn` (impure: trains)."""
     state, rollout, counts = collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
-                                            refill=refill)
+                                            refill=refill, reference=True)
     state, metrics = learn(state, rollout, config)
     return state, metrics.update(counts)

@@ -43,6 +43,8 @@ from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, l
 from rlcore.loops.config import RunConfig, autocast_dtype
 from rlcore.loops.score import STAT_KEYS, TOP1, score_sequences, token_logprobs_from_model
 from rlcore.masked import masked_mean
+from rlcore.loops.settings import (AggregationSettings, BudgetSettings, ChunkSettings, DropoutSettings, Section,
+                                   TruncationSettings, setting)
 from rlcore.loops.state import TrainState, advance
 from rlcore.loops.tasks import exact_match, task_dataset
 from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
@@ -51,22 +53,20 @@ __all__ = ["Config", "scoring_mask", "token_stat_metrics", "sft_loss_fn", "sft_s
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(RunConfig):
-    """The SFT recipe's settings (``configs/sft.yaml``): the shared ``RunConfig`` fields and these;
-    each feeds the keyword of that name."""
+class SFTSettings(Section):
+    """How SFT rows are made and which tokens are scored (``loops.tokenization.tokenize_dataset``)."""
 
-    disable_dropout: bool = False          # True sets dropout to 0; False trains with it (TRL's SFTTrainer)
-    # data (loops.tokenization.tokenize_dataset)
-    max_length: int | None = 64            # prompt + completion tokens kept (the packed row length with packing)
-    packing: bool = False                  # pack examples into rows of max_length (pack_sequences)
-    dataset_text_field: str = "text"       # the column of plain text to model (TRL dataset_text_field)
-    completion_only_loss: bool = True      # loss on completion tokens only; False: on the prompt too (TRL completion_only_loss)
-    assistant_only_loss: bool = False      # conversations: loss on every assistant turn, not only the last (TRL assistant_only_loss)
-    # loss and forward (algorithms.sft.sft_loss, loops.score)
-    agg: str = "token_mean"                # rlcore.masked.AGGREGATIONS (with packing, a "sequence" is a packed row)
-    chunked: bool = True                   # log-probs from hidden states in vocabulary chunks
-    max_new_tokens: int = 8                # evaluation: greedy generation budget for exact match
-    run_dir: str | None = "runs/sft"
+    packing: bool = setting(False, help="pack examples into rows of max_length (pack_sequences)")
+    dataset_text_field: str = setting("text", help="the column of plain text to model")
+    completion_only_loss: bool = setting(True, help="loss on completion tokens only; False: on the prompt too")
+    assistant_only_loss: bool = setting(False, help="conversations: loss on every assistant turn, not only the last")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(SFTSettings, AggregationSettings, ChunkSettings, BudgetSettings, TruncationSettings, DropoutSettings,
+             RunConfig, defaults={"disable_dropout": False, "max_new_tokens": 8, "run_dir": "runs/sft"}):
+    """The SFT recipe's settings (``configs/sft.yaml``): ``RunConfig``'s sections and SFT's own; the
+    token budget is the greedy evaluation's (exact match), dropout stays on as in TRL's trainer."""
 
 
 # --- score and update --------------------------------------------------------------------------

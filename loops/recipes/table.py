@@ -52,7 +52,7 @@ class Recipe:
     # asynchronous correction weights at; None: no ratio (is_clip is refused)
     ratio_level: Callable[[Any], str] | None = None
     advantage_inputs: tuple[str, ...] = ()  # the learner batch's keys an advantage estimator may read
-    # config -> whether scoring a rollout adds the reference's log-probs (loops.online.score_collected)
+    # config -> whether scoring a rollout adds the reference's log-probs (loops.online.score_samples)
     rollout_ref_logprobs: Callable[[Any], bool] = _with_reference
     learn_uses_ref: bool = False     # learn runs the reference itself (the Ray learner keeps it)
 

@@ -1,8 +1,8 @@
 """The learner's half of asynchronous off-policy RLHF: a recipe's ``learn`` on a generated rollout.
 
-A synchronous online recipe's ``step`` is ``collect_rollout → learn``. The asynchronous loops
+A synchronous online recipe's ``step`` is ``sample → score_samples → learn``. The asynchronous loops
 (``loops.scale.async_rl``'s generator process, ``loops.scale.placement``'s Ray actors) generate elsewhere and
-hand the rollout to :func:`learn_off_policy`: the seed draw replayed, ``loops.online.score_collected``
+hand the rollout to :func:`learn_off_policy`: the seed draw replayed, ``loops.online.score_samples``
 (the scores the learner's state holds models for, the counters), then the recipe's own ``learn``
 (:func:`online_recipe`: the entry of ``loops.recipes.RECIPES`` whose ``Config`` the config is) with
 the optional importance correction.
@@ -41,7 +41,7 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.ratios import importance_log_ratio
 from rlcore.checks import check_mask, check_same_shape
-from rlcore.loops.online import Correction, replay_seed_draw, score_collected, with_policy_logprobs
+from rlcore.loops.online import Correction, replay_seed_draw, score_samples, with_policy_logprobs
 from rlcore.loops.recipes import RECIPES, Recipe, by_config
 from rlcore.loops.state import TrainState
 from rlcore.masked import masked_mean
@@ -168,7 +168,7 @@ def learn_off_policy(state: TrainState, rows: Mapping[str, Sequence], rollout: T
     synchronous recipe does after generating (impure: trains the policy).
 
     ``loops.online.replay_seed_draw`` (the draw the generator sampled with), then
-    ``loops.online.score_collected`` with the learner's current models (reference, reward model,
+    ``loops.online.score_samples`` with the learner's current models (reference, reward model,
     the critic's values: those the state holds; the Ray learner's state holds no reference or
     reward model, the scorer added theirs) and the counters; the learner's own log-probs ``π_prox`` (one no-grad forward: the ``async/*``
     metrics); then the recipe's ``learn`` (:func:`online_recipe`), with :func:`importance_correction` at
@@ -184,8 +184,9 @@ def learn_off_policy(state: TrainState, rows: Mapping[str, Sequence], rollout: T
         ``(state, metrics)`` as the recipe's ``step``, plus the ``async/*`` metrics.
     """
     recipe = check_learner(config, is_clip)
-    state, rollout = score_collected(replay_seed_draw(state), rows, rollout, config=config, tokenizer=tokenizer,
-                                     reward_fn=reward_fn, reference=recipe.rollout_ref_logprobs(config))
+    state, rollout = score_samples(replay_seed_draw(state), rows, rollout, generation=config, rewards=config,
+                                   tokenizer=tokenizer, reward_fn=reward_fn, total_steps=config.steps,
+                                   reference=recipe.rollout_ref_logprobs(config))
     with torch.no_grad():
         prox = with_policy_logprobs(state.model("policy"), rollout, temperature=config.temperature)[K.LOGPROBS]
     stats = off_policy_metrics(rollout, prox, state.policy_version)

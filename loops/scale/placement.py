@@ -7,7 +7,7 @@ actors that call the plain functions of the single-process loop::
     scorer     reference, reward model, workers.compute_log_probs(model="ref"),
                reward function          workers.compute_rewards                       (loops.scale.workers)
     learner    the recipe's TrainState  async_learners.learn_off_policy on the scored rollout
-               (policy, critic, AdamW)  (score_collected with the models it holds, then the
+               (policy, critic, AdamW)  (score_samples with the models it holds, then the
                                         recipe's own learn); then the policy's CPU state_dict
                                         goes to the generator through the object store
                                         (WeightPush)
@@ -25,15 +25,15 @@ Which models sit where: the scorer holds the reward model and adds the reference
 the rollout when the recipe scores them there (its ``Recipe.rollout_ref_logprobs``: GRPO with a KL
 term, RLOO, PPO); a recipe whose ``learn`` runs the reference itself (``Recipe.learn_uses_ref``:
 online DPO, whose pairs get theirs in ``learn``) keeps its reference in the learner. PPO's critic stays with the learner, which
-computes the values with its current weights (``score_collected`` scores with the models the learner's state holds).
+computes the values with its current weights (``score_samples`` scores with the models the learner's state holds).
 
 Weights: each push is checked (``ray.get``) just before the next one and at the end of the run
 (:class:`WeightPush`), so an error in the generator's ``set_weights`` fails the learner's run
 within one step instead of being lost.
 
 Determinism: sampling seeds are drawn in item order from a copy of the learner's ``state.rng``,
-and the learner replays that draw (``online.score_collected``), the draws the synchronous
-``collect_rollout`` makes. With ``max_lag=0``, one minibatch per step (``update`` then never
+and the learner replays that draw (``online.score_samples``), the draws the synchronous
+``online.sample`` makes. With ``max_lag=0``, one minibatch per step (``update`` then never
 shuffles with ``state.rng``) and the same threads per process, a placed run ends with the very
 parameters as the recipe's ``train(config)`` (``loops.recipes.grpo``, ``loops.recipes.rloo``, ...).
 
@@ -137,7 +137,7 @@ class GeneratorWorker:
         self.policy, self.tokenizer = build_policy(config)
         disable_dropout(self.policy)
         self.version = 0
-        self.kwargs = generate_kwargs(config)
+        self.kwargs = generate_kwargs(config, max_prompt_length=config.max_prompt_length)
 
     def set_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         """Load the learner's weights (a CPU ``state_dict``) as policy version ``version``."""

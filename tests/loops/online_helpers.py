@@ -5,6 +5,33 @@ import torch
 TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=64, num_eval=16, max_new_tokens=8, run_dir=None)
 
 
+def collect_rollout(state, rows, *, config, tokenizer, reward_fn, reference=True, num_samples=None):
+    """``online.sample`` then ``online.score_samples``, as the online recipes' steps write them out."""
+    from rlcore.loops.online import sample, score_samples
+
+    state, rollout = sample(state, rows["prompt"], generation=config, tokenizer=tokenizer,
+                            max_prompt_length=config.max_prompt_length, num_samples=num_samples)
+    return score_samples(state, rows, rollout, generation=config, rewards=config, tokenizer=tokenizer,
+                         reward_fn=reward_fn, total_steps=config.steps, num_samples=num_samples, reference=reference)
+
+
+def updated_batches(recipe, monkeypatch) -> list:
+    """The batches ``recipe``'s ``learn`` hands to ``update`` (advantages, rewards, masks: what its
+    loss closure trains on), recorded while the real ``update`` runs. RLOO updates through
+    ``grpo.update_policy``, so GRPO's ``update`` is the one watched for it."""
+    from rlcore.loops.recipes import grpo
+
+    recipe = recipe if hasattr(recipe, "update") else grpo
+    seen, real = [], recipe.update
+
+    def spy(state, batch, loss_fn, **kw):
+        seen.append(batch)
+        return real(state, batch, loss_fn, **kw)
+
+    monkeypatch.setattr(recipe, "update", spy)
+    return seen
+
+
 def digit_fraction(prompts, completions, **_):
     """Reward: the fraction of a completion's characters that are digits.
 
@@ -25,19 +52,12 @@ def flat_models(state):
 def step_and_trained_batch(recipe, config, monkeypatch):
     """One ``recipe.step`` on the first prompt batch of ``config``'s task: ``(state, metrics, batch)``,
     ``batch`` the rollout as the loss closure saw it (advantages, rewards, ...)."""
-    from rlcore.loops import online
-    from rlcore.loops.online import build_online_state, policy_loss_fn, prompt_source
+    from rlcore.loops.online import build_online_state, prompt_source
     from rlcore.loops.recipe import load_splits
     from rlcore.loops.tasks import task_dataset
 
     state, tokenizer = build_online_state(config)
     rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
-    seen = []
-
-    def spy(state, batch, **kw):  # the loss closure's view of the rollout it trains on
-        seen.append(batch)
-        return policy_loss_fn(state, batch, **kw)
-
-    monkeypatch.setattr(online, "policy_loss_fn", spy)
+    seen = updated_batches(recipe, monkeypatch)  # the rollout the loss closure trains on
     state, metrics = recipe.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
     return state, metrics, seen[0]

@@ -198,12 +198,12 @@ def test_check_learner_and_max_lag_errors_name_the_argument():
     assert check_max_lag(0) is None and check_max_lag(3) is None
 
 
-def test_learn_off_policy_is_score_collected_then_the_recipes_learn():
-    """``learn_off_policy`` = ``online.score_collected`` then ``ppo.learn`` with the importance correction
+def test_learn_off_policy_is_score_samples_then_the_recipes_learn():
+    """``learn_off_policy`` = ``online.score_samples`` then ``ppo.learn`` with the importance correction
     of the learner's own log-probs at PPO's ratio level."""
     from rlcore.loops.chunks import generate_in_chunks
     from rlcore.loops.collect import draw_seed
-    from rlcore.loops.online import generate_kwargs, replay_seed_draw, score_collected, with_policy_logprobs
+    from rlcore.loops.online import generate_kwargs, replay_seed_draw, score_samples, with_policy_logprobs
     from rlcore.loops.state import copy_generator
 
     config = ppo.Config(**TINY, num_samples=2, steps=1, lr=1e-2)
@@ -212,10 +212,11 @@ def test_learn_off_policy_is_score_collected_then_the_recipes_learn():
     for split in (False, True):
         torch.manual_seed(0)
         state, tokenizer = ppo.build_state(config)
-        rollout = generate_in_chunks(state.model("policy"), tokenizer, rows["prompt"], **generate_kwargs(config),
+        rollout = generate_in_chunks(state.model("policy"), tokenizer, rows["prompt"], **generate_kwargs(config, max_prompt_length=config.max_prompt_length),
                                      seed=draw_seed(copy_generator(state.rng)), policy_version=0)
         if split:
-            state, scored = score_collected(replay_seed_draw(state), rows, rollout, config=config, tokenizer=tokenizer,
+            state, scored = score_samples(replay_seed_draw(state), rows, rollout, generation=config, rewards=config,
+                                            total_steps=config.steps, tokenizer=tokenizer,
                                             reward_fn=digits)
             with torch.no_grad():
                 prox = with_policy_logprobs(state.model("policy"), scored)[K.LOGPROBS]

@@ -6,7 +6,6 @@ directory and the tests below compare it with one process on the concatenated ba
 for float64 parameters: 1e-10 (observed differences are float summation order, ~1e-16).
 """
 
-import functools
 import json
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from rlcore.loops.dist import (STRATEGIES, DistInfo, agree, dist_info, init_dist
 from rlcore.loops.recipes import ppo
 from rlcore.loops.fold import fold
 from rlcore.loops.models import build_model
-from rlcore.loops.online import policy_loss_fn
+from rlcore.loops.online import with_policy_logprobs
 from rlcore.loops.state import init_state
 from rlcore.loops.update import chain, clip_by_global_norm, global_denominators, skip_nonfinite, stop_on, update
 from rlcore.masked import aggregate
@@ -86,7 +85,9 @@ def recipe_state():
                       seed=3)
 
 
-RECIPE_LOSS = functools.partial(policy_loss_fn, loss=grpo_loss)  # chunked trunk -> head log-probs
+def RECIPE_LOSS(state, batch, **denominators):
+    """The online recipes' loss closure: log-probs through the chunked trunk -> head path, then the loss."""
+    return grpo_loss(with_policy_logprobs(state.model("policy"), batch), **denominators)
 
 
 def flat(model):

@@ -130,7 +130,7 @@ def test_evaluate_entry_point():
 
 def test_soft_overlong_punishment_shapes_the_score():
     """The score a step trains on is the reward plus DAPO's length penalty (written out here)."""
-    from rlcore.loops.online import collect_rollout
+    from tests.loops.online_helpers import collect_rollout
     config = grpo.Config(**TINY, batch_size=2, num_samples=4, overlong_buffer=3, overlong_penalty_factor=0.5)
     state, tokenizer = online.build_online_state(config)
     rows = {"prompt": ["12+3=", "4+5="], "answer": ["15", "9"]}

@@ -9,14 +9,13 @@ import torch
 
 from rlcore import keys as K
 from rlcore.loops.recipes import online_dpo
-from rlcore.loops.recipes.dpo import preference_loss_fn
 from rlcore.loops.models import build_reward_model, build_tokenizer
 from rlcore.loops.online import build_online_state, prompt_source
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import load_splits
 from rlcore.loops.config import load_config
 from rlcore.loops.tasks import task_dataset
-from tests.loops.online_helpers import TINY, digit_fraction
+from tests.loops.online_helpers import TINY, digit_fraction, updated_batches
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "online_dpo.yaml"
 
@@ -41,13 +40,7 @@ def test_pairs_are_best_against_worst_with_reference_logps(monkeypatch):
     config = online_dpo.Config(**TINY, steps=1, batch_size=3, num_samples=4, lr=1e-3)
     state, tokenizer = build_online_state(config)
     rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
-    seen = []
-
-    def spy(state, batch, **kw):
-        seen.append(batch)
-        return preference_loss_fn(state, batch, **kw)
-
-    monkeypatch.setattr(online_dpo, "preference_loss_fn", spy)
+    seen = updated_batches(online_dpo, monkeypatch)  # the pairs online_dpo.learn trains on
     # the judge scores by position in the group: sample g of each prompt gets g, so the last
     # sample is chosen and the first rejected
     ranks = lambda prompts, completions, **_: [float(i % 4) for i in range(len(completions))]  # noqa: E731

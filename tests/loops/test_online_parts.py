@@ -12,9 +12,8 @@ from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.recipes import by_config, grpo, online_dpo, ppo, rloo
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import ValueHead
-from rlcore.loops.online import (OnlineConfig, build_online_state, collect_rollout, generate_kwargs, policy_loss_fn,
-                                 prompt_source, replay_seed_draw, rollout_metrics, score_collected,
-                                 with_policy_logprobs)
+from rlcore.loops.online import (OnlineConfig, build_online_state, generate_kwargs, prompt_source, replay_seed_draw,
+                                 rollout_metrics, score_samples, with_policy_logprobs)
 from rlcore.loops.reward_fns import make_reward_fn, repeat_columns
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.state import copy_generator
@@ -22,7 +21,7 @@ from rlcore.loops.recipe import load_splits
 from rlcore.loops.score import token_logprobs_from_model
 from rlcore.loops.tasks import task_dataset
 from rlcore.testing import assert_pure
-from tests.loops.online_helpers import digit_fraction, flat_models
+from tests.loops.online_helpers import collect_rollout, digit_fraction, flat_models
 
 TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_train=32, num_eval=6, max_new_tokens=6, batch_size=4,
             num_samples=3, lr=1e-2)
@@ -101,7 +100,7 @@ def test_collect_rollout_without_reference(setup):
 def test_generate_kwargs_and_draw_seed():
     config = OnlineConfig(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4, max_prompt_length=9,
                           engine="hf", stop_token_ids=(7,), length_sampler=(2, 4))
-    assert generate_kwargs(config) == dict(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4,
+    assert generate_kwargs(config, max_prompt_length=config.max_prompt_length) == dict(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4,
                                            max_prompt_length=9, engine="hf", sampler="inverse_cdf", engine_options={},
                                            stop_token_ids=(7,),
                                            length_sampler=(2, 4), rows_per_call=None)
@@ -112,20 +111,20 @@ def test_generate_kwargs_and_draw_seed():
     assert torch.equal(g.get_state(), expected.get_state())  # one draw each, like generate_rollout(generator=)
 
 
-def test_collect_rollout_is_generation_then_score_collected(setup):
+def test_collect_rollout_is_generation_then_score_samples(setup):
     """The split the asynchronous loops use: a rollout sampled elsewhere with ``draw_seed(state.rng)``,
-    then ``replay_seed_draw`` and ``score_collected``, gives the rollout and state of
-    ``collect_rollout`` exactly; ``score_collected`` itself leaves the generator alone."""
+    then ``replay_seed_draw`` and ``score_samples``, gives the rollout and state of
+    ``collect_rollout`` exactly; ``score_samples`` itself leaves the generator alone."""
     config, state, tokenizer, rows = setup
     want_state, want = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
-    generated = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]), **generate_kwargs(config),
+    generated = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]), **generate_kwargs(config, max_prompt_length=config.max_prompt_length),
                                    generator=copy_generator(state.rng), policy_version=state.policy_version)
-    unreplayed, _ = score_collected(state, rows, generated, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
+    unreplayed, _ = score_samples(state, rows, generated, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer, reward_fn=digit_fraction)
     assert torch.equal(unreplayed.rng.get_state(), state.rng.get_state())
     before = state.rng.get_state()
     replayed = replay_seed_draw(state)
     assert torch.equal(state.rng.get_state(), before) and not torch.equal(replayed.rng.get_state(), before)
-    got_state, got = assert_pure(score_collected, replayed, rows, generated, config=config, tokenizer=tokenizer,
+    got_state, got = assert_pure(score_samples, replayed, rows, generated, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer,
                                  reward_fn=digit_fraction)
     leaves = dict(include_nested=True, leaves_only=True)  # reward_terms holds one [B] entry per reward function
     assert set(got.keys(**leaves)) == set(want.keys(**leaves))
@@ -137,7 +136,7 @@ def test_collect_rollout_is_generation_then_score_collected(setup):
     assert K.SCORE not in generated.keys() and K.REF_LOGPROBS not in generated.keys()  # the input is not modified
 
 
-def test_score_collected_scores_with_the_models_the_state_holds(setup):
+def test_score_samples_scores_with_the_models_the_state_holds(setup):
     """A reference adds ``ref_logprobs``, a critic ``values``, a reward model or function ``score``; a
     state without them (the Ray learner's) scores only what it holds."""
     config, state, tokenizer, rows = setup
@@ -148,26 +147,26 @@ def test_score_collected_scores_with_the_models_the_state_holds(setup):
         return [0.5] * len(completions)
 
     generated = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]),
-                                   **{**generate_kwargs(config), "num_samples": 2}, seed=1)
+                                   **{**generate_kwargs(config, max_prompt_length=config.max_prompt_length), "num_samples": 2}, seed=1)
     head = ValueHead(state.model("policy").config.hidden_size)
     with torch.no_grad():  # V = 0·h + 1: values of one on every response token
         head.summary.weight.zero_()
         head.summary.bias.fill_(1.0)
     lean = dataclasses.replace(state, models={"policy": state.model("policy"), "value": head})
-    new, scored = score_collected(lean, rows, generated, config=config, tokenizer=tokenizer, reward_fn=reward,
+    new, scored = score_samples(lean, rows, generated, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer, reward_fn=reward,
                                   num_samples=2)
     assert K.REF_LOGPROBS not in scored.keys() and seen["answer"] == [a for a in rows["answer"] for _ in range(2)]
     m = scored[K.RESPONSE_MASK]
     assert torch.equal(scored[K.VALUES], m.float()) and torch.equal(scored[K.SCORE], torch.full((len(m),), 0.5))
     assert new.samples_seen == state.samples_seen + len(m)
     # no reward function and no reward model: the rollout's score (from a scorer elsewhere) is kept
-    _, kept = score_collected(lean, rows, scored, config=config, tokenizer=None, reward_fn=None, num_samples=2)
+    _, kept = score_samples(lean, rows, scored, generation=config, rewards=config, total_steps=config.steps, tokenizer=None, reward_fn=None, num_samples=2)
     assert torch.equal(kept[K.SCORE], scored[K.SCORE])
     # with a reference, ref_logprobs; unless the recipe scores none (online DPO: reference=False)
-    _, with_ref = score_collected(state, rows, generated, config=config, tokenizer=tokenizer, reward_fn=reward,
+    _, with_ref = score_samples(state, rows, generated, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer, reward_fn=reward,
                                   num_samples=2)
     assert K.REF_LOGPROBS in with_ref.keys() and K.VALUES not in with_ref.keys()
-    _, without = score_collected(state, rows, generated, config=online_dpo.Config(**TINY), tokenizer=tokenizer,
+    _, without = score_samples(state, rows, generated, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer,
                                  reward_fn=reward, num_samples=2, reference=False)
     assert K.REF_LOGPROBS not in without.keys()
 
@@ -204,7 +203,7 @@ def test_policy_logprobs_and_loss_closure(setup):
     assert K.LOGPROBS not in rollout.keys() and out[K.LOGPROBS].requires_grad
     m = rollout[K.RESPONSE_MASK]
     torch.testing.assert_close(out[K.LOGPROBS][m], rollout[K.OLD_LOGPROBS][m], atol=1e-4, rtol=1e-4)
-    loss, metrics = policy_loss_fn(state, rollout, loss=grpo_loss)
+    loss, metrics = grpo_loss(with_policy_logprobs(state.model("policy"), rollout))
     loss.backward()
     grads = [p.grad for p in state.model("policy").parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
@@ -223,8 +222,8 @@ def test_the_loss_forward_reports_the_policy_entropy(setup, temperature):
     policy = state.model("policy")
     runs = []
     for with_entropy in (False, True):
-        loss, metrics = policy_loss_fn(state, rollout, loss=grpo_loss, temperature=temperature,
-                                       with_entropy=with_entropy)
+        loss, metrics = grpo_loss(with_policy_logprobs(policy, rollout, temperature=temperature,
+                                                       with_entropy=with_entropy))
         loss.backward()
         runs.append((loss.detach(), metrics, [p.grad.clone() for p in policy.parameters()]))
         state.optimizer.zero_grad(set_to_none=True)

@@ -158,7 +158,7 @@ def test_the_kl_controller_sees_the_k1_kl_whatever_the_reward_estimator(kl, monk
 
 # --- kl: full, the exact KL over the vocabulary (TRL kl_penalty="full") ---------------------------
 def _moved_state_and_rollout(config):
-    from rlcore.loops.online import collect_rollout
+    from tests.loops.online_helpers import collect_rollout
     from rlcore.loops.recipe import load_splits
     from rlcore.loops.tasks import task_dataset
     state, tokenizer = ppo.build_state(config)

@@ -15,7 +15,7 @@ from rlcore.loops import cli
 from rlcore.loops.recipes import grpo
 from rlcore.loops.reward_fns import call_reward_fn, import_reward_fn
 from rlcore.loops.reward_fns import make_reward_fn
-from tests.loops.online_helpers import TINY
+from tests.loops.online_helpers import TINY, collect_rollout, updated_batches
 
 PROMPTS, COMPLETIONS, ANSWERS = ["1+1=", "2+2=", "3+3="], ["2", "5", " 6"], ["2", "4", "6"]
 
@@ -134,7 +134,6 @@ def test_bad_scores_are_clear_errors(out, message):
 def test_none_is_no_opinion_and_leaves_the_group_statistics():
     from rlcore import keys as K
     from rlcore.baselines import grpo_advantage
-    from rlcore.loops import online
     from rlcore.loops.online import build_online_state, prompt_source
     from rlcore.loops.recipe import load_splits
     from rlcore.loops.tasks import task_dataset
@@ -145,14 +144,13 @@ def test_none_is_no_opinion_and_leaves_the_group_statistics():
     config = grpo.Config(**TINY, steps=1, batch_size=2, num_samples=4, lr=1e-3)
     state, tokenizer = build_online_state(config)
     rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
-    seen = []
-    real = online.policy_loss_fn
+    seen, real = [], grpo.update
 
-    def spy(state, batch, **kw):
+    def spy(state, batch, loss_fn, **kw):  # the rollout grpo.learn's loss closure trains on
         seen.append(batch)
-        return real(state, batch, **kw)
+        return real(state, batch, loss_fn, **kw)
     import unittest.mock
-    with unittest.mock.patch.object(online, "policy_loss_fn", spy):
+    with unittest.mock.patch.object(grpo, "update", spy):
         new_state, metrics = grpo.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=judge)
     assert new_state.optimizer_steps == 1 and math.isfinite(float(metrics["loss"]))
     assert float(metrics["rollout/unscored"]) == 2.0
@@ -215,7 +213,7 @@ def test_evaluations_write_the_completions_table(tmp_path):
 
 
 def test_missing_eos_penalty_and_stop_tokens():
-    from rlcore.loops.online import build_online_state, collect_rollout, prompt_source
+    from rlcore.loops.online import build_online_state, prompt_source
     from rlcore.loops.recipe import load_splits
     from rlcore.loops.tasks import task_dataset
 
@@ -375,7 +373,6 @@ def test_a_stuck_reward_function_fails_the_grpo_step_by_name():
 
 # --- non-finite scores in a step: drop is "no opinion" -----------------------------------------------
 def _spied_step(config, reward_fn, monkeypatch, state_models=None):
-    from rlcore.loops import online
     from rlcore.loops.online import build_online_state, prompt_source
     from rlcore.loops.recipe import load_splits
     from rlcore.loops.tasks import task_dataset
@@ -383,12 +380,7 @@ def _spied_step(config, reward_fn, monkeypatch, state_models=None):
     if state_models:
         state = dataclasses.replace(state, models={**state.models, **state_models})
     rows = next(iter(prompt_source(load_splits(config, task_dataset)[0], config)(0)))
-    seen, real = [], online.policy_loss_fn
-
-    def spy(state, batch, **kw):
-        seen.append(batch)
-        return real(state, batch, **kw)
-    monkeypatch.setattr(online, "policy_loss_fn", spy)
+    seen = updated_batches(grpo, monkeypatch)
     new_state, metrics = grpo.step(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn)
     return new_state, metrics, seen[0]
 

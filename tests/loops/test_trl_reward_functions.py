@@ -13,7 +13,7 @@ from rlcore import keys as K
 from rlcore.loops.collect import generate_rollout
 from rlcore.loops.data import load_source
 from rlcore.loops.evaluate import evaluate_policy
-from rlcore.loops.online import build_online_state, score_collected
+from rlcore.loops.online import build_online_state, score_samples
 from rlcore.loops.recipes import grpo, rloo
 from tests.loops.online_helpers import TINY
 
@@ -152,7 +152,7 @@ def test_evaluation_scores_with_exactly_the_training_reward(weights, tmp_path, m
     tokenizer = build_online_state(config)[1]
     rollout = generate_rollout(state.model("policy"), tokenizer, rows["prompt"], do_sample=False, behaviour=None,
                                max_new_tokens=config.max_new_tokens, engine=config.engine, sampler=config.sampler)
-    _, trained = score_collected(state, rows, rollout, config=config, tokenizer=tokenizer, reward_fn=state.reward_fn,
+    _, trained = score_samples(state, rows, rollout, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer, reward_fn=state.reward_fn,
                                  num_samples=1)
     ids = [r[m].tolist() for r, m in zip(rollout[K.RESPONSE_IDS], rollout[K.RESPONSE_MASK])]
     expected = by_hand(tokenizer.batch_decode(ids, skip_special_tokens=True), ids, rows["answer"], weights)

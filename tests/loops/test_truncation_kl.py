@@ -7,7 +7,8 @@ import torch
 
 from rlcore import keys as K
 from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo
-from rlcore.loops.online import build_online_state, collect_rollout, prompt_source
+from rlcore.loops.online import build_online_state, prompt_source
+from tests.loops.online_helpers import collect_rollout
 from rlcore.loops.recipe import load_splits
 from rlcore.loops.tasks import task_dataset
 from tests.loops.online_helpers import TINY, digit_fraction

@@ -59,6 +59,14 @@ def _is_false(node: ast.AST | None) -> bool:
     return isinstance(node, ast.Constant) and node.value is False
 
 
+def _field_default(value: ast.expr | None) -> ast.expr | None:
+    """The default of a config field's value: ``x`` of ``setting(x, help=...)`` (``loops.settings``) or
+    of ``setting(default=x, ...)``, else the value itself."""
+    if isinstance(value, ast.Call) and _name(value.func).rsplit(".", 1)[-1] == "setting":
+        return value.args[0] if value.args else _kw(value, "default")
+    return value
+
+
 def scan(source: str, filename: str = "<source>") -> list[str]:
     """The unsafe constructs of one module's source, as ``file:line: what`` strings."""
     found = []
@@ -101,8 +109,14 @@ def scan(source: str, filename: str = "<source>") -> list[str]:
                 if arg.arg == "trust_remote_code" and not _is_false(default):
                     found.append(f"{where}: {node.name}(trust_remote_code=...) does not default to False")
         elif isinstance(node, ast.AnnAssign) and _name(node.target) == "trust_remote_code":
-            if not _is_false(node.value):
+            if not _is_false(_field_default(node.value)):
                 found.append(f"{where}: field trust_remote_code does not default to False")
+        elif isinstance(node, ast.ClassDef):  # class C(Section, defaults={"trust_remote_code": ...})
+            defaults = _kw(node, "defaults")
+            if isinstance(defaults, ast.Dict):
+                for key, value in zip(defaults.keys, defaults.values):
+                    if isinstance(key, ast.Constant) and key.value == "trust_remote_code" and not _is_false(value):
+                        found.append(f"{where}: {node.name} defaults trust_remote_code to something other than False")
     return found
 
 
@@ -146,9 +160,14 @@ def load3(name, *, trust_remote_code): ...
 @dataclass
 class Config:
     trust_remote_code: bool = True
+@dataclass
+class Section:
+    trust_remote_code: bool = setting(True, help="runs code")
+class Recipe(Section, defaults={"trust_remote_code": True}):
+    pass
 '''
     found = scan(bad)
-    assert len(found) == 19, "\n".join(found)
+    assert len(found) == 21, "\n".join(found)
     safe = '''
 import yaml, torch
 torch.load("x.pt", weights_only=True)
@@ -160,6 +179,10 @@ def load(name, *, trust_remote_code: bool = False): ...
 """eval( exec( pickle.load( in a docstring are fine"""
 class Config:
     trust_remote_code: bool = False
+class Section:
+    trust_remote_code: bool = setting(False, help="runs code shipped with a model")
+class Recipe(Section, defaults={"seed": 1}):
+    pass
 '''
     assert scan(safe) == []
 
