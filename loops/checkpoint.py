@@ -65,7 +65,7 @@ _OLD = re.compile(r"^\.old-(?P<name>checkpoint-(?P<step>\d+))-[0-9a-f]+$")  # se
 # ``.old-checkpoint-N-<hex>`` set aside by a re-save, ``.del-checkpoint-N-<hex>`` being deleted): the
 # only folders ``_prune`` deletes besides the checkpoints ``keep_last`` drops; any other name is left alone.
 SCRATCH_NAME = re.compile(r"^(?:\.tmp-step-\d+|\.old-checkpoint-\d+|\.del-checkpoint-\d+)-[0-9a-f]+$")
-_SPECIAL = ("models", "optimizer", "scheduler", "reward_fn")  # not stored as state: code, rebuilt by the run
+_SPECIAL = ("models", "optimizer", "scheduler", "reward_fn", "env")  # not stored as state: code, rebuilt by the run
 _MANIFEST_BYTES = 16 << 20  # a manifest lists files: names, sizes, hashes
 
 

@@ -75,7 +75,8 @@ def cat_rollouts(parts: Sequence[TensorDictBase], *, pad_id: int) -> TensorDict:
     if K.INPUT_IDS in keys:
         out[K.INPUT_IDS] = torch.cat([out[K.PROMPT_IDS], out[K.RESPONSE_IDS]], -1)
     if K.ATTENTION_MASK in keys:
-        out[K.ATTENTION_MASK] = torch.cat([out[K.PROMPT_MASK], out[K.RESPONSE_MASK]], -1)
+        attend = out[K.TRAJECTORY_MASK] if K.TRAJECTORY_MASK in out else out[K.RESPONSE_MASK]  # loops.episodes
+        out[K.ATTENTION_MASK] = torch.cat([out[K.PROMPT_MASK], attend], -1)
     return TensorDict(out, batch_size=[sum(p.batch_size[0] for p in parts)], device=parts[0].device)
 
 

@@ -30,6 +30,8 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 from rlcore.checks import MIN_DIVISOR
 from rlcore.loops.collect import check_length_range
 from rlcore.loops.engines import ENGINES, SAMPLERS
+from rlcore.loops.envs import resolve_env
+from rlcore.loops.tools import TOOL_CALL_FORMATS
 from rlcore.loops.reward_fns import NONFINITE_REWARDS
 from rlcore.loops.logging import check_trackers
 from rlcore.loops.settings import (AT_LEAST_0, DataSettings, LanguageModelSettings, ModelSettings, OptimSettings, Rule,
@@ -433,6 +435,26 @@ def _run_dir_fault(run_dir: str) -> str | None:
     return None
 
 
+def _agent_faults(config: Any) -> list[str]:
+    """What keeps a config's environment from running (``loops.envs.resolve_env``: an unknown built-in,
+    a factory or tool that does not import, a tool the chat template cannot show, both ``env`` and
+    ``tools``), an unknown ``tool_format``, and a ``length_sampler`` beside it (one budget per turn)."""
+    env, tools = getattr(config, "env", None), getattr(config, "tools", ())
+    if env is None and not tools:
+        return []
+    faults = []
+    if config.tool_format not in TOOL_CALL_FORMATS:
+        faults.append(f"tool_format: expected one of {sorted(TOOL_CALL_FORMATS)}, got {config.tool_format!r}")
+    try:
+        resolve_env(env, tools, tool_format=config.tool_format)
+    except (ValueError, TypeError) as e:
+        faults.append(str(e))
+    if getattr(config, "length_sampler", None) is not None:
+        faults.append("length_sampler: an episode's turns each take max_new_tokens; a length_sampler is for "
+                      "single-turn rollouts (env and tools unset)")
+    return faults
+
+
 def try_loss(loss: Callable[[Any], Any], batch: Any, *, fields: Mapping[str, str], where: str) -> None:
     """Run a recipe's bound loss (its settings bound) once on a tiny dummy ``batch``, so the loss's
     own argument checks (robust DPO's ``ε < 0.5``, a surrogate's temperatures...) refuse a setting
@@ -506,6 +528,7 @@ def check_config(config: Any) -> Any:
     if isinstance(run_dir := getattr(config, "run_dir", None), str) and run_dir and (fault := _run_dir_fault(run_dir)):
         faults.append(f"run_dir: {fault} (a run writes its checkpoints and metrics.jsonl into a folder); pick "
                       "another run_dir")
+    faults += _agent_faults(config)
     if getattr(config, "engine_options", None) and getattr(config, "engine", None) != "vllm":
         faults.append(f"engine_options: only for engine='vllm', got engine={config.engine!r}")
     every = getattr(config, "eval_every", None)

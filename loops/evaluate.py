@@ -18,7 +18,8 @@ from rlcore.loops.collect import generate_rollout
 from rlcore.loops.fold import to_floats
 from rlcore.loops.recipe import load_splits, policy_tokenizer, require_held_out
 from rlcore.loops.reward_fns import RewardFn, make_reward_fn, repeat_columns, reward_settings, trainer_state
-from rlcore.loops.score import score_rollout
+from rlcore.loops.episodes import sample_episodes
+from rlcore.loops.score import last_turn_ids, score_rollout
 from rlcore.loops.state import TrainState
 from rlcore.loops.tasks import exact_match, task_dataset
 from rlcore.masked import masked_sum
@@ -41,14 +42,21 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
                engine=config.engine, sampler=config.sampler, engine_options=config.engine_options)
     scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                    prompts=prompts, reward_columns=columns, **reward_settings(config))
-    greedy = generate_rollout(policy, tokenizer, prompts, do_sample=False, behaviour=None, **gen)
+
+    def generate(model, **kw):  # a response per prompt, or with the run's environment an episode (loops.episodes)
+        if state.env is None:
+            return generate_rollout(model, tokenizer, prompts, **gen, **kw)
+        return sample_episodes(model, tokenizer, rows, state.env, max_turns=config.max_turns,
+                               max_episode_tokens=config.max_episode_tokens,
+                               **{k: v for k, v in {**gen, **kw}.items() if k != "behaviour"})
+
+    greedy = generate(policy, do_sample=False, behaviour=None)
     reward, ref_reward = score_rollout(greedy, **scoring)[K.SCORE], reference_scores
     if ref_reward is None:
-        reference = generate_rollout(state.model("ref"), tokenizer, prompts, do_sample=False, behaviour=None,
-                                     **gen).to(greedy.device)  # a reference on ref_device answers there
+        reference = generate(state.model("ref"), do_sample=False,
+                             behaviour=None).to(greedy.device)  # a reference on ref_device answers there
         ref_reward = score_rollout(reference, **scoring)[K.SCORE]
-    texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(greedy[K.RESPONSE_IDS], greedy[K.RESPONSE_MASK])],
-                                   skip_special_tokens=True)
+    texts = tokenizer.batch_decode(last_turn_ids(greedy), skip_special_tokens=True)
     out = {"reward": reward, "response_length": greedy[K.RESPONSE_MASK].sum(-1).float(), "_completions": texts,
            "_reference_scores": ref_reward,
            # win-rate against the reference policy, greedy both: 1 per win, ½ per tie; NaN (left out) unscored
@@ -57,8 +65,7 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     if "answer" in columns:
         out["exact_match"] = score_rollout(greedy, reward_fn=_exact_match_reward, tokenizer=tokenizer,
                                            reward_columns={"answer": columns["answer"]})[K.SCORE]
-    sampled = generate_rollout(policy, tokenizer, prompts, temperature=config.temperature, top_k=config.top_k,
-                               top_p=config.top_p, **gen)
+    sampled = generate(policy, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     sampled = score_rollout(sampled, ref=state.model("ref"), temperature=config.temperature, **scoring)
     kl = kl_estimate(sampled[K.OLD_LOGPROBS], sampled[K.REF_LOGPROBS], "k1")
     out["sampled_reward"] = sampled[K.SCORE]

@@ -92,8 +92,9 @@ def _with_response_mask(rollout: TensorDictBase, mask: torch.Tensor, **more: tor
     """A shallow copy with ``response_mask`` (and the stored sequences' ``attention_mask``, which
     follows it) replaced, and ``more`` keys set."""
     new = {K.RESPONSE_MASK: mask, **more}
-    if K.ATTENTION_MASK in rollout.keys():
-        new[K.ATTENTION_MASK] = torch.cat([rollout[K.PROMPT_MASK], mask], -1)
+    if K.ATTENTION_MASK in rollout.keys():  # a multi-turn rollout keeps attending to its whole trajectory
+        attend = rollout[K.TRAJECTORY_MASK] if K.TRAJECTORY_MASK in rollout.keys() else mask
+        new[K.ATTENTION_MASK] = torch.cat([rollout[K.PROMPT_MASK], attend], -1)
     return rollout.copy().update(new)
 
 

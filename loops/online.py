@@ -59,8 +59,11 @@ from rlcore.kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.data import row_origin
+from rlcore.loops.envs import EnvFactory, resolve_env
+from rlcore.loops.episodes import sample_episodes
 from rlcore.loops.config import RunConfig, loading_kwargs
-from rlcore.loops.settings import GenerationSettings, ReferenceSettings, RewardSettings, RolloutSettings
+from rlcore.loops.settings import (AgentSettings, GenerationSettings, ReferenceSettings, RewardSettings,
+                                   RolloutSettings)
 from rlcore.loops.filters import exclude_unscored, prompt_refill
 from rlcore.loops.tokenization import check_context, check_text, model_context, text_window, tokenize_example
 from rlcore.loops.evaluate import evaluate_policy
@@ -84,7 +87,7 @@ Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineConfig(RolloutSettings, GenerationSettings, RewardSettings, ReferenceSettings, RunConfig,
+class OnlineConfig(RolloutSettings, AgentSettings, GenerationSettings, RewardSettings, ReferenceSettings, RunConfig,
                    defaults={"batch_size": 8, "lr": 1e-5}):
     """The sections every online recipe has beyond ``RunConfig``'s: the reference, the rewards,
     generation and how a rollout is learned from (``loops.settings``); ``batch_size`` counts prompts
@@ -218,28 +221,45 @@ def generate_kwargs(generation: GenerationSettings, *, max_prompt_length: int | 
                 length_sampler=g.length_sampler, rows_per_call=g.generation_batch_size)
 
 
-def sample(state: TrainState, prompts: Sequence, *, generation: GenerationSettings, tokenizer,
-           max_prompt_length: int | None = None, num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
-    """``G`` responses per prompt from the state's policy: ``(state, rollout)``.
+def sample(state: TrainState, rows: Mapping[str, Sequence], *, generation: GenerationSettings, tokenizer,
+           max_prompt_length: int | None = None, num_samples: int | None = None,
+           agent: AgentSettings | None = None) -> tuple[TrainState, TensorDict]:
+    """``G`` responses (or, with an environment, episodes) per prompt from the state's policy:
+    ``(state, rollout)``.
 
     The step's one seed draw (``draw_seed`` on a copy of ``state.rng``, which the returned state
-    carries on), then ``generate_in_chunks(policy, ..., seed=)`` with :func:`generate_kwargs`.
-    Behaviour log-probs (``old_logprobs``) come from generation itself.
+    carries on), then ``generate_in_chunks(policy, ..., seed=)`` with :func:`generate_kwargs`; with
+    ``state.env`` (the run's environment factory) ``loops.episodes.sample_episodes`` instead, each
+    turn sampled as generation samples a response, for ``agent.max_turns`` turns and
+    ``agent.max_episode_tokens`` tokens. Behaviour log-probs (``old_logprobs``) come from generation itself.
 
     Args:
-        prompts: ``P`` prompts (text or conversations).
+        rows: ``P`` rows of columns with ``prompt`` (text or conversations; an environment's
+            ``reset`` reads the whole row).
         num_samples: ``G`` (default ``generation.num_samples``).
     Returns:
-        The state with its generator advanced, and the unscored rollout ``[B = P·G]`` (``loops.collect``).
+        The state with its generator advanced, and the unscored rollout ``[B = P·G]`` (``loops.collect``,
+        ``loops.episodes``).
     """
     rng = copy_generator(state.rng)
     seed = draw_seed(rng)
     kwargs = generate_kwargs(generation, max_prompt_length=max_prompt_length)
     if num_samples is not None:
         kwargs["num_samples"] = num_samples
-    rollout = generate_in_chunks(state.model("policy"), tokenizer, list(prompts), **kwargs, seed=seed,
-                                 policy_version=state.policy_version)
+    if state.env is None:
+        rollout = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]), **kwargs, seed=seed,
+                                     policy_version=state.policy_version)
+    else:
+        turns = dict(max_turns=agent.max_turns, max_episode_tokens=agent.max_episode_tokens) if agent else {}
+        rollout = sample_episodes(state.model("policy"), tokenizer, rows, state.env, seed=seed,
+                                  policy_version=state.policy_version, **_episode_kwargs(kwargs), **turns)
     return dataclasses.replace(state, rng=rng), rollout
+
+
+def _episode_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`generate_kwargs` as ``sample_episodes`` takes them: one budget per turn (a ``length_sampler``
+    draw is not made per turn), every episode in one call."""
+    return {k: v for k, v in kwargs.items() if k not in ("length_sampler", "rows_per_call")}
 
 
 def replay_seed_draw(state: TrainState) -> TrainState:
@@ -428,6 +448,11 @@ def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:
     out.update(length_metrics(mask, rollout.get(K.TRUNCATED, None), scored))
     if K.REWARD_TERMS in rollout.keys():
         out.update(reward_term_metrics(rollout[K.REWARD_TERMS]))
+    if K.TURNS in rollout.keys():  # multi-turn episodes (loops.episodes)
+        out["rollout/turns"] = rollout[K.TURNS][scored].to(score.dtype).mean() if score.numel() else torch.zeros(())
+        trajectory = rollout[K.TRAJECTORY_MASK][scored]
+        out["rollout/env_tokens"] = (trajectory & ~mask[scored]).sum(-1).to(score.dtype).mean() \
+            if score.numel() else torch.zeros(())
     return out
 
 
@@ -504,7 +529,7 @@ LIVE = ("rollout/score", "eval/reward", "eval/exact_match", "rollout/kl_ref", "r
 
 def train_online(config: Any, build_state: Callable[[Any], tuple[TrainState, Any]],
                  step: Callable[..., tuple[TrainState, Any]], *, reward_fn: RewardFn | None = None,
-                 name: str | None = None, callbacks: Sequence[Callable] = (),
+                 env: EnvFactory | None = None, name: str | None = None, callbacks: Sequence[Callable] = (),
                  save_models: Sequence[str] | None = None) -> tuple[TrainState, list[dict[str, float]]]:
     """Run an online recipe: ``run(step, state, prompt_source(train), eval_fn=evaluate_policy)``.
 
@@ -514,7 +539,10 @@ def train_online(config: Any, build_state: Callable[[Any], tuple[TrainState, Any
     the step scores with it and evaluation (during the run, and ``evaluate(state, config)`` on the
     returned state) scores with it too; ``step(state, rows, *, config,
     tokenizer, reward_fn) -> (state, metrics)`` is the recipe's step, bound here with
-    ``functools.partial``. ``callbacks`` run first after each step (``run``'s extra callbacks);
+    ``functools.partial``. The environment of multi-turn episodes (``env``, a factory, else the
+    config's ``env`` / ``tools``: ``loops.envs.resolve_env``) is kept in the state too
+    (``state.env``), so the step and evaluation both play episodes with it.
+    ``callbacks`` run first after each step (``run``'s extra callbacks);
     ``save_models`` names the frozen models a checkpoint keeps too (``run``).
 
     Returns:
@@ -525,7 +553,8 @@ def train_online(config: Any, build_state: Callable[[Any], tuple[TrainState, Any
     reward = make_reward_fn(config, reward_fn)
     check_prompt_data(reward, train=train_ds, held_out=eval_ds)  # before any model is built
     state, tokenizer = build_state(config)
-    state = dataclasses.replace(state, reward_fn=reward)  # built once: training and evaluation score with it
+    make_env = env if env is not None else resolve_env(config.env, config.tools, tool_format=config.tool_format)
+    state = dataclasses.replace(state, reward_fn=reward, env=make_env)  # built once: training and evaluation use them
     check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)
     refill = {"refill": prompt_refill(train_ds, config)} if getattr(config, "dynamic_sampling", False) else {}
     bound = functools.partial(step, config=config, tokenizer=tokenizer, reward_fn=reward, **refill)

@@ -31,7 +31,8 @@ from rlcore.loops.lora import linear_weights
 from rlcore.loops.models import model_device, position_ids_from_mask, reward_model_scores, trunk_hidden
 from rlcore.loops.reward_fns import as_completions, call_reward_terms, check_finite_scores
 
-__all__ = ["token_logprobs_from_model", "full_kl_from_models", "sequences", "score_rollout", "score_sequences",
+__all__ = ["token_logprobs_from_model", "full_kl_from_models", "response_attention", "last_turn_ids", "sequences",
+           "score_rollout", "score_sequences",
            "concatenated_forward", "precompute_reference_logps", "TOP1", "MEAN_LOGIT", "STAT_KEYS"]
 
 # the per-token diagnostics ``score_sequences(..., with_stats=True)`` adds beside the log-probs
@@ -187,16 +188,36 @@ def full_kl_from_models(policy: nn.Module, ref: nn.Module, rollout: TensorDictBa
 
 
 # --- rollouts --------------------------------------------------------------------------------
+def response_attention(rollout: TensorDictBase) -> torch.Tensor:
+    """What a rollout's model attends to in its response region ``[B, R]``: the ``trajectory_mask`` of a
+    multi-turn rollout (the model's and the environment's tokens), else the ``response_mask``."""
+    return rollout[K.TRAJECTORY_MASK] if K.TRAJECTORY_MASK in rollout.keys() else rollout[K.RESPONSE_MASK]
+
+
+def last_turn_ids(rollout: TensorDictBase) -> list[list[int]]:
+    """Each row's tokens of its last assistant turn (the answer a task reward grades): the
+    ``response_mask`` tokens of the highest ``turn_ids``; a single-turn rollout's whole response."""
+    mask = rollout[K.RESPONSE_MASK]
+    ids = rollout[K.RESPONSE_IDS]
+    if K.TURN_IDS not in rollout.keys():
+        return [row[m].tolist() for row, m in zip(ids, mask)]
+    turns = torch.where(mask, rollout[K.TURN_IDS], torch.full_like(rollout[K.TURN_IDS], -1))
+    last = turns.max(-1, keepdim=True).values
+    keep = mask & (turns == last)
+    return [row[m].tolist() for row, m in zip(ids, keep)]
+
+
 def sequences(rollout: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
     """A rollout as model input: ``[prompt (left padded) | response (right padded)]`` ids and bool
     mask ``[B, P+R]``. ``score_rollout`` concatenates them once per step and stores them as
     ``input_ids`` / ``attention_mask``; every later forward of the step (the policy's log-probs in
     each micro-batch, the critic, the full KL) reads those. A rollout not yet scored gets the
-    concatenation."""
+    concatenation; a multi-turn rollout attends to the environment's tokens too (``trajectory_mask``,
+    ``response_attention``), while its ``response_mask`` keeps to the model's."""
     if K.INPUT_IDS in rollout.keys():
         return rollout[K.INPUT_IDS], rollout[K.ATTENTION_MASK]
     return (torch.cat([rollout[K.PROMPT_IDS], rollout[K.RESPONSE_IDS]], -1),
-            torch.cat([rollout[K.PROMPT_MASK], rollout[K.RESPONSE_MASK]], -1))
+            torch.cat([rollout[K.PROMPT_MASK], response_attention(rollout)], -1))
 
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
@@ -322,13 +343,19 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
                 prompts = _decode(tokenizer, rollout[K.PROMPT_IDS], prompt_mask)
             elif len(prompts) != rollout.batch_size[0]:
                 raise ValueError(f"prompts: expected one per rollout row ({rollout.batch_size[0]}), got {len(prompts)}")
-            completion_ids = [row[m].tolist() for row, m in zip(rollout[K.RESPONSE_IDS], response_mask)]
+            completion_ids = last_turn_ids(rollout)  # a multi-turn episode's answer: its last assistant turn
             completions = as_completions(prompts, tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
+            columns = {**(reward_columns or {}), "completion_ids": completion_ids}
+            if K.TRAJECTORY_MASK in rollout.keys():  # the whole episode, the environment's turns included
+                columns["trajectories"] = _decode(tokenizer, rollout[K.RESPONSE_IDS], rollout[K.TRAJECTORY_MASK])
             total, by_fn = call_reward_terms(reward_fn, list(prompts), completions, reward_timeout=reward_timeout,
-                                             nonfinite_rewards=nonfinite_rewards,
-                                             **{**(reward_columns or {}), "completion_ids": completion_ids})
+                                             nonfinite_rewards=nonfinite_rewards, **columns)
             scores.append(total.to(ids.device))
             terms.update({name: v.to(ids.device) for name, v in by_fn.items() if name not in terms})
+        if K.ENV_REWARD in rollout.keys():  # the environment's rewards of the episode
+            scores.append(check_finite_scores(_at_least_fp32(rollout[K.ENV_REWARD]), "the environment",
+                                              nonfinite_rewards=nonfinite_rewards))
+            terms["env"] = scores[-1]
         if scores:
             new[K.SCORE] = torch.stack(scores).sum(0)
             new[K.REWARD_TERMS] = TensorDict(terms, batch_size=rollout.batch_size, device=rollout.device)

@@ -31,7 +31,8 @@ __all__ = ["Rule", "AT_LEAST_1", "AT_LEAST_0", "POSITIVE", "UNIT", "OPEN_UNIT", 
            "declared", "field_rule", "is_divisor", "field_help", "field_units", "describe",
            "RunSettings", "ModelSettings", "LanguageModelSettings", "DataSettings", "OptimSettings",
            "TruncationSettings", "DropoutSettings", "ChunkSettings", "AggregationSettings", "ReferenceSettings",
-           "RewardModelSettings", "RewardSettings", "BudgetSettings", "GenerationSettings", "RolloutSettings",
+           "RewardModelSettings", "RewardSettings", "BudgetSettings", "GenerationSettings", "AgentSettings",
+           "RolloutSettings",
            "LossTypeSettings", "KLSettings", "ClipSettings", "check_clip_range", "GroupSettings", "PreferenceSettings"]
 
 
@@ -322,6 +323,23 @@ class GenerationSettings(BudgetSettings):
                                                            "num_samples (None: all)", range=AT_LEAST_1)
     forward_batch_size: int | None = setting(None, help="rows per no-grad scoring forward: reference, values, "
                                                         "reward model (None: all)", range=AT_LEAST_1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSettings(Section):
+    """Multi-turn rollouts against an environment (``loops.envs``, ``loops.episodes``): off unless
+    ``env`` or ``tools`` is given."""
+
+    env: str | None = setting(None, help="the environment of each episode: a built-in (calculator, lookup, python) or "
+                                         "package.module:factory (None: single-turn rollouts)")
+    tools: tuple[str, ...] = setting((), help="package.module:function tools the model may call (a ToolEnv of "
+                                              "them; give tools or env)")
+    tool_format: str = setting("qwen", help="how the model writes a tool call (loops.tools.TOOL_CALL_FORMATS: "
+                                            "qwen, llama3)")
+    max_turns: int = setting(4, help="assistant turns of an episode", range=AT_LEAST_1)
+    max_episode_tokens: int | None = setting(None, help="tokens of a whole trajectory, the model's and the "
+                                                        "environment's (None: the model's context less the prompt)",
+                                             units="tokens", range=AT_LEAST_1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,6 +61,9 @@ class TrainState:
             ``train(..., reward_fn=)``), which evaluation scores with, exactly as training does;
             ``None``: none given (a reward model alone, or a state built outside ``train``). Not
             checkpointed: a resumed run builds it again.
+        env: the run's environment factory (``loops.envs``), with which the online recipes sample
+            multi-turn episodes (``loops.episodes``); ``None``: single-turn rollouts. Not
+            checkpointed, as ``reward_fn``.
     """
 
     models: Mapping[str, nn.Module] = dataclasses.field(default_factory=dict)
@@ -76,6 +79,7 @@ class TrainState:
     policy_version: int = 0
     skipped_steps: int = 0
     reward_fn: Any = None
+    env: Any = None
 
     def model(self, name: str = "policy") -> nn.Module:
         """``self.models[name]``; a ``KeyError`` listing the model names otherwise."""

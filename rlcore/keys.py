@@ -77,6 +77,10 @@ TRUNCATED = "truncated"  # [B] bool, the response reached the token budget with 
 ENTROPY = "entropy"
 KL = "kl"  # [B, R] float, per-token KL estimate behind the reward penalty (rlcore.rewards)
 FULL_KL = "full_kl"  # [B, R] float, exact KL(π‖π_ref) over the vocabulary at each response token (PPO kl="full")
+TRAJECTORY_MASK = "trajectory_mask"  # [B, R] bool, every real token of a multi-turn trajectory: the model's and the environment's
+TURN_IDS = "turn_ids"  # [B, R] long, the turn each trajectory token belongs to (loops.episodes)
+TURNS = "turns"  # [B] long, assistant turns of an episode
+ENV_REWARD = "env_reward"  # [B] float, the environment's rewards of an episode, summed
 REWARD_TERMS = "reward_terms"  # {name: [B] float}, each reward function's (or model's) unweighted score, NaN: no opinion
 
 # --- sequences (SFT, preference pairs, reward modelling) ------------------------------------

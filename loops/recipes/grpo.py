@@ -141,9 +141,11 @@ def dummy_rollout() -> TensorDict:
     return batch.update({K.ADVANTAGES: ones, K.RETURNS: ones, K.ENTROPY: ones})
 
 
-def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
-    """Train with GRPO from ``config``; ``reward_fn`` overrides the task reward. Returns ``(state, history)``."""
-    return train_online(config, build_state, step, reward_fn=reward_fn, name="grpo", callbacks=callbacks)
+def train(config: Config, *, reward_fn=None, env=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Train with GRPO from ``config``; ``reward_fn`` overrides the task reward, ``env`` (an environment
+    factory, ``loops.envs``) the config's ``env`` / ``tools``. Returns ``(state, history)``."""
+    return train_online(config, build_state, step, reward_fn=reward_fn, env=env, name="grpo",
+                        callbacks=callbacks)
 
 
 def grpo_loss_fn(config: Config):
@@ -182,8 +184,8 @@ def collect_groups(state: TrainState, rows: dict, *, config: OnlineConfig, token
 
     def collect(state: TrainState, rows: dict) -> tuple[TrainState, TensorDict]:
         # generate: G responses per prompt (max_new_tokens, temperature, top_k, top_p), seeded by state.rng
-        state, rollout = sample(state, rows["prompt"], generation=c, tokenizer=tokenizer,
-                                max_prompt_length=c.max_prompt_length)
+        state, rollout = sample(state, rows, generation=c, tokenizer=tokenizer,
+                                max_prompt_length=c.max_prompt_length, agent=c)
         # score: reward_fn (+ reward_model) -> score; the reference's log-probs when `reference`
         return score_samples(state, rows, rollout, generation=c, rewards=c, tokenizer=tokenizer, reward_fn=reward_fn,
                              total_steps=c.steps, reference=reference)

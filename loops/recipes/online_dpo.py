@@ -81,11 +81,11 @@ class Config(PreferenceSettings, ChunkSettings, LossTypeSettings, OnlineConfig,
         try_bound_loss(self)
 
 
-def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
-    """Train with online DPO from ``config``; ``reward_fn`` overrides the task reward (the judge).
-    Returns ``(state, history)``."""
-    return train_online(config, build_state, step, reward_fn=reward_fn, name="online_dpo", callbacks=callbacks,
-                        save_models=reference_models(config))
+def train(config: Config, *, reward_fn=None, env=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Train with online DPO from ``config``; ``reward_fn`` overrides the task reward (the judge), ``env``
+    the config's environment. Returns ``(state, history)``."""
+    return train_online(config, build_state, step, reward_fn=reward_fn, env=env, name="online_dpo",
+                        callbacks=callbacks, save_models=reference_models(config))
 
 
 def build_state(config: Config) -> tuple[TrainState, Any]:
@@ -99,8 +99,8 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn)
     get theirs, at temperature 1, in :func:`learn`) → :func:`learn` (impure: trains)."""
     c = config
     # generate: G = num_samples responses per prompt (max_new_tokens, temperature, top_k, top_p), seeded by state.rng
-    state, rollout = sample(state, rows["prompt"], generation=c, tokenizer=tokenizer,
-                            max_prompt_length=c.max_prompt_length)
+    state, rollout = sample(state, rows, generation=c, tokenizer=tokenizer,
+                            max_prompt_length=c.max_prompt_length, agent=c)
     # score: the judge (reward_fn and / or reward_model) -> score
     state, rollout = score_samples(state, rows, rollout, generation=c, rewards=c, tokenizer=tokenizer,
                                    reward_fn=reward_fn, total_steps=c.steps, reference=False)

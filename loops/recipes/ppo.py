@@ -133,9 +133,11 @@ def ratio_level(config: Config) -> str:
     return "token"
 
 
-def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
-    """Train with PPO from ``config``; ``reward_fn`` overrides the task reward. Returns ``(state, history)``."""
-    return train_online(config, build_state, step, reward_fn=reward_fn, name="ppo", callbacks=callbacks)
+def train(config: Config, *, reward_fn=None, env=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Train with PPO from ``config``; ``reward_fn`` overrides the task reward, ``env`` (an environment
+    factory, ``loops.envs``) the config's ``env`` / ``tools``. Returns ``(state, history)``."""
+    return train_online(config, build_state, step, reward_fn=reward_fn, env=env, name="ppo",
+                        callbacks=callbacks)
 
 
 # --- the critic ----------------------------------------------------------------------------------
@@ -251,8 +253,8 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn)
     """One PPO step on a batch of prompts: generate → score (with the critic's values) → :func:`learn` (impure)."""
     c = config
     # generate: num_samples responses per prompt (max_new_tokens, temperature, top_k, top_p), seeded by state.rng
-    state, rollout = sample(state, rows["prompt"], generation=c, tokenizer=tokenizer,
-                            max_prompt_length=c.max_prompt_length)
+    state, rollout = sample(state, rows, generation=c, tokenizer=tokenizer,
+                            max_prompt_length=c.max_prompt_length, agent=c)
     # score: reward_fn (+ reward_model) -> score, the reference's log-probs, the critic's values
     state, rollout = score_samples(state, rows, rollout, generation=c, rewards=c, tokenizer=tokenizer,
                                    reward_fn=reward_fn, total_steps=c.steps, reference=True)

@@ -80,9 +80,11 @@ class Config(GroupSettings, ClipSettings, KLSettings, OnlineConfig,
                                                               "clip_eps_high": "clip_eps_high"}, where="rloo_loss")
 
 
-def train(config: Config, *, reward_fn=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
-    """Train with RLOO from ``config``; ``reward_fn`` overrides the task reward. Returns ``(state, history)``."""
-    return train_online(config, build_state, step, reward_fn=reward_fn, name="rloo", callbacks=callbacks)
+def train(config: Config, *, reward_fn=None, env=None, callbacks=()) -> tuple[TrainState, list[dict[str, float]]]:
+    """Train with RLOO from ``config``; ``reward_fn`` overrides the task reward, ``env`` (an environment
+    factory, ``loops.envs``) the config's ``env`` / ``tools``. Returns ``(state, history)``."""
+    return train_online(config, build_state, step, reward_fn=reward_fn, env=env, name="rloo",
+                        callbacks=callbacks)
 
 
 def ratio_level(config: Config) -> str:

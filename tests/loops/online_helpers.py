@@ -9,8 +9,8 @@ def collect_rollout(state, rows, *, config, tokenizer, reward_fn, reference=True
     """``online.sample`` then ``online.score_samples``, as the online recipes' steps write them out."""
     from rlcore.loops.online import sample, score_samples
 
-    state, rollout = sample(state, rows["prompt"], generation=config, tokenizer=tokenizer,
-                            max_prompt_length=config.max_prompt_length, num_samples=num_samples)
+    state, rollout = sample(state, rows, generation=config, tokenizer=tokenizer,
+                            max_prompt_length=config.max_prompt_length, num_samples=num_samples, agent=config)
     return score_samples(state, rows, rollout, generation=config, rewards=config, tokenizer=tokenizer,
                          reward_fn=reward_fn, total_steps=config.steps, num_samples=num_samples, reference=reference)
 

@@ -1,0 +1,228 @@
+"""Multi-turn rollouts: the model and an environment take turns until the episode ends.
+
+:func:`sample_episodes` runs ``P·G`` episodes at once, one environment each (``loops.envs``):
+
+1. ``env.reset(row)`` gives the opening conversation, rendered by the chat template (with the
+   environment's tool schemas) into the prompt;
+2. each turn, every running episode's context (prompt and trajectory so far) is extended by one
+   assistant turn from the policy (``loops.collect.generate_rollout``: the chosen engine, one seed
+   per turn drawn from the episode seed); the assistant text goes to ``env.step`` (every episode's
+   environment in a thread pool, so one slow tool overlaps the others), and the environment's
+   messages, rendered as the chat template continues the conversation, join the context;
+3. an episode ends when its environment says so, at ``max_turns`` assistant turns, or when its
+   trajectory would pass ``max_episode_tokens`` (or the model's context): then it is ``truncated``.
+
+The rollout has the single-turn layout plus what locates the turns. ``response_ids`` is the whole
+trajectory after the prompt; ``response_mask`` marks the model's own tokens, the only ones the
+policy loss, the KL and the entropy see (and ``old_logprobs`` are 0 elsewhere);
+``trajectory_mask`` marks every real token, the model's and the environment's, which is what the
+model attends to when log-probs are recomputed over the whole trajectory in one forward
+(``loops.score.sequences``, ``loops.score.response_attention``). ``turn_ids`` numbers each trajectory token's turn, ``turns`` counts
+the assistant turns and ``env_reward`` sums the environment's rewards (per turn, and
+``final_reward()`` when the environment has it), which scoring adds to the score.
+
+Each turn's context is encoded again (one prefill of the whole history per turn); a turn-level KV
+cache kept across environment steps is not offered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from rlcore import keys as K
+from rlcore.loops.collate import pad_sequences
+from rlcore.loops.collect import draw_seed, generate_rollout
+from rlcore.loops.envs import EnvFactory, EnvStep
+from rlcore.loops.models import pad_token_id
+from rlcore.loops.tokenization import model_context
+
+__all__ = ["sample_episodes", "render_opening", "render_continuation", "MAX_ENV_WORKERS"]
+
+MAX_ENV_WORKERS = 16
+"""Threads stepping environments at once."""
+
+
+def _template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _schemas(env: Any) -> list[dict] | None:
+    schemas = getattr(env, "schemas", None)
+    return schemas() if callable(schemas) else None
+
+
+def render_opening(tokenizer, messages: Sequence[Mapping[str, Any]], tools: list[dict] | None = None) -> str:
+    """The prompt text of an opening conversation: the chat template's rendering with the generation
+    prompt (and the tool schemas), or, for a tokenizer without one, the messages' contents, one per line."""
+    if _template(tokenizer):
+        return tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=False, add_generation_prompt=True)
+    return "\n".join(str(m.get("content", "")) for m in messages)
+
+
+def render_continuation(tokenizer, conversation: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]],
+                        tools: list[dict] | None = None) -> str:
+    """The text the environment's ``new`` messages add after ``conversation`` (which ends with the
+    model's turn), up to the next assistant turn's start: the chat template's rendering of the
+    longer conversation less that of the shorter one. A template that does not render the
+    conversation as a prefix of its continuation, or no template, gives the messages one per line
+    in a plain ``role: content`` form."""
+    if _template(tokenizer):
+        before = tokenizer.apply_chat_template(list(conversation), tools=tools, tokenize=False)
+        after = tokenizer.apply_chat_template([*conversation, *new], tools=tools, tokenize=False,
+                                              add_generation_prompt=True)
+        if after.startswith(before):
+            return after[len(before):]
+    return "".join(f"\n{m.get('role', 'tool')}: {m.get('content', '')}" for m in new) + "\n"
+
+
+def _step_all(envs: Sequence[Any], texts: Mapping[int, str], workers: int) -> dict[int, EnvStep]:
+    """``env.step(text)`` of every running episode, concurrently; an environment that raises or answers
+    with something other than an ``EnvStep`` stops the run naming the episode."""
+    def one(i: int) -> EnvStep:
+        try:
+            out = envs[i].step(texts[i])
+        except Exception as e:
+            raise RuntimeError(f"env: {type(envs[i]).__name__}.step raised {type(e).__name__}: {e} "
+                               f"(episode {i}); an environment answers any text, a tool's failure being a "
+                               "message the model reads") from e
+        if not isinstance(out, EnvStep):
+            raise TypeError(f"env: {type(envs[i]).__name__}.step returned {type(out).__name__}, expected EnvStep "
+                            f"(episode {i})")
+        return out
+    if len(texts) <= 1 or workers <= 1:
+        return {i: one(i) for i in texts}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(texts))) as pool:
+        futures = {i: pool.submit(one, i) for i in texts}
+        return {i: f.result() for i, f in futures.items()}
+
+
+def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], make_env: EnvFactory, *,
+                    num_samples: int = 1, max_new_tokens: int = 64, max_turns: int = 4,
+                    max_episode_tokens: int | None = None, max_prompt_length: int | None = None,
+                    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                    stop_token_ids: Sequence[int] = (), engine: str = "loop", sampler: str = "inverse_cdf",
+                    engine_options: Mapping[str, Any] | None = None, seed: int | None = None,
+                    policy_version: int | None = None, do_sample: bool = True,
+                    workers: int = MAX_ENV_WORKERS) -> TensorDict:
+    """``G = num_samples`` episodes per row of ``rows`` (dict of columns with ``prompt``) against
+    environments from ``make_env``, as one rollout ``[B = P·G]`` (the layout is the module's docstring's).
+
+    Args:
+        max_new_tokens: tokens of one assistant turn.
+        max_turns: assistant turns of an episode.
+        max_episode_tokens: tokens of a whole trajectory, the model's and the environment's (``None``:
+            the model's context less the prompt).
+        max_prompt_length: keep the last tokens of a longer opening.
+        seed: the episode seed; each turn samples with a seed drawn from it (the same seed, the same
+            episodes).
+    Returns:
+        The rollout on the model's device: ``prompt_ids`` / ``prompt_mask`` ``[B, P]``, ``response_ids``,
+        ``response_mask``, ``trajectory_mask``, ``old_logprobs``, ``turn_ids`` ``[B, R]``, ``group_id``,
+        ``truncated``, ``turns``, ``env_reward`` ``[B]`` (and ``policy_version``).
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns: expected >= 1, got {max_turns}")
+    prompts = list(rows["prompt"])
+    columns = {k: list(v) for k, v in rows.items()}
+    B = len(prompts) * num_samples
+    envs = [make_env() for _ in range(B)]
+    pad = pad_token_id(tokenizer)
+    device = next(model.parameters()).device
+    openings, tools, prompt_ids = [], [], []
+    for b, env in enumerate(envs):
+        row = {k: v[b // num_samples] for k, v in columns.items()}
+        messages = [dict(m) for m in env.reset(row)]
+        openings.append(messages)
+        tools.append(_schemas(env))
+        ids = tokenizer(render_opening(tokenizer, messages, tools[-1]), add_special_tokens=not _template(tokenizer))[
+            "input_ids"]
+        prompt_ids.append(ids[-max_prompt_length:] if max_prompt_length else ids)
+    context = model_context(model)
+    caps = [min(max_episode_tokens or 2 ** 62, (context - len(p)) if context else 2 ** 62) for p in prompt_ids]
+    traj: list[list[int]] = [[] for _ in range(B)]
+    own: list[list[bool]] = [[] for _ in range(B)]
+    logprobs: list[list[float]] = [[] for _ in range(B)]
+    turn_of: list[list[int]] = [[] for _ in range(B)]
+    conversations = [list(m) for m in openings]
+    rewards = [0.0] * B
+    turns = [0] * B
+    done = [False] * B
+    truncated = [False] * B
+    turn_seeds = None if seed is None else torch.Generator().manual_seed(seed)
+    for turn in range(max_turns):
+        running = [b for b in range(B) if not done[b]]
+        budgets = {b: min(max_new_tokens, caps[b] - len(traj[b])) for b in running}
+        for b in [b for b in running if budgets[b] < 1]:
+            done[b], truncated[b] = True, True
+        running = [b for b in running if not done[b]]
+        if not running:
+            break
+        ids, mask = pad_sequences([prompt_ids[b] + traj[b] for b in running], side="left", pad_value=pad)
+        contexts = TensorDict({K.PROMPT_IDS: ids, K.PROMPT_MASK: mask}, batch_size=[len(running)]).to(device)
+        out = generate_rollout(model, tokenizer, contexts, max_new_tokens=max(budgets[b] for b in running),
+                               temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
+                               seed=None if turn_seeds is None else draw_seed(turn_seeds), engine=engine, sampler=sampler,
+                               engine_options=engine_options, do_sample=do_sample)
+        texts = {}
+        for j, b in enumerate(running):
+            m = out[K.RESPONSE_MASK][j]
+            new = out[K.RESPONSE_IDS][j][m].tolist()[:budgets[b]]
+            lp = out[K.OLD_LOGPROBS][j][m].tolist()[:budgets[b]]
+            cut = bool(out[K.TRUNCATED][j]) or len(new) < int(m.sum())
+            traj[b] += new
+            own[b] += [True] * len(new)
+            logprobs[b] += lp
+            turn_of[b] += [turn] * len(new)
+            turns[b] += 1
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            conversations[b].append({"role": "assistant", "content": text})
+            if cut:  # the turn ran out of tokens: no complete answer to give the environment
+                done[b], truncated[b] = True, True
+            else:
+                texts[b] = text
+        steps = _step_all(envs, texts, workers)
+        for b, step in steps.items():
+            rewards[b] += float(step.reward or 0.0)
+            if step.done or turn == max_turns - 1 or not step.messages:
+                done[b] = True
+                continue
+            added = tokenizer(render_continuation(tokenizer, conversations[b], step.messages, tools[b]),
+                              add_special_tokens=False)["input_ids"]
+            if len(traj[b]) + len(added) + 1 > caps[b]:  # no room left for the model to answer
+                done[b], truncated[b] = True, True
+                continue
+            conversations[b] += [dict(m) for m in step.messages]
+            traj[b] += added
+            own[b] += [False] * len(added)
+            logprobs[b] += [0.0] * len(added)
+            turn_of[b] += [turn] * len(added)
+    for b, env in enumerate(envs):
+        final = getattr(env, "final_reward", None)
+        if callable(final):
+            rewards[b] += float(final() or 0.0)
+    prompt_t, prompt_m = pad_sequences(prompt_ids, side="left", pad_value=pad)
+    response, real = pad_sequences([t or [pad] for t in traj], side="right", pad_value=pad)
+    real &= torch.tensor([bool(t) for t in traj])[:, None]
+    width = response.shape[1]
+
+    def padded(rows_: list[list], dtype: torch.dtype, fill: Any) -> torch.Tensor:
+        return torch.tensor([r + [fill] * (width - len(r)) for r in rows_], dtype=dtype)
+
+    rollout = TensorDict({
+        K.PROMPT_IDS: prompt_t, K.PROMPT_MASK: prompt_m, K.RESPONSE_IDS: response,
+        K.RESPONSE_MASK: padded(own, torch.bool, False), K.TRAJECTORY_MASK: real,
+        K.OLD_LOGPROBS: padded(logprobs, torch.float32, 0.0), K.TURN_IDS: padded(turn_of, torch.long, 0),
+        K.GROUP_ID: torch.arange(len(prompts)).repeat_interleave(num_samples),
+        K.TRUNCATED: torch.tensor(truncated), K.TURNS: torch.tensor(turns),
+        K.ENV_REWARD: torch.tensor(rewards, dtype=torch.float32),
+    }, batch_size=[B]).to(device)
+    if policy_version is not None:
+        rollout[K.POLICY_VERSION] = torch.full((B,), policy_version, dtype=torch.long, device=device)
+    return rollout
+

@@ -1,0 +1,293 @@
+"""Multi-turn rollouts (loops/episodes.py) and environments (loops/envs.py): the layout, the masking
+rule (the environment's tokens are context, never loss), rewards at episode end, and every online
+recipe trained on episodes with its own step."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlcore import keys as K
+from rlcore.algorithms.policy_gradient import grpo_loss
+from rlcore.loops import cli
+from rlcore.loops.config import ConfigError, load_config
+from rlcore.loops.envs import ENVS, EnvStep, LookupEnv, ToolEnv, calculate, resolve_env
+from rlcore.loops.episodes import render_continuation, sample_episodes
+from rlcore.loops.models import build_model, build_tokenizer
+from rlcore.loops.online import with_policy_logprobs
+from rlcore.loops.recipes import grpo, online_dpo, ppo, rloo
+from rlcore.loops.score import last_turn_ids, score_rollout, sequences, token_logprobs_from_model
+from tests.loops.online_helpers import TINY
+
+ROWS = {"prompt": ["12+7=", "3*4="], "answer": ["19", "12"]}
+
+
+class Countdown:
+    """Answers each assistant turn with a tool message for ``turns - 1`` turns, then ends; reward 1 a turn."""
+
+    def __init__(self, turns: int = 3):
+        self.left, self.seen = turns, []
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text):
+        self.seen.append(text)
+        self.left -= 1
+        if self.left <= 0:
+            return EnvStep(reward=1.0, done=True)
+        return EnvStep(messages=({"role": "tool", "content": f"{self.left} left"},), reward=1.0)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    tokenizer = build_tokenizer()
+    model = build_model("llama", tokenizer=tokenizer, hidden_size=16, num_layers=1, num_heads=2, seed=0).eval()
+    return model, tokenizer
+
+
+def _one_token_turns(tokenizer):
+    """Every token a stop token: each assistant turn is one token that ends it (never cut)."""
+    return list(range(len(tokenizer)))
+
+
+def test_episode_layout_and_the_masking_rule(lm):
+    model, tokenizer = lm
+    out = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(3), num_samples=2, max_new_tokens=4, max_turns=5,
+                          stop_token_ids=_one_token_turns(tokenizer), seed=7)
+    B = 4
+    assert out.batch_size == torch.Size([B])
+    own, real = out[K.RESPONSE_MASK], out[K.TRAJECTORY_MASK]
+    assert bool((own <= real).all())  # the model's tokens are part of the trajectory
+    assert torch.equal(out[K.TURNS], torch.full((B,), 3)) and torch.equal(out[K.ENV_REWARD], torch.full((B,), 3.0))
+    assert not out[K.TRUNCATED].any()
+    assert torch.equal(own.sum(-1), torch.full((B,), 3))  # three one-token assistant turns
+    assert torch.equal(out[K.GROUP_ID], torch.tensor([0, 0, 1, 1]))
+    # old log-probs only on the model's tokens
+    assert bool((out[K.OLD_LOGPROBS][~own] == 0).all())
+    # the environment's tokens are exactly the chat template's continuation after each turn
+    row = out[0]
+    env_ids = row[K.RESPONSE_IDS][real[0] & ~own[0]].tolist()
+    turns = row[K.TURN_IDS][real[0]].tolist()
+    texts = [tokenizer.decode([t]) for t in row[K.RESPONSE_IDS][own[0]].tolist()]
+    conversation = [{"role": "user", "content": "12+7="}]
+    expected = []
+    for i, text in enumerate(texts[:2]):
+        conversation.append({"role": "assistant", "content": tokenizer.decode(tokenizer(text)["input_ids"],
+                                                                              skip_special_tokens=True)})
+        new = [{"role": "tool", "content": f"{2 - i} left"}]
+        expected += tokenizer(render_continuation(tokenizer, conversation, new), add_special_tokens=False)["input_ids"]
+        conversation += new
+    assert env_ids == expected
+    assert turns == sorted(turns) and set(turns) == {0, 1, 2}
+
+
+def test_the_behaviour_logprobs_are_those_of_one_forward_over_the_whole_trajectory(lm):
+    """Recomputed in one forward with the environment's tokens in the context (``sequences``: the
+    trajectory mask), the model tokens' log-probs equal those recorded turn by turn."""
+    model, tokenizer = lm
+    out = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(3), max_new_tokens=3, max_turns=3,
+                          stop_token_ids=_one_token_turns(tokenizer), seed=3)
+    ids, mask = sequences(out)
+    assert torch.equal(mask[:, ids.shape[1] - out[K.RESPONSE_IDS].shape[1]:], out[K.TRAJECTORY_MASK])
+    with torch.no_grad():
+        lp = token_logprobs_from_model(model, ids, mask, response_length=out[K.RESPONSE_IDS].shape[1])
+    own = out[K.RESPONSE_MASK]
+    torch.testing.assert_close(lp[own], out[K.OLD_LOGPROBS][own], rtol=1e-4, atol=1e-4)
+
+
+def test_the_same_seed_plays_the_same_episodes_and_the_caller_rng_is_untouched(lm):
+    model, tokenizer = lm
+    kw = dict(num_samples=2, max_new_tokens=3, max_turns=3, stop_token_ids=_one_token_turns(tokenizer), seed=11)
+    before = torch.random.get_rng_state()
+    a = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(3), **kw)
+    b = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(3), **kw)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for key in a.keys():
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_budgets_end_episodes_as_truncated(lm):
+    model, tokenizer = lm
+    stops = _one_token_turns(tokenizer)
+    capped = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(10), max_new_tokens=3, max_turns=10,
+                             max_episode_tokens=12, stop_token_ids=stops, seed=1)
+    assert bool((capped[K.TRAJECTORY_MASK].sum(-1) <= 12).all()) and bool(capped[K.TRUNCATED].all())
+    short = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(10), max_new_tokens=3, max_turns=2,
+                            stop_token_ids=stops, seed=1)
+    assert torch.equal(short[K.TURNS], torch.full((2,), 2)) and not short[K.TRUNCATED].any()
+    # a turn cut at max_new_tokens (no stop token) ends its episode, truncated
+    cut = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(10), max_new_tokens=2, max_turns=4,
+                          stop_token_ids=(), seed=1)
+    ended = ~cut[K.TRUNCATED]
+    assert bool((cut[K.TURNS][cut[K.TRUNCATED]] >= 1).all()) and bool((cut[K.TURNS] <= 4).all())
+    assert ended.sum() + cut[K.TRUNCATED].sum() == 2
+
+
+def test_an_environment_that_raises_stops_the_run_naming_it(lm):
+    model, tokenizer = lm
+
+    class Broken(Countdown):
+        def step(self, text):
+            raise KeyError("boom")
+
+    with pytest.raises(RuntimeError, match=r"env: Broken.step raised KeyError"):
+        sample_episodes(model, tokenizer, ROWS, Broken, max_new_tokens=2, max_turns=2,
+                        stop_token_ids=_one_token_turns(tokenizer), seed=0)
+
+
+def test_rewards_at_episode_end_and_the_answer_is_the_last_turn(lm):
+    model, tokenizer = lm
+    out = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(2), max_new_tokens=3, max_turns=3,
+                          stop_token_ids=_one_token_turns(tokenizer), seed=5)
+    seen = {}
+
+    def reward(prompts, completions, completion_ids, trajectories, **_):
+        seen.update(completions=completions, ids=completion_ids, trajectories=trajectories)
+        return [0.5] * len(completions)
+
+    scored = score_rollout(out, reward_fn=reward, tokenizer=tokenizer, prompts=list(ROWS["prompt"]))
+    torch.testing.assert_close(scored[K.SCORE], out[K.ENV_REWARD] + 0.5)
+    assert torch.equal(scored[K.REWARD_TERMS]["env"], out[K.ENV_REWARD])
+    assert seen["ids"] == last_turn_ids(out) and all(len(ids) == 1 for ids in seen["ids"])
+    assert all("1 left" in t for t in seen["trajectories"])  # the whole episode, the tool's turn included
+
+
+def test_the_loss_and_kl_never_see_the_environments_tokens(lm):
+    """Changing the log-probs (behaviour, reference) at the environment's positions changes neither the
+    loss nor its gradient: those tokens are context, not actions."""
+    model, tokenizer = lm
+    out = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(3), num_samples=2, max_new_tokens=3, max_turns=3,
+                          stop_token_ids=_one_token_turns(tokenizer), seed=2)
+    env = out[K.TRAJECTORY_MASK] & ~out[K.RESPONSE_MASK]
+    assert env.any()
+    batch = out.copy().update({K.ADVANTAGES: torch.linspace(-1, 1, 4)[:, None].expand_as(out[K.OLD_LOGPROBS]),
+                               K.REF_LOGPROBS: out[K.OLD_LOGPROBS] - 0.1})
+    noisy = batch.copy().update({K.OLD_LOGPROBS: torch.where(env, -50.0, batch[K.OLD_LOGPROBS]),
+                                 K.REF_LOGPROBS: torch.where(env, 9.0, batch[K.REF_LOGPROBS])})
+    grads = []
+    for b in (batch, noisy):
+        model.zero_grad(set_to_none=True)
+        loss, metrics = grpo_loss(with_policy_logprobs(model, b, with_entropy=True), kl_coef=0.1)
+        loss.backward()
+        grads.append((loss.detach(), float(metrics["entropy"]), [p.grad.clone() for p in model.parameters()]))
+    (l0, e0, g0), (l1, e1, g1) = grads
+    assert torch.equal(l0, l1) and e0 == e1
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    model.zero_grad(set_to_none=True)
+
+
+# --- environments --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("expression,result", [("12+7", "19"), ("7*36", "252"), ("(3+4)*2", "14"), ("7/2", "3.5"),
+                                               ("8/2", "4"), ("-3**2", "-9"), ("2**10", "1024"), ("17//5", "3"),
+                                               ("17 % 5", "2")])
+def test_calculate(expression, result):
+    assert calculate(expression) == result
+
+
+@pytest.mark.parametrize("expression", ["1/0", "__import__('os')", "a+1", "(1).real", "2**10000", "9" * 300,
+                                        "[1, 2]", "1 if 1 else 2", "10**6**6"])
+def test_calculate_answers_anything_with_an_error_and_runs_no_code(expression):
+    assert calculate(expression).startswith("error:")
+
+
+def test_the_tool_env_runs_calls_and_ends_on_a_turn_without_one():
+    env = ENVS["calculator"]()
+    opening = env.reset({"prompt": "12+7="})
+    assert opening[0]["role"] == "system" and opening[-1] == {"role": "user", "content": "12+7="}
+    step = env.step('<tool_call>\n{"name": "calculate", "arguments": {"expression": "12+7"}}\n</tool_call>')
+    assert step.messages == ({"role": "tool", "content": "19"},) and not step.done
+    bad = env.step("<tool_call>{not json</tool_call>")
+    assert bad.messages[0]["content"].startswith("error:") and not bad.done  # the model reads its mistake
+    assert env.step("19").done
+    assert env.schemas()[0]["function"]["name"] == "calculate"
+
+
+def test_the_lookup_env_reads_the_rows_facts():
+    env = LookupEnv({"sky": "blue"})
+    env.reset({"prompt": "capital of X?", "facts": {"X": "Y"}})
+    assert env.step('<tool_call>{"name": "lookup", "arguments": {"key": "X"}}</tool_call>').messages[0]["content"] == "Y"
+    env.reset({"prompt": "colour of the sky?"})
+    assert env.step('<tool_call>{"name": "lookup", "arguments": {"key": "sky"}}</tool_call>').messages[0][
+        "content"] == "blue"
+
+
+def _double(x: int) -> int:
+    """Double a number.
+
+    Args:
+        x: the number.
+    """
+    return 2 * x
+
+
+def test_resolve_env():
+    assert resolve_env(None) is None
+    assert resolve_env("calculator") is ENVS["calculator"]
+    assert isinstance(resolve_env(None, [_double])(), ToolEnv)
+    assert isinstance(resolve_env(None, ["tests.loops.test_episodes:_double"])(), ToolEnv)
+    with pytest.raises(ValueError, match="env: expected one of"):
+        resolve_env("nope")
+    with pytest.raises(ValueError, match="give tools or an env, not both"):
+        resolve_env("calculator", [_double])
+    with pytest.raises(ValueError, match="tools: cannot import"):
+        resolve_env(None, ["tests.loops.test_episodes:missing"])
+
+
+def test_config_checks_the_environment_at_load():
+    with pytest.raises(ConfigError, match="env: expected one of"):
+        load_config(grpo.Config, None, {"env": "nope", "run_dir": None})
+    with pytest.raises(ConfigError, match="length_sampler: an episode's turns"):
+        load_config(grpo.Config, None, {"env": "calculator", "length_sampler": [2, 4], "run_dir": None})
+    with pytest.raises(ConfigError, match="tool_format: expected one of"):
+        load_config(grpo.Config, None, {"env": "calculator", "tool_format": "xml", "run_dir": None})
+    assert load_config(grpo.Config, None, {"env": "calculator", "run_dir": None}).max_turns == 4
+
+
+# --- every online recipe trains on episodes with its own step -------------------------------------------
+@pytest.mark.parametrize("recipe", [grpo, rloo, ppo, online_dpo])
+def test_every_online_recipe_trains_on_episodes(recipe, lm):
+    _, tokenizer = lm
+    samples = {} if recipe is ppo else {"num_samples": 2}
+    config = recipe.Config(**{**TINY, "num_train": 8, "num_eval": 2, "max_new_tokens": 3}, **samples, batch_size=2,
+                           steps=2, max_turns=3, stop_token_ids=tuple(range(len(tokenizer))))
+    envs = []
+
+    def factory():
+        envs.append(Countdown(2))
+        return envs[-1]
+
+    state, history = recipe.train(config, env=factory, reward_fn=lambda completions, **_: [1.0] * len(completions))
+    assert state.optimizer_steps >= 1 or recipe is online_dpo
+    assert all(h["rollout/turns"] == 2.0 for h in history) and all(h["rollout/env_tokens"] > 0 for h in history)
+    assert state.env is factory and envs and all(len(e.seen) == 2 for e in envs)
+
+
+def test_the_cli_trains_with_a_built_in_environment(tmp_path):
+    assert cli.main(["train", "grpo", "--env", "calculator", "--max_turns", "2", "--steps", "1", "--batch_size", "2",
+                     "--num_samples", "2", "--hidden_size", "16", "--num_layers", "1", "--num_heads", "2",
+                     "--num_train", "4", "--num_eval", "2", "--max_new_tokens", "4",
+                     "--run_dir", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_resume_with_an_environment_is_exact(tmp_path, lm):
+    _, tokenizer = lm
+    config = grpo.Config(**{**TINY, "num_train": 8, "num_eval": 2, "max_new_tokens": 3, "run_dir": str(tmp_path / "a")},
+                         num_samples=2, batch_size=2, steps=2, max_turns=3, save_every=1,
+                         stop_token_ids=tuple(range(len(tokenizer))))
+    straight, history = grpo.train(config, env=lambda: Countdown(3))
+    assert history[-1]["rollout/env_tokens"] > 0
+    grpo.train(dataclasses.replace(config, run_dir=str(tmp_path / "b"), steps=1), env=lambda: Countdown(3))
+    resumed, _ = grpo.train(dataclasses.replace(config, run_dir=str(tmp_path / "b"), resume=True),
+                            env=lambda: Countdown(3))
+    for a, b in zip(straight.model("policy").parameters(), resumed.model("policy").parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(straight.rng.get_state(), resumed.rng.get_state())
+
+
+def test_async_and_ray_learners_refuse_an_environment():
+    from rlcore.loops.scale.async_learners import check_learner
+
+    with pytest.raises(ValueError, match="env: multi-turn episodes are played by the synchronous step"):
+        check_learner(grpo.Config(**TINY, num_samples=2, env="calculator"), None)
