@@ -53,6 +53,20 @@ def field_docs(cls: type) -> dict[str, str]:
     return {f.name: describe(cls, f.name) for f in dataclasses.fields(cls)}
 
 
+def _hinted_trl_names(config_cls: type) -> dict[str, list[str]]:
+    """``field -> TRL's names for it`` of a recipe without a TRL table of its own (online DPO, DDPO, the
+    ReFT recipes): the names the other recipes' tables translate to a field of this config, as hints."""
+    from rlcore.loops.config import trl_hints
+
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    out: dict[str, list[str]] = {}
+    for name, targets in trl_hints().items():
+        for field in targets:
+            if field in fields and field != name:
+                out.setdefault(field, []).append(name)
+    return out
+
+
 def _recipe_parser(parser: argparse.ArgumentParser, config_cls: type) -> None:
     """The ``--config`` option, one ``--FIELD`` per field of ``config_cls`` (its documentation, the
     TRL names that set it, its default) and, for a recipe with a TRL table (``loops.trl_config``),
@@ -64,7 +78,7 @@ def _recipe_parser(parser: argparse.ArgumentParser, config_cls: type) -> None:
     docs = field_docs(config_cls)
     found = table_for(config_cls)
     recipe, table = found if found else ("", {})
-    trl = trl_names_by_field(recipe)
+    trl = trl_names_by_field(recipe) if table else _hinted_trl_names(config_cls)
     group = parser.add_argument_group("fields of the recipe's Config (YAML keys, or --flags here)")
     fields = [f.name for f in dataclasses.fields(config_cls)]
     for f in dataclasses.fields(config_cls):

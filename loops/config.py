@@ -299,19 +299,13 @@ KEYWORD_RULES: dict[str, Rule] = {
 }
 
 # Keywords a formula divides by (DiscoPOP's x/τ): past "> 0" they must be at least
-# ``rlcore.checks.MIN_DIVISOR`` (1e-12), as fields declared with ``divisor=True``.
+# ``rlcore.checks.MIN_DIVISOR`` (1e-12), the floor the functions apply, as fields declared with
+# ``divisor=True`` (IPO's 1/(2β), a temperature's logits/τ, the KL controller's KL/target), so a
+# denormal such as 1e-310 is refused at load, not met as NaN at the first step.
 DIVISOR_KEYWORDS = ("discopop_tau",)
 
 
 _INT64 = 2**63
-
-# Positive fields a formula divides by (IPO's 1/(2β), a temperature's logits/τ and SAPO's 4/τ,
-# DiscoPOP's x/τ, the KL controller's KL/target and n/horizon): past "> 0" they must be at least
-# ``rlcore.checks.MIN_DIVISOR`` (1e-12), the floor the functions apply, so a denormal such as 1e-310
-# is refused at load, not met as NaN at the first step.
-DIVISOR_FIELDS = ("temperature", "beta", "discopop_tau", "sapo_temperature_pos", "sapo_temperature_neg", "target",
-                  "horizon")
-
 
 def _value_fault(value: Any, rule: Rule | None = None, divisor: bool = False) -> str | None:
     """What is wrong with one value, or ``None``: an integer outside int64 or a float that is not
@@ -580,11 +574,19 @@ def ensure_checked(config: Any) -> Any:
     return config if is_checked(config) else check_config(config)
 
 
+# TRL names the recipe tables do not hold (older TRL versions, other trainers), kept as hints only.
+_OTHER_TRL_NAMES: dict[str, tuple[str, ...]] = {
+    "kl_penalty": ("kl",), "init_kl_coef": ("kl_coef",), "adap_kl_ctrl": ("kl_controller",), "ppo_epochs": ("epochs",),
+    "train_dataset": ("dataset",), "num_train_epochs": ("num_epochs",), "sft_model_path": ("init_from",),
+}
+
+
 @functools.lru_cache(maxsize=None)
 def trl_hints() -> dict[str, tuple[str, ...]]:
-    """TRL's name -> the rlcore fields it sets in any recipe's TRL table (``loops.trl_config.TABLES``):
-    the "did you mean" of a recipe without a table of its own (online DPO, DDPO, the ReFT recipes)."""
-    out: dict[str, tuple[str, ...]] = {}
+    """TRL's name -> the rlcore fields it sets in any recipe's TRL table (``loops.trl_config.TABLES``),
+    and a few names of older TRL versions: the "did you mean" of a recipe without a table of its own
+    (online DPO, DDPO, the ReFT recipes)."""
+    out: dict[str, tuple[str, ...]] = dict(_OTHER_TRL_NAMES)
     for table in TRL_TABLES.values():
         for name, entry in table.items():
             if isinstance(entry, Accept):

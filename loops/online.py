@@ -207,7 +207,7 @@ def update_sizes(rows: int, *, minibatch_size: int | None, micro_batch_size: int
 
 
 # --- collect and score ---------------------------------------------------------------------------
-def generate_kwargs(generation: GenerationSettings, *, max_prompt_length: int | None = None) -> dict[str, Any]:
+def generate_kwargs(generation: GenerationSettings, *, max_prompt_length: int | None) -> dict[str, Any]:
     """The sampling keywords of ``generate_in_chunks`` for a generation section (everything but prompts,
     seed and version): ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``num_samples``,
     ``engine``, ``sampler``, ``engine_options``, ``stop_token_ids``, ``length_sampler``, ``rows_per_call``
@@ -222,8 +222,8 @@ def generate_kwargs(generation: GenerationSettings, *, max_prompt_length: int | 
 
 
 def sample(state: TrainState, rows: Mapping[str, Sequence], *, generation: GenerationSettings, tokenizer,
-           max_prompt_length: int | None = None, num_samples: int | None = None,
-           agent: AgentSettings | None = None) -> tuple[TrainState, TensorDict]:
+           max_prompt_length: int | None, agent: AgentSettings | None,
+           num_samples: int | None = None) -> tuple[TrainState, TensorDict]:
     """``G`` responses (or, with an environment, episodes) per prompt from the state's policy:
     ``(state, rollout)``.
 
@@ -236,6 +236,8 @@ def sample(state: TrainState, rows: Mapping[str, Sequence], *, generation: Gener
     Args:
         rows: ``P`` rows of columns with ``prompt`` (text or conversations; an environment's
             ``reset`` reads the whole row).
+        max_prompt_length: the data's (``None``: no limit).  agent: the multi-turn settings
+            (``max_turns``, ``max_episode_tokens``) the state's environment is played with.
         num_samples: ``G`` (default ``generation.num_samples``).
     Returns:
         The state with its generator advanced, and the unscored rollout ``[B = P·G]`` (``loops.collect``,
@@ -285,7 +287,7 @@ def critic_values(state: TrainState) -> Callable[[torch.Tensor, torch.Tensor], t
 
 def score_samples(state: TrainState, rows: Mapping[str, Sequence], rollout: TensorDictBase, *,
                   generation: GenerationSettings, rewards: RewardSettings, tokenizer, reward_fn: RewardFn | None,
-                  total_steps: int | None = None, num_samples: int | None = None,
+                  total_steps: int | None, num_samples: int | None = None,
                   reference: bool = True) -> tuple[TrainState, TensorDict]:
     """Score a rollout sampled from ``rows`` and advance the state's counters past those samples.
 

@@ -63,10 +63,18 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, range: Rule | None
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def _owner(cls: type, name: str) -> type | None:
+    """The nearest base of ``cls`` with a dataclass field ``name``."""
+    return next((base for base in cls.__mro__[1:] if name in getattr(base, "__dataclass_fields__", {})), None)
+
+
 class Section:
     """The base of every config section. ``class C(A, B, defaults={...})`` gives inherited fields
     new defaults (same type, help and range: the declaration stays the section's); the names are
-    kept in ``C.__defaults__`` so the one-declaration test can tell an override from a declaration."""
+    kept in ``C.__defaults__`` (this class's own, not its bases') so the one-declaration test can
+    tell an override from a declaration. A subclass that writes an inherited field again with a
+    plain default (``lr: float = 1e-2``) is read the same way: its help and range stay the
+    section's; writing it again with :func:`setting` is a second declaration, refused."""
 
     __defaults__: ClassVar[dict[str, Any]] = {}
 
@@ -76,8 +84,25 @@ class Section:
         if own is None:
             own = {}
             cls.__annotations__ = own
-        for name, value in (defaults or {}).items():
-            owner = next((base for base in cls.__mro__[1:] if name in getattr(base, "__dataclass_fields__", {})), None)
+        overrides = dict(defaults or {})
+        for name in list(own):  # an inherited field written again
+            owner = _owner(cls, name)
+            if owner is None or name in overrides:
+                continue
+            value = cls.__dict__.get(name, dataclasses.MISSING)
+            section = declared(owner).get(name, owner).__name__
+            if isinstance(value, dataclasses.Field) and "help" in value.metadata:
+                raise TypeError(f"{cls.__name__}: {name!r} is declared in {section} already; give it another "
+                                f"default with defaults={{{name!r}: ...}}")
+            if isinstance(value, dataclasses.Field):
+                value = value.default_factory() if value.default_factory is not dataclasses.MISSING else value.default
+            if value is dataclasses.MISSING:
+                raise TypeError(f"{cls.__name__}: {name!r} is declared in {section} already; give it another "
+                                f"default with defaults={{{name!r}: ...}}")
+            del own[name]
+            overrides[name] = value
+        for name, value in overrides.items():
+            owner = _owner(cls, name)
             if owner is None:
                 raise TypeError(f"{cls.__name__}: defaults: {name!r} is no field of its sections")
             if name in own:
@@ -88,7 +113,7 @@ class Section:
             factory = (lambda v=value: type(v)(v)) if mutable else dataclasses.MISSING
             setattr(cls, name, dataclasses.field(default=dataclasses.MISSING if mutable else value,
                                                  default_factory=factory, metadata=inherited.metadata))
-        cls.__defaults__ = {**getattr(cls, "__defaults__", {}), **(defaults or {})}
+        cls.__defaults__ = overrides
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,7 +197,9 @@ class ModelSettings(Section):
     lora_r: int = setting(16, help="LoRA rank r", range=AT_LEAST_1)
     lora_alpha: int = setting(32, help="LoRA scale α: the update is (α/r)·B·A", range=POSITIVE)
     lora_target_modules: tuple[str, ...] | None = setting(None, help="module names, or all-linear (None: peft's "
-                                                                     "default for the architecture)")
+                                                                     "default for the architecture; DDPO needs "
+                                                                     "names: its default, the UNet's attention "
+                                                                     "projections)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,7 +97,7 @@ class DDPOSettings(Section):
     allow_tf32: bool = setting(True, help="TF32 matmuls and convolutions on CUDA")
     train_use_lora: bool = setting(False, help="pipeline: train a LoRA adapter on the UNet (apply_unet_lora), not the UNet")
     sample_num_steps: int = setting(50, help="ddim_schedule(num_inference_steps=): S", range=AT_LEAST_1)
-    sample_eta: float = setting(1.0, help="ddim_step(eta=), > 0", range=AT_LEAST_0)
+    sample_eta: float = setting(1.0, help="ddim_step(eta=): stochastic steps", range=POSITIVE)
     sample_guidance_scale: float = setting(5.0, help="predict_noise(guidance_scale=), in sampling (and training: train_cfg)")
     sample_batch_size: int = setting(1, help="trajectories per sample batch (and per optimiser step)", range=AT_LEAST_1)
     sample_num_batches_per_epoch: int = setting(2, help="sample batches per epoch", range=AT_LEAST_1)

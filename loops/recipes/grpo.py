@@ -97,7 +97,7 @@ class Config(GRPOSettings, GroupSettings, ClipSettings, KLSettings, LossTypeSett
         grpo_loss_fn(self)
         check_kl_name(self)
         advantage_fn(self, inputs=ADVANTAGE_INPUTS, recipe="grpo")
-        if self.num_samples == 1:  # (below 1: the range check's, FIELD_RULES)
+        if self.num_samples == 1:  # (below 1: the range declared on the field)
             raise ValueError(f"num_samples: the {self.advantage!r} advantage compares the samples of one prompt, so "
                              f"GRPO needs at least 2 (with 1 every advantage is 0), got {self.num_samples}")
 

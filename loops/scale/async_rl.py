@@ -311,7 +311,8 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
     check_prompt_data(reward, train=train_ds, held_out=eval_ds)
     check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)
     with generator_process(state.model("policy"), tokenizer, max_lag=max_lag, steps_done=state.step,
-                           version=state.policy_version, generate_kwargs=generate_kwargs(config, max_prompt_length=config.max_prompt_length),
+                           version=state.policy_version,
+                           generate_kwargs=generate_kwargs(config, max_prompt_length=config.max_prompt_length),
                            start_method=start_method, device=generator_device or config.device,
                            threads=generator_threads, seed=config.seed) as handle:
         step = functools.partial(_async_step, handle=handle, config=config, tokenizer=tokenizer, reward_fn=reward,

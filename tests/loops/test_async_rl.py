@@ -212,7 +212,8 @@ def test_learn_off_policy_is_score_samples_then_the_recipes_learn():
     for split in (False, True):
         torch.manual_seed(0)
         state, tokenizer = ppo.build_state(config)
-        rollout = generate_in_chunks(state.model("policy"), tokenizer, rows["prompt"], **generate_kwargs(config, max_prompt_length=config.max_prompt_length),
+        rollout = generate_in_chunks(state.model("policy"), tokenizer, rows["prompt"],
+                                     **generate_kwargs(config, max_prompt_length=config.max_prompt_length),
                                      seed=draw_seed(copy_generator(state.rng)), policy_version=0)
         if split:
             state, scored = score_samples(replay_seed_draw(state), rows, rollout, generation=config, rewards=config,

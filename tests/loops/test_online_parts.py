@@ -100,10 +100,9 @@ def test_collect_rollout_without_reference(setup):
 def test_generate_kwargs_and_draw_seed():
     config = OnlineConfig(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4, max_prompt_length=9,
                           engine="hf", stop_token_ids=(7,), length_sampler=(2, 4))
-    assert generate_kwargs(config, max_prompt_length=config.max_prompt_length) == dict(max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4,
-                                           max_prompt_length=9, engine="hf", sampler="inverse_cdf", engine_options={},
-                                           stop_token_ids=(7,),
-                                           length_sampler=(2, 4), rows_per_call=None)
+    assert generate_kwargs(config, max_prompt_length=config.max_prompt_length) == dict(
+        max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, num_samples=4, max_prompt_length=9, engine="hf",
+        sampler="inverse_cdf", engine_options={}, stop_token_ids=(7,), length_sampler=(2, 4), rows_per_call=None)
     g, expected = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     seeds = [draw_seed(g) for _ in range(3)]
     assert seeds == [int(torch.randint(0, 2**62, (), generator=expected)) for _ in range(3)]
@@ -117,15 +116,17 @@ def test_collect_rollout_is_generation_then_score_samples(setup):
     ``collect_rollout`` exactly; ``score_samples`` itself leaves the generator alone."""
     config, state, tokenizer, rows = setup
     want_state, want = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=digit_fraction)
-    generated = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]), **generate_kwargs(config, max_prompt_length=config.max_prompt_length),
+    generated = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]),
+                                   **generate_kwargs(config, max_prompt_length=config.max_prompt_length),
                                    generator=copy_generator(state.rng), policy_version=state.policy_version)
-    unreplayed, _ = score_samples(state, rows, generated, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer, reward_fn=digit_fraction)
+    unreplayed, _ = score_samples(state, rows, generated, generation=config, rewards=config, total_steps=config.steps,
+                                  tokenizer=tokenizer, reward_fn=digit_fraction)
     assert torch.equal(unreplayed.rng.get_state(), state.rng.get_state())
     before = state.rng.get_state()
     replayed = replay_seed_draw(state)
     assert torch.equal(state.rng.get_state(), before) and not torch.equal(replayed.rng.get_state(), before)
-    got_state, got = assert_pure(score_samples, replayed, rows, generated, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer,
-                                 reward_fn=digit_fraction)
+    got_state, got = assert_pure(score_samples, replayed, rows, generated, generation=config, rewards=config,
+                                 total_steps=config.steps, tokenizer=tokenizer, reward_fn=digit_fraction)
     leaves = dict(include_nested=True, leaves_only=True)  # reward_terms holds one [B] entry per reward function
     assert set(got.keys(**leaves)) == set(want.keys(**leaves))
     for key in want.keys(**leaves):
@@ -147,26 +148,31 @@ def test_score_samples_scores_with_the_models_the_state_holds(setup):
         return [0.5] * len(completions)
 
     generated = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]),
-                                   **{**generate_kwargs(config, max_prompt_length=config.max_prompt_length), "num_samples": 2}, seed=1)
+                                   **{**generate_kwargs(config, max_prompt_length=config.max_prompt_length),
+                                      "num_samples": 2}, seed=1)
     head = ValueHead(state.model("policy").config.hidden_size)
     with torch.no_grad():  # V = 0·h + 1: values of one on every response token
         head.summary.weight.zero_()
         head.summary.bias.fill_(1.0)
     lean = dataclasses.replace(state, models={"policy": state.model("policy"), "value": head})
-    new, scored = score_samples(lean, rows, generated, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer, reward_fn=reward,
+    new, scored = score_samples(lean, rows, generated, generation=config, rewards=config, total_steps=config.steps,
+                                tokenizer=tokenizer, reward_fn=reward,
                                   num_samples=2)
     assert K.REF_LOGPROBS not in scored.keys() and seen["answer"] == [a for a in rows["answer"] for _ in range(2)]
     m = scored[K.RESPONSE_MASK]
     assert torch.equal(scored[K.VALUES], m.float()) and torch.equal(scored[K.SCORE], torch.full((len(m),), 0.5))
     assert new.samples_seen == state.samples_seen + len(m)
     # no reward function and no reward model: the rollout's score (from a scorer elsewhere) is kept
-    _, kept = score_samples(lean, rows, scored, generation=config, rewards=config, total_steps=config.steps, tokenizer=None, reward_fn=None, num_samples=2)
+    _, kept = score_samples(lean, rows, scored, generation=config, rewards=config, total_steps=config.steps,
+                            tokenizer=None, reward_fn=None, num_samples=2)
     assert torch.equal(kept[K.SCORE], scored[K.SCORE])
     # with a reference, ref_logprobs; unless the recipe scores none (online DPO: reference=False)
-    _, with_ref = score_samples(state, rows, generated, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer, reward_fn=reward,
+    _, with_ref = score_samples(state, rows, generated, generation=config, rewards=config, total_steps=config.steps,
+                                tokenizer=tokenizer, reward_fn=reward,
                                   num_samples=2)
     assert K.REF_LOGPROBS in with_ref.keys() and K.VALUES not in with_ref.keys()
-    _, without = score_samples(state, rows, generated, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer,
+    _, without = score_samples(state, rows, generated, generation=config, rewards=config, total_steps=config.steps,
+                               tokenizer=tokenizer,
                                  reward_fn=reward, num_samples=2, reference=False)
     assert K.REF_LOGPROBS not in without.keys()
 

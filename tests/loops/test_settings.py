@@ -97,3 +97,42 @@ def test_a_section_is_a_plain_frozen_dataclass():
     assert isinstance(RECIPES["grpo"].config(), GenerationSettings)  # a recipe's config is each of its sections
     with pytest.raises(dataclasses.FrozenInstanceError):
         section.temperature = 1.0  # type: ignore[misc]
+
+
+def test_an_inherited_field_written_again_keeps_its_declaration():
+    """``lr: float = 1e-2`` in a subclass changes the default only: the range, divisor flag and help
+    stay the section's (a field written again never loses its checks)."""
+    @dataclasses.dataclass(frozen=True)
+    class Cfg(RunConfig):
+        hidden_size: int = 16
+        lr: float = 1e-2
+
+    assert (Cfg().hidden_size, Cfg().lr) == (16, 1e-2) and set(Cfg.__defaults__) == {"hidden_size", "lr"}
+    assert declared(Cfg)["hidden_size"] is declared(RunConfig)["hidden_size"]
+    assert describe(Cfg, "hidden_size") == describe(RunConfig, "hidden_size")
+    with pytest.raises(ConfigError, match=r"hidden_size: expected >= 1, got 0; lr: expected >= 0, got -1.0"):
+        check_config(Cfg(hidden_size=0, lr=-1.0))
+
+    @dataclasses.dataclass(frozen=True)
+    class Hot(RECIPES["grpo"].config):
+        temperature: float = 0.7
+
+    with pytest.raises(ConfigError, match=r"temperature: expected >= 1e-12"):
+        check_config(Hot(temperature=1e-300))
+    with pytest.raises(TypeError, match="'num_samples' is declared in GenerationSettings already"):
+        @dataclasses.dataclass(frozen=True)
+        class Again(RECIPES["grpo"].config):
+            num_samples: int = setting(4, help="redeclared")
+
+
+def test_a_configs_defaults_are_its_own():
+    assert RECIPES["reft_grpo"].config.__defaults__ == {"run_dir": "runs/reft_grpo"}
+    assert RECIPES["grpo"].config.__defaults__["num_samples"] == 8
+    assert RECIPES["reft_grpo"].config().num_samples == 8  # inherited through grpo.Config
+
+
+@pytest.mark.parametrize("name,field", [("kl_penalty", "kl"), ("init_kl_coef", "kl_coef"), ("ppo_epochs", "epochs"),
+                                        ("num_generations", "num_samples")])
+def test_trl_names_are_hinted_for_recipes_without_a_table(name, field):
+    with pytest.raises(ConfigError, match=rf"{name}: did you mean '{field}'"):
+        load_config(RECIPES["reft_grpo"].config, None, {name: 1, "run_dir": None})

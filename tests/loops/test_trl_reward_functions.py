@@ -152,7 +152,8 @@ def test_evaluation_scores_with_exactly_the_training_reward(weights, tmp_path, m
     tokenizer = build_online_state(config)[1]
     rollout = generate_rollout(state.model("policy"), tokenizer, rows["prompt"], do_sample=False, behaviour=None,
                                max_new_tokens=config.max_new_tokens, engine=config.engine, sampler=config.sampler)
-    _, trained = score_samples(state, rows, rollout, generation=config, rewards=config, total_steps=config.steps, tokenizer=tokenizer, reward_fn=state.reward_fn,
+    _, trained = score_samples(state, rows, rollout, generation=config, rewards=config, total_steps=config.steps,
+                               tokenizer=tokenizer, reward_fn=state.reward_fn,
                                  num_samples=1)
     ids = [r[m].tolist() for r, m in zip(rollout[K.RESPONSE_IDS], rollout[K.RESPONSE_MASK])]
     expected = by_hand(tokenizer.batch_decode(ids, skip_special_tokens=True), ids, rows["answer"], weights)
