@@ -81,9 +81,11 @@ def best_worst_pairs(scores: Tensor, group_id: Tensor | None = None, *,
 def _side(rollout: TensorDictBase, index: Tensor) -> TensorDict:
     r = rollout[index]
     prompt_mask, response_mask = r.get(K.PROMPT_MASK), r.get(K.RESPONSE_MASK)
+    # a multi-turn episode attends to the environment's tokens too; its loss keeps to the model's
+    attend = r.get(K.TRAJECTORY_MASK) if K.TRAJECTORY_MASK in r.keys() else response_mask
     side = {
         K.INPUT_IDS: torch.cat([r.get(K.PROMPT_IDS), r.get(K.RESPONSE_IDS)], dim=-1),
-        K.ATTENTION_MASK: torch.cat([prompt_mask, response_mask], dim=-1),
+        K.ATTENTION_MASK: torch.cat([prompt_mask, attend], dim=-1),
         K.LOSS_MASK: torch.cat([torch.zeros_like(prompt_mask), response_mask], dim=-1),
         K.SCORE: r.get(K.SCORE),
     }
@@ -98,10 +100,11 @@ def online_preference_batch(rollout: TensorDictBase, *, num_groups: int | None =
 
     Reads ``prompt_ids`` / ``prompt_mask`` ``[B, P]`` (left padded), ``response_ids`` /
     ``response_mask`` ``[B, R]`` (right padded), ``score [B]``, ``group_id [B]``; and, when
-    present, ``logprobs`` / ``ref_logprobs`` ``[B, R]``.
+    present, ``logprobs`` / ``ref_logprobs`` ``[B, R]`` and a multi-turn episode's ``trajectory_mask``
+    ``[B, R]`` (every token it attends to, the environment's included).
 
-    Each side holds ``input_ids = [prompt | response]`` ``[P', P+R]``, ``attention_mask`` (both
-    masks), ``loss_mask`` (the response tokens), ``score [P']``, and ``logps`` / ``ref_logps``
+    Each side holds ``input_ids = [prompt | response]`` ``[P', P+R]``, ``attention_mask`` (the prompt
+    mask and the trajectory mask, else the response mask), ``loss_mask`` (the model's response tokens), ``score [P']``, and ``logps`` / ``ref_logps``
     ``[P']`` (masked sums of the per-token log-probs) when the rollout has them. Groups without
     a preference (ties, see ``best_worst_pairs``) are dropped, so ``P'`` depends on the data:
     this adapter belongs at the loop boundary, not inside a compiled step.
@@ -121,12 +124,12 @@ def online_preference_batch(rollout: TensorDictBase, *, num_groups: int | None =
     for ids, mask in ((K.PROMPT_IDS, K.PROMPT_MASK), (K.RESPONSE_IDS, K.RESPONSE_MASK)):
         check_ndim(ids, rollout.get(ids), ndim=rollout.batch_dims + 1, layout="[B, P] / [B, R]")
         check_mask(mask, rollout.get(mask), like=rollout.get(ids), like_name=ids)
-    for key in (K.LOGPROBS, K.REF_LOGPROBS):
+    for key in (K.LOGPROBS, K.REF_LOGPROBS, K.TRAJECTORY_MASK):
         if key in rollout.keys():
             check_same_shape(K.RESPONSE_MASK, rollout.get(K.RESPONSE_MASK), **{key: rollout.get(key)})
     chosen, rejected, valid = best_worst_pairs(rollout.get(K.SCORE), rollout.get(K.GROUP_ID),
                                                num_groups=num_groups)
     chosen, rejected = chosen[valid], rejected[valid]
-    sub = rollout.select(*keys, K.LOGPROBS, K.REF_LOGPROBS, strict=False)
+    sub = rollout.select(*keys, K.LOGPROBS, K.REF_LOGPROBS, K.TRAJECTORY_MASK, strict=False)
     return TensorDict({K.CHOSEN: _side(sub, chosen), K.REJECTED: _side(sub, rejected)},
                       batch_size=chosen.shape)

@@ -432,7 +432,8 @@ def _run_dir_fault(run_dir: str) -> str | None:
 def _agent_faults(config: Any) -> list[str]:
     """What keeps a config's environment from running (``loops.envs.resolve_env``: an unknown built-in,
     a factory or tool that does not import, a tool the chat template cannot show, both ``env`` and
-    ``tools``), an unknown ``tool_format``, and a ``length_sampler`` beside it (one budget per turn)."""
+    ``tools``), an unknown ``tool_format``, and the single-turn settings beside it (``length_sampler``,
+    ``missing_eos_penalty``, ``overlong_buffer``, ``generation_batch_size``)."""
     env, tools = getattr(config, "env", None), getattr(config, "tools", ())
     if env is None and not tools:
         return []
@@ -443,9 +444,14 @@ def _agent_faults(config: Any) -> list[str]:
         resolve_env(env, tools, tool_format=config.tool_format)
     except (ValueError, TypeError) as e:
         faults.append(str(e))
-    if getattr(config, "length_sampler", None) is not None:
-        faults.append("length_sampler: an episode's turns each take max_new_tokens; a length_sampler is for "
-                      "single-turn rollouts (env and tools unset)")
+    single_turn = {"length_sampler": "each turn takes max_new_tokens",
+                   "missing_eos_penalty": "it reads one response's stop token, not an episode's last turn's",
+                   "overlong_buffer": "it measures one response against max_new_tokens, not an episode's turns",
+                   "generation_batch_size": "every episode of a step plays in one batch, turn by turn"}
+    for name, why in single_turn.items():
+        if getattr(config, name, None) is not None:
+            faults.append(f"{name}: not with an environment ({why}); it is for single-turn rollouts (env and "
+                          "tools unset)")
     return faults
 
 

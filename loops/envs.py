@@ -9,15 +9,16 @@ An environment is a plain object with two methods (the Gym / OpenEnv shape):
   and whether the episode is over.
 
 It is the only stateful part of a rollout and is made per episode by a factory (``() ->
-environment``), so episodes share nothing. An environment may carry ``tools`` (the functions whose
-schemas the chat template shows the model) and ``final_reward()`` (a reward read once the episode
-ends). Every method runs on untrusted model text: a well-behaved environment answers anything,
-and an exception it raises ends the run naming the environment and the turn (``loops.episodes``).
+environment``), so episodes share nothing. An environment may have ``schemas()`` (the JSON schemas
+of its tools, which the chat template shows the model) and ``final_reward()`` (a reward read once
+the episode ends). Every method runs on untrusted model text: a well-behaved environment answers
+anything, and an exception one of its methods raises ends the run naming the environment, the
+method and the episode (``loops.episodes``).
 
 - :class:`ToolEnv`: tools as plain Python functions; each assistant turn's tool calls are parsed in
   the template's format (``loops.tools``) and run with a time limit, their results (or errors) sent
   back as ``tool`` messages; a turn with no call ends the episode.
-- Built-ins (:data:`ENVS`): ``calculator`` (:func:`calculate`, exact arithmetic without ``eval``),
+- Built-ins (:data:`ENVS`): ``calculator`` (:func:`calculate`, exact arithmetic on integers and decimals, without ``eval``),
   ``lookup`` (facts the environment holds, :class:`LookupEnv`), ``python`` (code run in
   ``loops.sandbox``). :func:`resolve_env` turns a config's ``env`` (a built-in name or
   ``package.module:factory``) and ``tools`` (``package.module:function`` names) into a factory.
@@ -27,13 +28,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
+import functools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
 from typing import Any, Protocol, runtime_checkable
 
 from rlcore.checks import lookup
+from rlcore.loops.reward_fns import import_callable
 from rlcore.loops.tools import TOOL_CALL_FORMATS, call_tool, parse_tool_calls, tool_schema
 
 __all__ = ["EnvStep", "Environment", "EnvFactory", "ToolEnv", "calculate", "LookupEnv", "ENVS", "resolve_env",
@@ -119,6 +122,25 @@ _MAX_EXPRESSION_CHARS = 200
 _MAX_MAGNITUDE = 10 ** 30
 
 
+def _text(value: Fraction) -> str:
+    """A result as the model reads it: an integer, a finite decimal written out exactly
+    (``7/2`` → ``3.5``), another fraction as ``p/q``."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    rest, twos, fives = value.denominator, 0, 0
+    while rest % 2 == 0:
+        rest, twos = rest // 2, twos + 1
+    while rest % 5 == 0:
+        rest, fives = rest // 5, fives + 1
+    if rest != 1:
+        return f"{value.numerator}/{value.denominator}"
+    places = max(twos, fives)
+    scaled = abs(value.numerator) * 10 ** places // value.denominator
+    sign = "-" if value < 0 else ""
+    digits = str(scaled).rjust(places + 1, "0")
+    return f"{sign}{digits[:-places]}.{digits[-places:]}"
+
+
 def calculate(expression: str) -> str:
     """Evaluate an arithmetic expression exactly: integers and decimals with + - * / // % ** and brackets.
 
@@ -132,19 +154,23 @@ def calculate(expression: str) -> str:
     except SyntaxError:
         return f"error: not an arithmetic expression: {expression!r}"
 
-    def value(node: ast.AST) -> int | float:
+    def value(node: ast.AST) -> Fraction:  # numbers as written, exactly: 0.1 is 1/10
         if isinstance(node, ast.Expression):
             return value(node.body)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
+            if isinstance(node.value, float) and not math.isfinite(node.value):
+                raise ValueError("not a finite number")
+            return Fraction(node.value) if type(node.value) is int else Fraction(repr(node.value))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](value(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and right.denominator != 1:
+                raise ValueError("a power must be a whole number")
             if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 10 ** 6):
                 raise OverflowError("power too large")
             out = _BINARY[type(node.op)](left, right)
-            if isinstance(out, complex) or abs(out) > _MAX_MAGNITUDE:
+            if abs(out) > _MAX_MAGNITUDE:
                 raise OverflowError("result too large")
             return out
         raise ValueError(f"{type(node).__name__} is not arithmetic")
@@ -155,16 +181,12 @@ def calculate(expression: str) -> str:
         return "error: division by zero"
     except (OverflowError, ValueError, TypeError, RecursionError) as e:
         return f"error: {e}"
-    if isinstance(out, float):
-        if not math.isfinite(out):
-            return "error: result is not finite"
-        return str(int(out)) if out.is_integer() else repr(out)
-    return str(out)
+    return _text(out)
 
 
-def calculator_env() -> ToolEnv:
+def calculator_env(format: str = "qwen") -> ToolEnv:
     """The built-in ``calculator``: one tool, :func:`calculate`, for the arithmetic tasks."""
-    return ToolEnv([calculate], system="Call calculate to do arithmetic, then give the answer alone.")
+    return ToolEnv([calculate], format=format, system="Call calculate to do arithmetic, then give the answer alone.")
 
 
 # --- lookups ------------------------------------------------------------------------------------------
@@ -175,7 +197,7 @@ class LookupEnv(ToolEnv):
 
     def __init__(self, facts: Mapping[str, str] | None = None, **kwargs: Any):
         self.facts: dict[str, str] = dict(facts or {})
-        self._row_facts: dict[str, str] = {}
+        self._row_facts: dict[str, str] | None = None
 
         def lookup(key: str) -> str:
             """Look a fact up by its key.
@@ -183,7 +205,7 @@ class LookupEnv(ToolEnv):
             Args:
                 key: the name of the fact.
             """
-            table = self._row_facts or self.facts
+            table = self.facts if self._row_facts is None else self._row_facts
             if key not in table:
                 return f"error: no fact {key!r}; known keys: {sorted(table)[:20]}"
             return table[key]
@@ -191,16 +213,18 @@ class LookupEnv(ToolEnv):
         super().__init__([lookup], **kwargs)
 
     def reset(self, row: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-        facts = row.get("facts")
-        self._row_facts = {str(k): str(v) for k, v in facts.items()} if isinstance(facts, Mapping) else {}
+        facts = row.get("facts")  # a datasets struct column fills the keys other rows have with None: dropped
+        self._row_facts = ({str(k): str(v) for k, v in facts.items() if v is not None}
+                           if isinstance(facts, Mapping) else None)
         return super().reset(row)
 
 
-def python_env() -> ToolEnv:
+def python_env(format: str = "qwen") -> ToolEnv:
     """The built-in ``python``: code run by ``loops.sandbox.python_tool`` (a limited subprocess)."""
     from rlcore.loops.sandbox import python_tool
 
-    return ToolEnv([python_tool], timeout_s=15.0, system="Run Python with python_tool; print what you need.")
+    return ToolEnv([python_tool], format=format, timeout_s=15.0,
+                   system="Run Python with python_tool; print what you need.")
 
 
 ENVS: dict[str, EnvFactory] = {
@@ -212,24 +236,20 @@ ENVS: dict[str, EnvFactory] = {
 
 # --- from a config -------------------------------------------------------------------------------------
 def import_object(spec: str, what: str) -> Any:
-    """The object a ``package.module:name`` string names (``what`` leads the errors)."""
+    """The callable a ``package.module:name`` string names, a module of the working directory
+    included (``loops.reward_fns.import_callable``; ``what`` leads the errors)."""
     module, sep, name = spec.partition(":")
-    if not sep or not module or not name.isidentifier():
+    if not sep or not module or not name:
         raise ValueError(f"{what}: expected 'package.module:name', got {spec!r}")
-    try:
-        found = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what}: cannot import {spec!r}: {e}") from None
-    if not callable(found):
-        raise ValueError(f"{what}: {spec!r} is a {type(found).__name__}, not callable")
-    return found
+    return import_callable(module, name, spec=spec, what=what)
 
 
 def resolve_env(env: str | EnvFactory | None, tools: Sequence[str | Callable[..., Any]] = (), *,
                 tool_format: str = "qwen") -> EnvFactory | None:
     """The environment factory of a run: ``env`` as a factory, a built-in name (:data:`ENVS`) or
     ``package.module:factory``; with ``tools`` alone (``package.module:function`` names or functions),
-    a :class:`ToolEnv` of them; ``None`` without either (single-turn rollouts)."""
+    a :class:`ToolEnv` of them; ``None`` without either (single-turn rollouts). ``tool_format`` is the
+    call format of the built-ins and of ``tools``; a factory's environment reads calls its own way."""
     functions = [import_object(t, "tools") if isinstance(t, str) else t for t in tools]
     if env is None:
         if not functions:
@@ -241,8 +261,8 @@ def resolve_env(env: str | EnvFactory | None, tools: Sequence[str | Callable[...
         raise ValueError("tools: give tools or an env, not both (an environment brings its own tools)")
     if callable(env):
         return env
-    if env in ENVS:
-        return ENVS[env]
+    if env in ENVS:  # a built-in parses calls in tool_format (a factory of yours in its own)
+        return functools.partial(ENVS[env], format=tool_format)
     if ":" in env:
         return import_object(env, "env")
     raise ValueError(f"env: expected one of {sorted(ENVS)} or 'package.module:factory', got {env!r}")

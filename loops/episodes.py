@@ -52,11 +52,6 @@ def _template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _schemas(env: Any) -> list[dict] | None:
-    schemas = getattr(env, "schemas", None)
-    return schemas() if callable(schemas) else None
-
-
 def render_opening(tokenizer, messages: Sequence[Mapping[str, Any]], tools: list[dict] | None = None) -> str:
     """The prompt text of an opening conversation: the chat template's rendering with the generation
     prompt (and the tool schemas), or, for a tokenizer without one, the messages' contents, one per line."""
@@ -65,32 +60,48 @@ def render_opening(tokenizer, messages: Sequence[Mapping[str, Any]], tools: list
     return "\n".join(str(m.get("content", "")) for m in messages)
 
 
-def render_continuation(tokenizer, conversation: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]],
-                        tools: list[dict] | None = None) -> str:
-    """The text the environment's ``new`` messages add after ``conversation`` (which ends with the
-    model's turn), up to the next assistant turn's start: the chat template's rendering of the
-    longer conversation less that of the shorter one. A template that does not render the
-    conversation as a prefix of its continuation, or no template, gives the messages one per line
-    in a plain ``role: content`` form."""
-    if _template(tokenizer):
-        before = tokenizer.apply_chat_template(list(conversation), tools=tools, tokenize=False)
-        after = tokenizer.apply_chat_template([*conversation, *new], tools=tools, tokenize=False,
-                                              add_generation_prompt=True)
-        if after.startswith(before):
-            return after[len(before):]
-    return "".join(f"\n{m.get('role', 'tool')}: {m.get('content', '')}" for m in new) + "\n"
+_BASE = ({"role": "user", "content": "1"}, {"role": "assistant", "content": "2"})
+
+
+def render_continuation(tokenizer, new: Sequence[Mapping[str, Any]], tools: list[dict] | None = None,
+                        stopped_with: str = "") -> str:
+    """The text after the model's turn up to the next assistant turn's start: the rest of the
+    template's closing of an assistant turn (what it writes after the content, less ``stopped_with``,
+    the text of the stop token the model ended on: ChatML's ``<|im_end|>`` then leaves ``\\n``), then
+    the environment's ``new`` messages and the generation prompt, as the chat template renders them
+    after a conversation (a fixed one, so the rendering never depends on the episode's text).
+
+    Raises ``ValueError`` for a template that does not render a conversation as a prefix of its
+    continuation (one that renders the last assistant turn differently, such as a reasoning block):
+    such a template cannot be extended turn by turn. A tokenizer without a template gives the
+    messages one per line in a plain ``role: content`` form."""
+    if not _template(tokenizer):
+        return "".join(f"\n{m.get('role', 'tool')}: {m.get('content', '')}" for m in new) + "\n"
+    before = tokenizer.apply_chat_template(list(_BASE), tools=tools, tokenize=False)
+    after = tokenizer.apply_chat_template([*_BASE, *new], tools=tools, tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError("the chat template renders a conversation differently once it continues (the last "
+                         "assistant turn changes), so an episode cannot be extended turn by turn; use a template "
+                         "that renders every turn as it will stay")
+    closing = before[before.rindex(_BASE[-1]["content"]) + len(_BASE[-1]["content"]):]
+    rest = closing[len(stopped_with):] if stopped_with and closing.startswith(stopped_with) else closing
+    return rest + after[len(before):]
+
+
+def _call(env: Any, method: str, episode: int, *args: Any) -> Any:
+    """``env.method(*args)``; an exception stops the run naming the environment, the method and the episode."""
+    try:
+        return getattr(env, method)(*args)
+    except Exception as e:
+        raise RuntimeError(f"env: {type(env).__name__}.{method} raised {type(e).__name__}: {e} (episode {episode}); "
+                           "an environment answers any text, a tool's failure being a message the model reads") from e
 
 
 def _step_all(envs: Sequence[Any], texts: Mapping[int, str], workers: int) -> dict[int, EnvStep]:
     """``env.step(text)`` of every running episode, concurrently; an environment that raises or answers
     with something other than an ``EnvStep`` stops the run naming the episode."""
     def one(i: int) -> EnvStep:
-        try:
-            out = envs[i].step(texts[i])
-        except Exception as e:
-            raise RuntimeError(f"env: {type(envs[i]).__name__}.step raised {type(e).__name__}: {e} "
-                               f"(episode {i}); an environment answers any text, a tool's failure being a "
-                               "message the model reads") from e
+        out = _call(envs[i], "step", i, texts[i])
         if not isinstance(out, EnvStep):
             raise TypeError(f"env: {type(envs[i]).__name__}.step returned {type(out).__name__}, expected EnvStep "
                             f"(episode {i})")
@@ -134,22 +145,29 @@ def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], m
     envs = [make_env() for _ in range(B)]
     pad = pad_token_id(tokenizer)
     device = next(model.parameters()).device
-    openings, tools, prompt_ids = [], [], []
+    tools, prompt_ids = [], []
     for b, env in enumerate(envs):
         row = {k: v[b // num_samples] for k, v in columns.items()}
-        messages = [dict(m) for m in env.reset(row)]
-        openings.append(messages)
-        tools.append(_schemas(env))
+        messages = [dict(m) for m in _call(env, "reset", b, row)]
+        tools.append(_call(env, "schemas", b) if callable(getattr(env, "schemas", None)) else None)
         ids = tokenizer(render_opening(tokenizer, messages, tools[-1]), add_special_tokens=not _template(tokenizer))[
             "input_ids"]
         prompt_ids.append(ids[-max_prompt_length:] if max_prompt_length else ids)
+    if B:  # a template that cannot be continued turn by turn is refused before anything is generated
+        render_continuation(tokenizer, [{"role": "tool", "content": "0"}], tools[0])
     context = model_context(model)
     caps = [min(max_episode_tokens or 2 ** 62, (context - len(p)) if context else 2 ** 62) for p in prompt_ids]
+    short = [b for b, cap in enumerate(caps) if cap < 1]
+    if short:
+        b = short[0]
+        raise ValueError(f"episode {b} (row {b // num_samples}): its opening has {len(prompt_ids[b])} tokens (the "
+                         f"environment's messages and tools rendered by the chat template), which leaves no room in "
+                         f"the model's context of {context}; set max_prompt_length <= {context - 1} or shorten the "
+                         "opening")
     traj: list[list[int]] = [[] for _ in range(B)]
     own: list[list[bool]] = [[] for _ in range(B)]
     logprobs: list[list[float]] = [[] for _ in range(B)]
     turn_of: list[list[int]] = [[] for _ in range(B)]
-    conversations = [list(m) for m in openings]
     rewards = [0.0] * B
     turns = [0] * B
     done = [False] * B
@@ -163,49 +181,49 @@ def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], m
         running = [b for b in running if not done[b]]
         if not running:
             break
-        ids, mask = pad_sequences([prompt_ids[b] + traj[b] for b in running], side="left", pad_value=pad)
-        contexts = TensorDict({K.PROMPT_IDS: ids, K.PROMPT_MASK: mask}, batch_size=[len(running)]).to(device)
-        out = generate_rollout(model, tokenizer, contexts, max_new_tokens=max(budgets[b] for b in running),
-                               temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
-                               seed=None if turn_seeds is None else draw_seed(turn_seeds), engine=engine, sampler=sampler,
-                               engine_options=engine_options, do_sample=do_sample)
         texts = {}
-        for j, b in enumerate(running):
-            m = out[K.RESPONSE_MASK][j]
-            new = out[K.RESPONSE_IDS][j][m].tolist()[:budgets[b]]
-            lp = out[K.OLD_LOGPROBS][j][m].tolist()[:budgets[b]]
-            cut = bool(out[K.TRUNCATED][j]) or len(new) < int(m.sum())
-            traj[b] += new
-            own[b] += [True] * len(new)
-            logprobs[b] += lp
-            turn_of[b] += [turn] * len(new)
-            turns[b] += 1
-            text = tokenizer.decode(new, skip_special_tokens=True)
-            conversations[b].append({"role": "assistant", "content": text})
-            if cut:  # the turn ran out of tokens: no complete answer to give the environment
-                done[b], truncated[b] = True, True
-            else:
-                texts[b] = text
+        # one call per turn budget: an episode near its cap gets its own, so no row's context and budget
+        # pass the model's context (each call draws its own seed, in the order of the budgets)
+        for budget in sorted({budgets[b] for b in running}, reverse=True):
+            members = [b for b in running if budgets[b] == budget]
+            ids, mask = pad_sequences([prompt_ids[b] + traj[b] for b in members], side="left", pad_value=pad)
+            contexts = TensorDict({K.PROMPT_IDS: ids, K.PROMPT_MASK: mask}, batch_size=[len(members)]).to(device)
+            out = generate_rollout(model, tokenizer, contexts, max_new_tokens=budget, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
+                                   seed=None if turn_seeds is None else draw_seed(turn_seeds), engine=engine,
+                                   sampler=sampler, engine_options=engine_options, do_sample=do_sample)
+            for j, b in enumerate(members):
+                m = out[K.RESPONSE_MASK][j]
+                new = out[K.RESPONSE_IDS][j][m].tolist()
+                traj[b] += new
+                own[b] += [True] * len(new)
+                logprobs[b] += out[K.OLD_LOGPROBS][j][m].tolist()
+                turn_of[b] += [turn] * len(new)
+                turns[b] += 1
+                text = tokenizer.decode(new, skip_special_tokens=True)
+                if bool(out[K.TRUNCATED][j]):  # the turn ran out of tokens: no complete answer to give the environment
+                    done[b], truncated[b] = True, True
+                else:
+                    texts[b] = text
         steps = _step_all(envs, texts, workers)
         for b, step in steps.items():
             rewards[b] += float(step.reward or 0.0)
             if step.done or turn == max_turns - 1 or not step.messages:
                 done[b] = True
                 continue
-            added = tokenizer(render_continuation(tokenizer, conversations[b], step.messages, tools[b]),
+            stopped_with = tokenizer.decode(traj[b][-1:]) if traj[b] else ""
+            added = tokenizer(render_continuation(tokenizer, step.messages, tools[b], stopped_with),
                               add_special_tokens=False)["input_ids"]
             if len(traj[b]) + len(added) + 1 > caps[b]:  # no room left for the model to answer
                 done[b], truncated[b] = True, True
                 continue
-            conversations[b] += [dict(m) for m in step.messages]
             traj[b] += added
             own[b] += [False] * len(added)
             logprobs[b] += [0.0] * len(added)
             turn_of[b] += [turn] * len(added)
     for b, env in enumerate(envs):
-        final = getattr(env, "final_reward", None)
-        if callable(final):
-            rewards[b] += float(final() or 0.0)
+        if callable(getattr(env, "final_reward", None)):
+            rewards[b] += float(_call(env, "final_reward", b) or 0.0)
     prompt_t, prompt_m = pad_sequences(prompt_ids, side="left", pad_value=pad)
     response, real = pad_sequences([t or [pad] for t in traj], side="right", pad_value=pad)
     real &= torch.tensor([bool(t) for t in traj])[:, None]

@@ -18,6 +18,7 @@ from rlcore.loops.collect import generate_rollout
 from rlcore.loops.fold import to_floats
 from rlcore.loops.recipe import load_splits, policy_tokenizer, require_held_out
 from rlcore.loops.reward_fns import RewardFn, make_reward_fn, repeat_columns, reward_settings, trainer_state
+from rlcore.loops.envs import resolve_env
 from rlcore.loops.episodes import sample_episodes
 from rlcore.loops.score import last_turn_ids, score_rollout
 from rlcore.loops.state import TrainState
@@ -39,14 +40,17 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
     columns = {**repeat_columns(rows, 1), "trainer_state": trainer_state(state.step, getattr(config, "steps", None))}
     policy = state.model("policy")
     gen = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length, seed=seed,
-               engine=config.engine, sampler=config.sampler, engine_options=config.engine_options)
+               engine=config.engine, sampler=config.sampler, engine_options=config.engine_options,
+               stop_token_ids=tuple(getattr(config, "stop_token_ids", ())))
+    env = state.env if state.env is not None else resolve_env(getattr(config, "env", None), getattr(config, "tools", ()),
+                                                              tool_format=getattr(config, "tool_format", "qwen"))
     scoring = dict(reward_fn=reward_fn, reward_model=state.models.get("reward"), tokenizer=tokenizer,
                    prompts=prompts, reward_columns=columns, **reward_settings(config))
 
     def generate(model, **kw):  # a response per prompt, or with the run's environment an episode (loops.episodes)
-        if state.env is None:
+        if env is None:
             return generate_rollout(model, tokenizer, prompts, **gen, **kw)
-        return sample_episodes(model, tokenizer, rows, state.env, max_turns=config.max_turns,
+        return sample_episodes(model, tokenizer, rows, env, max_turns=config.max_turns,
                                max_episode_tokens=config.max_episode_tokens,
                                **{k: v for k, v in {**gen, **kw}.items() if k != "behaviour"})
 
@@ -64,7 +68,7 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
                                    (reward > ref_reward).float() + 0.5 * (reward == ref_reward).float())}
     if "answer" in columns:
         out["exact_match"] = score_rollout(greedy, reward_fn=_exact_match_reward, tokenizer=tokenizer,
-                                           reward_columns={"answer": columns["answer"]})[K.SCORE]
+                                           reward_columns={"answer": columns["answer"]}, with_env_reward=False)[K.SCORE]
     sampled = generate(policy, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     sampled = score_rollout(sampled, ref=state.model("ref"), temperature=config.temperature, **scoring)
     kl = kl_estimate(sampled[K.OLD_LOGPROBS], sampled[K.REF_LOGPROBS], "k1")
@@ -81,6 +85,10 @@ def evaluate_policy(state: TrainState, config: Any, *, tokenizer=None, dataset: 
     of greedy responses; ``win_rate`` of those against the reference policy's greedy responses
     (judged by the same reward; a tie counts ½); ``sampled_reward`` and ``kl_ref`` of one sampled
     response per prompt.
+
+    With an environment (the state's, ``train``'s; else the config's ``env`` / ``tools``), every
+    response is an episode (``loops.episodes``): the rewards include the environment's, exact match
+    grades the last assistant turn alone, and ``kl_ref`` sums over the model's tokens.
 
     ``kl_ref = mean_b Σ_t (log π − log π_ref)`` (k1 of whole responses sampled at
     ``config.temperature``, both log-probs at that temperature). ``exact_match`` needs an ``answer``

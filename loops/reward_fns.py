@@ -44,14 +44,14 @@ from rlcore.loops.tokenization import is_conversation
 __all__ = ["make_reward_fn", "repeat_columns", "RewardFn", "call_reward_fn", "MAX_ABS_REWARD", "check_reward_range",
            "NONFINITE_REWARDS", "check_finite_scores", "reward_columns", "import_reward_fn", "combine_rewards",
            "missing_eos_penalty", "reward_settings", "PASSED_TO_ALL", "check_reward_fn", "repeat_prompts",
-           "as_completions", "trainer_state", "reward_fn_names", "call_reward_terms"]
+           "as_completions", "trainer_state", "reward_fn_names", "call_reward_terms", "import_callable"]
 
 
 RewardFn = Callable[..., "Sequence[float | None] | torch.Tensor"]
 
 
 # The keywords every reward function receives besides the dataset's columns (TRL's).
-PASSED_TO_ALL = ("prompts", "completions", "completion_ids", "trainer_state")
+PASSED_TO_ALL = ("prompts", "completions", "completion_ids", "trainer_state", "trajectories")
 
 
 def _parameters(fn: RewardFn) -> Mapping[str, inspect.Parameter]:
@@ -328,7 +328,7 @@ def reward_columns(fn: RewardFn) -> tuple[str, ...]:
     """The dataset columns ``fn`` cannot run without: its ``required_columns`` attribute when set
     (``combine_rewards`` sets the union of its functions'), else the parameters its signature
     requires besides those every function receives (``PASSED_TO_ALL``: ``prompts``, ``completions``,
-    ``completion_ids``, ``trainer_state``), with no default, not ``*args`` / ``**kwargs``.
+    ``completion_ids``, ``trainer_state``, ``trajectories``), with no default, not ``*args`` / ``**kwargs``.
 
     >>> def correct(completions, answer, **kwargs): ...
     >>> reward_columns(correct)
@@ -368,6 +368,13 @@ def import_reward_fn(spec: str) -> RewardFn:
     if not sep or not module_name or not attr:
         raise ValueError(f"reward_funcs: expected 'package.module:function', got {spec!r} (or TRL's "
                          f"'package.module.function', or one of {', '.join(TRL_CLI_REWARDS)})")
+    return import_callable(module_name, attr, spec=str(spec), what="reward_funcs")
+
+
+def import_callable(module_name: str, attr: str, *, spec: str, what: str) -> Callable[..., Any]:
+    """``module_name``'s attribute ``attr`` (dotted: ``Class.method``), a module of the working
+    directory found as ``python -m`` finds one; ``ValueError`` naming ``what`` and ``spec`` when it
+    does not import or is not callable (reward functions, ``--env`` factories and ``--tools``)."""
     cwd = os.getcwd()
     added = cwd not in sys.path  # a module of the working directory, as `python -m` finds it
     try:
@@ -377,12 +384,12 @@ def import_reward_fn(spec: str) -> RewardFn:
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward_funcs: cannot load {spec!r} ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{what}: cannot load {spec!r} ({type(e).__name__}: {e})") from None
     finally:
         if added:
             sys.path.remove(cwd)
     if not callable(obj):
-        raise ValueError(f"reward_funcs: {spec!r} is not callable (a {type(obj).__name__})")
+        raise ValueError(f"{what}: {spec!r} is not callable (a {type(obj).__name__})")
     return obj
 
 
@@ -518,7 +525,7 @@ def make_reward_fn(config: Any, reward_fn: RewardFn | Sequence[RewardFn] | None 
 
 
 def repeat_columns(rows: Mapping[str, Sequence], num_samples: int, *,
-                   skip: Sequence[str] = ("prompt", "completion", "completion_ids", "trainer_state")
+                   skip: Sequence[str] = ("prompt", "completion", "completion_ids", "trainer_state", "trajectories")
                    ) -> dict[str, list]:
     """Each column but ``skip`` with every value repeated ``num_samples`` times in place
     (``[a, b] → [a, a, b, b]``), aligned with the prompt-major rows of a rollout (the columns a

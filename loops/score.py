@@ -246,7 +246,8 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
                   reward_fn: Callable | None = None, reward_model: nn.Module | None = None, tokenizer=None,
                   reward_columns: Mapping[str, Sequence] | None = None, temperature: float = 1.0,
                   chunked: bool = True, rows_per_forward: int | None = None, reward_timeout: float | None = None,
-                  nonfinite_rewards: str = "raise", prompts: Sequence | None = None) -> TensorDict:
+                  nonfinite_rewards: str = "raise", prompts: Sequence | None = None,
+                  with_env_reward: bool = True) -> TensorDict:
     """Add log-probs, values and scores to a rollout: one no-grad forward per model given
     (``rows_per_forward`` rows at a time, ``None``: all).
 
@@ -268,7 +269,9 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
       prompt ids decoded; ``completions`` the response ids decoded with ``tokenizer`` (special
       tokens skipped), each as ``[{"role": "assistant", "content": text}]`` when the prompts are
       conversations (``as_completions``); ``completion_ids`` each response's ids up to and
-      including its stop token (lists of ints). With both,
+      including its stop token (lists of ints); a multi-turn episode's completion is its last
+      assistant turn (``last_turn_ids``), and ``trajectories`` is every episode's whole decoded text,
+      the environment's turns included (a single-turn response's own text). With both,
       the score is their sum (use ``combine_rewards`` for weights). A reward function's ``None``
       gives NaN ("no opinion"). Scores from either source pass one check
       (``loops.reward_fns.check_finite_scores``): a NaN or infinite score is a ``ValueError``
@@ -290,6 +293,8 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
             which the reward function receives; ``None``: the prompt ids decoded.
         reward_columns: the other keywords the reward function receives: the dataset's columns, one
             value per row (``loops.reward_fns.repeat_columns``), and ``trainer_state`` when known.
+        with_env_reward: a multi-turn rollout's ``env_reward`` (``loops.episodes``) joins the score (as
+            ``reward_terms["env"]``); ``False`` scores the answers alone (exact match).
     Returns:
         A shallow copy of ``rollout`` with the new keys; the input is not modified. Every prompt
         needs at least one real token (its last one predicts the first response token).
@@ -345,14 +350,13 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
                 raise ValueError(f"prompts: expected one per rollout row ({rollout.batch_size[0]}), got {len(prompts)}")
             completion_ids = last_turn_ids(rollout)  # a multi-turn episode's answer: its last assistant turn
             completions = as_completions(prompts, tokenizer.batch_decode(completion_ids, skip_special_tokens=True))
-            columns = {**(reward_columns or {}), "completion_ids": completion_ids}
-            if K.TRAJECTORY_MASK in rollout.keys():  # the whole episode, the environment's turns included
-                columns["trajectories"] = _decode(tokenizer, rollout[K.RESPONSE_IDS], rollout[K.TRAJECTORY_MASK])
+            columns = {**(reward_columns or {}), "completion_ids": completion_ids,  # the whole episode's text:
+                       "trajectories": _decode(tokenizer, rollout[K.RESPONSE_IDS], response_attention(rollout))}
             total, by_fn = call_reward_terms(reward_fn, list(prompts), completions, reward_timeout=reward_timeout,
                                              nonfinite_rewards=nonfinite_rewards, **columns)
             scores.append(total.to(ids.device))
             terms.update({name: v.to(ids.device) for name, v in by_fn.items() if name not in terms})
-        if K.ENV_REWARD in rollout.keys():  # the environment's rewards of the episode
+        if K.ENV_REWARD in rollout.keys() and with_env_reward:  # the environment's rewards of the episode
             scores.append(check_finite_scores(_at_least_fp32(rollout[K.ENV_REWARD]), "the environment",
                                               nonfinite_rewards=nonfinite_rewards))
             terms["env"] = scores[-1]

@@ -69,17 +69,23 @@ def test_episode_layout_and_the_masking_rule(lm):
     row = out[0]
     env_ids = row[K.RESPONSE_IDS][real[0] & ~own[0]].tolist()
     turns = row[K.TURN_IDS][real[0]].tolist()
-    texts = [tokenizer.decode([t]) for t in row[K.RESPONSE_IDS][own[0]].tolist()]
-    conversation = [{"role": "user", "content": "12+7="}]
+    model_tokens = row[K.RESPONSE_IDS][own[0]].tolist()
     expected = []
-    for i, text in enumerate(texts[:2]):
-        conversation.append({"role": "assistant", "content": tokenizer.decode(tokenizer(text)["input_ids"],
-                                                                              skip_special_tokens=True)})
+    for i, token in enumerate(model_tokens[:2]):  # after each turn but the last: the closing, the tool, the prompt
         new = [{"role": "tool", "content": f"{2 - i} left"}]
-        expected += tokenizer(render_continuation(tokenizer, conversation, new), add_special_tokens=False)["input_ids"]
-        conversation += new
+        expected += tokenizer(render_continuation(tokenizer, new, None, tokenizer.decode([token])),
+                              add_special_tokens=False)["input_ids"]
     assert env_ids == expected
     assert turns == sorted(turns) and set(turns) == {0, 1, 2}
+    # the whole trajectory reads as the chat template renders the finished conversation
+    conversation = [{"role": "user", "content": "12+7="}]
+    for i, token in enumerate(model_tokens):
+        conversation.append({"role": "assistant", "content": tokenizer.decode([token], skip_special_tokens=True)})
+        if i < 2:
+            conversation.append({"role": "tool", "content": f"{2 - i} left"})
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
+    whole = tokenizer.decode(row[K.PROMPT_IDS][row[K.PROMPT_MASK]].tolist() + row[K.RESPONSE_IDS][real[0]].tolist())
+    assert rendered.startswith(whole.removesuffix("</s>")) or whole.startswith(rendered.removesuffix("</s>"))
 
 
 def test_the_behaviour_logprobs_are_those_of_one_forward_over_the_whole_trajectory(lm):
@@ -180,13 +186,17 @@ def test_the_loss_and_kl_never_see_the_environments_tokens(lm):
 # --- environments --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("expression,result", [("12+7", "19"), ("7*36", "252"), ("(3+4)*2", "14"), ("7/2", "3.5"),
                                                ("8/2", "4"), ("-3**2", "-9"), ("2**10", "1024"), ("17//5", "3"),
-                                               ("17 % 5", "2")])
+                                               ("17 % 5", "2"), ("0.1+0.2", "0.3"), ("1/3", "1/3"), ("-7/4", "-1.75"),
+                                               ("10**23/1", "1" + "0" * 23), ("12345678901234567*3/3",
+                                                                             "12345678901234567"), ("2**-2", "0.25"),
+                                               ("-" * 190 + "1", "1"), ("(" * 99 + "1" + ")" * 99, "1")])
 def test_calculate(expression, result):
     assert calculate(expression) == result
 
 
 @pytest.mark.parametrize("expression", ["1/0", "__import__('os')", "a+1", "(1).real", "2**10000", "9" * 300,
-                                        "[1, 2]", "1 if 1 else 2", "10**6**6"])
+                                        "[1, 2]", "1 if 1 else 2", "10**6**6", "9**9**9", "2**0.5", "(-8)**0.5",
+                                        "1e308*10", "1e400", "True+1"])
 def test_calculate_answers_anything_with_an_error_and_runs_no_code(expression):
     assert calculate(expression).startswith("error:")
 
@@ -223,21 +233,21 @@ def _double(x: int) -> int:
 
 def test_resolve_env():
     assert resolve_env(None) is None
-    assert resolve_env("calculator") is ENVS["calculator"]
+    assert resolve_env("calculator").func is ENVS["calculator"]
     assert isinstance(resolve_env(None, [_double])(), ToolEnv)
     assert isinstance(resolve_env(None, ["tests.loops.test_episodes:_double"])(), ToolEnv)
     with pytest.raises(ValueError, match="env: expected one of"):
         resolve_env("nope")
     with pytest.raises(ValueError, match="give tools or an env, not both"):
         resolve_env("calculator", [_double])
-    with pytest.raises(ValueError, match="tools: cannot import"):
+    with pytest.raises(ValueError, match="tools: cannot load"):
         resolve_env(None, ["tests.loops.test_episodes:missing"])
 
 
 def test_config_checks_the_environment_at_load():
     with pytest.raises(ConfigError, match="env: expected one of"):
         load_config(grpo.Config, None, {"env": "nope", "run_dir": None})
-    with pytest.raises(ConfigError, match="length_sampler: an episode's turns"):
+    with pytest.raises(ConfigError, match="length_sampler: not with an environment"):
         load_config(grpo.Config, None, {"env": "calculator", "length_sampler": [2, 4], "run_dir": None})
     with pytest.raises(ConfigError, match="tool_format: expected one of"):
         load_config(grpo.Config, None, {"env": "calculator", "tool_format": "xml", "run_dir": None})
@@ -291,3 +301,141 @@ def test_async_and_ray_learners_refuse_an_environment():
 
     with pytest.raises(ValueError, match="env: multi-turn episodes are played by the synchronous step"):
         check_learner(grpo.Config(**TINY, num_samples=2, env="calculator"), None)
+
+
+def test_an_episode_near_the_models_context_gets_its_own_budget(lm):
+    """Episodes whose caps differ are generated in separate calls, so no row's context plus budget passes
+    the model's context (a long prompt beside a short one)."""
+    model, tokenizer = lm
+    context = model.config.max_position_embeddings
+    rows = {"prompt": ["7" * (context - 30), "1+1="]}
+    out = sample_episodes(model, tokenizer, rows, lambda: Countdown(4), max_new_tokens=24, max_turns=4,
+                          stop_token_ids=(), seed=0)
+    total = out[K.PROMPT_MASK].sum(-1) + out[K.TRAJECTORY_MASK].sum(-1)
+    assert bool((total <= context).all())
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_the_continuation_closes_the_models_turn_as_the_template_does(lm):
+    """ChatML closes an assistant turn with ``<|im_end|>\\n``: a model that stopped on ``<|im_end|>`` gets the
+    ``\\n``, one that stopped on another token the whole closing; a template whose last turn renders
+    differently once continued is refused."""
+    import copy
+
+    _, tokenizer = lm
+    chatml = copy.deepcopy(tokenizer)
+    chatml.chat_template = CHATML
+    tool = [{"role": "tool", "content": "19"}]
+    assert render_continuation(chatml, tool, None, "<|im_end|>") == \
+        "\n<|im_start|>tool\n19<|im_end|>\n<|im_start|>assistant\n"
+    assert render_continuation(chatml, tool, None, "</tool_call>") == \
+        "<|im_end|>\n<|im_start|>tool\n19<|im_end|>\n<|im_start|>assistant\n"
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = CHATML.replace("m['content']", "(('<think></think>' if loop.last else '') + m['content'])")
+    with pytest.raises(ValueError, match="cannot be extended turn by turn"):
+        render_continuation(thinking, tool)
+
+
+def test_online_dpo_pairs_attend_to_the_environments_tokens(lm):
+    from rlcore.algorithms.online import online_preference_batch
+
+    model, tokenizer = lm
+    out = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(3), num_samples=2, max_new_tokens=3, max_turns=3,
+                          stop_token_ids=_one_token_turns(tokenizer), seed=4)
+    out[K.SCORE] = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    pairs = online_preference_batch(out, num_groups=2)
+    chosen = out[torch.tensor([0, 3])]
+    attention = torch.cat([chosen[K.PROMPT_MASK], chosen[K.TRAJECTORY_MASK]], -1)
+    assert torch.equal(pairs[K.CHOSEN, K.ATTENTION_MASK], attention)
+    width = chosen[K.PROMPT_MASK].shape[-1]
+    assert torch.equal(pairs[K.CHOSEN, K.LOSS_MASK][:, width:], chosen[K.RESPONSE_MASK])
+
+
+def test_evaluation_plays_the_configs_environment_and_grades_the_answer_alone(lm):
+    """Without ``state.env`` (``rlcore eval``) evaluation resolves the config's environment; exact
+    match leaves the environment's reward out."""
+    from rlcore.loops.evaluate import evaluate_policy
+    from rlcore.loops.online import build_online_state
+
+    _, tokenizer = lm
+
+    class Generous(Countdown):
+        def final_reward(self):
+            return 1.0
+
+    import sys
+    import types
+    module = types.ModuleType("generous_env")
+    module.make = lambda: Generous(2)
+    sys.modules["generous_env"] = module
+    try:
+        config = grpo.Config(**{**TINY, "num_train": 8, "num_eval": 4, "max_new_tokens": 2}, num_samples=2,
+                             max_turns=2, env="generous_env:make", stop_token_ids=tuple(range(len(tokenizer))))
+        state, tok = build_online_state(config)
+        assert state.env is None
+        metrics = evaluate_policy(state, config, tokenizer=tok, reward_fn=lambda completions, **_: [0.0] *
+                                  len(completions))
+    finally:
+        del sys.modules["generous_env"]
+    assert metrics["reward"] == pytest.approx(3.0)  # one per turn, two turns, and the final one
+    assert metrics["exact_match"] == 0.0
+
+
+def test_a_reward_function_may_require_trajectories():
+    from rlcore.loops.reward_fns import reward_columns
+
+    def judge(completions, trajectories):
+        return [float("19" in t) for t in trajectories]
+
+    assert reward_columns(judge) == ()
+
+
+def test_single_turn_settings_are_refused_beside_an_environment():
+    for name, value in (("missing_eos_penalty", 1.0), ("overlong_buffer", 2), ("generation_batch_size", 4)):
+        with pytest.raises(ConfigError, match=f"{name}: not with an environment"):
+            load_config(grpo.Config, None, {"env": "calculator", name: value, "run_dir": None})
+
+
+def test_the_tool_format_reaches_the_built_ins():
+    for name in ENVS:
+        assert resolve_env(name, tool_format="llama3")().format == "llama3"
+
+
+def test_lookup_facts_stay_with_their_row():
+    env = LookupEnv({"sky": "blue"})
+    env.reset({"prompt": "?", "facts": {"X": "Y", "Z": None}})  # a datasets struct column pads with None
+    answer = env.step('<tool_call>{"name": "lookup", "arguments": {"key": "Z"}}</tool_call>').messages[0]["content"]
+    assert answer.startswith("error: no fact 'Z'") and "'sky'" not in answer
+    env.reset({"prompt": "?", "facts": {}})  # a row with no facts has none
+    assert env.step('<tool_call>{"name": "lookup", "arguments": {"key": "sky"}}</tool_call>').messages[0][
+        "content"].startswith("error")
+
+
+def test_tools_import_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "mytools_here.py").write_text(
+        'def double(x: int) -> int:\n    """Double a number.\n\n    Args:\n        x: the number.\n    """\n'
+        '    return 2 * x\n')
+    monkeypatch.chdir(tmp_path)
+    env = resolve_env(None, ["mytools_here:double"])()
+    assert env.step('<tool_call>{"name": "double", "arguments": {"x": 4}}</tool_call>').messages[0]["content"] == "8"
+
+
+def test_an_opening_with_no_room_left_is_an_error(lm):
+    model, tokenizer = lm
+    rows = {"prompt": ["9" * model.config.max_position_embeddings]}
+    with pytest.raises(ValueError, match=r"episode 0 \(row 0\): its opening has \d+ tokens"):
+        sample_episodes(model, tokenizer, rows, lambda: Countdown(2), max_new_tokens=4, seed=0)
+
+
+def test_reset_errors_name_the_environment(lm):
+    model, tokenizer = lm
+
+    class NoReset(Countdown):
+        def reset(self, row):
+            raise KeyError("facts")
+
+    with pytest.raises(RuntimeError, match=r"env: NoReset.reset raised KeyError"):
+        sample_episodes(model, tokenizer, ROWS, NoReset, max_new_tokens=2, seed=0)

@@ -41,10 +41,10 @@ def test_every_function_is_called_by_keyword_and_other_forms_are_refused_by_name
         return [0.0] * len(c)
 
     with pytest.raises(ValueError, match=r"reward function positional: its parameters \['p', 'c'\] name none of "
-                                         r"prompts, completions, completion_ids, trainer_state"):
+                                         r"prompts, completions, completion_ids, trainer_state, trajectories"):
         call_reward_fn(positional, PROMPTS, COMPLETIONS)
     with pytest.raises(ValueError, match=r"<lambda>: requires \['p', 'c'\], which it is not given: reward functions "
-                                         r"receive prompts, completions, completion_ids, trainer_state and the "
+                                         r"receive prompts, completions, completion_ids, trainer_state, trajectories and the "
                                          r"dataset's columns \(\['answer'\]\) by keyword"):
         call_reward_fn(lambda p, c, **kw: [0.0] * len(c), PROMPTS, COMPLETIONS, answer=ANSWERS)
     with pytest.raises(ValueError, match=r"reward function len: positional-only parameters \['obj'\]"):

@@ -1,0 +1,77 @@
+"""Multi-turn episodes: does a slow tool stall the batch? One step of 16 episodes x 3 turns.
+
+    python benchmarks/run.py --only agents [--tiny]
+
+``loops.episodes.sample_episodes`` on the offline tiny Llama against an environment that answers
+every assistant turn with a tool result for three turns. Each turn is one token (every token is a
+stop token), so the step is the environment's and generation's fixed costs, not decoding. The
+implementations:
+
+- ``rlcore``: a tool that sleeps 50 ms a call, the episodes' environments stepped in a thread pool
+  (the library's way);
+- ``instant-tool``: the same tool answering at once;
+- ``sequential-tool-steps``: the 50 ms tool stepped one episode after another (``workers=1``), the
+  latency a naive loop pays: 16 x 3 x 50 ms = 2.4 s a step.
+
+Goal (issue: latency overlapped, not summed): the 50 ms tool's step takes at most 1.3x the instant
+tool's, i.e. ``instant-tool`` time / ``rlcore`` time >= 1 / 1.3.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+
+class _Tool:
+    """Answers each assistant turn with a tool message after ``delay_s``, for ``turns`` turns."""
+
+    def __init__(self, delay_s: float, turns: int):
+        self.delay_s, self.left = delay_s, turns
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text):
+        from rlcore.loops.envs import EnvStep
+
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.left -= 1
+        if self.left <= 0:
+            return EnvStep(reward=1.0, done=True)
+        return EnvStep(messages=({"role": "tool", "content": f"{self.left} left"},))
+
+
+def _sizes(tiny: bool) -> tuple[int, int]:
+    return (4, 2) if tiny else (16, 3)
+
+
+def _builder(delay_s: float, tiny: bool, workers: int | None = None):
+    def build():
+        from rlcore.loops.episodes import MAX_ENV_WORKERS, sample_episodes
+        from rlcore.loops.models import build_model, build_tokenizer
+
+        episodes, turns = _sizes(tiny)
+        tokenizer = build_tokenizer()
+        model = build_model("llama", tokenizer=tokenizer, hidden_size=16, num_layers=1, num_heads=2, seed=0).eval()
+        rows = {"prompt": [f"{i}+{i}=" for i in range(episodes)]}
+        return functools.partial(sample_episodes, model, tokenizer, rows, lambda: _Tool(delay_s, turns),
+                                 max_new_tokens=2, max_turns=turns, stop_token_ids=list(range(len(tokenizer))),
+                                 seed=0, workers=workers or MAX_ENV_WORKERS)
+    return build
+
+
+def cases(tiny: bool) -> dict:
+    episodes, turns = _sizes(tiny)
+    delay = 0.005 if tiny else 0.05
+    return {f"episodes_{episodes}x{turns}_turns": {
+        "rlcore": _builder(delay, tiny),
+        "instant-tool": _builder(0.0, tiny),
+        "sequential-tool-steps": _builder(delay, tiny, workers=1),
+    }}
+
+
+def goals(tiny: bool) -> dict:
+    episodes, turns = _sizes(tiny)
+    return {f"episodes_{episodes}x{turns}_turns": [("speedup", "instant-tool", 1 / 1.3)]}
