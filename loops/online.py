@@ -79,7 +79,7 @@ from rlcore.transforms import observed_kl
 
 __all__ = ["OnlineConfig", "Correction", "ESTIMATOR_NEEDS", "check_kl_name", "runnable_estimators", "advantage_fn",
            "check_prompt_data", "check_prompt_lengths", "build_online_state", "prompt_source", "update_sizes",
-           "generate_kwargs", "sample", "replay_seed_draw", "critic_values", "score_samples", "with_policy_logprobs",
+           "generate_kwargs", "episode_kwargs", "sample", "replay_seed_draw", "critic_values", "score_samples", "with_policy_logprobs",
            "rollout_metrics", "group_metrics", "length_metrics", "reward_term_metrics", "LIVE", "train_online"]
 
 # the asynchronous learners' importance correction: a batch with advantages -> (the batch the loss sees, metrics)
@@ -254,13 +254,13 @@ def sample(state: TrainState, rows: Mapping[str, Sequence], *, generation: Gener
     else:
         turns = dict(max_turns=agent.max_turns, max_episode_tokens=agent.max_episode_tokens) if agent else {}
         rollout = sample_episodes(state.model("policy"), tokenizer, rows, state.env, seed=seed,
-                                  policy_version=state.policy_version, **_episode_kwargs(kwargs), **turns)
+                                  policy_version=state.policy_version, **episode_kwargs(kwargs), **turns)
     return dataclasses.replace(state, rng=rng), rollout
 
 
-def _episode_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """:func:`generate_kwargs` as ``sample_episodes`` takes them: one budget per turn (a ``length_sampler``
-    draw is not made per turn), every episode in one call."""
+def episode_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`generate_kwargs` as ``loops.episodes.sample_episodes`` takes them: one budget per turn (a
+    ``length_sampler`` draw is not made per turn), every episode in one call (no ``rows_per_call``)."""
     return {k: v for k, v in kwargs.items() if k not in ("length_sampler", "rows_per_call")}
 
 

@@ -133,13 +133,9 @@ def check_learner(config: Any, is_clip: float | None) -> Recipe:
     Raises:
         TypeError: ``config`` of no online recipe.
         ValueError: ``is_clip`` for a loss with no ratio (online DPO), or not ``> 0``; a config
-            with ``dynamic_sampling``, or with an environment (``env`` / ``tools``).
+            with ``dynamic_sampling``.
     """
     recipe = online_recipe(config)
-    if getattr(config, "env", None) is not None or getattr(config, "tools", ()):
-        raise ValueError("env: multi-turn episodes are played by the synchronous step (loops.episodes); the "
-                         "asynchronous and Ray generators sample single-turn rollouts (unset env and tools, or "
-                         "train synchronously)")
     if getattr(config, "dynamic_sampling", False):
         raise ValueError("dynamic_sampling: refilling a step with fresh prompts is a synchronous loop's; the "
                          "asynchronous and Ray learners train on the rollouts their actors send (set it false)")

@@ -53,7 +53,9 @@ from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.dist import process_context
 from rlcore.loops.recipes.dpo import reference_models
-from rlcore.loops.online import check_prompt_data, check_prompt_lengths, generate_kwargs, prompt_source
+from rlcore.loops.envs import resolve_env
+from rlcore.loops.episodes import sample_episodes
+from rlcore.loops.online import check_prompt_data, check_prompt_lengths, episode_kwargs, generate_kwargs, prompt_source
 from rlcore.loops.reward_fns import make_reward_fn
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import load_splits, run
@@ -102,8 +104,8 @@ def _copy_weights(dst: nn.Module, src: nn.Module) -> None:
 
 
 def _generator_main(weights, cond, steps_done, version, requests, results, stop, max_lag, tokenizer,
-                    generate_kwargs, device, threads, seed) -> None:
-    """The generator's loop: request -> wait for fresh-enough weights -> generate -> result."""
+                    generate_kwargs, device, threads, seed, episodes=None) -> None:
+    """The generator's loop: request -> wait for fresh-enough weights -> generate (or play episodes) -> result."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the learner's to handle: it stops us
     torch.set_num_threads(threads)
     set_seed(seed)  # Python, NumPy and torch's global generators, as the learner's run seeds its own
@@ -115,6 +117,8 @@ def _generator_main(weights, cond, steps_done, version, requests, results, stop,
     try:
         policy = copy.deepcopy(weights).to(device)
         local_steps = local_version = -1
+        make_env = None if episodes is None else resolve_env(episodes["env"], episodes["tools"],
+                                                             tool_format=episodes["tool_format"])
         while not stop.is_set():
             try:
                 req = requests.get(timeout=0.5)
@@ -136,13 +140,28 @@ def _generator_main(weights, cond, steps_done, version, requests, results, stop,
                     _copy_weights(policy, weights)
                     local_steps, local_version = steps_done.value, version.value
             start = time.time()
-            rollout = generate_in_chunks(policy, tokenizer, list(rows["prompt"]), seed=seed,
-                                         policy_version=local_version, **generate_kwargs)
+            if make_env is None:
+                rollout = generate_in_chunks(policy, tokenizer, list(rows["prompt"]), seed=seed,
+                                             policy_version=local_version, **generate_kwargs)
+            else:  # multi-turn episodes, as the synchronous step plays them (loops.online.sample)
+                rollout = sample_episodes(policy, tokenizer, rows, make_env, seed=seed, policy_version=local_version,
+                                          max_turns=episodes["max_turns"],
+                                          max_episode_tokens=episodes["max_episode_tokens"],
+                                          **episode_kwargs(generate_kwargs))
             results.put((index, rollout.to("cpu"), (start, time.time())))
     except BaseException:  # noqa: BLE001 -- reported to the learner, which raises it
         results.put(("error", traceback.format_exc(), None))  # flushed before the process exits
         return
     results.cancel_join_thread()  # stopping: rollouts nobody will read are dropped, exit at once
+
+
+def agent_settings(config: Any) -> dict[str, Any] | None:
+    """The plain settings a generator process plays episodes with (``None``: no ``env`` nor ``tools``):
+    names, not objects, so they cross to a spawned process and the environment is resolved there."""
+    if getattr(config, "env", None) is None and not getattr(config, "tools", ()):
+        return None
+    return {"env": config.env, "tools": tuple(config.tools), "tool_format": config.tool_format,
+            "max_turns": config.max_turns, "max_episode_tokens": config.max_episode_tokens}
 
 
 def push_weights(handle: GeneratorHandle, policy: nn.Module, *, steps_done: int, version: int) -> None:
@@ -158,7 +177,7 @@ def push_weights(handle: GeneratorHandle, policy: nn.Module, *, steps_done: int,
 def generator_process(policy: nn.Module, tokenizer, *, max_lag: int, steps_done: int, version: int,
                       generate_kwargs: Mapping[str, Any], device: str | torch.device = "cpu",
                       start_method: str = "spawn", threads: int | None = None,
-                      seed: int = 0) -> Iterator[GeneratorHandle]:
+                      seed: int = 0, episodes: Mapping[str, Any] | None = None) -> Iterator[GeneratorHandle]:
     """Run a generator process for the duration of the ``with`` block; always stop it on exit.
 
     On exit (normal, exception or ``KeyboardInterrupt``) the generator is told to stop, joined,
@@ -178,6 +197,9 @@ def generator_process(policy: nn.Module, tokenizer, *, max_lag: int, steps_done:
         threads: the generator's ``torch.set_num_threads`` (default: the learner's).
         seed: the generator process's global generators (``set_seed``: Python, NumPy, torch); each
             rollout's sampling has its own seed from the learner.
+        episodes: multi-turn episodes instead of single responses: the config's ``env``, ``tools``,
+            ``tool_format``, ``max_turns`` and ``max_episode_tokens`` (``agent_settings``), the
+            environment resolved in the generator process (``loops.envs.resolve_env``).
     """
     check_max_lag(max_lag)
     ctx = process_context(start_method, preload=("rlcore.loops",))
@@ -187,7 +209,8 @@ def generator_process(policy: nn.Module, tokenizer, *, max_lag: int, steps_done:
     requests, results = ctx.Queue(), ctx.Queue(maxsize=max_lag + 1)
     proc = ctx.Process(target=_generator_main, daemon=True, name="rlcore-generator",
                        args=(weights, cond, steps, ver, requests, results, stop, max_lag, tokenizer,
-                             dict(generate_kwargs), str(device), threads or torch.get_num_threads(), seed))
+                             dict(generate_kwargs), str(device), threads or torch.get_num_threads(), seed,
+                             None if episodes is None else dict(episodes)))
     proc.start()
     handle = GeneratorHandle(proc, requests, results, weights, cond, steps, ver, stop, max_lag)
     try:
@@ -307,14 +330,17 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
         state = resume(config.run_dir, state)
     train_ds, eval_ds = load_splits(config, task_dataset)
     reward = make_reward_fn(config, reward_fn)
-    state = dataclasses.replace(state, reward_fn=reward)  # built once: training and evaluation score with it
+    episodes = agent_settings(config)
+    env = None if episodes is None else resolve_env(episodes["env"], episodes["tools"],
+                                                    tool_format=episodes["tool_format"])
+    state = dataclasses.replace(state, reward_fn=reward, env=env)  # built once: training and evaluation use them
     check_prompt_data(reward, train=train_ds, held_out=eval_ds)
     check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)
     with generator_process(state.model("policy"), tokenizer, max_lag=max_lag, steps_done=state.step,
                            version=state.policy_version,
                            generate_kwargs=generate_kwargs(config, max_prompt_length=config.max_prompt_length),
                            start_method=start_method, device=generator_device or config.device,
-                           threads=generator_threads, seed=config.seed) as handle:
+                           threads=generator_threads, seed=config.seed, episodes=episodes) as handle:
         step = functools.partial(_async_step, handle=handle, config=config, tokenizer=tokenizer, reward_fn=reward,
                                  is_clip=is_clip)
         eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,

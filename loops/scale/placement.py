@@ -62,7 +62,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from rlcore.loops.scale.async_learners import check_learner, learn_off_policy
-from rlcore.loops.scale.async_rl import check_max_lag
+from rlcore.loops.scale.async_rl import agent_settings, check_max_lag
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
@@ -299,6 +299,9 @@ def train_placed(config: Any, *, max_lag: int = 0, is_clip: float | None = None,
     """
     check_learner(config, is_clip)
     check_max_lag(max_lag)
+    if agent_settings(config) is not None:
+        raise ValueError("env: Ray placement's generator samples single-turn rollouts; play multi-turn episodes "
+                         "with the synchronous step or train_async (rlcore train --async)")
     cpus, gpus = _per_role(num_cpus, "num_cpus"), _per_role(num_gpus, "num_gpus")
     ray = require_ray()
     if config.run_dir:

@@ -296,47 +296,34 @@ def test_resume_with_an_environment_is_exact(tmp_path, lm):
     assert torch.equal(straight.rng.get_state(), resumed.rng.get_state())
 
 
-def test_async_and_ray_learners_refuse_an_environment():
-    from rlcore.loops.scale.async_learners import check_learner
-
-    with pytest.raises(ValueError, match="env: multi-turn episodes are played by the synchronous step"):
-        check_learner(grpo.Config(**TINY, num_samples=2, env="calculator"), None)
+def countdown3():
+    """A module-level factory (``tests.loops.test_episodes:countdown3``): a spawned generator process resolves it."""
+    return Countdown(3)
 
 
-def test_an_episode_near_the_models_context_gets_its_own_budget(lm):
-    """Episodes whose caps differ are generated in separate calls, so no row's context plus budget passes
-    the model's context (a long prompt beside a short one)."""
-    model, tokenizer = lm
-    context = model.config.max_position_embeddings
-    rows = {"prompt": ["7" * (context - 30), "1+1="]}
-    out = sample_episodes(model, tokenizer, rows, lambda: Countdown(4), max_new_tokens=24, max_turns=4,
-                          stop_token_ids=(), seed=0)
-    total = out[K.PROMPT_MASK].sum(-1) + out[K.TRAJECTORY_MASK].sum(-1)
-    assert bool((total <= context).all())
-
-
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def test_the_continuation_closes_the_models_turn_as_the_template_does(lm):
-    """ChatML closes an assistant turn with ``<|im_end|>\\n``: a model that stopped on ``<|im_end|>`` gets the
-    ``\\n``, one that stopped on another token the whole closing; a template whose last turn renders
-    differently once continued is refused."""
-    import copy
+def test_no_lag_async_plays_the_synchronous_episodes(lm):
+    """N = 0: the generator process plays the episodes the synchronous step plays (same seeds, same
+    environment resolved from the config), so parameters, generator state and metrics agree bit for bit."""
+    from rlcore.loops.scale.async_rl import train_async
 
     _, tokenizer = lm
-    chatml = copy.deepcopy(tokenizer)
-    chatml.chat_template = CHATML
-    tool = [{"role": "tool", "content": "19"}]
-    assert render_continuation(chatml, tool, None, "<|im_end|>") == \
-        "\n<|im_start|>tool\n19<|im_end|>\n<|im_start|>assistant\n"
-    assert render_continuation(chatml, tool, None, "</tool_call>") == \
-        "<|im_end|>\n<|im_start|>tool\n19<|im_end|>\n<|im_start|>assistant\n"
-    thinking = copy.deepcopy(tokenizer)
-    thinking.chat_template = CHATML.replace("m['content']", "(('<think></think>' if loop.last else '') + m['content'])")
-    with pytest.raises(ValueError, match="cannot be extended turn by turn"):
-        render_continuation(thinking, tool)
+    config = grpo.Config(**{**TINY, "num_train": 8, "num_eval": 2, "max_new_tokens": 3}, num_samples=2, batch_size=2,
+                         steps=2, max_turns=3, env="tests.loops.test_episodes:countdown3",
+                         stop_token_ids=tuple(range(len(tokenizer))), log_every=0)
+    sync, sync_hist = grpo.train(config)
+    state, hist = train_async(config, max_lag=0, start_method="spawn")
+    for a, b in zip(sync.model("policy").parameters(), state.model("policy").parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(sync.rng.get_state(), state.rng.get_state())
+    assert [{k: v for k, v in h.items() if not k.startswith("async/")} for h in hist] == sync_hist
+    assert all(h["rollout/turns"] == 3.0 for h in hist)
+
+
+def test_ray_placement_refuses_an_environment():
+    from rlcore.loops.scale.placement import train_placed
+
+    with pytest.raises(ValueError, match="env: Ray placement's generator samples single-turn rollouts"):
+        train_placed(grpo.Config(**TINY, num_samples=2, env="calculator"))
 
 
 def test_online_dpo_pairs_attend_to_the_environments_tokens(lm):
