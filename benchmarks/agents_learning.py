@@ -25,38 +25,18 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing
-import re
 import time
 from pathlib import Path
 
 GOAL_POINTS = 0.30
 MODEL = dict(hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=256)
-SYSTEM = "Call calculate to do arithmetic, then give the answer alone."  # loops.envs.calculator_env's
-
-
-def tool_call(expression: str) -> str:
-    return '<tool_call>{"name":"calculate","arguments":{"expression":"' + expression + '"}}</tool_call>'
-
-
 def conversations(task: str, n: int, seed: int, demo_fraction: float, split: str) -> list[dict]:
-    """Rows of ``messages``: the calculator's opening, then a tool call, its result and the answer
-    (the first ``demo_fraction`` of the rows) or the answer alone."""
-    from rlcore.loops.envs import calculate
+    """``loops.envs.calculator_conversations`` of the task's ``split`` prompts."""
+    from rlcore.loops.envs import calculator_conversations
     from rlcore.loops.tasks import task_dataset
 
     data = task_dataset(task, n, seed=seed, split=split)
-    rows = []
-    for i, (prompt, answer) in enumerate(zip(data["prompt"], data["answer"])):
-        opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
-        if i < demo_fraction * n:
-            expression = re.sub(r"=$", "", prompt)
-            assert calculate(expression) == answer, (prompt, answer)
-            turns = [{"role": "assistant", "content": tool_call(expression)}, {"role": "tool", "content": answer},
-                     {"role": "assistant", "content": answer}]
-        else:
-            turns = [{"role": "assistant", "content": answer}]
-        rows.append({"messages": opening + turns})
-    return rows
+    return calculator_conversations(data["prompt"], data["answer"], fraction=demo_fraction)
 
 
 class NoTool:

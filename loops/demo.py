@@ -1,7 +1,7 @@
 """The offline demo: SFT a tiny model to a partial skill, then RL raises its held-out accuracy.
 
 ``rlcore demo [--algo grpo|rloo|ppo|online_dpo|dpo] [--task reverse|sort|add] [--steps N]
-[--sft-steps N] [--out DIR] [--seed S] [--quick]`` reads top to bottom (:func:`run_demo`)::
+[--sft-steps N] [--out DIR] [--seed S] [--quick] [--env calculator]`` reads top to bottom (:func:`run_demo`)::
 
     baseline  a tiny Llama built from a config with the character tokenizer: nothing downloaded
     sft       loops.recipes.sft for a few steps on a built-in task with a verifiable answer (loops.tasks):
@@ -12,6 +12,10 @@
     report    per stage, on the same held-out prompts: exact-match accuracy of greedy answers,
               mean reward, KL to the SFT policy (loops.evaluate.evaluate_policy); printed and
               written to OUT/table.md, OUT/results.json and OUT/curves.png (needs matplotlib)
+
+With ``--env calculator`` (an arithmetic task), SFT learns from conversations of which half call
+the calculator (``loops.envs.calculator_conversations``) and RL plays two-turn episodes with the tool
+(``loops.episodes``); every stage is evaluated in episodes, exact match grading the last turn.
 
 ``OUT/sft`` and ``OUT/<algo>`` hold each stage's checkpoints and ``metrics.jsonl`` (the held-out
 evaluations in it as ``eval/*``). A live line per stage shows step, reward, KL, accuracy and the
@@ -43,6 +47,7 @@ from rlcore.checks import lookup
 from rlcore.loops.recipes import dpo, grpo, online_dpo, ppo, rloo, sft
 from rlcore.loops.logging import ProgressDisplay
 from rlcore.loops.online import OnlineConfig
+from rlcore.loops.envs import calculator_conversations
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import build_policy, load_splits
 from rlcore.loops.config import config_dict
@@ -89,19 +94,39 @@ class Config:
     warmup_steps: int = 10           # RL linear warm-up (Adam's first steps are the riskiest)
     batch_size: int = 16             # RL prompts (dpo: pairs) per step
     eval_every: int | None = None    # held-out evaluation period in steps (None: ~10 per stage)
+    env: str | None = None           # "calculator": SFT on some tool-call demonstrations, RL in episodes with the tool (ENV_DEMO)
+
+
+# The calculator demo (``--env calculator``): SFT on conversations of which half call the tool, then
+# RL in two-turn episodes with it; a tool call is about 75 characters, so turns get that budget.
+ENV_DEMO = {"tasks": ("add", "sub", "mul", "radd"), "sft_steps": 800, "steps": 40, "quick_steps": 20,
+            "demo_fraction": 0.5, "max_new_tokens": 80, "max_turns": 2, "max_length": 256}
 
 
 def stage_steps(config: Config) -> tuple[int, int]:
     """``(SFT steps, RL steps)`` of a demo config, its ``None`` fields resolved."""
+    if config.env is not None:
+        return (config.sft_steps if config.sft_steps is not None else ENV_DEMO["sft_steps"],
+                config.steps if config.steps is not None else
+                ENV_DEMO["quick_steps" if config.quick else "steps"])
     return (config.sft_steps if config.sft_steps is not None else SFT_STEPS.get(config.task, 100),
             config.steps if config.steps is not None else (100 if config.quick else 300))
 
 
+def _episodes(config: Config) -> dict[str, Any]:
+    """The fields of the calculator demo's episodes (``{}`` without ``env``)."""
+    if config.env is None:
+        return {}
+    return dict(env=config.env, max_turns=ENV_DEMO["max_turns"], max_new_tokens=ENV_DEMO["max_new_tokens"],
+                max_position_embeddings=ENV_DEMO["max_length"])
+
+
 # --- evaluation and the live line -------------------------------------------------------------
 def _eval_config(config: Config) -> OnlineConfig:
-    return OnlineConfig(task=config.task, seed=config.seed, num_train=config.num_train, num_eval=config.num_eval,
-                        max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                        eval_batch_size=config.num_eval)
+    return OnlineConfig(**{"task": config.task, "seed": config.seed, "num_train": config.num_train,
+                           "num_eval": config.num_eval, "max_new_tokens": config.max_new_tokens,
+                           "temperature": config.temperature, "eval_batch_size": config.num_eval,
+                           **_episodes(config)})
 
 
 def evaluate_stage(policy, reference, config: Config, held_out=None) -> dict[str, float]:
@@ -163,6 +188,10 @@ def run_demo(config: Config, *, stream=None) -> dict[str, Any]:
         "curves" (stage -> per-step metrics), "seconds", "table", "plot"}``.
     """
     module, tuned = lookup(ALGOS, config.algo, what="algo")
+    if config.env is not None and (config.env != "calculator" or config.task not in ENV_DEMO["tasks"]
+                                   or module is dpo):
+        raise ValueError(f"env: the demo plays the calculator on an arithmetic task ({', '.join(ENV_DEMO['tasks'])}) "
+                         f"with an online algo, got env={config.env!r}, task={config.task!r}, algo={config.algo!r}")
     stream = stream if stream is not None else sys.stderr
     out, start = Path(config.out), time.monotonic()
     n_sft, n_rl = stage_steps(config)
@@ -176,13 +205,24 @@ def run_demo(config: Config, *, stream=None) -> dict[str, Any]:
     shared = dict(model="tiny-llama", hidden_size=config.hidden_size, num_layers=config.num_layers,
                   num_heads=config.num_heads, task=config.task, seed=config.seed, num_train=config.num_train,
                   num_eval=config.num_eval, log_every=10**9)
+    episodes = _episodes(config)
+    if episodes:
+        shared["max_position_embeddings"] = episodes.pop("max_position_embeddings")
     held_out = load_splits(_eval_config(config), task_dataset)[1]
     print(f"rlcore demo: {config.task}, baseline -> sft ({n_sft} steps) -> {config.algo} ({n_rl} steps), "
           f"writing {out}", file=stream)
 
     # 1. baseline and SFT to a partial skill
-    sft_config = sft.Config(**shared, steps=n_sft, batch_size=config.sft_batch_size, lr=config.sft_lr,
-                            max_new_tokens=config.max_new_tokens, run_dir=str(out / "sft"))
+    sft_data = {}
+    if episodes:  # demonstrations: half the training prompts call the calculator, half answer alone
+        train = task_dataset(config.task, config.num_train, seed=config.seed, split="train")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in calculator_conversations(
+            train["prompt"], train["answer"], fraction=ENV_DEMO["demo_fraction"])))
+        sft_data = dict(dataset=str(out / "sft.jsonl"), num_eval=0, assistant_only_loss=True,
+                        max_length=ENV_DEMO["max_length"])
+    sft_config = sft.Config(**{**shared, **sft_data}, steps=n_sft, batch_size=config.sft_batch_size,
+                            lr=config.sft_lr, max_new_tokens=config.max_new_tokens, run_dir=str(out / "sft"))
     baseline, _ = build_policy(sft_config)  # the very initialisation SFT starts from (same seed)
     sft_state, sft_history = _stage(
         sft.train, sft_config, stage="sft", total=n_sft, every=_period(config, n_sft), stream=stream,
@@ -191,8 +231,8 @@ def run_demo(config: Config, *, stream=None) -> dict[str, Any]:
     sft_policy = sft_state.model("policy")
 
     # 2. RL from the SFT checkpoint; the recipe's frozen reference is the SFT policy
-    sampling = {} if module is dpo else dict(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                             eval_batch_size=config.num_eval)
+    sampling = {} if module is dpo else {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
+                                         "eval_batch_size": config.num_eval, **episodes}
     rl_config = module.Config(**{**shared, **sampling, "init_from": str(out / "sft"), "run_dir": str(out / config.algo),
                                  "steps": n_rl, "batch_size": config.batch_size, "lr": config.lr,
                                  "warmup_steps": config.warmup_steps, **tuned})
@@ -301,12 +341,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=d.out, help=f"run directory [default: {d.out}]")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"seed [default: {d.seed}]")
     parser.add_argument("--quick", action="store_true", help="a shortened run (fewer RL steps and evaluations)")
+    parser.add_argument("--env", choices=["calculator"], default=None,
+                        help="SFT on some calculator calls, then RL in episodes with the tool (an arithmetic task: "
+                             f"{', '.join(ENV_DEMO['tasks'])})")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """The demo ``Config`` of parsed ``rlcore demo`` options."""
     return Config(algo=args.algo, task=args.task, steps=args.steps, sft_steps=args.sft_steps, out=args.out,
-                  seed=args.seed, quick=args.quick)
+                  seed=args.seed, quick=args.quick, env=args.env)
 
 
 def main(args: argparse.Namespace) -> int:

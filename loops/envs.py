@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import json
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -39,8 +40,8 @@ from rlcore.checks import lookup
 from rlcore.loops.reward_fns import import_callable
 from rlcore.loops.tools import TOOL_CALL_FORMATS, call_tool, parse_tool_calls, tool_schema
 
-__all__ = ["EnvStep", "Environment", "EnvFactory", "ToolEnv", "calculate", "LookupEnv", "ENVS", "resolve_env",
-           "import_object"]
+__all__ = ["EnvStep", "Environment", "EnvFactory", "ToolEnv", "calculate", "CALCULATOR_SYSTEM", "calculator_env",
+           "calculator_conversations", "LookupEnv", "ENVS", "resolve_env", "import_object"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,9 +185,39 @@ def calculate(expression: str) -> str:
     return _text(out)
 
 
+CALCULATOR_SYSTEM = "Call calculate to do arithmetic, then give the answer alone."
+
+
 def calculator_env(format: str = "qwen") -> ToolEnv:
     """The built-in ``calculator``: one tool, :func:`calculate`, for the arithmetic tasks."""
-    return ToolEnv([calculate], format=format, system="Call calculate to do arithmetic, then give the answer alone.")
+    return ToolEnv([calculate], format=format, system=CALCULATOR_SYSTEM)
+
+
+def calculator_conversations(prompts: Sequence[str], answers: Sequence[str], *, fraction: float = 0.5,
+                             format: str = "qwen") -> list[dict[str, list[dict[str, str]]]]:
+    """SFT rows (``{"messages": [...]}``) that teach the calculator: the environment's own opening,
+    then for the first ``fraction`` of the rows a call of ``calculate`` on the prompt's arithmetic (the
+    prompt less its ``=``), the tool's result and the answer, for the others the answer alone: a
+    partial skill of calling, which RL with the calculator can turn into a habit. Only Qwen's call
+    format is written (``format``). Raises ``ValueError`` for a prompt whose arithmetic the calculator
+    does not answer with its ``answer``."""
+    if format != "qwen":
+        raise ValueError(f"format: the demonstrations write Qwen's tool calls, got {format!r}")
+    rows = []
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        opening = [{"role": "system", "content": CALCULATOR_SYSTEM}, {"role": "user", "content": prompt}]
+        if i < fraction * len(prompts):
+            expression = prompt.removesuffix("=")
+            if calculate(expression) != answer:
+                raise ValueError(f"prompt {i}: the calculator answers {expression!r} with {calculate(expression)!r}, "
+                                 f"not the answer {answer!r}")
+            call = json.dumps({"name": "calculate", "arguments": {"expression": expression}}, separators=(",", ":"))
+            turns = [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                     {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
+        else:
+            turns = [{"role": "assistant", "content": answer}]
+        rows.append({"messages": opening + turns})
+    return rows
 
 
 # --- lookups ------------------------------------------------------------------------------------------

@@ -125,6 +125,21 @@ def test_a_tiny_run_writes_its_directory_and_replaces_stale_stages(tmp_path, cap
     assert re.search(r"^grpo 1/1  reward=\S+ kl=\S+ acc=\S+  .* left$", lines, flags=re.M), lines
 
 
+def test_a_tiny_calculator_run_plays_episodes_at_every_stage(tmp_path):
+    small = dict(out=str(tmp_path), num_eval=4, num_train=32, hidden_size=32, num_layers=1, batch_size=2,
+                 sft_batch_size=8, task="add", env="calculator")
+    result = demo.run_demo(demo.Config(**small, sft_steps=2, steps=1), stream=io.StringIO())
+    rows = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert len(rows) == 32 and sum(len(r["messages"]) == 5 for r in rows) == 16  # half call the tool
+    assert "rollout/turns" in read_jsonl(tmp_path / "grpo" / "metrics.jsonl")[-1]
+    assert [r["stage"] for r in result["rows"]] == ["baseline", "sft", "grpo"]
+    with pytest.raises(ValueError, match=r"env: the demo plays the calculator on an arithmetic task"):
+        demo.run_demo(demo.Config(**{**small, "task": "reverse"}))
+    args = __import__("rlcore.loops.cli", fromlist=["cli"]).build_parser(["demo"]).parse_args(
+        ["demo", "--env", "calculator", "--task", "add"])
+    assert demo.config_from_args(args).env == "calculator"
+
+
 @pytest.mark.slow
 def test_quick_demo_rl_beats_sft_on_held_out_prompts(tmp_path):
     # sort, seed 0, 150 RL steps: SFT 0.35 -> GRPO 0.59 held-out exact match on an AMD EPYC (docs/demo.md);

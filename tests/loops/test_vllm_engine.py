@@ -292,6 +292,37 @@ def test_async_generator_runs_the_engine_in_process():
 
 
 @needs_vllm
+def test_episodes_with_the_vllm_engine_match_a_recomputation_over_the_whole_trajectory(policy, tokenizer):
+    """Multi-turn episodes (loops.episodes) with each turn sampled by vLLM: the model's tokens carry
+    vLLM's behaviour log-probs, which one forward of the module over the whole trajectory (the
+    environment's tokens in the context) reproduces."""
+    from rlcore.loops.envs import EnvStep
+    from rlcore.loops.episodes import sample_episodes
+    from rlcore.loops.score import sequences, token_logprobs_from_model
+
+    class Twice:
+        def __init__(self):
+            self.left = 2
+
+        def reset(self, row):
+            return [{"role": "user", "content": row["prompt"]}]
+
+        def step(self, text):
+            self.left -= 1
+            return EnvStep(messages=({"role": "tool", "content": "ok"},), done=self.left <= 0)
+
+    rows = {"prompt": PROMPTS[:3]}
+    out = sample_episodes(policy, tokenizer, rows, Twice, max_new_tokens=4, max_turns=3, engine="vllm", seed=0,
+                          stop_token_ids=list(range(len(tokenizer))))
+    assert out[K.TURNS].tolist() == [2, 2, 2] and (out[K.TRAJECTORY_MASK] & ~out[K.RESPONSE_MASK]).any()
+    ids, mask = sequences(out)
+    with torch.no_grad():
+        lp = token_logprobs_from_model(policy, ids, mask, response_length=out[K.RESPONSE_IDS].shape[1])
+    own = out[K.RESPONSE_MASK]
+    torch.testing.assert_close(out[K.OLD_LOGPROBS][own], lp[own], atol=5e-4, rtol=0)
+
+
+@needs_vllm
 def test_close_engines_leaves_no_process(policy, tokenizer):
     """Last: shuts down the engines the tests above built."""
     import psutil
