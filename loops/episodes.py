@@ -5,10 +5,12 @@
 1. ``env.reset(row)`` gives the opening conversation, rendered by the chat template (with the
    environment's tool schemas) into the prompt;
 2. each turn, every running episode's context (prompt and trajectory so far) is extended by one
-   assistant turn from the policy (``loops.collect.generate_rollout``: the chosen engine, one seed
-   per turn drawn from the episode seed); the assistant text goes to ``env.step`` (every episode's
-   environment in a thread pool, so one slow tool overlaps the others), and the environment's
-   messages, rendered as the chat template continues the conversation, join the context;
+   assistant turn from the policy (``loops.collect.generate_rollout``: the chosen engine, each call
+   seeded by a draw from the episode seed); the assistant text goes to ``env.step`` in a thread
+   pool, and the environment's messages, rendered as the chat template continues the conversation,
+   join the context. Episodes play in ``lanes`` fixed groups taking turns: while one group's
+   environments answer, the next group generates, so tool latency overlaps generation (and the
+   tools of a group overlap each other);
 3. an episode ends when its environment says so, at ``max_turns`` assistant turns, or when its
    trajectory would pass ``max_episode_tokens`` (or the model's context): then it is ``truncated``.
 
@@ -97,22 +99,6 @@ def _call(env: Any, method: str, episode: int, *args: Any) -> Any:
                            "an environment answers any text, a tool's failure being a message the model reads") from e
 
 
-def _step_all(envs: Sequence[Any], texts: Mapping[int, str], workers: int) -> dict[int, EnvStep]:
-    """``env.step(text)`` of every running episode, concurrently; an environment that raises or answers
-    with something other than an ``EnvStep`` stops the run naming the episode."""
-    def one(i: int) -> EnvStep:
-        out = _call(envs[i], "step", i, texts[i])
-        if not isinstance(out, EnvStep):
-            raise TypeError(f"env: {type(envs[i]).__name__}.step returned {type(out).__name__}, expected EnvStep "
-                            f"(episode {i})")
-        return out
-    if len(texts) <= 1 or workers <= 1:
-        return {i: one(i) for i in texts}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(texts))) as pool:
-        futures = {i: pool.submit(one, i) for i in texts}
-        return {i: f.result() for i, f in futures.items()}
-
-
 def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], make_env: EnvFactory, *,
                     num_samples: int = 1, max_new_tokens: int = 64, max_turns: int = 4,
                     max_episode_tokens: int | None = None, max_prompt_length: int | None = None,
@@ -120,7 +106,7 @@ def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], m
                     stop_token_ids: Sequence[int] = (), engine: str = "loop", sampler: str = "inverse_cdf",
                     engine_options: Mapping[str, Any] | None = None, seed: int | None = None,
                     policy_version: int | None = None, do_sample: bool = True,
-                    workers: int = MAX_ENV_WORKERS) -> TensorDict:
+                    workers: int = MAX_ENV_WORKERS, lanes: int = 2) -> TensorDict:
     """``G = num_samples`` episodes per row of ``rows`` (dict of columns with ``prompt``) against
     environments from ``make_env``, as one rollout ``[B = P·G]`` (the layout is the module's docstring's).
 
@@ -130,8 +116,12 @@ def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], m
         max_episode_tokens: tokens of a whole trajectory, the model's and the environment's (``None``:
             the model's context less the prompt).
         max_prompt_length: keep the last tokens of a longer opening.
-        seed: the episode seed; each turn samples with a seed drawn from it (the same seed, the same
-            episodes).
+        seed: the episode seed; each generation call samples with a seed drawn from it (the same seed,
+            the same episodes).
+        workers: threads stepping environments at once (1: one after another, in this thread).
+        lanes: fixed groups of episodes that take turns generating, so that one group's environments
+            answer while the next group generates (1: every episode in one batch, environments then
+            waited for).
     Returns:
         The rollout on the model's device: ``prompt_ids`` / ``prompt_mask`` ``[B, P]``, ``response_ids``,
         ``response_mask``, ``trajectory_mask``, ``old_logprobs``, ``turn_ids`` ``[B, R]``, ``group_id``,
@@ -173,19 +163,18 @@ def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], m
     done = [False] * B
     truncated = [False] * B
     turn_seeds = None if seed is None else torch.Generator().manual_seed(seed)
-    for turn in range(max_turns):
-        running = [b for b in range(B) if not done[b]]
+
+    def generate(group: list[int], turn: int) -> dict[int, str]:
+        """One assistant turn of the group's running episodes; their texts for the environments."""
+        running = [b for b in group if not done[b]]
         budgets = {b: min(max_new_tokens, caps[b] - len(traj[b])) for b in running}
         for b in [b for b in running if budgets[b] < 1]:
             done[b], truncated[b] = True, True
-        running = [b for b in running if not done[b]]
-        if not running:
-            break
         texts = {}
         # one call per turn budget: an episode near its cap gets its own, so no row's context and budget
         # pass the model's context (each call draws its own seed, in the order of the budgets)
-        for budget in sorted({budgets[b] for b in running}, reverse=True):
-            members = [b for b in running if budgets[b] == budget]
+        for budget in sorted({budgets[b] for b in running if not done[b]}, reverse=True):
+            members = [b for b in running if budgets[b] == budget and not done[b]]
             ids, mask = pad_sequences([prompt_ids[b] + traj[b] for b in members], side="left", pad_value=pad)
             contexts = TensorDict({K.PROMPT_IDS: ids, K.PROMPT_MASK: mask}, batch_size=[len(members)]).to(device)
             out = generate_rollout(model, tokenizer, contexts, max_new_tokens=budget, temperature=temperature,
@@ -200,27 +189,48 @@ def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], m
                 logprobs[b] += out[K.OLD_LOGPROBS][j][m].tolist()
                 turn_of[b] += [turn] * len(new)
                 turns[b] += 1
-                text = tokenizer.decode(new, skip_special_tokens=True)
                 if bool(out[K.TRUNCATED][j]):  # the turn ran out of tokens: no complete answer to give the environment
                     done[b], truncated[b] = True, True
                 else:
-                    texts[b] = text
-        steps = _step_all(envs, texts, workers)
-        for b, step in steps.items():
-            rewards[b] += float(step.reward or 0.0)
-            if step.done or turn == max_turns - 1 or not step.messages:
-                done[b] = True
-                continue
-            stopped_with = tokenizer.decode(traj[b][-1:]) if traj[b] else ""
-            added = tokenizer(render_continuation(tokenizer, step.messages, tools[b], stopped_with),
-                              add_special_tokens=False)["input_ids"]
-            if len(traj[b]) + len(added) + 1 > caps[b]:  # no room left for the model to answer
-                done[b], truncated[b] = True, True
-                continue
-            traj[b] += added
-            own[b] += [False] * len(added)
-            logprobs[b] += [0.0] * len(added)
-            turn_of[b] += [turn] * len(added)
+                    texts[b] = tokenizer.decode(new, skip_special_tokens=True)
+        return texts
+
+    def answer(b: int, step: Any, turn: int) -> None:
+        """The environment's answer to episode ``b``'s turn ``turn`` joins its trajectory (or ends it)."""
+        if not isinstance(step, EnvStep):
+            raise TypeError(f"env: {type(envs[b]).__name__}.step returned {type(step).__name__}, expected EnvStep "
+                            f"(episode {b})")
+        rewards[b] += float(step.reward or 0.0)
+        if step.done or turn == max_turns - 1 or not step.messages:
+            done[b] = True
+            return
+        stopped_with = tokenizer.decode(traj[b][-1:]) if traj[b] else ""
+        added = tokenizer(render_continuation(tokenizer, step.messages, tools[b], stopped_with),
+                          add_special_tokens=False)["input_ids"]
+        if len(traj[b]) + len(added) + 1 > caps[b]:  # no room left for the model to answer
+            done[b], truncated[b] = True, True
+            return
+        traj[b] += added
+        own[b] += [False] * len(added)
+        logprobs[b] += [0.0] * len(added)
+        turn_of[b] += [turn] * len(added)
+
+    # Episodes play in `lanes` fixed groups, one after the other: while one group's environments answer
+    # (in the thread pool), the next group generates, so tool latency overlaps generation. The groups
+    # and the seed draws follow the same order every time: the same seed, the same episodes.
+    lanes = max(1, min(lanes, B)) if workers > 1 else 1
+    groups = [list(range(i * B // lanes, (i + 1) * B // lanes)) for i in range(lanes)]
+    pending: dict[int, concurrent.futures.Future] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, B))) as pool:
+        for turn in range(max_turns):
+            for group in groups:
+                for b in group:
+                    if b in pending:
+                        answer(b, pending.pop(b).result(), turn - 1)
+                for b, text in generate(group, turn).items():
+                    pending[b] = pool.submit(_call, envs[b], "step", b, text)
+        for b in sorted(pending):
+            answer(b, pending[b].result(), max_turns - 1)
     for b, env in enumerate(envs):
         if callable(getattr(env, "final_reward", None)):
             rewards[b] += float(_call(env, "final_reward", b) or 0.0)
