@@ -2,13 +2,12 @@
 
     python benchmarks/run.py --only agents [--tiny]
 
-``loops.episodes.sample_episodes`` on the offline tiny Llama against an environment that answers
-every assistant turn with a tool result for three turns. Each turn is one token (every token is a
-stop token), so the step is the environment's and generation's fixed costs, not decoding. The
-implementations:
+``loops.episodes.sample_episodes`` on the demo's tiny Llama (64 wide, 2 blocks) against an
+environment that answers every assistant turn with a tool result for three turns; each turn is
+at most 16 tokens. The implementations:
 
-- ``rlcore``: a tool that sleeps 50 ms a call, the episodes' environments stepped in a thread pool
-  (the library's way);
+- ``rlcore``: a tool that sleeps 50 ms a call, the episodes in two lanes taking turns (one lane's
+  tools answer while the other generates) and a thread pool stepping environments (the library's way);
 - ``instant-tool``: the same tool answering at once;
 - ``sequential-tool-steps``: the 50 ms tool stepped one episode after another (``workers=1``), the
   latency a naive loop pays: 16 x 3 x 50 ms = 2.4 s a step.
@@ -54,11 +53,11 @@ def _builder(delay_s: float, tiny: bool, workers: int | None = None):
 
         episodes, turns = _sizes(tiny)
         tokenizer = build_tokenizer()
-        model = build_model("llama", tokenizer=tokenizer, hidden_size=16, num_layers=1, num_heads=2, seed=0).eval()
+        model = build_model("llama", tokenizer=tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=0).eval()
         rows = {"prompt": [f"{i}+{i}=" for i in range(episodes)]}
         return functools.partial(sample_episodes, model, tokenizer, rows, lambda: _Tool(delay_s, turns),
-                                 max_new_tokens=2, max_turns=turns, stop_token_ids=list(range(len(tokenizer))),
-                                 seed=0, workers=workers or MAX_ENV_WORKERS)
+                                 max_new_tokens=16, max_turns=turns, seed=0, workers=workers or MAX_ENV_WORKERS,
+                                 stop_token_ids=tokenizer.convert_tokens_to_ids(list("0123456789")))
     return build
 
 
