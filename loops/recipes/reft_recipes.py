@@ -52,14 +52,30 @@ __all__ = ["ReftGrpoConfig", "ReftRlooConfig", "ReftDpoConfig", "ReftRewardConfi
 
 
 # --- configs -----------------------------------------------------------------------------------
+def single_turn(config: grpo.Config | rloo.Config) -> None:
+    """Refuse an environment for a ReFT policy: its interventions sit at positions of the prompt, which
+    a multi-turn episode's growing context would move from turn to turn."""
+    if config.env is not None or config.tools:
+        raise ValueError("env: a ReFT policy intervenes at its prompt's positions, which the growing context of a "
+                         "multi-turn episode moves; the ReFT recipes train on single turns (unset env and tools)")
+
+
 @dataclasses.dataclass(frozen=True)
 class ReftGrpoConfig(ReftFields, grpo.Config, defaults={"run_dir": "runs/reft_grpo"}):
     """GRPO with ReFT (``rlcore train reft_grpo``): ``loops.recipes.grpo.Config`` and ``ReftFields``."""
+
+    def check(self) -> None:
+        super().check()
+        single_turn(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class ReftRlooConfig(ReftFields, rloo.Config, defaults={"run_dir": "runs/reft_rloo"}):
     """RLOO with ReFT (``rlcore train reft_rloo``): ``loops.recipes.rloo.Config`` and ``ReftFields``."""
+
+    def check(self) -> None:
+        super().check()
+        single_turn(self)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -426,3 +426,11 @@ def test_reset_errors_name_the_environment(lm):
 
     with pytest.raises(RuntimeError, match=r"env: NoReset.reset raised KeyError"):
         sample_episodes(model, tokenizer, ROWS, NoReset, max_new_tokens=2, seed=0)
+
+
+@pytest.mark.parametrize("name", ["reft_grpo", "reft_rloo"])
+def test_the_reft_recipes_refuse_an_environment(name):
+    from rlcore.loops.recipes import RECIPES
+
+    with pytest.raises(ValueError, match="env: a ReFT policy intervenes at its prompt's positions"):
+        RECIPES[name].config(env="calculator", run_dir=None)
