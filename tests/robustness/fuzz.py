@@ -68,9 +68,19 @@ SIZES = (0, 1, 1, 2, 3, 4, 5)
 _STRATEGIES: dict = {}
 
 
+def _typed(a: Any) -> Any:
+    """A cache key part that tells equal values of other types apart: ``(0.0, 1.0)`` and ``(False,
+    True)`` are equal tuples with equal hashes, and must not share a strategy."""
+    if isinstance(a, torch.Tensor):
+        return type(a), id(a)
+    if isinstance(a, (tuple, list)):
+        return type(a), tuple(_typed(x) for x in a)
+    return type(a), a
+
+
 def _strategy(factory: Callable, *args: Any) -> st.SearchStrategy:
     """Strategies are built once and reused: building one per draw dominates small examples."""
-    key = (factory, tuple((type(a), id(a)) if isinstance(a, torch.Tensor) else a for a in args))
+    key = (factory, tuple(_typed(a) for a in args))
     if key not in _STRATEGIES:
         _STRATEGIES[key] = factory(*args)
     return _STRATEGIES[key]

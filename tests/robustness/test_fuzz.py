@@ -42,3 +42,14 @@ def test_bad_inputs_are_rejected_by_name(name):
         CASES[_module(name)] += 1
 
     run_examples(example, BAD_EXAMPLES)
+
+
+def test_the_strategy_cache_keeps_equal_values_of_other_types_apart():
+    """``(0.0, 1.0) == (False, True)`` with equal hashes: a cache keyed by value alone handed a float
+    hyper-parameter a bool, depending on which test drew first."""
+    import hypothesis.strategies as st
+
+    from tests.robustness.fuzz import _strategy
+
+    assert _strategy(st.sampled_from, (False, True)) is not _strategy(st.sampled_from, (0.0, 1.0))
+    assert _strategy(st.sampled_from, (0.0, 1.0)) is _strategy(st.sampled_from, (0.0, 1.0))
