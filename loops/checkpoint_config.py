@@ -7,7 +7,7 @@ code, opens a path or widens trust comes from the caller's command line and conf
 
 - the fields of :data:`CALLER_FIELDS` (reward functions, ``trust_remote_code``, model / reward
   model / reference / dataset locations, ``init_from``, devices, the run folder, trackers, the
-  generation engine and its options);
+  generation engine and its options, the environment and tools of multi-turn episodes);
 - any stored value holding a path or an importable ``module:function`` name, whatever its field
   (e.g. inside ``loss_kwargs``).
 
@@ -47,6 +47,7 @@ CALLER_FIELDS = frozenset({
     "device", "ref_device", "reward_device", "reward_model", "ref_model", "value_model", "reward_funcs", "reward_fn",
     "reward_weights",  # weigh the caller's reward_funcs, so they come with them
     "dataset", "eval_dataset", "prompt_file", "run_dir", "resume", "overwrite", "report_to", "engine", "engine_options",
+    "env", "tools", "tool_format",  # an environment runs its tools (the python one, model-written code)
 })
 
 # Sizes of the work a command does: taken from a stored config only up to the caller's value.
@@ -131,6 +132,8 @@ _WHAT_IS_USED_INSTEAD = {
     "eval_dataset": "the held-out rows come from --dataset (or the built-in task)",
     "reward_funcs": "the built-in task's reward scores (or the reward model given)",
     "reward_weights": "each of the caller's reward functions weighs 1",
+    "env": "evaluation answers single turns, with no environment",
+    "tools": "evaluation answers single turns, with no tools",
 }
 
 

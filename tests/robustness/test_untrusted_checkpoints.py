@@ -223,6 +223,17 @@ def test_a_stored_path_inside_any_setting_is_not_taken(tmp_path):
     assert "hidden_size" not in taken  # the caller's explicit value wins
 
 
+def test_a_stored_environment_is_never_taken():
+    """A built-in environment name holds no path, yet ``python`` runs model-written code: a run's
+    environment and tools come from the caller alone."""
+    from rlcore.loops.checkpoint_config import data_settings
+    stored = {"env": "python", "tools": [], "tool_format": "llama3", "max_turns": 3}
+    caller = {"env": None, "tools": [], "tool_format": "qwen", "max_turns": 4}
+    taken, ignored = data_settings(stored, list(stored), caller)
+    assert taken == {"max_turns": 3}
+    assert [name for name, _, _ in ignored] == ["env", "tool_format"]
+
+
 # --- the adapter base of a LoRA checkpoint is the caller's -------------------------------------------------------
 @pytest.fixture(scope="module")
 def lora_checkpoint(tmp_path_factory):
