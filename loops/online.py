@@ -248,14 +248,24 @@ def sample(state: TrainState, rows: Mapping[str, Sequence], *, generation: Gener
     kwargs = generate_kwargs(generation, max_prompt_length=max_prompt_length)
     if num_samples is not None:
         kwargs["num_samples"] = num_samples
-    if state.env is None:
-        rollout = generate_in_chunks(state.model("policy"), tokenizer, list(rows["prompt"]), **kwargs, seed=seed,
-                                     policy_version=state.policy_version)
-    else:
-        turns = dict(max_turns=agent.max_turns, max_episode_tokens=agent.max_episode_tokens) if agent else {}
-        rollout = sample_episodes(state.model("policy"), tokenizer, rows, state.env, seed=seed,
-                                  policy_version=state.policy_version, **episode_kwargs(kwargs), **turns)
+    turns = dict(max_turns=agent.max_turns, max_episode_tokens=agent.max_episode_tokens) if agent else {}
+    rollout = generate_or_play(state.model("policy"), tokenizer, rows, seed=seed, policy_version=state.policy_version,
+                               generate=kwargs, env=state.env, turns=turns)
     return dataclasses.replace(state, rng=rng), rollout
+
+
+def generate_or_play(policy: nn.Module, tokenizer, rows: Mapping[str, Sequence], *, seed: int, policy_version: int,
+                     generate: Mapping[str, Any], env: Callable | None = None,
+                     turns: Mapping[str, Any] | None = None) -> TensorDict:
+    """The rollout of ``rows`` with ``seed``: ``generate_in_chunks`` of their prompts with
+    :func:`generate_kwargs` ``generate``, or with an environment factory ``env`` its episodes
+    (``loops.episodes.sample_episodes``, with ``turns``: ``max_turns``, ``max_episode_tokens``). What
+    the synchronous :func:`sample`, the async generator process and the Ray generator actor each run."""
+    if env is None:
+        return generate_in_chunks(policy, tokenizer, list(rows["prompt"]), **generate, seed=seed,
+                                  policy_version=policy_version)
+    return sample_episodes(policy, tokenizer, rows, env, seed=seed, policy_version=policy_version,
+                           **episode_kwargs(generate), **(turns or {}))
 
 
 def episode_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:

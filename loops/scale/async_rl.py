@@ -49,13 +49,11 @@ from torch import nn
 
 from rlcore.loops.scale.async_learners import check_learner, learn_off_policy
 from rlcore.loops.checkpoint import resume
-from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.dist import process_context
 from rlcore.loops.recipes.dpo import reference_models
 from rlcore.loops.envs import resolve_env
-from rlcore.loops.episodes import sample_episodes
-from rlcore.loops.online import check_prompt_data, check_prompt_lengths, episode_kwargs, generate_kwargs, prompt_source
+from rlcore.loops.online import check_prompt_data, check_prompt_lengths, generate_kwargs, generate_or_play, prompt_source
 from rlcore.loops.reward_fns import make_reward_fn
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import load_splits, run
@@ -117,8 +115,7 @@ def _generator_main(weights, cond, steps_done, version, requests, results, stop,
     try:
         policy = copy.deepcopy(weights).to(device)
         local_steps = local_version = -1
-        make_env = None if episodes is None else resolve_env(episodes["env"], episodes["tools"],
-                                                             tool_format=episodes["tool_format"])
+        make_env, turns = episode_player(episodes)
         while not stop.is_set():
             try:
                 req = requests.get(timeout=0.5)
@@ -140,14 +137,8 @@ def _generator_main(weights, cond, steps_done, version, requests, results, stop,
                     _copy_weights(policy, weights)
                     local_steps, local_version = steps_done.value, version.value
             start = time.time()
-            if make_env is None:
-                rollout = generate_in_chunks(policy, tokenizer, list(rows["prompt"]), seed=seed,
-                                             policy_version=local_version, **generate_kwargs)
-            else:  # multi-turn episodes, as the synchronous step plays them (loops.online.sample)
-                rollout = sample_episodes(policy, tokenizer, rows, make_env, seed=seed, policy_version=local_version,
-                                          max_turns=episodes["max_turns"],
-                                          max_episode_tokens=episodes["max_episode_tokens"],
-                                          **episode_kwargs(generate_kwargs))
+            rollout = generate_or_play(policy, tokenizer, rows, seed=seed, policy_version=local_version,
+                                       generate=generate_kwargs, env=make_env, turns=turns)
             results.put((index, rollout.to("cpu"), (start, time.time())))
     except BaseException:  # noqa: BLE001 -- reported to the learner, which raises it
         results.put(("error", traceback.format_exc(), None))  # flushed before the process exits
@@ -162,6 +153,16 @@ def agent_settings(config: Any) -> dict[str, Any] | None:
         return None
     return {"env": config.env, "tools": tuple(config.tools), "tool_format": config.tool_format,
             "max_turns": config.max_turns, "max_episode_tokens": config.max_episode_tokens}
+
+
+def episode_player(episodes: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any] | None]:
+    """``(env factory, turns)`` for ``online.generate_or_play`` from :func:`agent_settings`' plain
+    settings, the environment resolved here (in the generator's process or actor); ``(None, None)``
+    without an environment."""
+    if episodes is None:
+        return None, None
+    return (resolve_env(episodes["env"], episodes["tools"], tool_format=episodes["tool_format"]),
+            {k: episodes[k] for k in ("max_turns", "max_episode_tokens")})
 
 
 def push_weights(handle: GeneratorHandle, policy: nn.Module, *, steps_done: int, version: int) -> None:
@@ -331,8 +332,7 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
     train_ds, eval_ds = load_splits(config, task_dataset)
     reward = make_reward_fn(config, reward_fn)
     episodes = agent_settings(config)
-    env = None if episodes is None else resolve_env(episodes["env"], episodes["tools"],
-                                                    tool_format=episodes["tool_format"])
+    env = episode_player(episodes)[0]
     state = dataclasses.replace(state, reward_fn=reward, env=env)  # built once: training and evaluation use them
     check_prompt_data(reward, train=train_ds, held_out=eval_ds)
     check_prompt_lengths(config, tokenizer, state.model("policy"), train=train_ds, held_out=eval_ds)

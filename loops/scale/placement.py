@@ -3,7 +3,8 @@
 An online recipe (GRPO, RLOO, PPO, online DPO: ``async_learners.online_recipe``) split over three Ray
 actors that call the plain functions of the single-process loop::
 
-    generator  a copy of the policy    generate_rollout(seed, policy_version)        (loops.collect)
+    generator  a copy of the policy    generate_or_play(rows, seed, policy_version)  (loops.online:
+               (and the environment)   a rollout, or with an environment its episodes)
     scorer     reference, reward model, workers.compute_log_probs(model="ref"),
                reward function          workers.compute_rewards                       (loops.scale.workers)
     learner    the recipe's TrainState  async_learners.learn_off_policy on the scored rollout
@@ -62,12 +63,11 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from rlcore.loops.scale.async_learners import check_learner, learn_off_policy
-from rlcore.loops.scale.async_rl import agent_settings, check_max_lag
+from rlcore.loops.scale.async_rl import agent_settings, check_max_lag, episode_player
 from rlcore.loops.checkpoint import resume
-from rlcore.loops.chunks import generate_in_chunks
 from rlcore.loops.collect import draw_seed
 from rlcore.loops.models import disable_dropout
-from rlcore.loops.online import build_online_state, generate_kwargs, prompt_source
+from rlcore.loops.online import build_online_state, generate_kwargs, generate_or_play, prompt_source
 from rlcore.loops.reward_fns import make_reward_fn, repeat_columns, repeat_prompts, reward_settings
 from rlcore.loops.evaluate import evaluate_policy
 from rlcore.loops.recipe import build_policy, load_splits, run
@@ -129,7 +129,8 @@ class WeightPush:
 
 # --- the actors: thin holders of state calling the plain functions ----------------------------------
 class GeneratorWorker:
-    """Holds a copy of the policy; generates rollouts stamped with the version of its weights."""
+    """Holds a copy of the policy (and the run's environment, if any); generates rollouts, or plays
+    episodes, stamped with the version of its weights."""
 
     def __init__(self, config: Any, *, threads: int | None = None):
         _set_threads(threads)
@@ -138,6 +139,7 @@ class GeneratorWorker:
         disable_dropout(self.policy)
         self.version = 0
         self.kwargs = generate_kwargs(config, max_prompt_length=config.max_prompt_length)
+        self.env, self.turns = episode_player(agent_settings(config))  # resolved here, on the actor's node
 
     def set_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         """Load the learner's weights (a CPU ``state_dict``) as policy version ``version``."""
@@ -145,10 +147,11 @@ class GeneratorWorker:
         self.version = version
         return version
 
-    def generate(self, prompts: Sequence, seed: int) -> TensorDict:
-        """``generate_rollout`` of ``G`` samples per prompt with ``seed``; the rollout on the CPU."""
-        return generate_in_chunks(self.policy, self.tokenizer, list(prompts), seed=seed, policy_version=self.version,
-                                  **self.kwargs).to("cpu")
+    def generate(self, rows: Mapping[str, Sequence], seed: int) -> TensorDict:
+        """``G`` samples per prompt of ``rows`` with ``seed`` (``online.generate_or_play``: with an
+        environment, ``G`` episodes per row); the rollout on the CPU."""
+        return generate_or_play(self.policy, self.tokenizer, rows, seed=seed, policy_version=self.version,
+                                generate=self.kwargs, env=self.env, turns=self.turns).to("cpu")
 
 
 class ScorerWorker:
@@ -200,7 +203,7 @@ def placed_source(generator, scorer, prompts: Callable[[int], Any], seeds: torch
                 rows = next(rows_iter, None)
                 if rows is None:
                     break
-                rollout = generator.generate.remote(list(rows["prompt"]), draw_seed(rng))
+                rollout = generator.generate.remote(dict(rows), draw_seed(rng))
                 pending[sent] = (rows, scorer.score.remote(rollout, rows, reference=reference))
                 sent += 1
             if t not in pending:
@@ -299,9 +302,6 @@ def train_placed(config: Any, *, max_lag: int = 0, is_clip: float | None = None,
     """
     check_learner(config, is_clip)
     check_max_lag(max_lag)
-    if agent_settings(config) is not None:
-        raise ValueError("env: Ray placement's generator samples single-turn rollouts; play multi-turn episodes "
-                         "with the synchronous step or train_async (rlcore train --async)")
     cpus, gpus = _per_role(num_cpus, "num_cpus"), _per_role(num_gpus, "num_gpus")
     ray = require_ray()
     if config.run_dir:

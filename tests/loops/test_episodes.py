@@ -319,11 +319,32 @@ def test_no_lag_async_plays_the_synchronous_episodes(lm):
     assert all(h["rollout/turns"] == 3.0 for h in hist)
 
 
-def test_ray_placement_refuses_an_environment():
+def test_ray_placement_at_no_lag_plays_the_synchronous_episodes(lm):
+    """The Ray generator actor resolves the config's environment and plays the episodes the
+    synchronous step plays; the scorer adds the environment's rewards: parameters and metrics agree
+    bit for bit at ``max_lag = 0`` (one thread everywhere, as the sync reference)."""
+    ray = pytest.importorskip("ray")
     from rlcore.loops.scale.placement import train_placed
 
-    with pytest.raises(ValueError, match="env: Ray placement's generator samples single-turn rollouts"):
-        train_placed(grpo.Config(**TINY, num_samples=2, env="calculator"))
+    _, tokenizer = lm
+    config = grpo.Config(**{**TINY, "num_train": 8, "num_eval": 2, "max_new_tokens": 3}, num_samples=2, batch_size=2,
+                         steps=2, max_turns=3, env="tests.loops.test_episodes:countdown3",
+                         stop_token_ids=tuple(range(len(tokenizer))), log_every=0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        sync, sync_hist = grpo.train(config)
+        state, hist = train_placed(config, max_lag=0, threads=1)
+    finally:
+        ray.shutdown()
+        torch.set_num_threads(before)
+    for a, b in zip(sync.model("policy").parameters(), state.model("policy").parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(sync.rng.get_state(), state.rng.get_state())
+    placed = [{k: v for k, v in h.items() if k in s} for h, s in zip(hist, sync_hist)]
+    assert placed == sync_hist
+    assert all(h["rollout/turns"] == 3.0 for h in hist)
 
 
 def test_online_dpo_pairs_attend_to_the_environments_tokens(lm):

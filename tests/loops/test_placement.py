@@ -95,7 +95,7 @@ def test_placed_source_submits_at_most_max_lag_items_ahead_with_the_recipe_seeds
         submitted = [c for c in calls if c[0] == "generate"]
         assert rows == {"prompt": [f"p{t}"]} and len(submitted) == min(t + 1 + max_lag, 5)
         assert ref[0] == "score" and calls[ref[1]][2] == {"reference": False}
-        assert submitted[t][1] == ([f"p{t}"], int(torch.randint(0, 2**62, (), generator=expected)))
+        assert submitted[t][1] == ({"prompt": [f"p{t}"]}, int(torch.randint(0, 2**62, (), generator=expected)))
     assert next(items, None) is None and torch.equal(seeds.get_state(), before)  # the input generator untouched
 
 
