@@ -3,8 +3,10 @@ padded batches over a dataset (``iterate_batches``) and first-fit packing (``pac
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from datasets import Dataset
@@ -14,7 +16,7 @@ from rlcore import keys as K
 from rlcore.checks import lookup
 from rlcore.loops.models import pad_token_id
 
-__all__ = ["pad_sequences", "collate_prompts", "collate_sequences", "collate_preference", "collate_unpaired",
+__all__ = ["row_tokens", "token_budget", "pad_sequences", "collate_prompts", "collate_sequences", "collate_preference", "collate_unpaired",
            "collate_mismatched", "COLLATORS", "collate", "iterate_batches", "pack_sequences"]
 
 
@@ -207,3 +209,41 @@ def pack_sequences(rows, seq_length: int, *, pad_id: int) -> TensorDict:
             start += len(ids)
     out[K.ATTENTION_MASK] = out[K.SEGMENT_IDS] > 0
     return TensorDict(out, batch_size=[len(bins)])
+
+
+def row_tokens(batch: TensorDict, *, packed: bool) -> torch.Tensor:
+    """The tokens each row of a batch costs one forward: ``[B]`` long, the ``row_tokens`` of
+    ``loops.update.update``'s token budget.
+
+    ``packed`` (padding-free): the row's real tokens; otherwise the padded width it is computed at.
+    Layouts: a sequence batch or a scored rollout (``attention_mask [B, T]``); preference pairs
+    (``chosen`` and ``rejected``, both sides in one forward: padded, twice the wider side); an
+    unscored rollout (``prompt_mask [B, P]`` and ``trajectory_mask`` or ``response_mask [B, R]``).
+    """
+    B = batch.batch_size[0]
+    keys = batch.keys()
+    if K.ATTENTION_MASK in keys:
+        masks = [batch[K.ATTENTION_MASK]]
+    elif K.CHOSEN in keys and K.REJECTED in keys:
+        masks = [batch[side, K.ATTENTION_MASK] for side in (K.CHOSEN, K.REJECTED)]
+        if not packed:
+            return torch.full((B,), 2 * max(m.shape[-1] for m in masks), dtype=torch.long)
+    elif K.PROMPT_MASK in keys:
+        masks = [batch[K.PROMPT_MASK], batch[K.TRAJECTORY_MASK if K.TRAJECTORY_MASK in keys else K.RESPONSE_MASK]]
+    else:
+        raise KeyError(f"row_tokens: expected attention_mask, chosen/rejected or prompt_mask in the batch, got keys "
+                       f"{sorted(map(str, keys))}")
+    if packed:
+        return sum(m.sum(-1) for m in masks).long()
+    return torch.full((B,), sum(m.shape[-1] for m in masks), dtype=torch.long)
+
+
+def token_budget(config: Any) -> dict[str, Any]:
+    """``update``'s token-budget keywords from a config's ``PackingSettings`` (``max_tokens_per_micro_batch``
+    and ``padding_free``): the budget and the rows' costs (:func:`row_tokens`), or ``{}`` without one."""
+    budget = getattr(config, "max_tokens_per_micro_batch", None)
+    if budget is None:
+        return {}
+    return {"max_tokens_per_micro_batch": budget,
+            "row_tokens": functools.partial(row_tokens, packed=bool(getattr(config, "padding_free", False)))}
+

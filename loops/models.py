@@ -23,6 +23,7 @@ import string
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -34,7 +35,7 @@ from rlcore.checks import check_mask, check_ndim, lookup
 
 __all__ = ["build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS", "CHAT_TEMPLATE", "build_model",
            "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS", "disable_dropout",
-           "position_ids_from_mask", "last_token_index", "trunk_hidden", "cache_keyword", "cache_length", "ValueHead",
+           "position_ids_from_mask", "last_token_index", "Packing", "pack_rows", "packed_trunk", "trunk_hidden", "cache_keyword", "cache_length", "ValueHead",
            "policy_and_values", "token_values", "reward_model_scores", "make_reference", "mix_into_reference",
            "model_device", "saved_task", "load_exact", "check_saved_model", "check_weights_fit",
            "safetensors_shapes", "vocabulary_size", "check_vocabulary"]
@@ -494,8 +495,65 @@ def cache_length(args: Sequence, kwargs: dict) -> int | None:
     return None
 
 
+class Packing(NamedTuple):
+    """Where the real tokens of a padded ``[B, T]`` batch sit once packed into ``rows × width`` rows.
+
+    Attributes:
+        input_ids, position_ids: ``[rows, width]``: the sequences laid end to end, positions
+            restarting at 0 with each; the tail of a row is pad id 0 at position 0 (each such token
+            a sequence of its own, which attends only to itself).
+        dest: ``[N]`` long, the flat index (``row·width + column``) of each real token, in the order
+            of ``mask``'s True entries (row-major).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    dest: torch.Tensor
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packing:
+    """Pack the real tokens of each row of ``input_ids`` into rows as long as the longest sequence.
+
+    Sequences go first-fit, in order, into rows of ``width = max_b Σ_t mask[b, t]`` tokens (no
+    sequence is split): a forward then computes about ``Σ_b len_b`` positions instead of ``B·T``,
+    and attention, kept within each sequence by the restarting positions, spans at most ``width``
+    keys, as on the padded rows. A row's real tokens are taken in order, so rows should hold them
+    contiguously (left or right padding).
+
+    Returns:
+        A :class:`Packing`.
+    """
+    check_mask("attention_mask", attention_mask, like=input_ids, like_name="input_ids")
+    lengths = attention_mask.sum(-1).tolist()
+    width = max(max(lengths, default=1), 1)
+    free: list[int] = []  # tokens left in each packed row
+    starts = []
+    for n in lengths:
+        row = next((r for r, left in enumerate(free) if left >= n), None)
+        if row is None:
+            free.append(width)
+            row = len(free) - 1
+        starts.append(row * width + width - free[row])
+        free[row] -= n
+    device = input_ids.device
+    counts = torch.tensor(lengths, device=device)
+    first = torch.tensor(starts, device=device)
+    within = torch.arange(int(counts.sum()), device=device) - (counts.cumsum(0) - counts).repeat_interleave(counts)
+    dest = first.repeat_interleave(counts) + within
+    size = len(free) * width
+    ids = input_ids.new_zeros(size).index_put((dest,), input_ids[attention_mask])
+    pos = torch.zeros(size, dtype=torch.long, device=device).index_put((dest,), within)
+    return Packing(ids.view(-1, width), pos.view(-1, width), dest)
+
+
+def packed_trunk(model: nn.Module, packing: Packing) -> torch.Tensor:
+    """The trunk's last hidden states of a :class:`Packing`, flat: ``[rows·width, H]`` (index with ``dest``)."""
+    hidden = trunk_hidden(model, packing.input_ids, None, position_ids=packing.position_ids)
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
 def trunk_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
-                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 position_ids: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
     """Last hidden states of the model's trunk (the input of its head): ``[B, T, H]``.
 
     The trunk is ``model.get_decoder()`` (``model.model`` for Llama, ``model.transformer`` for
@@ -506,8 +564,17 @@ def trunk_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         input_ids: ``[B, T]`` long.
         attention_mask: ``[B, T]`` bool, or ``None`` for unpadded (or packed) rows.
         position_ids: ``[B, T]`` long, default ``position_ids_from_mask(attention_mask)``.
+        packed: padding-free: the trunk runs on the real tokens packed into rows (:func:`pack_rows`,
+            positions restarting with each sequence, so transformers keeps attention within each;
+            ``position_ids`` is then not read), and the states are put back in place, zeros at
+            padding. Equal to the padded forward up to float rounding for rows whose real tokens
+            are contiguous.
     """
     check_ndim("input_ids", input_ids, ndim=2, layout="[B, T]")
+    if packed and attention_mask is not None:
+        packing = pack_rows(input_ids, attention_mask)
+        flat = packed_trunk(model, packing)[packing.dest]
+        return flat.new_zeros((*input_ids.shape, flat.shape[-1])).index_put((attention_mask,), flat)
     if attention_mask is not None:
         check_mask("attention_mask", attention_mask, like=input_ids, like_name="input_ids")
         if position_ids is None:
@@ -541,7 +608,7 @@ class ValueHead(nn.Module):
 
 
 def policy_and_values(model: nn.Module, head: nn.Module, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      attention_mask: torch.Tensor, *, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One trunk forward feeding both the LM head and a value head (shared-trunk actor-critic).
 
     Args:
@@ -550,14 +617,14 @@ def policy_and_values(model: nn.Module, head: nn.Module, input_ids: torch.Tensor
     Returns:
         ``logits [B, T, V]`` (``model.get_output_embeddings()`` on the hidden states) and
         ``values [B, T]`` (``head`` on the same hidden states). Both differentiable, through the
-        shared trunk.
+        shared trunk. ``packed``: the trunk padding-free (:func:`trunk_hidden`).
     """
-    hidden = trunk_hidden(model, input_ids, attention_mask)
+    hidden = trunk_hidden(model, input_ids, attention_mask, packed=packed)
     return model.get_output_embeddings()(hidden), head(hidden)
 
 
 def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                 head: nn.Module | None = None) -> torch.Tensor:
+                 head: nn.Module | None = None, packed: bool = False) -> torch.Tensor:
     """Per-position values ``[B, T]`` from a critic.
 
     With ``head=None``, ``model`` is a one-label token-classification model (``build_value_model``)
@@ -567,18 +634,33 @@ def token_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
 
     Args:
         input_ids: ``[B, T]`` long.  attention_mask: ``[B, T]`` bool.
+        packed: the trunk padding-free (:func:`trunk_hidden`); a token classifier's head
+            (``score`` / ``classifier``) then runs on its states, without the classifier's dropout
+            (the RL recipes turn dropout off).
     Returns:
         ``[B, T]``, differentiable (``score_rollout`` calls it under ``no_grad``).
     """
+    if head is None and packed:
+        head = _classifier_head(model)
+        return head(trunk_hidden(model, input_ids, attention_mask, packed=True))[..., 0]
     if head is not None:
-        return head(trunk_hidden(model, input_ids, attention_mask))
+        return head(trunk_hidden(model, input_ids, attention_mask, packed=packed))
     check_mask("attention_mask", attention_mask, like=input_ids, like_name="input_ids")
     out = model(input_ids=input_ids, attention_mask=attention_mask.long(),
                 position_ids=position_ids_from_mask(attention_mask), use_cache=False)
     return out.logits[..., 0]
 
 
-def reward_model_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def _classifier_head(model: nn.Module) -> nn.Module:
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if head is None:
+        raise TypeError(f"model: {type(model).__name__} has no `score` or `classifier` head; "
+                        "pass a classification model (build_reward_model / build_value_model / load_model(task=...))")
+    return head
+
+
+def reward_model_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                        packed: bool = False) -> torch.Tensor:
     """Sequence scores ``[B]`` of a sequence-classification reward model, read at the last real token.
 
     ``r_b = head(h_b[last_b])``, ``last_b = max{t : mask[b, t]}`` computed from the mask, so
@@ -588,6 +670,7 @@ def reward_model_scores(model: nn.Module, input_ids: torch.Tensor, attention_mas
 
     Args:
         input_ids: ``[B, T]`` long.  attention_mask: ``[B, T]`` bool.
+        packed: the trunk padding-free (:func:`trunk_hidden`).
     Returns:
         ``[B]`` (``[B, L]`` for a model with ``L > 1`` labels). Differentiable.
 
@@ -595,11 +678,8 @@ def reward_model_scores(model: nn.Module, input_ids: torch.Tensor, attention_mas
         Ouyang et al., "Training language models to follow instructions with human feedback"
         (the reward read at the final token), https://arxiv.org/abs/2203.02155
     """
-    head = getattr(model, "score", None) or getattr(model, "classifier", None)
-    if head is None:
-        raise TypeError(f"model: {type(model).__name__} has no `score` or `classifier` head; "
-                        "pass a sequence-classification model (build_reward_model / load_model(task='reward'))")
-    hidden = trunk_hidden(model, input_ids, attention_mask)
+    head = _classifier_head(model)
+    hidden = trunk_hidden(model, input_ids, attention_mask, packed=packed)
     last = last_token_index(attention_mask)
     scores = head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
     return scores.squeeze(-1) if scores.shape[-1] == 1 else scores

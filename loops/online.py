@@ -62,8 +62,8 @@ from rlcore.loops.data import row_origin
 from rlcore.loops.envs import EnvFactory, resolve_env
 from rlcore.loops.episodes import sample_episodes
 from rlcore.loops.config import RunConfig, loading_kwargs
-from rlcore.loops.settings import (AgentSettings, GenerationSettings, ReferenceSettings, RewardSettings,
-                                   RolloutSettings)
+from rlcore.loops.settings import (AgentSettings, GenerationSettings, PackingSettings, ReferenceSettings,
+                                   RewardSettings, RolloutSettings)
 from rlcore.loops.filters import exclude_unscored, prompt_refill
 from rlcore.loops.tokenization import check_context, check_text, model_context, text_window, tokenize_example
 from rlcore.loops.evaluate import evaluate_policy
@@ -71,7 +71,7 @@ from rlcore.loops.models import ValueHead, disable_dropout, load_model, token_va
 from rlcore.loops.recipe import batch_source, build_policy, build_reference, init_train_state, load_splits, run
 from rlcore.loops.reward_fns import (RewardFn, make_reward_fn, missing_eos_penalty, repeat_columns, repeat_prompts,
                                      reward_columns, reward_settings, trainer_state)
-from rlcore.loops.score import score_rollout, sequences, token_logprobs_from_model
+from rlcore.loops.score import packed_logprobs, score_rollout, sequences, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
 from rlcore.loops.tasks import task_dataset
 from rlcore.rewards import soft_overlong_penalty
@@ -87,8 +87,8 @@ Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
 
 
 @dataclasses.dataclass(frozen=True)
-class OnlineConfig(RolloutSettings, AgentSettings, GenerationSettings, RewardSettings, ReferenceSettings, RunConfig,
-                   defaults={"batch_size": 8, "lr": 1e-5}):
+class OnlineConfig(RolloutSettings, PackingSettings, AgentSettings, GenerationSettings, RewardSettings,
+                   ReferenceSettings, RunConfig, defaults={"batch_size": 8, "lr": 1e-5}):
     """The sections every online recipe has beyond ``RunConfig``'s: the reference, the rewards,
     generation and how a rollout is learned from (``loops.settings``); ``batch_size`` counts prompts
     (the rollout has ``batch_size × num_samples`` rows). A recipe's ``Config`` adds its algorithm's."""
@@ -403,7 +403,7 @@ def advantage_fn(config: Any, *, inputs: Sequence[str], recipe: str) -> Callable
 
 
 def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0,
-                         with_entropy: bool = False) -> TensorDictBase:
+                         with_entropy: bool = False, packed: bool = False) -> TensorDictBase:
     """A shallow copy of a rollout with the policy's ``logprobs [B, R]`` of its own responses
     (and, with ``with_entropy``, its token ``entropy [B, R]`` from the same pass, detached: it is
     logged, never trained).
@@ -417,6 +417,10 @@ def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature
         batch: rollout ``[B]`` with ``prompt_ids`` / ``prompt_mask`` ``[B, P]`` and ``response_ids`` /
             ``response_mask`` ``[B, R]``.
         temperature: ``τ``, the sampling temperature (the behaviour log-probs use the same).
+        packed: padding-free (``padding_free``): the rows' real tokens in one row with positions
+            restarting per sequence (``loops.score.packed_logprobs``), the head run on the
+            ``response_mask`` tokens only; values 0 outside ``response_mask``. Equal to the
+            padded forward up to float rounding (Hugging Face models).
     Returns:
         A shallow copy of ``batch`` with ``logprobs [B, R]`` (meaningless where ``response_mask`` is
         False); ``batch`` is not modified.
@@ -424,6 +428,14 @@ def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature
     Gradient: flows to ``model``'s parameters.
     """
     ids, mask = sequences(batch)
+    if packed:
+        response = batch[K.RESPONSE_MASK]
+        scored = torch.cat([torch.zeros_like(mask[:, :mask.shape[1] - response.shape[1]]), response], -1)
+        out = packed_logprobs(model, ids, mask, scored, temperature=temperature, with_stats=with_entropy)
+        width = response.shape[1]
+        if with_entropy:
+            return batch.copy().update({K.LOGPROBS: out.logprobs[:, -width:], K.ENTROPY: out.entropy[:, -width:].detach()})
+        return batch.copy().update({K.LOGPROBS: out[:, -width:]})
     out = token_logprobs_from_model(model, ids, mask, response_length=batch[K.RESPONSE_IDS].shape[-1],
                                     temperature=temperature, with_entropy=with_entropy)
     if with_entropy:

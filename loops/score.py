@@ -28,11 +28,12 @@ from rlcore.kl import kl_full
 from rlcore.logprobs import entropy_from_logits, sequence_logprobs, token_logprobs
 from rlcore.lm_head import LogprobStats, hidden_logprobs
 from rlcore.loops.lora import linear_weights
-from rlcore.loops.models import model_device, position_ids_from_mask, reward_model_scores, trunk_hidden
+from rlcore.loops.models import (model_device, pack_rows, packed_trunk, position_ids_from_mask, reward_model_scores,
+                                 trunk_hidden)
 from rlcore.loops.reward_fns import as_completions, call_reward_terms, check_finite_scores
 
-__all__ = ["token_logprobs_from_model", "full_kl_from_models", "response_attention", "last_turn_ids", "sequences",
-           "score_rollout", "score_sequences",
+__all__ = ["token_logprobs_from_model", "packed_logprobs", "full_kl_from_models", "response_attention",
+           "last_turn_ids", "sequences", "score_rollout", "score_sequences",
            "concatenated_forward", "precompute_reference_logps", "TOP1", "MEAN_LOGIT", "STAT_KEYS"]
 
 # the per-token diagnostics ``score_sequences(..., with_stats=True)`` adds beside the log-probs
@@ -401,6 +402,46 @@ def _scored_logprobs(model, ids, mask, position_ids, scored, *, temperature, chu
     return LogprobStats(*map(scatter, out)) if with_stats else scatter(out)
 
 
+def packed_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, scored: torch.Tensor, *,
+                    temperature: float = 1.0, chunked: bool = True,
+                    with_stats: bool = False) -> torch.Tensor | LogprobStats:
+    """Padding-free log-probs: the real tokens of ``ids [B, T]`` (``mask``) packed into rows as long
+    as the longest sequence (``loops.models.pack_rows``: positions restarting at 0 with each
+    sequence), so padded positions cost neither the trunk nor the head.
+
+    ``lp[b, t] = log softmax(z_{b,t−1}/τ)[ids[b, t]]`` where ``scored & mask`` and ``t`` is not the
+    row's first real token, 0 elsewhere (aligned with ``ids``, as ``_scored_logprobs``): the values
+    of the padded forward up to float rounding, for rows whose real tokens are contiguous. The
+    state predicting a token sits just before it in its packed row. Attention stays within each
+    sequence where transformers reads the restarting ``position_ids`` (its masking utilities:
+    sdpa, eager, flex; flash attention's varlen path); see :func:`score_sequences` for the models
+    that do not.
+
+    Returns:
+        ``[B, T]`` float32 (a ``LogprobStats`` of such with ``with_stats``).
+    Gradient: flows to the model's parameters.
+    """
+    check_mask("attention_mask", mask, like=ids, like_name="input_ids")
+    where = scored & mask & (position_ids_from_mask(mask) > 0)
+    packing = pack_rows(ids, mask)
+    src = packing.dest[where[mask]] - 1  # the packed position that reads the token before
+    labels = ids[where]
+    if chunked:
+        hidden = packed_trunk(model, packing)[src]
+        out = hidden_logprobs(hidden, labels=labels, temperature=temperature, with_stats=with_stats,
+                              **_head_params(model))
+    else:
+        logits = _call(model, input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False).logits
+        picked = logits.reshape(-1, logits.shape[-1])[src]
+        lp = token_logprobs(picked, labels, temperature=temperature)
+        out = _logit_stats(picked, labels, lp, temperature) if with_stats else lp
+
+    def scatter(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(ids.shape, dtype=x.dtype, device=x.device).masked_scatter(where, x)
+
+    return LogprobStats(*map(scatter, out)) if with_stats else scatter(out)
+
+
 def score_sequences(model: nn.Module, batch: TensorDictBase, *, temperature: float = 1.0, chunked: bool = True,
                     packed: bool = False, reference: bool = False, with_stats: bool = False) -> TensorDict:
     """Per-token and summed completion log-probs of a sequence batch (SFT, KTO, one preference side).
@@ -446,12 +487,7 @@ def score_sequences(model: nn.Module, batch: TensorDictBase, *, temperature: flo
     scored = loss & mask & (pos > 0)
     with torch.set_grad_enabled(torch.is_grad_enabled() and not reference):
         if packed:  # one row of all real tokens, positions restarting with each sequence
-            out = _scored_logprobs(model, ids[mask][None], None, pos[mask][None], scored[mask][None], **kw)
-
-            def unpack(flat):
-                return torch.zeros(ids.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mask, flat[0])
-
-            out = LogprobStats(*map(unpack, out)) if with_stats else unpack(out)
+            out = packed_logprobs(model, ids, mask, scored, **kw)
         else:
             out = _scored_logprobs(model, ids, mask, pos, scored, **kw)
         lp = out.logprobs if isinstance(out, LogprobStats) else out

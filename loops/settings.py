@@ -280,6 +280,19 @@ class ChunkSettings(Section):
 
 
 @dataclasses.dataclass(frozen=True)
+class PackingSettings(Section):
+    """Padding-free forwards and micro-batches by token budget (DPO, reward modelling, the RL updates)."""
+
+    padding_free: bool = setting(False, help="each forward packs its rows' real tokens into one row, positions "
+                                             "restarting per sequence: no padded position is computed (attention "
+                                             "kept within each sequence by transformers models)")
+    max_tokens_per_micro_batch: int | None = setting(
+        None, help="tokens one forward holds: micro-batches cut by this budget (real tokens with padding_free, "
+                   "padded width without) and at most micro_batch_size rows; None: micro_batch_size rows",
+        units="tokens", range=AT_LEAST_1)
+
+
+@dataclasses.dataclass(frozen=True)
 class AggregationSettings(Section):
     agg: str = setting("token_mean", help="token aggregation of the loss (rlcore.masked.AGGREGATIONS; with "
                                           "packing, a sequence is a packed row)")

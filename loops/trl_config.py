@@ -633,7 +633,8 @@ DPO: dict[str, Entry] = {
     "truncation_mode": same("truncation_mode", "differs: TRL 1.16 cuts prompt + answer as one sequence; rlcore "
                             "cuts the prompt (keep_end / keep_start of it) only when prompt + the longer answer "
                             "exceed max_length"),
-    "padding_free": Ignore("padding layout only: padded positions are masked"),
+    "padding_free": same("padding_free", "each forward's rows packed into rows of its longest sequence, attention "
+                                         "kept within each sequence"),
     "precompute_ref_log_probs": rename("precompute_ref", "reference log-probs computed once before training"),
     "precompute_ref_batch_size": Ignore("memory only: the reference's batch size when precomputing"),
     "loss_type": Accept(("loss_type",), _dpo_loss_type, "one name of PREFERENCE_LOSSES (a list of one is read)"),

@@ -69,7 +69,7 @@ from rlcore.loops.dist.sync import GradSync, accumulation_context, grad_sync, re
 from rlcore.loops.dist import agree, all_reduce_sum
 from rlcore.loops.state import TrainState, copy_generator
 
-__all__ = ["update", "global_denominators", "make_optimizer", "make_scheduler", "SCHEDULES", "linear_schedule",
+__all__ = ["update", "global_denominators", "token_micro_batches", "make_optimizer", "make_scheduler", "SCHEDULES", "linear_schedule",
            "cosine_schedule", "constant_schedule", "enable_gradient_checkpointing", "NONFINITE_MODES", "GradStep",
            "Transform", "OUTCOMES", "DEFAULT_TRANSFORM", "chain", "skip_nonfinite", "raise_nonfinite", "nonfinite",
            "stop_on", "clip_by_global_norm"]
@@ -400,7 +400,7 @@ def _sizes(batch: TensorDictBase, minibatch_size: int | None, micro_batch_size: 
     return n, mb, micro
 
 
-def _plan(n: int, mb: int, micro: int, sync: GradSync | None) -> list[int]:
+def _plan(n: int, mb: int, micro: int | None, sync: GradSync | None) -> list[int]:
     """The rows of each minibatch of an epoch summed over the ranks (host ints, agreed up front).
 
     Every rank must take the same number of optimiser steps (and, with FSDP2, run the same number
@@ -411,13 +411,77 @@ def _plan(n: int, mb: int, micro: int, sync: GradSync | None) -> list[int]:
         return rows
     agree([len(rows)], what=f"update: optimiser steps per epoch ({len(rows)} here: {n} rows in minibatches of "
                             f"{mb}; sizes are per rank)")
-    micros = [math.ceil(r / micro) for r in rows]
+    micros = [math.ceil(r / (micro or r)) for r in rows]  # a token budget's counts are agreed per step
     local = torch.tensor([*rows, *micros, *(c * c for c in micros)], dtype=torch.int64)
     total = all_reduce_sum(local.to(sync.device)).cpu().view(3, -1)
-    if sync.lockstep and not torch.equal(total[1] ** 2, total[2] * sync.world_size):
+    if sync.lockstep and micro is not None and not torch.equal(total[1] ** 2, total[2] * sync.world_size):
         raise ValueError(f"update: FSDP2 needs the same number of micro-batches per step on every rank; this "
                          f"rank runs {micros} (micro_batch_size={micro} of {rows} rows)")
     return total[0].tolist()
+
+
+def token_micro_batches(tokens: torch.Tensor, *, budget: int, max_rows: int) -> list[torch.Tensor]:
+    """Row indices of the micro-batches of a minibatch under a token budget (verl's dynamic batch size).
+
+    Rows are taken in order; a micro-batch closes when the next row would take its tokens past
+    ``budget`` or its rows past ``max_rows``. A row of more than ``budget`` tokens is a micro-batch
+    of its own. The partition does not change the step's gradient (the losses' denominators are
+    the minibatch's), only how much one forward holds.
+
+    Args:
+        tokens: ``[n]`` the tokens each row costs a forward (real tokens when packed, the padded
+            width otherwise).
+    Returns:
+        A list of ``[b_i]`` long index tensors covering ``0..n-1`` in order.
+
+    Examples:
+        >>> [g.tolist() for g in token_micro_batches(torch.tensor([3, 4, 2, 9, 1]), budget=8, max_rows=4)]
+        [[0, 1], [2], [3], [4]]
+    """
+    groups, current, used = [], [], 0
+    for i, t in enumerate(tokens.tolist()):
+        if current and (used + t > budget or len(current) >= max_rows):
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += t
+    if current:
+        groups.append(current)
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+def _split_to(groups: list[torch.Tensor], count: int, where: str) -> list[torch.Tensor]:
+    """``groups`` cut (the largest in rows first, in halves) until there are ``count`` of them: FSDP2's
+    ranks must run as many forwards per step."""
+    groups = list(groups)
+    while len(groups) < count:
+        i = max(range(len(groups)), key=lambda j: len(groups[j]))
+        if len(groups[i]) < 2:
+            raise ValueError(f"update: FSDP2 needs the same number of micro-batches per step on every rank; {where} "
+                             f"has {len(groups)} rows and another rank {count} micro-batches (give each rank more "
+                             f"rows or a larger max_tokens_per_micro_batch)")
+        half = len(groups[i]) // 2
+        groups[i:i + 1] = [groups[i][:half], groups[i][half:]]
+    return groups
+
+
+def _micro_batches(minibatch: TensorDictBase, micro_batch_size: int, *, budget: int | None,
+                   row_tokens: Callable[[TensorDictBase], torch.Tensor] | None,
+                   sync: GradSync | None, where: str) -> list[slice | torch.Tensor]:
+    n = minibatch.batch_size[0]
+    if budget is None:
+        return [slice(start, start + micro_batch_size) for start in range(0, n, micro_batch_size)]
+    if row_tokens is None:
+        raise ValueError("row_tokens: a token budget (max_tokens_per_micro_batch) needs the tokens each row costs")
+    tokens = torch.as_tensor(row_tokens(minibatch)).reshape(-1)
+    if tokens.numel() != n:
+        raise ValueError(f"row_tokens: expected one count per row ({n}), got shape {list(tokens.shape)}")
+    groups = token_micro_batches(tokens, budget=budget, max_rows=micro_batch_size)
+    if sync is not None and sync.lockstep:
+        count = torch.tensor(float(len(groups)), device=sync.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        groups = _split_to(groups, int(count.item()), where)
+    return groups
 
 
 def _named(metrics: Any) -> Iterable[tuple[str, torch.Tensor]]:
@@ -429,25 +493,25 @@ def _named(metrics: Any) -> Iterable[tuple[str, torch.Tensor]]:
         yield ("/".join(k) if isinstance(k, tuple) else k), torch.as_tensor(v).detach()
 
 
-def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *, micro_batch_size: int,
+def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *, groups: list,
                 rows: int, mask_key: Any, autocast_dtype: torch.dtype | None, device_type: str,
                 early_stop_key: str | None,
                 sync: GradSync | None) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Forward/backward over the micro-batches of one minibatch; gradients add up in ``.grad``.
+    """Forward/backward over the micro-batches (``groups``: row slices or indices) of one
+    minibatch; gradients add up in ``.grad``.
 
     ``rows``: the minibatch's rows over every rank; each micro-batch's share of the step is
     ``b / rows``, so the ranks' weighted sums add up to the global minibatch's.
     """
-    n = minibatch.batch_size[0]
     denominators = global_denominators(minibatch, mask_key)
     scale = 1.0 if sync is None else sync.loss_scale
     sums: dict[str, torch.Tensor] = {}
     finite = stop = None  # 0-d bool tensors on the loss's device: no synchronisation here
-    for start in range(0, n, micro_batch_size):
-        micro = minibatch[start:start + micro_batch_size]
+    for k, group in enumerate(groups):
+        micro = minibatch[group]
         share = micro.batch_size[0] / rows
         loss_weight = 1.0 if denominators else share
-        with accumulation_context(sync, last=start + micro_batch_size >= n):  # DDP no_sync but on the last
+        with accumulation_context(sync, last=k == len(groups) - 1):  # DDP no_sync but on the last
             with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16,
                                 enabled=autocast_dtype is not None):
                 loss, metrics = loss_fn(state, micro, **denominators)
@@ -557,7 +621,8 @@ def training_mode(models: Iterable[nn.Module], trained: Iterable[torch.Tensor]) 
 def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibatch_size: int | None = None,
            micro_batch_size: int | None = None, epochs: int = 1, mask_key: Any = None,
            params: Iterable[torch.Tensor] | None = None, autocast_dtype: torch.dtype | None = None,
-           shuffle: bool = True,
+           shuffle: bool = True, max_tokens_per_micro_batch: int | None = None,
+           row_tokens: Callable[[TensorDictBase], torch.Tensor] | None = None,
            transform: Transform = DEFAULT_TRANSFORM) -> tuple[TrainState, TensorDict]:
     """Optimise ``loss_fn`` on ``batch``: ``epochs`` passes of shuffled minibatches (impure).
 
@@ -607,6 +672,13 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
         autocast_dtype: e.g. ``torch.bfloat16``: forward and loss under ``torch.autocast`` on the
             parameters' device type; backward outside it. ``None``: no autocast.
         shuffle: permute rows each epoch (needs ``state.rng``).
+        max_tokens_per_micro_batch: a token budget per forward instead of a fixed row count
+            (verl's dynamic batch size): each minibatch's rows, in order, are cut into micro-batches
+            of at most this many tokens (``token_micro_batches``; a longer row alone) and at most
+            ``micro_batch_size`` rows. ``None``: micro-batches of ``micro_batch_size`` rows. Under
+            FSDP2 the ranks agree on the count per step (the largest micro-batches are halved).
+        row_tokens: with a budget, ``minibatch -> [b]`` the tokens each row costs a forward
+            (``loops.collate.row_tokens``).
         transform: ``GradStep -> outcome | None``, usually a ``chain`` of ``skip_nonfinite()`` or
             ``raise_nonfinite()``, ``stop_on(...)`` and ``clip_by_global_norm(max_norm)``, applied
             in that order (non-finite check, early stop, clip); the default ``DEFAULT_TRANSFORM`` is
@@ -637,21 +709,29 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
     device_type = params[0].device.type if params else "cpu"
     trained = [p for g in state.optimizer.param_groups for p in g["params"]]
     sync = grad_sync(state.models.values(), list({id(p): p for p in [*trained, *params]}.values()))
-    rows = _plan(n, mb, micro, sync)
+    if max_tokens_per_micro_batch is not None and (isinstance(max_tokens_per_micro_batch, bool) or not isinstance(
+            max_tokens_per_micro_batch, int) or max_tokens_per_micro_batch < 1):
+        raise ValueError(f"max_tokens_per_micro_batch: expected a positive int or None, got "
+                         f"{max_tokens_per_micro_batch!r}")
+    rows = _plan(n, mb, None if max_tokens_per_micro_batch else micro, sync)
     steps, counts, lr = [], dict.fromkeys(("taken", "skipped", "stopped"), 0), None
     _zero_grads(params, state.optimizer)
     with training_mode(state.models.values(), trained):  # dropout as the model defines it
         for epoch in range(epochs):
             order = torch.randperm(n, generator=rng) if shuffled else torch.arange(n)
             for k, start in enumerate(range(0, n, mb)):
+                minibatch = batch[order[start:start + mb]]
+                where = f"epoch {epoch}, rows {start}:{start + mb}"
+                groups = _micro_batches(minibatch, micro, budget=max_tokens_per_micro_batch, row_tokens=row_tokens,
+                                        sync=sync, where=where)
                 sums, finite, stop = _accumulate(
-                    state, batch[order[start:start + mb]], loss_fn, micro_batch_size=micro, rows=rows[k],
+                    state, minibatch, loss_fn, groups=groups, rows=rows[k],
                     mask_key=mask_key, autocast_dtype=autocast_dtype, device_type=device_type,
                     early_stop_key=None if rule is None else rule.key, sync=sync)
                 sums, finite, stop = _synchronise(sums, finite, stop, sync)
                 step_lr = state.optimizer.param_groups[0]["lr"]
                 outcome, norm, flagged = _optimizer_step(state, params, finite, stop, transform=transform,
-                                                         where=f"epoch {epoch}, rows {start}:{start + mb}")
+                                                         where=where)
                 counts[outcome] += 1
                 lr = step_lr if outcome == "taken" else lr
                 steps.append({**sums, "grad_norm": norm.detach()})

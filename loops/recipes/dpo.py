@@ -44,15 +44,15 @@ from tensordict import TensorDict, TensorDictBase
 from rlcore import keys as K
 from rlcore.algorithms.dpo import dpo
 from rlcore.algorithms.preference import PREFERENCE_LOSSES
-from rlcore.loops.collate import collate_mismatched, collate_preference, collate_unpaired, iterate_batches
+from rlcore.loops.collate import collate_mismatched, collate_preference, collate_unpaired, iterate_batches, token_budget
 from rlcore.loops.tokenization import PAIR_SIDES, check_rows_fit, preference_format, tokenize_dataset
 from rlcore.loops.models import mix_into_reference, model_device, pad_token_id, position_ids_from_mask
 from rlcore.loops.recipe import (batch_source, build_policy, build_reference, init_train_state, load_splits,
                                  mean_metrics, policy_tokenizer, require_held_out, run)
 from rlcore.loops.config import RunConfig, autocast_dtype, try_loss
 from rlcore.loops.score import MEAN_LOGIT, STAT_KEYS, TOP1, concatenated_forward, precompute_reference_logps, score_sequences
-from rlcore.loops.settings import (ChunkSettings, DropoutSettings, LossTypeSettings, PreferenceSettings,
-                                   ReferenceSettings, Section, TruncationSettings, setting)
+from rlcore.loops.settings import (ChunkSettings, DropoutSettings, LossTypeSettings, PackingSettings,
+                                   PreferenceSettings, ReferenceSettings, Section, TruncationSettings, setting)
 from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
@@ -76,8 +76,8 @@ class DPOSettings(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(DPOSettings, PreferenceSettings, ReferenceSettings, LossTypeSettings, ChunkSettings, TruncationSettings,
-             DropoutSettings, RunConfig, defaults={"lr": 5e-4, "run_dir": "runs/dpo"}):
+class Config(DPOSettings, PreferenceSettings, ReferenceSettings, LossTypeSettings, PackingSettings, ChunkSettings,
+             TruncationSettings, DropoutSettings, RunConfig, defaults={"lr": 5e-4, "run_dir": "runs/dpo"}):
     """The preference recipe's settings (``configs/dpo.yaml``): ``RunConfig``'s sections, the loss
     (``loss_type``: a key of ``PREFERENCE_LOSSES``; ``beta``, ``loss_kwargs``), the reference and
     the recipe's own (``DPOSettings``)."""
@@ -159,10 +159,11 @@ def reference_models(config) -> tuple[str, ...] | None:
 
 
 # --- score and update ----------------------------------------------------------------------------
-def with_reference(state: TrainState, batch: TensorDictBase, *, chunked: bool = True) -> TensorDictBase:
+def with_reference(state: TrainState, batch: TensorDictBase, *, chunked: bool = True,
+                   packed: bool = False) -> TensorDictBase:
     """``batch`` with reference log-probs from ``state``'s ``"ref"`` model (no gradient), unless it
     carries them already (precomputed) or the state has no reference (reference-free losses).
-    Preference batches get ``(side, ref_logps)``, unpaired ones ``ref_logps``."""
+    Preference batches get ``(side, ref_logps)``, unpaired ones ``ref_logps``; ``packed``: padding-free."""
     paired = K.CHOSEN in batch.keys()
     present = (K.CHOSEN, K.REF_LOGPS) if paired else K.REF_LOGPS
     if "ref" not in state.models or present in batch.keys(include_nested=True):
@@ -170,8 +171,8 @@ def with_reference(state: TrainState, batch: TensorDictBase, *, chunked: bool = 
     scorer, ref = concatenated_forward if paired else score_sequences, state.model("ref")
     here, there = batch.device, model_device(ref)
     if here is None or there == here:
-        return scorer(ref, batch, chunked=chunked, reference=True)
-    return scorer(ref, batch.to(there), chunked=chunked, reference=True).to(here)  # a reference on ref_device
+        return scorer(ref, batch, chunked=chunked, packed=packed, reference=True)
+    return scorer(ref, batch.to(there), chunked=chunked, packed=packed, reference=True).to(here)  # a reference on ref_device
 
 
 def _scored_mask(side: TensorDictBase) -> torch.Tensor:
@@ -204,29 +205,36 @@ def pair_stat_metrics(scored: TensorDictBase) -> dict[str, torch.Tensor]:
     return {k: v.to(dtype) for k, v in out.items()}
 
 
-def preference_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable,
-                       chunked: bool = True, with_stats: bool = False) -> tuple[torch.Tensor, TensorDict]:
+def preference_loss_fn(state: TrainState, batch: TensorDictBase, *, loss: Callable, chunked: bool = True,
+                       packed: bool = False, with_stats: bool = False) -> tuple[torch.Tensor, TensorDict]:
     """``loss`` of the policy's log-probs on a (micro-)batch: the ``loss_fn`` of ``update``.
 
     Pairs go through ``concatenated_forward`` (chosen and rejected rows in one forward), unpaired
     rows through ``score_sequences``. With ``with_stats`` (pairs only), the metrics also hold
     ``pair_stat_metrics`` (``entropy``, ``logits/chosen``, ``logits/rejected``,
-    ``mean_token_accuracy``), from the same pass over the vocabulary as the log-probs.
+    ``mean_token_accuracy``), from the same pass over the vocabulary as the log-probs. ``packed``:
+    padding-free forwards (``loops.score.packed_logprobs``).
     Gradient: to the policy's parameters.
     """
     if K.CHOSEN not in batch.keys():
-        return loss(score_sequences(state.model("policy"), batch, chunked=chunked))
-    scored = concatenated_forward(state.model("policy"), batch, chunked=chunked, with_stats=with_stats)
+        return loss(score_sequences(state.model("policy"), batch, chunked=chunked, packed=packed))
+    scored = concatenated_forward(state.model("policy"), batch, chunked=chunked, packed=packed, with_stats=with_stats)
     if not with_stats:
         return loss(scored)
     value, metrics = loss(scored.exclude(*((s, k) for s in (K.CHOSEN, K.REJECTED) for k in STAT_KEYS)))
     return value, metrics.update(pair_stat_metrics(scored))
 
 
+def _packed(config: Config | None) -> bool:
+    return bool(config is not None and config.padding_free)
+
+
 def _update(state, batch, *, loss, chunked, micro_batch_size, max_grad_norm, config):
     rows = batch.batch_size[0]
-    loss_fn = functools.partial(preference_loss_fn, loss=loss, chunked=chunked, with_stats=True)
+    loss_fn = functools.partial(preference_loss_fn, loss=loss, chunked=chunked, packed=_packed(config),
+                                with_stats=True)
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
+                            **token_budget(config),
                             autocast_dtype=autocast_dtype(config) if config is not None else None,
                             transform=chain(skip_nonfinite(),
                                             None if max_grad_norm is None else clip_by_global_norm(max_grad_norm)))
@@ -240,7 +248,7 @@ def dpo_step(state: TrainState, batch: TensorDictBase, *, loss: Callable, chunke
     optimiser step of ``loss`` (pairs are micro-batched as rows, the loss being a mean over pairs),
     then the reference's TR-DPO update when ``config`` asks for it (``sync_reference``)."""
     batch = batch.to(next(state.model("policy").parameters()).device)
-    batch = with_reference(state, batch, chunked=chunked)
+    batch = with_reference(state, batch, chunked=chunked, packed=_packed(config))
     state, metrics = _update(state, batch, loss=loss, chunked=chunked, micro_batch_size=micro_batch_size,
                              max_grad_norm=max_grad_norm, config=config)
     return sync_reference(state, config), metrics
@@ -258,9 +266,11 @@ def kto_step(state: TrainState, item: tuple[TensorDictBase, TensorDictBase], *, 
     device = next(state.model("policy").parameters()).device
     batch, mismatched = (x.to(device) for x in item)
     with torch.no_grad():
-        kl = score_sequences(state.model("policy"), mismatched, chunked=chunked).get(K.LOGPS)
-        ref_kl = score_sequences(state.model("ref"), mismatched, chunked=chunked, reference=True).get(K.REF_LOGPS)
-    batch = with_reference(state, batch, chunked=chunked).copy().update({K.KL_LOGPS: kl, K.REF_KL_LOGPS: ref_kl})
+        packed = _packed(config)
+        kl = score_sequences(state.model("policy"), mismatched, chunked=chunked, packed=packed).get(K.LOGPS)
+        ref_kl = score_sequences(state.model("ref"), mismatched, chunked=chunked, packed=packed,
+                                 reference=True).get(K.REF_LOGPS)
+    batch = with_reference(state, batch, chunked=chunked, packed=packed).copy().update({K.KL_LOGPS: kl, K.REF_KL_LOGPS: ref_kl})
     state, metrics = _update(state, batch, loss=loss, chunked=chunked, micro_batch_size=micro_batch_size,
                              max_grad_norm=max_grad_norm, config=config)
     return sync_reference(state, config), metrics
@@ -289,7 +299,7 @@ def _with_ref_columns(data: Dataset, model, tokenizer, config: Config) -> Datase
         return data
     device = next(model.parameters()).device
     batches = (b.to(device) for b in iterate_batches(data, tokenizer, config.eval_batch_size, format="preference"))
-    ref = precompute_reference_logps(model, batches, chunked=config.chunked).cpu()
+    ref = precompute_reference_logps(model, batches, chunked=config.chunked, packed=config.padding_free).cpu()
     data = data.add_column("ref_chosen_logps", ref.get((K.CHOSEN, K.REF_LOGPS)).tolist())
     return data.add_column("ref_rejected_logps", ref.get((K.REJECTED, K.REF_LOGPS)).tolist())
 
@@ -314,8 +324,9 @@ def _evaluate(state: TrainState, data: Dataset, tokenizer, config: Config, loss:
 
     def results():
         for batch in iterate_batches(data, tokenizer, config.eval_batch_size, format="preference"):
-            batch = with_reference(state, batch.to(device), chunked=config.chunked)
-            _, metrics = preference_loss_fn(state, batch, loss=eval_loss, chunked=config.chunked, with_stats=True)
+            batch = with_reference(state, batch.to(device), chunked=config.chunked, packed=config.padding_free)
+            _, metrics = preference_loss_fn(state, batch, loss=eval_loss, chunked=config.chunked,
+                                            packed=config.padding_free, with_stats=True)
             yield batch.batch_size[0], {k: v for k, v in metrics.items() if paired or not k.startswith("loss")}
 
     return mean_metrics(results())

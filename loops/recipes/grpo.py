@@ -43,6 +43,7 @@ from rlcore import keys as K
 from rlcore.algorithms.policy_gradient import POLICY_LOSSES, POLICY_RATIO_LEVELS
 from rlcore.algorithms.ratios import RATIO_LEVELS
 from rlcore.checks import lookup
+from rlcore.loops.collate import token_budget
 from rlcore.loops.config import autocast_dtype, try_loss
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
@@ -225,11 +226,13 @@ def update_policy(state: TrainState, batch: TensorDictBase, loss: Callable, *, c
     c = config
 
     def loss_fn(state: TrainState, mb: TensorDictBase, **denominators) -> tuple[torch.Tensor, TensorDict]:
-        mb = with_policy_logprobs(state.model("policy"), mb, temperature=c.temperature, with_entropy=c.log_entropy)
+        mb = with_policy_logprobs(state.model("policy"), mb, temperature=c.temperature, with_entropy=c.log_entropy,
+                                  packed=c.padding_free)
         return loss(mb, **denominators)  # num_tokens / num_seqs of the whole optimiser step
 
     return update(state, batch, loss_fn if wrap_loss is None else wrap_loss(loss_fn),
                   **update_sizes(len(batch), minibatch_size=c.minibatch_size, micro_batch_size=c.micro_batch_size),
+                  **token_budget(c),
                   epochs=c.epochs, mask_key=K.RESPONSE_MASK, autocast_dtype=autocast_dtype(c),
                   transform=chain(skip_nonfinite(),
                                   None if c.max_grad_norm is None else clip_by_global_norm(c.max_grad_norm)))

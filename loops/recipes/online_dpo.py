@@ -38,6 +38,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.online import online_preference_batch
+from rlcore.loops.collate import token_budget
 from rlcore.loops.recipes.dpo import (UNPAIRED, bind_loss, check_reference_sync, needs_reference, reference_models,
                                       sync_reference, try_bound_loss, with_reference)
 from rlcore.loops.online import (OnlineConfig, build_online_state, rollout_metrics, sample, score_samples,
@@ -118,15 +119,16 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple[T
     if pairs.batch_size[0] == 0:  # every prompt tied: nothing to prefer
         return sync_reference(state, c), TensorDict(info, batch_size=[])
     if needs_reference(c):  # the reference's log-probs of both sides, once (not for ORPO, SimPO, CPO)
-        pairs = with_reference(state, pairs, chunked=c.chunked)
+        pairs = with_reference(state, pairs, chunked=c.chunked, packed=c.padding_free)
     loss = bind_loss(c)  # PREFERENCE_LOSSES[loss_type](beta, **loss_kwargs): a mean over pairs
 
     def loss_fn(state: TrainState, mb: TensorDictBase, **_) -> tuple[torch.Tensor, TensorDict]:
-        return loss(concatenated_forward(state.model("policy"), mb, chunked=c.chunked))  # chosen + rejected, one pass
+        return loss(concatenated_forward(state.model("policy"), mb, chunked=c.chunked,  # chosen + rejected, one pass
+                                         packed=c.padding_free))
 
     state, metrics = update(state, pairs, loss_fn,
                             **update_sizes(len(pairs), minibatch_size=c.minibatch_size,
-                                           micro_batch_size=c.micro_batch_size),
+                                           micro_batch_size=c.micro_batch_size), **token_budget(c),
                             epochs=c.epochs, autocast_dtype=autocast_dtype(c),
                             transform=chain(skip_nonfinite(),
                                             None if c.max_grad_norm is None else clip_by_global_norm(c.max_grad_norm)))

@@ -50,6 +50,7 @@ from rlcore.algorithms.ppo import early_stop, ppo_loss
 from rlcore.checks import lookup
 from rlcore.kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
 from rlcore.logprobs import entropy_from_logits, token_logprobs
+from rlcore.loops.collate import token_budget
 from rlcore.loops.dist import all_gather_moments, all_reduce_sum, dist_info
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
 from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, rollout_metrics, sample, score_samples,
@@ -146,7 +147,7 @@ class Critic(NamedTuple):
     ``loops.online.critic_values``)."""
 
     build: Callable[[nn.Module, Any], nn.Module]   # (policy, config) -> state.models["value"]
-    forward: Callable[..., TensorDictBase]         # (state, batch, ids, mask, temperature, with_entropy) -> logprobs, value_preds (, entropy)
+    forward: Callable[..., TensorDictBase]         # (state, batch, ids, mask, temperature, with_entropy, packed) -> logprobs, value_preds (, entropy)
 
 
 def _response(x: torch.Tensor, batch: TensorDictBase) -> torch.Tensor:
@@ -159,8 +160,9 @@ def _shared_head(policy: nn.Module, config: Any) -> nn.Module:
     return ValueHead(policy.config.hidden_size, seed=config.seed).to(next(policy.parameters()).device)
 
 
-def _shared_forward(state, batch, ids, mask, temperature, with_entropy=False):
-    logits, values = policy_and_values(state.model("policy"), state.model("value"), ids, mask)  # one trunk pass
+def _shared_forward(state, batch, ids, mask, temperature, with_entropy=False, packed=False):
+    logits, values = policy_and_values(state.model("policy"), state.model("value"), ids, mask,  # one trunk pass
+                                       packed=packed)
     logits = _response(logits, batch)
     lp = token_logprobs(logits, batch[K.RESPONSE_IDS], temperature=temperature)
     out = {K.LOGPROBS: lp, K.VALUE_PREDS: _response(values, batch)}
@@ -173,9 +175,11 @@ def _separate_model(policy: nn.Module, config: Any) -> nn.Module:
     return build_policy(config, task="value")[0]
 
 
-def _separate_forward(state, batch, ids, mask, temperature, with_entropy=False):
-    batch = with_policy_logprobs(state.model("policy"), batch, temperature=temperature, with_entropy=with_entropy)
-    return batch.update({K.VALUE_PREDS: _response(token_values(state.model("value"), ids, mask), batch)})
+def _separate_forward(state, batch, ids, mask, temperature, with_entropy=False, packed=False):
+    batch = with_policy_logprobs(state.model("policy"), batch, temperature=temperature, with_entropy=with_entropy,
+                                 packed=packed)
+    return batch.update({K.VALUE_PREDS: _response(token_values(state.model("value"), ids, mask, packed=packed),
+                                                  batch)})
 
 
 CRITICS: dict[str, Critic] = {
@@ -274,7 +278,7 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
 
     def loss_fn(state: TrainState, mb: TensorDictBase, **denominators) -> tuple[torch.Tensor, TensorDict]:
         ids, mask = sequences(mb)  # log-probs and value predictions through the models, differentiable
-        mb = critic.forward(state, mb, ids, mask, c.temperature, with_entropy=c.log_entropy)
+        mb = critic.forward(state, mb, ids, mask, c.temperature, with_entropy=c.log_entropy, packed=c.padding_free)
         loss, metrics = ppo_loss(mb, clip_eps_low=c.clip_eps_low, clip_eps_high=c.clip_eps_high, vf_coef=c.vf_coef,
                                  cliprange_value=c.cliprange_value, ratio_threshold=c.ratio_threshold, **denominators)
         if c.early_stopping:  # approx KL > 1.5·target_kl ends the epochs (stop_on below)
@@ -283,7 +287,7 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,
 
     state, metrics = update(state, batch, loss_fn,
                             **update_sizes(len(batch), minibatch_size=c.minibatch_size,
-                                           micro_batch_size=c.micro_batch_size),
+                                           micro_batch_size=c.micro_batch_size), **token_budget(c),
                             epochs=c.epochs, mask_key=K.RESPONSE_MASK, autocast_dtype=autocast_dtype(c),
                             transform=chain(skip_nonfinite(), stop_on("early_stop", when=c.early_stopping_check),
                                             None if c.max_grad_norm is None else clip_by_global_norm(c.max_grad_norm)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -60,6 +61,15 @@ def single_turn(config: grpo.Config | rloo.Config) -> None:
                          "multi-turn episode moves; the ReFT recipes train on single turns (unset env and tools)")
 
 
+def padded(config: Any) -> None:
+    """Refuse padding-free forwards and token budgets for a ReFT policy: its interventions are placed
+    by each padded row's positions (``with_intervention_locations``), which packing would move."""
+    for name in ("padding_free", "max_tokens_per_micro_batch"):
+        if getattr(config, name, None):
+            raise ValueError(f"{name}: a ReFT policy's interventions sit at positions of its padded rows; the ReFT "
+                             f"recipes train on padded micro-batches of micro_batch_size rows (unset {name})")
+
+
 @dataclasses.dataclass(frozen=True)
 class ReftGrpoConfig(ReftFields, grpo.Config, defaults={"run_dir": "runs/reft_grpo"}):
     """GRPO with ReFT (``rlcore train reft_grpo``): ``loops.recipes.grpo.Config`` and ``ReftFields``."""
@@ -67,6 +77,7 @@ class ReftGrpoConfig(ReftFields, grpo.Config, defaults={"run_dir": "runs/reft_gr
     def check(self) -> None:
         super().check()
         single_turn(self)
+        padded(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +87,7 @@ class ReftRlooConfig(ReftFields, rloo.Config, defaults={"run_dir": "runs/reft_rl
     def check(self) -> None:
         super().check()
         single_turn(self)
+        padded(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +95,20 @@ class ReftDpoConfig(ReftFields, dpo.Config, defaults={"run_dir": "runs/reft_dpo"
     """DPO with ReFT (``rlcore train reft_dpo``): ``loops.recipes.dpo.Config`` and ``ReftFields``; pairwise
     losses (KTO's unpaired rows are not offered), the base model as the reference."""
 
+    def __post_init__(self):
+        super().__post_init__()
+        padded(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class ReftRewardConfig(ReftFields, reward.Config, defaults={"run_dir": "runs/reft_reward"}):
     """Reward modelling with ReFT (``rlcore train reft_reward``, pyreft's reward example):
     ``loops.recipes.reward.Config`` and ``ReftFields``. The interventions edit the pairs' prompt positions
     and the model's score head trains with them; the rest of the model is frozen."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        padded(self)
 
 
 # --- the recipes ---------------------------------------------------------------------------------

@@ -34,14 +34,14 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.algorithms.reward import reward_loss
-from rlcore.loops.collate import collate_preference
+from rlcore.loops.collate import collate_preference, token_budget
 from rlcore.loops.data import check_number_column
 from rlcore.loops.tokenization import PAIR_SIDES, check_rows_fit, preference_format, tokenize_dataset
 from rlcore.loops.models import pad_token_id, reward_model_scores
 from rlcore.loops.recipe import (batch_source, build_policy, init_train_state, load_splits, mean_metrics,
                                  policy_tokenizer, require_held_out, run)
 from rlcore.loops.config import RunConfig, autocast_dtype
-from rlcore.loops.settings import AT_LEAST_0, DropoutSettings, Section, TruncationSettings, setting
+from rlcore.loops.settings import AT_LEAST_0, DropoutSettings, PackingSettings, Section, TruncationSettings, setting
 from rlcore.loops.state import TrainState, advance, batch_tokens
 from rlcore.loops.tasks import preference_dataset
 from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
@@ -62,7 +62,7 @@ class RewardLossSettings(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(RewardLossSettings, TruncationSettings, DropoutSettings, RunConfig,
+class Config(RewardLossSettings, PackingSettings, TruncationSettings, DropoutSettings, RunConfig,
              defaults={"disable_dropout": False, "run_dir": "runs/reward"}):
     """The reward-modelling recipe's settings (``configs/reward.yaml``): ``RunConfig``'s sections and the
     loss's; dropout stays on as in TRL's trainer."""
@@ -80,15 +80,16 @@ def collate_pairs(rows: dict, *, pad_id: int, margin_key: str | None = None) -> 
 
 
 # --- score and update ----------------------------------------------------------------------------
-def with_rewards(model, batch: TensorDictBase) -> TensorDictBase:
+def with_rewards(model, batch: TensorDictBase, *, packed: bool = False) -> TensorDictBase:
     """A copy of ``batch`` with ``(chosen, reward)`` and ``(rejected, reward)`` ``[B]``: the model's
-    scores at each sequence's last real token, both sides in one forward of ``2B`` rows.
+    scores at each sequence's last real token, both sides in one forward of ``2B`` rows (``packed``:
+    padding-free, one row of their real tokens; ``loops.models.reward_model_scores``).
     Gradient: to the model's parameters (call under ``torch.no_grad()`` to evaluate)."""
     sides = (K.CHOSEN, K.REJECTED)
     width = max(batch.get((s, K.INPUT_IDS)).shape[-1] for s in sides)
     ids = torch.cat([_pad_right(batch.get((s, K.INPUT_IDS)), width) for s in sides])
     mask = torch.cat([_pad_right(batch.get((s, K.ATTENTION_MASK)), width) for s in sides])
-    chosen, rejected = reward_model_scores(model, ids, mask).float().chunk(2)
+    chosen, rejected = reward_model_scores(model, ids, mask, packed=packed).float().chunk(2)
     out = batch.copy()
     out[K.CHOSEN] = batch.get(K.CHOSEN).copy().update({K.REWARD: chosen})
     out[K.REJECTED] = batch.get(K.REJECTED).copy().update({K.REWARD: rejected})
@@ -100,26 +101,31 @@ def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def reward_loss_fn(state: TrainState, batch: TensorDictBase, *, margin_key: str | None = None,
-                   center_rewards_coefficient: float | None = None) -> tuple[torch.Tensor, TensorDict]:
+                   center_rewards_coefficient: float | None = None,
+                   packed: bool = False) -> tuple[torch.Tensor, TensorDict]:
     """``reward_loss`` of ``state``'s reward model (``"policy"``) on a (micro-)batch of pairs: the
     ``loss_fn`` of ``update`` (a mean over pairs). Gradient: to the model's parameters."""
-    scored = with_rewards(state.model("policy"), batch)
+    scored = with_rewards(state.model("policy"), batch, packed=packed)
     return reward_loss(scored, margin_key=margin_key, center_rewards_coefficient=center_rewards_coefficient)
 
 
 def reward_step(state: TrainState, batch: TensorDictBase, *, margin_key: str | None = None,
                 center_rewards_coefficient: float | None = None, micro_batch_size: int | None = None,
                 max_grad_norm: float | None = 1.0, wrap_loss: Callable[[Callable], Callable] | None = None,
-                autocast_dtype: torch.dtype | None = None) -> tuple[TrainState, TensorDict]:
+                autocast_dtype: torch.dtype | None = None, packing: PackingSettings | None = None
+                ) -> tuple[TrainState, TensorDict]:
     """One reward-modelling step (impure: it trains): one optimiser step on the batch's pairs.
     ``wrap_loss`` wraps the loss closure (``loops.reft_model.with_interventions``: the ReFT version);
-    ``autocast_dtype`` as ``update``'s (``mixed_precision``)."""
+    ``autocast_dtype`` as ``update``'s (``mixed_precision``); ``packing``: padding-free forwards and
+    the token budget of the micro-batches."""
     batch = batch.to(next(state.model("policy").parameters()).device)
     rows = batch.batch_size[0]
     loss_fn = functools.partial(reward_loss_fn, margin_key=margin_key,
-                                center_rewards_coefficient=center_rewards_coefficient)
+                                center_rewards_coefficient=center_rewards_coefficient,
+                                packed=bool(packing and packing.padding_free))
     loss_fn = wrap_loss(loss_fn) if wrap_loss is not None else loss_fn
     state, metrics = update(state, batch, loss_fn, micro_batch_size=min(micro_batch_size or rows, rows),
+                            **token_budget(packing),
                             autocast_dtype=autocast_dtype,
                             transform=chain(skip_nonfinite(),
                                             None if max_grad_norm is None else clip_by_global_norm(max_grad_norm)))
@@ -177,7 +183,8 @@ def _evaluate(state: TrainState, data: Dataset, tokenizer, config: Config, *,
         for i in range(0, len(data), config.eval_batch_size):
             batch = collate(data[i:i + config.eval_batch_size]).to(device)
             loss, metrics = loss_fn(state, batch, margin_key=config.margin_key,
-                                    center_rewards_coefficient=config.center_rewards_coefficient)
+                                    center_rewards_coefficient=config.center_rewards_coefficient,
+                                    packed=config.padding_free)
             yield batch.batch_size[0], {"loss": loss, **metrics.to_dict()}
 
     return mean_metrics(results())
@@ -204,7 +211,7 @@ def train(config: Config, *, callbacks: Sequence[Callable] = ()) -> tuple[TrainS
     step = functools.partial(reward_step, margin_key=config.margin_key,
                              center_rewards_coefficient=config.center_rewards_coefficient,
                              micro_batch_size=config.micro_batch_size, max_grad_norm=config.max_grad_norm,
-                             autocast_dtype=autocast_dtype(config))
+                             autocast_dtype=autocast_dtype(config), packing=config)
     eval_fn = functools.partial(_evaluate, data=held_out, tokenizer=tokenizer, config=config)
     return run(step, state, source, config=config, num_steps=config.steps, eval_fn=eval_fn, name="reward",
                callbacks=callbacks, tokenizer=tokenizer)

@@ -6,6 +6,7 @@ directory and the tests below compare it with one process on the concatenated ba
 for float64 parameters: 1e-10 (observed differences are float summation order, ~1e-16).
 """
 
+import functools
 import json
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from rlcore.loops.fold import fold
 from rlcore.loops.models import build_model
 from rlcore.loops.online import with_policy_logprobs
 from rlcore.loops.state import init_state
+from rlcore.loops.collate import row_tokens
 from rlcore.loops.update import chain, clip_by_global_norm, global_denominators, skip_nonfinite, stop_on, update
 from rlcore.masked import aggregate
 from rlcore.testing import MockLM, make_rollout
@@ -110,6 +112,11 @@ def _equivalence(out, tensors):
                                   transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
             tensors[f"{mode}/{strategy}"] = flat(new.model())
             out[f"{mode}/{strategy}"] = floats(metrics)
+    for strategy in WRAPS:  # micro-batches by a token budget: the ranks' counts differ (FSDP2 evens them)
+        budget = dict(max_tokens_per_micro_batch=9, row_tokens=functools.partial(row_tokens, packed=True))
+        new, _ = update(model_state(strategy), local, make_loss("token_mean"), mask_key=K.RESPONSE_MASK, **budget,
+                        transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
+        tensors[f"budget/{strategy}"] = flat(new.model())
     new, metrics = update(recipe_state(), shard_batch(recipe_batch()), RECIPE_LOSS, micro_batch_size=2,
                           mask_key=K.RESPONSE_MASK)
     tensors["recipe"], out["recipe"] = flat(new.model()), floats(metrics)
@@ -252,6 +259,14 @@ def test_two_ranks_equal_one_process_on_the_global_batch(ranks, mode, strategy):
         for name in ("loss", "loss_nll", "mean_lp", "grad_norm"):  # metrics of the global batch
             assert r[f"{mode}/{strategy}"][name] == pytest.approx(metrics[name], rel=1e-10, abs=1e-12), name
     assert (flat(model_state().model()) - expected).abs().max() > 1e-3  # the step moved the weights
+
+
+@pytest.mark.parametrize("strategy", WRAPS)
+def test_a_token_budget_on_two_ranks_equals_one_process(ranks, strategy):
+    (_, t0), (_, t1) = ranks[0]
+    expected, _ = one_process("token_mean")
+    for t in (t0, t1):
+        torch.testing.assert_close(t[f"budget/{strategy}"], expected, **TOL)
 
 
 def test_recipe_loss_through_an_unwrapped_hf_policy(ranks):
