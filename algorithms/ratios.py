@@ -1,6 +1,7 @@
 """Importance ratios of the policy being trained against the one that sampled, ``[..., T]`` in and out::
 
     importance_log_ratio   log ρ at a level of RATIO_LEVELS, optionally clamped
+    engine_importance_weights  the trainer's policy against a generation engine's (vLLM) numerics
     token_log_ratio        lp_t − old_t (PPO)
     sequence_log_ratio     the sequence's mean log-ratio on every token, gradient ∇lp_t (GSPO)
     sequence_sum_log_ratio the sequence's summed log-ratio on every token, full gradient (TRL's RLOO)
@@ -12,6 +13,7 @@ correction (``loops.scale.async_learners``) read them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -19,7 +21,8 @@ import torch
 from rlcore.checks import check_float, check_mask, check_number, check_same_shape, lookup
 from rlcore.masked import masked_mean, masked_sum, zero_outside
 
-__all__ = ["importance_log_ratio", "token_log_ratio", "sequence_log_ratio", "sequence_sum_log_ratio", "RATIO_LEVELS"]
+__all__ = ["importance_log_ratio", "token_log_ratio", "sequence_log_ratio", "sequence_sum_log_ratio", "RATIO_LEVELS",
+           "ENGINE_IS_MODES", "engine_importance_weights"]
 
 Tensor = torch.Tensor
 
@@ -106,3 +109,64 @@ def importance_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, *
         check_number("clamp", clamp, low=0.0, low_open=True, allow_inf=True)  # a negative one empties the range
         log_ratio = log_ratio.clamp(-clamp, clamp)
     return log_ratio
+
+
+ENGINE_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def engine_importance_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, *,
+                              mode: str = "sequence_mask", clip_min: float | None = None,
+                              clip_max: float | None = 3.0) -> Tensor:
+    """Importance weights correcting for a generation engine whose log-probs differ from the trainer's.
+
+    An engine such as vLLM samples with other kernels and precision than the trainer's forward, so
+    its behaviour policy ``π_e`` is not quite the trainer's ``π_t`` at the same weights. With
+    ``d_t = log π_t − log π_e`` on the response tokens (0 where the engine gave NaN):
+
+    - ``token_*``: ``w_t = exp(d_t)``; ``sequence_*``: ``w = exp(Σ_t d_t)`` on every token of the row;
+    - ``*_truncate``: ``w ← clamp(w, C_min, C_max)``; ``*_mask``: ``w ← 0`` outside ``[C_min, C_max]``
+      (a bound left ``None`` is open).
+
+    TRL's ``vllm_importance_sampling_*`` (default ``sequence_mask`` with ``C_max = 3``): the weight
+    multiplies the policy surrogate, and the clipped ratio is taken against ``π_t``.
+
+    Args:
+        trainer_logprobs: ``[..., T]`` float, the trainer's log-probs of the sampled tokens (no grad).
+        engine_logprobs: ``[..., T]`` float, the engine's.
+        mask: ``[..., T]`` bool, the response tokens.
+        mode: one of ``ENGINE_IS_MODES``.  clip_min, clip_max: the bounds (``C_min < C_max``).
+    Returns:
+        ``[..., T]`` weights ``≥ 0``, 0 outside ``mask``, detached, in ``trainer_logprobs``' dtype.
+
+    >>> t, e = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    >>> engine_importance_weights(t, e, torch.tensor([[True, True]]), mode="token_truncate", clip_max=1.5)
+    tensor([[1.5000, 0.3679]])
+    >>> engine_importance_weights(t, e, torch.tensor([[True, True]]), mode="sequence_mask")
+    tensor([[0.6065, 0.6065]])
+
+    References:
+        Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (truncated
+        importance sampling against the inference engine), https://fengyao.notion.site/off-policy-rl
+    """
+    check_float("trainer_logprobs", trainer_logprobs)
+    check_same_shape("trainer_logprobs", trainer_logprobs, engine_logprobs=engine_logprobs)
+    check_mask("mask", mask, like=trainer_logprobs, like_name="trainer_logprobs")
+    lookup(dict.fromkeys(ENGINE_IS_MODES), mode, what="mode")
+    for name, bound in (("clip_min", clip_min), ("clip_max", clip_max)):
+        if bound is not None:
+            check_number(name, bound, low=0.0, allow_inf=True)
+    if clip_min is not None and clip_max is not None and not clip_min < clip_max:
+        raise ValueError(f"clip_min: expected C_min < C_max = {clip_max}, got {clip_min}")
+    diff = torch.nan_to_num((trainer_logprobs.detach() - engine_logprobs.detach()).double(), nan=0.0)
+    diff = zero_outside(diff, mask)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True).expand_as(diff)
+    w = torch.exp(diff.clamp(max=700.0))  # float64: exp(700) is finite
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        w = w.clamp(min=low, max=high)
+    else:
+        w = torch.where((w < low) | (w > high), torch.zeros((), dtype=w.dtype), w)
+    return zero_outside(w, mask).to(trainer_logprobs.dtype)
+

@@ -53,6 +53,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from rlcore import keys as K
+from rlcore.algorithms.ratios import ENGINE_IS_MODES, engine_importance_weights
 from rlcore.baselines import ADVANTAGE_ESTIMATORS
 from rlcore.checks import bind_keywords, lookup
 from rlcore.kl import KL_ALIASES, KL_ESTIMATORS, kl_estimate
@@ -74,13 +75,14 @@ from rlcore.loops.reward_fns import (RewardFn, make_reward_fn, missing_eos_penal
 from rlcore.loops.score import packed_logprobs, score_rollout, sequences, token_logprobs_from_model
 from rlcore.loops.state import TrainState, advance, copy_generator, with_transforms
 from rlcore.loops.tasks import task_dataset
+from rlcore.masked import masked_mean, zero_outside
 from rlcore.rewards import soft_overlong_penalty
 from rlcore.transforms import observed_kl
 
 __all__ = ["OnlineConfig", "Correction", "ESTIMATOR_NEEDS", "check_kl_name", "runnable_estimators", "advantage_fn",
            "check_prompt_data", "check_prompt_lengths", "build_online_state", "prompt_source", "update_sizes",
-           "generate_kwargs", "episode_kwargs", "sample", "replay_seed_draw", "critic_values", "score_samples", "with_policy_logprobs",
-           "rollout_metrics", "group_metrics", "length_metrics", "reward_term_metrics", "LIVE", "train_online"]
+           "generate_kwargs", "episode_kwargs", "generate_or_play", "sample", "replay_seed_draw", "critic_values",
+           "score_samples", "with_policy_logprobs", "check_engine_correction", "engine_correction", "rollout_metrics", "group_metrics", "length_metrics", "reward_term_metrics", "LIVE", "train_online"]
 
 # the asynchronous learners' importance correction: a batch with advantages -> (the batch the loss sees, metrics)
 Correction = Callable[[TensorDictBase], tuple[TensorDictBase, dict]]
@@ -441,6 +443,59 @@ def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature
     if with_entropy:
         return batch.copy().update({K.LOGPROBS: out[0], K.ENTROPY: out[1].detach()})
     return batch.copy().update({K.LOGPROBS: out})
+
+
+def check_engine_correction(config: Any) -> None:
+    """Refuse, at load, a ``vllm_importance_sampling_mode`` not in ``ENGINE_IS_MODES`` or bounds with
+    ``clip_min ≥ clip_max`` (the fields of ``EngineCorrectionSettings``)."""
+    lookup(dict.fromkeys(ENGINE_IS_MODES), config.vllm_importance_sampling_mode, what="vllm_importance_sampling_mode")
+    low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and not low < high:
+        raise ValueError(f"vllm_importance_sampling_clip_min: expected below vllm_importance_sampling_clip_max "
+                         f"({high}), got {low}")
+
+
+def engine_correction(state: TrainState, rollout: TensorDictBase, config: Any) -> Correction | None:
+    """The synchronous step's correction for a generation engine with numerics of its own (``engine:
+    vllm``), as TRL's ``vllm_importance_sampling_correction``; ``None`` for the other engines or
+    with the correction off.
+
+    The trainer's log-probs ``π_t`` of the rollout's responses (one no-grad forward of the policy
+    before the update) become the loss's ``old_logprobs``, so its clipped ratio is taken against the
+    trainer's own policy, and the advantages are weighted by ``w =
+    algorithms.ratios.engine_importance_weights(π_t, π_engine)`` (the engine's log-probs are the
+    rollout's ``old_logprobs``; ``w ≥ 0`` scales the surrogate as it scales ``A``) with the config's
+    ``vllm_importance_sampling_mode``, ``_clip_min`` and ``_clip_max``. Metrics, TRL's names:
+    ``sampling/sampling_logp_difference/mean|max`` (``|log π_t − log π_e|`` over tokens),
+    ``sampling/importance_sampling_ratio/min|mean|max`` (over tokens, or sequences in the
+    ``sequence_*`` modes), and ``sampling/engine_kl``: ``mean_t[(ρ − 1) − log ρ]``, ``ρ = π_t/π_e``,
+    the k3 estimate of KL(π_e ‖ π_t) per token.
+    """
+    if config.engine != "vllm" or not getattr(config, "vllm_importance_sampling_correction", False):
+        return None
+    with torch.no_grad():
+        trainer = with_policy_logprobs(state.model("policy"), rollout, temperature=config.temperature)[K.LOGPROBS]
+    mode = config.vllm_importance_sampling_mode
+
+    def correct(batch: TensorDictBase) -> tuple[TensorDictBase, dict]:
+        mask, engine = batch[K.RESPONSE_MASK], batch[K.OLD_LOGPROBS]
+        w = engine_importance_weights(trainer, engine, mask, mode=mode, clip_min=config.vllm_importance_sampling_clip_min,
+                                      clip_max=config.vllm_importance_sampling_clip_max)
+        diff = torch.nan_to_num(trainer - engine, nan=0.0).double()
+        rows = mask.any(-1)
+        per = w[:, :1][rows] if mode.startswith("sequence") else w[mask]  # a sequence's weight sits on each token
+        per = per.double() if per.numel() else torch.zeros(1, dtype=torch.float64)
+        log_rho = zero_outside(diff, mask)
+        k3 = zero_outside(torch.expm1(log_rho.clamp(max=50.0)) - log_rho, mask)
+        stats = {"sampling/sampling_logp_difference/mean": masked_mean(diff.abs(), mask),
+                 "sampling/sampling_logp_difference/max": zero_outside(diff.abs(), mask).max(),
+                 "sampling/importance_sampling_ratio/min": per.min(),
+                 "sampling/importance_sampling_ratio/mean": per.mean(),
+                 "sampling/importance_sampling_ratio/max": per.max(),
+                 "sampling/engine_kl": masked_mean(k3, mask)}
+        weighted = batch[K.ADVANTAGES] * w.to(batch[K.ADVANTAGES].dtype)
+        return batch.copy().update({K.ADVANTAGES: weighted, K.OLD_LOGPROBS: trainer}), stats
+    return correct
 
 
 def rollout_metrics(rollout: TensorDictBase) -> dict[str, torch.Tensor]:

@@ -300,6 +300,23 @@ class AggregationSettings(Section):
 
 # --- online recipes ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
+class EngineCorrectionSettings(Section):
+    """The policy-gradient recipes' correction for an engine with numerics of its own (``engine: vllm``;
+    ``loops.online.engine_correction``), TRL's ``vllm_importance_sampling_*``."""
+
+    vllm_importance_sampling_correction: bool = setting(
+        True, help="with engine vllm: the clipped ratio against the trainer's own log-probs and the surrogate "
+                   "weighted by the trainer's over the engine's probability of each sample")
+    vllm_importance_sampling_mode: str = setting(
+        "sequence_mask", help="token_truncate | token_mask | sequence_truncate | sequence_mask: per token or per "
+                              "sequence, the weight clamped or zeroed outside its bounds")
+    vllm_importance_sampling_clip_max: float | None = setting(3.0, help="C_max of the weight; None: no upper bound",
+                                                              range=POSITIVE)
+    vllm_importance_sampling_clip_min: float | None = setting(None, help="C_min of the weight; None: no lower bound",
+                                                              range=AT_LEAST_0)
+
+
+@dataclasses.dataclass(frozen=True)
 class ReferenceSettings(Section):
     """The frozen reference of a KL or a preference loss (``loops.recipe.build_reference``)."""
 

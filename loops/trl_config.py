@@ -685,15 +685,15 @@ GRPO: dict[str, Entry] = {
     "entropy_coef_delta": Ignore("read with use_adaptive_entropy only, which is off"),
     "entropy_target": Ignore("read with use_adaptive_entropy only, which is off"),
     "max_tool_calling_iterations": Default((None,), _NO_TOOLS),
-    "vllm_importance_sampling_correction": Ignore("no separate truncated importance weight: with engine: vllm the "
-                                                  "engine's own log-probs are the loss's old log-probs, so the "
-                                                  "clipped ratio is taken against them (loops.vllm_engine)"),
-    "vllm_importance_sampling_mode": Ignore("read with vllm_importance_sampling_correction"),
-    "vllm_importance_sampling_clip_max": Ignore("read with vllm_importance_sampling_correction"),
-    "vllm_importance_sampling_clip_min": Ignore("read with vllm_importance_sampling_correction"),
-    "vllm_importance_sampling_cap": Ignore("older name of vllm_importance_sampling_clip_max"),
+    "vllm_importance_sampling_correction": same("vllm_importance_sampling_correction", "with engine: vllm "
+                                                "(loops.online.engine_correction)"),
+    "vllm_importance_sampling_mode": same("vllm_importance_sampling_mode"),
+    "vllm_importance_sampling_clip_max": same("vllm_importance_sampling_clip_max"),
+    "vllm_importance_sampling_clip_min": same("vllm_importance_sampling_clip_min"),
+    "vllm_importance_sampling_cap": rename("vllm_importance_sampling_clip_max",
+                                           "older name of vllm_importance_sampling_clip_max"),
     "off_policy_mask_threshold": Default((None,), "off-policy sequence masking is not offered"),
-    "use_bias_correction_kl": Ignore("read with vLLM importance sampling only"),
+    "use_bias_correction_kl": Default((False,), "the KL term is not weighted by the engine's importance weight"),
     "log_completions_hub_repo": Default((None,), _NO_HUB),
 }
 

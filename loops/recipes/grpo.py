@@ -49,10 +49,11 @@ from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
 from rlcore.loops.filters import mask_truncated, refill_informative
 from rlcore.loops.models import pad_token_id
-from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_kl_name, rollout_metrics, sample,
-                                 score_samples, train_online, update_sizes, with_policy_logprobs)
-from rlcore.loops.settings import (POSITIVE, ClipSettings, GroupSettings, KLSettings, LossTypeSettings, Section,
-                                   setting)
+from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_engine_correction, check_kl_name,
+                                 engine_correction, rollout_metrics, sample, score_samples, train_online, update_sizes,
+                                 with_policy_logprobs)
+from rlcore.loops.settings import (POSITIVE, ClipSettings, EngineCorrectionSettings, GroupSettings, KLSettings,
+                                   LossTypeSettings, Section, setting)
 from rlcore.loops.state import TrainState
 from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 from rlcore.testing import make_rollout
@@ -86,8 +87,8 @@ class GRPOSettings(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(GRPOSettings, GroupSettings, ClipSettings, KLSettings, LossTypeSettings, OnlineConfig,
-             defaults={"num_samples": 8, "loss_type": "grpo", "run_dir": "runs/grpo"}):
+class Config(GRPOSettings, GroupSettings, ClipSettings, KLSettings, LossTypeSettings, EngineCorrectionSettings,
+             OnlineConfig, defaults={"num_samples": 8, "loss_type": "grpo", "run_dir": "runs/grpo"}):
     """GRPO recipe settings: ``OnlineConfig``'s sections, the loss (``loss_type``, clip range, β and
     the KL estimator), the group advantages and GRPO's own (``GRPOSettings``)."""
 
@@ -97,6 +98,7 @@ class Config(GRPOSettings, GroupSettings, ClipSettings, KLSettings, LossTypeSett
         prompt, where every group-relative advantage is 0)."""
         grpo_loss_fn(self)
         check_kl_name(self)
+        check_engine_correction(self)
         advantage_fn(self, inputs=ADVANTAGE_INPUTS, recipe="grpo")
         if self.num_samples == 1:  # (below 1: the range declared on the field)
             raise ValueError(f"num_samples: the {self.advantage!r} advantage compares the samples of one prompt, so "
@@ -172,7 +174,8 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn,
     """One GRPO step on a batch of prompts: :func:`collect_groups` → :func:`learn` (impure: trains)."""
     state, rollout, counts = collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
                                             refill=refill, reference=rollout_ref_logprobs(config))
-    state, metrics = learn(state, rollout, config)
+    # the trainer's log-probs as the clip's old policy, and the engine's numerics corrected (engine vllm)
+    state, metrics = learn(state, rollout, config, correction=engine_correction(state, rollout, config))
     return state, metrics.update(counts)
 
 

@@ -53,15 +53,15 @@ from rlcore.logprobs import entropy_from_logits, token_logprobs
 from rlcore.loops.collate import token_budget
 from rlcore.loops.dist import all_gather_moments, all_reduce_sum, dist_info
 from rlcore.loops.models import ValueHead, policy_and_values, token_values
-from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, rollout_metrics, sample, score_samples,
-                                 train_online, update_sizes, with_policy_logprobs)
+from rlcore.loops.online import (Correction, OnlineConfig, build_online_state, check_engine_correction, engine_correction,
+                                 rollout_metrics, sample, score_samples, train_online, update_sizes, with_policy_logprobs)
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.recipe import build_policy
 from rlcore.loops.config import autocast_dtype, try_loss
 from rlcore.loops.recipes.grpo import dummy_rollout
 from rlcore.loops.score import full_kl_from_models, sequences
-from rlcore.loops.settings import (AT_LEAST_0, POSITIVE, UNIT, ClipSettings, KLSettings, Section, check_clip_range,
-                                   setting)
+from rlcore.loops.settings import (AT_LEAST_0, POSITIVE, UNIT, ClipSettings, EngineCorrectionSettings, KLSettings, Section,
+                                   check_clip_range, setting)
 from rlcore.loops.state import TrainState, with_transforms
 from rlcore.loops.update import EARLY_STOP_CHECKS, chain, clip_by_global_norm, skip_nonfinite, stop_on, update
 from rlcore.masked import masked_whiten
@@ -103,7 +103,7 @@ class PPOSettings(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(PPOSettings, ClipSettings, KLSettings, OnlineConfig,
+class Config(PPOSettings, ClipSettings, KLSettings, EngineCorrectionSettings, OnlineConfig,
              defaults={"kl_coef": 0.2, "kl": "k1", "clip_eps_low": 0.2, "clip_eps_high": 0.2, "epochs": 4,
                        "run_dir": "runs/ppo"}):
     """PPO recipe settings: ``OnlineConfig``'s sections, the KL in the reward (``kl_coef``: the
@@ -114,6 +114,7 @@ class Config(PPOSettings, ClipSettings, KLSettings, OnlineConfig,
         or ``kl``)."""
         lookup(CRITICS, self.value_model, what="value_model")
         check_clip_range(self)
+        check_engine_correction(self)
         if self.kl not in ("full", *KL_ESTIMATORS, *KL_ALIASES):
             raise ValueError(f"kl: expected one of {[*KL_ESTIMATORS, *KL_ALIASES, 'full']}, got {self.kl!r}")
         kl_controller(self.kl_controller)
@@ -262,7 +263,7 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn)
     # score: reward_fn (+ reward_model) -> score, the reference's log-probs, the critic's values
     state, rollout = score_samples(state, rows, rollout, generation=c, rewards=c, tokenizer=tokenizer,
                                    reward_fn=reward_fn, total_steps=c.steps, reference=True)
-    return learn(state, rollout, c)
+    return learn(state, rollout, c, correction=engine_correction(state, rollout, c))
 
 
 def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,

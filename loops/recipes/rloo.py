@@ -36,9 +36,10 @@ from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
 from rlcore.loops.config import try_loss
 from rlcore.loops.filters import mask_truncated
-from rlcore.loops.online import Correction, OnlineConfig, advantage_fn, check_kl_name, rollout_metrics, train_online
+from rlcore.loops.online import (Correction, OnlineConfig, advantage_fn, check_engine_correction, check_kl_name,
+                                 engine_correction, rollout_metrics, train_online)
 from rlcore.loops.recipes.grpo import collect_groups, dummy_rollout, update_policy
-from rlcore.loops.settings import ClipSettings, GroupSettings, KLSettings, check_clip_range
+from rlcore.loops.settings import ClipSettings, EngineCorrectionSettings, GroupSettings, KLSettings, check_clip_range
 from rlcore.loops.state import TrainState
 from rlcore.kl import kl_estimate
 from rlcore.masked import masked_mean
@@ -52,7 +53,7 @@ ADVANTAGE_INPUTS: tuple[str, ...] = (K.SCORE, K.RESPONSE_MASK, K.REWARDS)
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(GroupSettings, ClipSettings, KLSettings, OnlineConfig,
+class Config(GroupSettings, ClipSettings, KLSettings, EngineCorrectionSettings, OnlineConfig,
              defaults={"num_samples": 2, "kl_coef": 0.05, "kl": "k1", "clip_eps_low": 0.2, "clip_eps_high": 0.2,
                        "advantage": "rloo", "run_dir": "runs/rloo"}):
     """RLOO recipe settings: ``OnlineConfig``'s sections, the k1 KL folded into the reward, the
@@ -67,6 +68,7 @@ class Config(GroupSettings, ClipSettings, KLSettings, OnlineConfig,
                              f"got {self.num_samples}")
         check_kl_name(self)
         check_clip_range(self)
+        check_engine_correction(self)
         advantage_fn(self, inputs=ADVANTAGE_INPUTS, recipe="rloo")
 
     def keyword_functions(self) -> dict[str, Callable]:
@@ -134,5 +136,5 @@ def step(state: TrainState, rows: dict, *, config: Config, tokenizer, reward_fn,
     (``loops.recipes.grpo.collect_groups``), then :func:`learn` (impure: trains)."""
     state, rollout, counts = collect_groups(state, rows, config=config, tokenizer=tokenizer, reward_fn=reward_fn,
                                             refill=refill, reference=True)
-    state, metrics = learn(state, rollout, config)
+    state, metrics = learn(state, rollout, config, correction=engine_correction(state, rollout, config))
     return state, metrics.update(counts)

@@ -277,6 +277,10 @@ def test_grpo_with_the_vllm_engine_raises_the_reward():
     assert state.step == 12
     first, last = (sum(h["rollout/score"] for h in part) / 3 for part in (history[:3], history[-3:]))
     assert last > first + 0.1, [h["rollout/score"] for h in history]
+    # TRL's correction is on by default: the engine's numerics against the trainer's, each step
+    for h in history:
+        assert 0 <= h["sampling/engine_kl"] < 1e-3 and h["sampling/sampling_logp_difference/max"] < 5e-2, h
+        assert h["sampling/importance_sampling_ratio/min"] > 0.5 and h["sampling/importance_sampling_ratio/max"] < 2
 
 
 @needs_vllm
