@@ -35,7 +35,7 @@ from rlcore.loops.tools import TOOL_CALL_FORMATS
 from rlcore.loops.reward_fns import NONFINITE_REWARDS
 from rlcore.loops.logging import check_trackers
 from rlcore.loops.settings import (AT_LEAST_0, DataSettings, LanguageModelSettings, ModelSettings, OptimSettings, Rule,
-                                   RunSettings, field_rule, is_divisor)
+                                   RunSettings, ShardingSettings, field_rule, is_divisor)
 from rlcore.loops.trl_config import TABLES as TRL_TABLES, Accept
 from rlcore.loops.trl_config import translate as translate_trl_names
 
@@ -83,7 +83,7 @@ def coerce_tuples(config: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig(OptimSettings, DataSettings, LanguageModelSettings, ModelSettings, RunSettings):
+class RunConfig(OptimSettings, DataSettings, ShardingSettings, LanguageModelSettings, ModelSettings, RunSettings):
     """The sections every language-model recipe shares (``loops.settings``): the model and how it is
     loaded, the data, the optimiser and the run. A recipe's ``Config`` adds its algorithm's sections
     and gives inherited fields other defaults with ``defaults=`` (never a second declaration)."""
@@ -455,6 +455,29 @@ def _agent_faults(config: Any) -> list[str]:
     return faults
 
 
+SHARDING_STRATEGIES = ("none", "fsdp2")
+
+
+def _sharding_faults(config: Any) -> list[str]:
+    """An unknown ``strategy``, and what ``fsdp2`` does not shard yet: LoRA adapters, the vLLM engine
+    (it needs the whole weights on one rank) and the ReFT recipes (their interventions wrap the model)."""
+    strategy = getattr(config, "strategy", "none")
+    if strategy not in SHARDING_STRATEGIES:
+        return [f"strategy: expected one of {list(SHARDING_STRATEGIES)}, got {strategy!r}"]
+    if strategy != "fsdp2":
+        return []
+    faults = []
+    if getattr(config, "use_peft", False):
+        faults.append("strategy: fsdp2 shards full-parameter training; LoRA (use_peft) runs with strategy: none")
+    if getattr(config, "engine", None) == "vllm":
+        faults.append("strategy: fsdp2 with engine: vllm is not offered (the engine loads the whole weights); use "
+                      "engine: loop or hf")
+    if any(f.name == "share_weights" for f in dataclasses.fields(config)):  # ReftFields
+        faults.append("strategy: the ReFT recipes train interventions on a frozen model; run them with strategy: "
+                      "none")
+    return faults
+
+
 def try_loss(loss: Callable[[Any], Any], batch: Any, *, fields: Mapping[str, str], where: str) -> None:
     """Run a recipe's bound loss (its settings bound) once on a tiny dummy ``batch``, so the loss's
     own argument checks (robust DPO's ``ε < 0.5``, a surrogate's temperatures...) refuse a setting
@@ -529,6 +552,7 @@ def check_config(config: Any) -> Any:
         faults.append(f"run_dir: {fault} (a run writes its checkpoints and metrics.jsonl into a folder); pick "
                       "another run_dir")
     faults += _agent_faults(config)
+    faults += _sharding_faults(config)
     if getattr(config, "engine_options", None) and getattr(config, "engine", None) != "vllm":
         faults.append(f"engine_options: only for engine='vllm', got engine={config.engine!r}")
     every = getattr(config, "eval_every", None)

@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from rlcore import keys as K
 from rlcore.checks import check_mask, lookup
 from rlcore.logprobs import token_logprobs
+from rlcore.loops.dist import is_fsdp2
 from rlcore.loops.models import cache_keyword, model_device, position_ids_from_mask
 
 __all__ = ["BEHAVIOUR_LOGPROBS", "multinomial_sample", "gumbel_max_sample", "inverse_cdf_sample", "SAMPLERS",
@@ -226,7 +227,8 @@ def _decode_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
     peft_config = getattr(model, "active_peft_config", None)
     if callable(getattr(model, "get_base_model", None)) and not getattr(peft_config, "is_prompt_learning", True):
         inner = model.get_base_model()
-    head = inner.get_output_embeddings() if type(inner).__name__ in _PLAIN_HEADS else None
+    plain = type(inner).__name__ in _PLAIN_HEADS and not is_fsdp2(inner)  # FSDP2: the root's forward gathers
+    head = inner.get_output_embeddings() if plain else None
     if type(head) is not nn.Linear or head.bias is not None:
         keyword = cache_keyword(model)
         return lambda ids, attention, position, cache: model(

@@ -32,6 +32,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast)
 
 from rlcore.checks import check_mask, check_ndim, lookup
+from rlcore.loops.dist import is_fsdp2
 
 __all__ = ["build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS", "CHAT_TEMPLATE", "build_model",
            "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS", "disable_dropout",
@@ -580,9 +581,28 @@ def trunk_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
         attention_mask = attention_mask.long()
+    if is_fsdp2(model):
+        return _hidden_through_root(model, input_ids, attention_mask, position_ids)
     out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False)
     return out.last_hidden_state
+
+
+def _hidden_through_root(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                         position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The trunk's last hidden states of an FSDP2 model, read by a hook while the model's own forward
+    runs: its root gathers the parameters outside the blocks (embeddings, final norm, a tied head)
+    and arms their gradient reduction, which calling the trunk alone would skip. The head computes
+    one position's logits at most (``logits_to_keep=1``), which are dropped; the root's parameters
+    stay gathered after the forward, so the head's weight can be read for the chunked log-probs."""
+    seen: list[torch.Tensor] = []
+    hook = _decoder(model).register_forward_hook(lambda module, args, out: seen.append(out.last_hidden_state))
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra)
+    finally:
+        hook.remove()
+    return seen[-1]
 
 
 class ValueHead(nn.Module):

@@ -62,7 +62,7 @@ from rlcore.loops.collect import draw_seed
 from rlcore.loops.data import row_origin
 from rlcore.loops.envs import EnvFactory, resolve_env
 from rlcore.loops.episodes import sample_episodes
-from rlcore.loops.config import RunConfig, loading_kwargs
+from rlcore.loops.config import RunConfig, autocast_dtype, loading_kwargs
 from rlcore.loops.settings import (AgentSettings, GenerationSettings, PackingSettings, ReferenceSettings,
                                    RewardSettings, RolloutSettings)
 from rlcore.loops.filters import exclude_unscored, prompt_refill
@@ -446,9 +446,14 @@ def with_policy_logprobs(model: nn.Module, batch: TensorDictBase, *, temperature
 
 
 def check_engine_correction(config: Any) -> None:
-    """Refuse, at load, a ``vllm_importance_sampling_mode`` not in ``ENGINE_IS_MODES`` or bounds with
-    ``clip_min ≥ clip_max`` (the fields of ``EngineCorrectionSettings``)."""
+    """Refuse, at load, a ``vllm_importance_sampling_mode`` not in ``ENGINE_IS_MODES``, bounds with
+    ``clip_min ≥ clip_max`` (the fields of ``EngineCorrectionSettings``), and the correction on with
+    VESPO on the vLLM engine (TRL folds it into VESPO's weights instead)."""
     lookup(dict.fromkeys(ENGINE_IS_MODES), config.vllm_importance_sampling_mode, what="vllm_importance_sampling_mode")
+    if (config.engine == "vllm" and config.vllm_importance_sampling_correction
+            and getattr(config, "loss_type", None) == "vespo"):
+        raise ValueError("vllm_importance_sampling_correction: VESPO takes the engine's ratio inside its gamma weights, "
+                         "which is not offered; with loss_type vespo and engine vllm set it false")
     low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
     if low is not None and high is not None and not low < high:
         raise ValueError(f"vllm_importance_sampling_clip_min: expected below vllm_importance_sampling_clip_max "
@@ -460,8 +465,9 @@ def engine_correction(state: TrainState, rollout: TensorDictBase, config: Any) -
     vllm``), as TRL's ``vllm_importance_sampling_correction``; ``None`` for the other engines or
     with the correction off.
 
-    The trainer's log-probs ``π_t`` of the rollout's responses (one no-grad forward of the policy
-    before the update) become the loss's ``old_logprobs``, so its clipped ratio is taken against the
+    The trainer's log-probs ``π_t`` of the rollout's responses (no-grad forwards of the policy before
+    the update, ``forward_batch_size`` rows each, under the update's autocast and ``padding_free``, so
+    an unchanged policy's first ratio is 1) become the loss's ``old_logprobs``, so its clipped ratio is taken against the
     trainer's own policy, and the advantages are weighted by ``w =
     algorithms.ratios.engine_importance_weights(π_t, π_engine)`` (the engine's log-probs are the
     rollout's ``old_logprobs``; ``w ≥ 0`` scales the surrogate as it scales ``A``) with the config's
@@ -469,30 +475,36 @@ def engine_correction(state: TrainState, rollout: TensorDictBase, config: Any) -
     ``sampling/sampling_logp_difference/mean|max`` (``|log π_t − log π_e|`` over tokens),
     ``sampling/importance_sampling_ratio/min|mean|max`` (over tokens, or sequences in the
     ``sequence_*`` modes), and ``sampling/engine_kl``: ``mean_t[(ρ − 1) − log ρ]``, ``ρ = π_t/π_e``,
-    the k3 estimate of KL(π_e ‖ π_t) per token.
+    the k3 estimate of KL(π_e ‖ π_t) per token; the log-prob statistics leave out tokens the engine
+    could not score (NaN; their weight is 1).
     """
     if config.engine != "vllm" or not getattr(config, "vllm_importance_sampling_correction", False):
         return None
-    with torch.no_grad():
-        trainer = with_policy_logprobs(state.model("policy"), rollout, temperature=config.temperature)[K.LOGPROBS]
+    policy, n = state.model("policy"), rollout.batch_size[0]
+    rows, dtype = config.forward_batch_size or n, autocast_dtype(config)
+    device_type = next(policy.parameters()).device.type
+    with torch.no_grad(), torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        trainer = torch.cat([with_policy_logprobs(policy, rollout[i:i + rows], temperature=config.temperature,
+                                                  packed=config.padding_free)[K.LOGPROBS] for i in range(0, n, rows)])
     mode = config.vllm_importance_sampling_mode
 
     def correct(batch: TensorDictBase) -> tuple[TensorDictBase, dict]:
         mask, engine = batch[K.RESPONSE_MASK], batch[K.OLD_LOGPROBS]
         w = engine_importance_weights(trainer, engine, mask, mode=mode, clip_min=config.vllm_importance_sampling_clip_min,
                                       clip_max=config.vllm_importance_sampling_clip_max)
+        scored = mask & ~torch.isnan(engine)  # a token the engine could not score is no evidence of divergence
         diff = torch.nan_to_num(trainer - engine, nan=0.0).double()
-        rows = mask.any(-1)
-        per = w[:, :1][rows] if mode.startswith("sequence") else w[mask]  # a sequence's weight sits on each token
+        present = mask.any(-1)
+        per = w[:, :1][present] if mode.startswith("sequence") else w[mask]  # a sequence's weight sits on each token
         per = per.double() if per.numel() else torch.zeros(1, dtype=torch.float64)
-        log_rho = zero_outside(diff, mask)
-        k3 = zero_outside(torch.expm1(log_rho.clamp(max=50.0)) - log_rho, mask)
-        stats = {"sampling/sampling_logp_difference/mean": masked_mean(diff.abs(), mask),
-                 "sampling/sampling_logp_difference/max": zero_outside(diff.abs(), mask).max(),
+        log_rho = zero_outside(diff, scored)
+        k3 = zero_outside(torch.expm1(log_rho.clamp(max=50.0)) - log_rho, scored)
+        stats = {"sampling/sampling_logp_difference/mean": masked_mean(diff.abs(), scored),
+                 "sampling/sampling_logp_difference/max": zero_outside(diff.abs(), scored).max(),
                  "sampling/importance_sampling_ratio/min": per.min(),
                  "sampling/importance_sampling_ratio/mean": per.mean(),
                  "sampling/importance_sampling_ratio/max": per.max(),
-                 "sampling/engine_kl": masked_mean(k3, mask)}
+                 "sampling/engine_kl": masked_mean(k3, scored)}
         weighted = batch[K.ADVANTAGES] * w.to(batch[K.ADVANTAGES].dtype)
         return batch.copy().update({K.ADVANTAGES: weighted, K.OLD_LOGPROBS: trainer}), stats
     return correct

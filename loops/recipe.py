@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from datasets import Dataset
 from torch import nn
+from transformers import PreTrainedModel
 
 from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, verify_checkpoint
 from rlcore.loops.run_dir import check_resume, open_run_dir
@@ -46,7 +47,7 @@ from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, re
 from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
-from rlcore.loops.dist import is_main, shard_source
+from rlcore.loops.dist import dist_info, is_main, shard_source, wrap_model
 from rlcore.loops.settings import field_rule
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.trl_defaults import report_defaults
@@ -54,7 +55,7 @@ from rlcore.loops.update import enable_gradient_checkpointing, make_optimizer, m
 from rlcore.seeding import set_seed
 
 __all__ = ["build_reference", "build_policy", "check_tiny_fits", "policy_tokenizer", "checkpoint_model_dir",
-           "init_train_state",
+           "shard_models", "init_train_state",
            "load_splits", "holds_out", "require_held_out", "batch_source", "mean_metrics", "run"]
 
 
@@ -346,14 +347,42 @@ def check_tiny_fits(config: Any, model_dir: Path, task: str) -> None:
     check_weights_fit(model, shapes, model_dir, new_head=saved is not None and saved != task)
 
 
+def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.Module]:
+    """The models as the config's ``strategy`` places them on the ranks of a ``torchrun`` job.
+
+    ``none`` (and any run in one process): as they are, every rank holding each model whole
+    (``update`` sums the gradients). ``fsdp2``: each Hugging Face model (policy, reference, critic,
+    reward model) goes through ``loops.dist.wrap_model(strategy="fsdp2")``: ``fully_shard`` on each
+    block and on the root, ``reshard_after_forward=fsdp_reshard_after_forward`` and, with
+    ``fsdp_cpu_offload``, torch's ``CPUOffloadPolicy``. The shards of a frozen model carry no
+    optimiser state. A model shared under two names (the ReFT recipes' policy and reference) is
+    sharded once; small heads of no Hugging Face class (PPO's shared ``ValueHead``) stay whole.
+    Call before the optimiser is made: sharding replaces the parameters.
+    """
+    if getattr(config, "strategy", "none") != "fsdp2" or not dist_info().distributed:
+        return dict(models)
+    kwargs: dict[str, Any] = {"reshard_after_forward": config.fsdp_reshard_after_forward}
+    if config.fsdp_cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    done: dict[int, nn.Module] = {}
+    for model in models.values():
+        if id(model) not in done:
+            whole = not isinstance(model, PreTrainedModel)
+            done[id(model)] = model if whole else wrap_model(model, strategy="fsdp2", **kwargs)
+    return {name: done[id(model)] for name, model in models.items()}
+
+
 def init_train_state(models: Mapping[str, nn.Module], config: Any, *, trainable: Sequence[str] = ("policy",),
                      total_steps: int | None = None) -> TrainState:
-    """A fresh ``TrainState``: AdamW (``lr``, ``weight_decay``) over the trainable models and a
-    warm-up + ``schedule`` learning-rate scheduler over ``total_steps`` optimiser steps
-    (default ``config.steps``); the loop generator (on the CPU) seeded with ``config.seed``.
+    """A fresh ``TrainState``: the models placed on the ranks (:func:`shard_models`), AdamW (``lr``,
+    ``weight_decay``) over the trainable models and a warm-up + ``schedule`` learning-rate scheduler
+    over ``total_steps`` optimiser steps (default ``config.steps``); the loop generator (on the CPU)
+    seeded with ``config.seed``.
 
     Models not in ``trainable`` (a frozen reference) are stored as they are.
     """
+    models = shard_models(models, config)
     optimizer = make_optimizer({n: models[n] for n in trainable}, lr=config.lr,
                                weight_decay=config.weight_decay)
     scheduler = make_scheduler(optimizer, total_steps=total_steps or config.steps,

@@ -123,6 +123,13 @@ def same(field: str, note: str = "the same field and meaning", tp: Any = None,
     return Accept((field,), _to(field, tp, fn), note)
 
 
+def _unless_none(field: str) -> Callable[[Any, Context], dict[str, Any]]:
+    """``{field: value}``, or nothing for ``None`` (TRL's way of leaving an older alias unset)."""
+    def convert(value: Any, ctx: Context) -> dict[str, Any]:
+        return {} if value is None else {field: value}
+    return convert
+
+
 def _none_if(*values: Any) -> Callable[[Any], Any]:
     return lambda v: None if v in values else v
 
@@ -690,8 +697,8 @@ GRPO: dict[str, Entry] = {
     "vllm_importance_sampling_mode": same("vllm_importance_sampling_mode"),
     "vllm_importance_sampling_clip_max": same("vllm_importance_sampling_clip_max"),
     "vllm_importance_sampling_clip_min": same("vllm_importance_sampling_clip_min"),
-    "vllm_importance_sampling_cap": rename("vllm_importance_sampling_clip_max",
-                                           "older name of vllm_importance_sampling_clip_max"),
+    "vllm_importance_sampling_cap": Accept(("vllm_importance_sampling_clip_max",), _unless_none(
+        "vllm_importance_sampling_clip_max"), "older name of vllm_importance_sampling_clip_max (null: unset)"),
     "off_policy_mask_threshold": Default((None,), "off-policy sequence masking is not offered"),
     "use_bias_correction_kl": Default((False,), "the KL term is not weighted by the engine's importance weight"),
     "log_completions_hub_repo": Default((None,), _NO_HUB),

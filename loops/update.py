@@ -65,7 +65,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from rlcore.checks import NonFiniteError, check_mask
-from rlcore.loops.dist.sync import GradSync, accumulation_context, grad_sync, reduce_gradients, total_grad_norm
+from rlcore.loops.dist.sync import (GradSync, accumulation_context, grad_sync, is_dtensor, reduce_gradients,
+                                    total_grad_norm)
 from rlcore.loops.dist import agree, all_reduce_sum
 from rlcore.loops.state import TrainState, copy_generator
 
@@ -337,7 +338,10 @@ class _ClipByGlobalNorm:
     max_norm: float
 
     def __call__(self, step: GradStep) -> str | None:
-        torch.nn.utils.clip_grads_with_norm_(step.params, self.max_norm, step.grad_norm)
+        sharded = [p for p in step.params if is_dtensor(p)]  # FSDP2 shards beside whole parameters (a head):
+        for group in (sharded, [p for p in step.params if not is_dtensor(p)]):  # torch's foreach ops take one kind
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, self.max_norm, step.grad_norm)
         return None
 
 
@@ -425,8 +429,10 @@ def token_micro_batches(tokens: torch.Tensor, *, budget: int, max_rows: int) -> 
 
     Rows are taken in order; a micro-batch closes when the next row would take its tokens past
     ``budget`` or its rows past ``max_rows``. A row of more than ``budget`` tokens is a micro-batch
-    of its own. The partition does not change the step's gradient (the losses' denominators are
-    the minibatch's), only how much one forward holds.
+    of its own. For a loss normalised by the minibatch's denominators (``num_tokens`` /
+    ``num_seqs``) or a mean over rows, the partition changes how much one forward holds, not the
+    step's gradient; a loss normalised per micro-batch (``agg="local_token_mean"``: BNPO, TRL's
+    per-device mean) changes with any partition, as it does with ``micro_batch_size``.
 
     Args:
         tokens: ``[n]`` the tokens each row costs a forward (real tokens when packed, the padded

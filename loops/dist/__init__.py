@@ -314,7 +314,9 @@ def _fsdp2(model: nn.Module, *, blocks: Sequence[type | str] | None = None, **kw
     for module in list(model.modules())[1:]:
         if isinstance(module, wanted) or type(module).__name__ in wanted_names:
             fully_shard(module, **kwargs)
-    return cast(nn.Module, fully_shard(model, **kwargs))
+    # the root's parameters (embeddings, final norm, head) stay gathered after its forward: the chunked
+    # log-prob path reads the head's weight after the forward, and the backward needs them at once
+    return cast(nn.Module, fully_shard(model, **{**kwargs, "reshard_after_forward": False}))
 
 
 STRATEGIES: dict[str, Callable[..., nn.Module]] = {
@@ -333,7 +335,8 @@ def wrap_model(model: nn.Module, *, strategy: str | None = "ddp", **kwargs: Any)
       loss must call the wrapper's ``forward``;
     - ``"fsdp2"``: ``fully_shard`` on each block (``blocks=``: classes or class names; default the
       Hugging Face ``_no_split_modules``) and on the root, ``**kwargs`` passed to ``fully_shard``
-      (``mp_policy``, ``reshard_after_forward``...); the model is changed in place and returned.
+      (``mp_policy``, ``reshard_after_forward``...; the root keeps its parameters gathered after its
+      forward, as FSDP2's own default for a root does); the model is changed in place and returned.
 
     In one process every strategy returns ``model`` unchanged. Build the optimiser *after*
     wrapping (FSDP2 replaces the parameters by sharded ones).

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rlcore.loops.dist import all_reduce_sum, dist_info, is_fsdp2, reduces_own_gradients
 
-__all__ = ["GradSync", "grad_sync", "accumulation_context", "reduce_gradients", "total_grad_norm", "full_weights",
+__all__ = ["GradSync", "grad_sync", "is_dtensor", "accumulation_context", "reduce_gradients", "total_grad_norm", "full_weights",
            "drop_tied", "load_full_weights", "full_optimizer_state", "shard_optimizer_state", "all_ranks_ok"]
 
 _BUCKET = 1 << 25  # elements per flat all-reduce bucket (a 128 MiB float32 buffer)
@@ -57,6 +57,15 @@ class GradSync:
     lockstep: bool
 
 
+def is_dtensor(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a ``DTensor`` (an FSDP2 shard)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older PyTorch
+        return False
+    return isinstance(p, DTensor)
+
+
 def grad_sync(models: Iterable[nn.Module], params: Sequence[torch.Tensor]) -> GradSync | None:
     """The ``GradSync`` of a step over ``params`` with ``models``; ``None`` in one process."""
     info = dist_info()
@@ -65,7 +74,8 @@ def grad_sync(models: Iterable[nn.Module], params: Sequence[torch.Tensor]) -> Gr
     trained = {id(p) for p in params}
     wrapped = tuple(m for m in models if reduces_own_gradients(m) and any(id(p) in trained for p in m.parameters()))
     owned = {id(p) for m in wrapped for p in m.parameters()}
-    manual = tuple(p for p in params if id(p) not in owned)
+    # an FSDP2 root gathered after its forward shows its unsharded parameters: its optimiser's are DTensors
+    manual = tuple(p for p in params if id(p) not in owned and not is_dtensor(p))
     return GradSync(world_size=info.world_size, device=info.device, wrapped=wrapped, manual=manual,
                     loss_scale=float(info.world_size) if wrapped else 1.0, lockstep=any(map(is_fsdp2, wrapped)))
 

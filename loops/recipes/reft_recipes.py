@@ -54,11 +54,15 @@ __all__ = ["ReftGrpoConfig", "ReftRlooConfig", "ReftDpoConfig", "ReftRewardConfi
 
 # --- configs -----------------------------------------------------------------------------------
 def single_turn(config: grpo.Config | rloo.Config) -> None:
-    """Refuse an environment for a ReFT policy: its interventions sit at positions of the prompt, which
-    a multi-turn episode's growing context would move from turn to turn."""
+    """Refuse an environment for a ReFT policy (its interventions sit at positions of the prompt, which
+    a multi-turn episode's growing context would move from turn to turn) and the vLLM engine (it
+    samples from the plain weights, without the interventions)."""
     if config.env is not None or config.tools:
         raise ValueError("env: a ReFT policy intervenes at its prompt's positions, which the growing context of a "
                          "multi-turn episode moves; the ReFT recipes train on single turns (unset env and tools)")
+    if config.engine == "vllm":
+        raise ValueError("engine: vLLM samples from the model's plain weights, without the ReFT interventions; use "
+                         "engine loop or hf")
 
 
 def padded(config: Any) -> None:

@@ -97,3 +97,55 @@ def test_the_step_correction_takes_the_clip_against_the_trainer_and_weights_the_
         stats["sampling/importance_sampling_ratio/max"])
     off = dataclasses.replace(vllm, vllm_importance_sampling_correction=False)
     assert engine_correction(state, engine_rollout, off) is None
+
+
+def _engine_rollout(config, noise=0.05):
+    """A rollout sampled by the loop engine, its behaviour log-probs shifted as another engine's would be."""
+    config = dataclasses.replace(config, engine="loop")
+    state, tokenizer = grpo.build_state(config)
+    rows = {"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}
+    _, rollout = collect_rollout(state, rows, config=config, tokenizer=tokenizer, reward_fn=lambda **kw: [1.0] * 4)
+    shift = noise * torch.randn(rollout[K.OLD_LOGPROBS].shape, generator=torch.Generator().manual_seed(0))
+    return state, rollout.copy().update({K.OLD_LOGPROBS: rollout[K.OLD_LOGPROBS] + shift})
+
+
+def test_under_bf16_the_clip_starts_at_a_ratio_of_one():
+    """The trainer's log-probs are taken as the loss takes them (autocast, padding-free), so an
+    unchanged policy's first ratio is exactly 1."""
+    config = grpo.Config(**TINY, num_samples=2, batch_size=2, mixed_precision="bf16", padding_free=True,
+                         engine="vllm", forward_batch_size=3)
+    state, rollout = _engine_rollout(config)
+    batch, _ = engine_correction(state, rollout, config)(rollout.copy().update(
+        {K.ADVANTAGES: torch.ones(rollout[K.RESPONSE_MASK].shape)}))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = with_policy_logprobs(state.model("policy"), batch, packed=True)[K.LOGPROBS]
+    mask = batch[K.RESPONSE_MASK]
+    torch.testing.assert_close(lp[mask], batch[K.OLD_LOGPROBS][mask], rtol=0, atol=0)
+
+
+def test_tokens_the_engine_could_not_score_leave_the_statistics():
+    config = grpo.Config(**TINY, num_samples=2, batch_size=2, engine="vllm")
+    state, rollout = _engine_rollout(config, noise=0.0)
+    with torch.no_grad():
+        trainer = with_policy_logprobs(state.model("policy"), rollout)[K.LOGPROBS]
+    mask = rollout[K.RESPONSE_MASK]
+    engine = torch.where(mask, trainer - 0.1, trainer)
+    first = mask.nonzero()[0]
+    engine[first[0], first[1]] = float("nan")
+    rollout = rollout.copy().update({K.OLD_LOGPROBS: engine, K.ADVANTAGES: torch.ones(mask.shape)})
+    _, stats = engine_correction(state, rollout, config)(rollout)
+    assert float(stats["sampling/sampling_logp_difference/mean"]) == pytest.approx(0.1, rel=1e-5)
+    assert float(stats["sampling/engine_kl"]) == pytest.approx(math.exp(0.1) - 1 - 0.1, rel=1e-4)
+
+
+def test_what_the_correction_does_not_cover_is_refused():
+    from rlcore.loops.recipes.reft_recipes import ReftGrpoConfig
+
+    with pytest.raises(ValueError, match="VESPO takes the engine's ratio inside its gamma weights"):
+        grpo.Config(engine="vllm", loss_type="vespo")
+    grpo.Config(engine="vllm", loss_type="vespo", vllm_importance_sampling_correction=False)
+    with pytest.raises(ValueError, match="engine: vLLM samples from the model's plain weights"):
+        ReftGrpoConfig(engine="vllm")
+    # TRL's null cap leaves the bound as it is
+    config = load_config(grpo.Config, overrides={"vllm_importance_sampling_cap": None, "run_dir": None})
+    assert config.vllm_importance_sampling_clip_max == 3.0

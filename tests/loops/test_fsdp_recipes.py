@@ -1,0 +1,132 @@
+"""Every language-model recipe sharded with FSDP2 (``strategy: fsdp2``) on two gloo ranks trains as
+with every rank holding the whole model (``strategy: none``): the same losses and the same
+parameters after two steps, within float tolerance (sharded reductions sum in another order).
+
+One module-scoped fixture spawns the two ranks once (``rlcore.loops.dist.spawn``); each rank runs
+every recipe both ways and writes its gathered parameters and histories.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlcore.loops.config import ConfigError, load_config
+from rlcore.loops.dist import dist_info, is_fsdp2, spawn
+from rlcore.loops.recipes import dpo, grpo, online_dpo, ppo, reward, rloo, sft
+
+TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_train=32, num_eval=8, steps=2, eval_every=2, run_dir=None,
+            seed=1)
+ONLINE = dict(TINY, num_samples=2, batch_size=4, max_new_tokens=6)
+OFFLINE = dict(TINY, batch_size=8, max_length=24)
+RUNS = {
+    "sft": (sft, OFFLINE),
+    "dpo": (dpo, OFFLINE),
+    "reward": (reward, OFFLINE),
+    "grpo": (grpo, ONLINE),
+    "rloo": (rloo, ONLINE),
+    "ppo_separate": (ppo, dict(ONLINE, value_model="separate")),
+    "ppo_shared": (ppo, ONLINE),
+    "online_dpo": (online_dpo, ONLINE),
+    "grpo_packed": (grpo, dict(ONLINE, padding_free=True, max_tokens_per_micro_batch=64)),
+}
+TOL = dict(rtol=1e-4, atol=1e-5)
+ONLINE_RECIPES = (grpo, rloo, ppo, online_dpo)
+
+
+def length_reward(prompts, completions, **_):
+    """Responses of unequal lengths score apart, so every online recipe has a gradient to take."""
+    return [float(len(c)) for c in completions]
+
+
+def train(recipe, settings, **overrides):
+    kwargs = {"reward_fn": length_reward} if recipe in ONLINE_RECIPES else {}
+    return recipe.train(recipe.Config(**settings, **overrides), **kwargs)
+
+
+def _gathered(model):
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _worker(out_dir):
+    rank = dist_info().rank
+    torch.set_num_threads(1)
+    out, tensors = {}, {}
+    for name, (recipe, settings) in RUNS.items():
+        for strategy in ("none", "fsdp2"):
+            state, history = train(recipe, settings, strategy=strategy)
+            policy = state.model("policy")
+            out[f"{name}/{strategy}"] = {"history": history, "sharded": is_fsdp2(policy)}
+            for key, value in _gathered(policy).items():
+                tensors[f"{name}/{strategy}/{key}"] = value.contiguous()
+        start = _gathered(recipe.build_state(recipe.Config(**settings))[0].model("policy")) if hasattr(
+            recipe, "build_state") else None
+        out[f"{name}/moved"] = start is None or any(
+            not torch.equal(start[k], tensors[f"{name}/none/{k}"]) for k in start)
+    # a sharded run's checkpoint: written whole by rank 0, loadable in one process
+    state, _ = train(dpo, dict(OFFLINE, run_dir=str(Path(out_dir) / "dpo-run"), save_every=2), strategy="fsdp2")
+    for key, value in _gathered(state.model("policy")).items():
+        tensors[f"checkpointed/{key}"] = value.contiguous()
+    save_file(tensors, str(Path(out_dir) / f"rank{rank}.safetensors"))
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    spawn(_worker, 2, str(out), backend="gloo", start_method="forkserver", preload=("rlcore.loops",))
+    return [(json.loads((out / f"rank{r}.json").read_text()), load_file(str(out / f"rank{r}.safetensors")))
+            for r in range(2)], out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_sharded_recipe_trains_as_the_replicated_one(ranks, name):
+    ranks = ranks[0]
+    for info, tensors in ranks:
+        assert info[f"{name}/fsdp2"]["sharded"] and not info[f"{name}/none"]["sharded"]
+        assert info[f"{name}/moved"]  # the steps trained
+        whole = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/none/")}
+        sharded = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/fsdp2/")}
+        assert whole.keys() == sharded.keys() and whole
+        for key in whole:
+            torch.testing.assert_close(sharded[key], whole[key], **TOL, msg=key)
+        for row, other in zip(info[f"{name}/none"]["history"], info[f"{name}/fsdp2"]["history"]):
+            assert row.keys() == other.keys()
+            for k in row:
+                assert other[k] == pytest.approx(row[k], rel=1e-4, abs=1e-5), k
+    (_, t0), (_, t1) = ranks
+    for key in t0:  # the ranks end with the same (gathered) parameters
+        if key.startswith(f"{name}/"):
+            assert torch.equal(t0[key], t1[key]), key
+
+
+@pytest.mark.slow
+def test_a_sharded_runs_checkpoint_loads_in_one_process(ranks):
+    from rlcore.loops.checkpoint import latest_checkpoint, load_checkpoint
+
+    (_, tensors), out = ranks[0][0], ranks[1]
+    path = latest_checkpoint(out / "dpo-run")
+    state = load_checkpoint(path, dpo._setup(dpo.Config(**OFFLINE))[0])
+    for key, value in _gathered(state.model("policy")).items():
+        torch.testing.assert_close(value, tensors[f"checkpointed/{key}"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"strategy": "zero3"}, r"strategy: expected one of \['none', 'fsdp2'\], got 'zero3'"),
+    ({"strategy": "fsdp2", "use_peft": True}, "strategy: fsdp2 shards full-parameter training"),
+    ({"strategy": "fsdp2", "engine": "vllm"}, "strategy: fsdp2 with engine: vllm is not offered"),
+])
+def test_what_fsdp2_does_not_shard_is_refused_at_load(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(grpo.Config, overrides={**overrides, "run_dir": None})
+
+
+def test_in_one_process_fsdp2_changes_nothing():
+    state, history = train(grpo, ONLINE, strategy="fsdp2")
+    same, same_history = train(grpo, ONLINE)
+    assert not is_fsdp2(state.model("policy"))
+    assert history == same_history
