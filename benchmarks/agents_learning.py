@@ -1,6 +1,6 @@
 """Does GRPO learn to use a calculator? Held-out exact match on `add` and `mul` from one SFT start.
 
-    python benchmarks/agents_learning.py [--tasks add mul] [--seeds 0 1 2] [--steps 40] [--workers 2]
+    python benchmarks/agents_learning.py [--tasks add mul] [--seeds 0 1 2] [--steps 160] [--workers 2]
                                          [--out runs/agents-learning] [--tiny]
 
 For each task and seed (a job, one CPU thread each; results in ``OUT/<task>-<seed>.json``):
@@ -100,8 +100,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=["add", "mul"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--sft_steps", type=int, default=800)
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--sft_steps", type=int, default=1200)
     parser.add_argument("--demo_fraction", type=float, default=0.5)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/agents-learning"))
