@@ -14,7 +14,7 @@ over the whole batch:
 
 Implementations, the same rows and loss:
 
-- ``rlcore``: ``padding_free`` with ``max_tokens_per_micro_batch`` = 2,048 (GRPO) or 4,096 (DPO):
+- ``rlcore``: ``padding_free`` with ``max_tokens_per_micro_batch`` = 2,048 (about two of the longest rows):
   the micro-batches cut by tokens, each packed into rows as long as its longest sequence
   (``loops.models.pack_rows``);
 - ``padded``: micro-batches of 4 rows (DPO: 2 pairs), padded to the batch's width (the layout
@@ -57,7 +57,7 @@ class Sizes:
 def _sizes(tiny: bool) -> Sizes:
     if tiny:
         return Sizes(width=32, blocks=1, shortest=8, longest=64, rows=8, pairs=4, grpo_budget=128, dpo_budget=256)
-    return Sizes(width=256, blocks=4, shortest=64, longest=1024, rows=16, pairs=8, grpo_budget=2048, dpo_budget=4096)
+    return Sizes(width=256, blocks=4, shortest=64, longest=1024, rows=16, pairs=8, grpo_budget=2048, dpo_budget=2048)
 
 
 VOCAB = 1024
