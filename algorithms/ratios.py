@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from rlcore.checks import check_float, check_mask, check_number, check_same_shape, lookup
-from rlcore.masked import masked_mean, masked_sum, zero_outside
+from rlcore.masked import masked_mean, masked_sum, saturate, zero_outside
 
 __all__ = ["importance_log_ratio", "token_log_ratio", "sequence_log_ratio", "sequence_sum_log_ratio", "RATIO_LEVELS",
            "ENGINE_IS_MODES", "engine_importance_weights"]
@@ -136,7 +136,8 @@ def engine_importance_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor,
         mask: ``[..., T]`` bool, the response tokens.
         mode: one of ``ENGINE_IS_MODES``.  clip_min, clip_max: the bounds (``C_min < C_max``).
     Returns:
-        ``[..., T]`` weights ``≥ 0``, 0 outside ``mask``, detached, in ``trainer_logprobs``' dtype.
+        ``[..., T]`` weights ``≥ 0``, 0 outside ``mask``, detached, in ``trainer_logprobs``' dtype
+        (an unbounded weight past its range saturates at the dtype's largest finite value).
 
     >>> t, e = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
     >>> engine_importance_weights(t, e, torch.tensor([[True, True]]), mode="token_truncate", clip_max=1.5)
@@ -168,5 +169,5 @@ def engine_importance_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor,
         w = w.clamp(min=low, max=high)
     else:
         w = torch.where((w < low) | (w > high), torch.zeros((), dtype=w.dtype), w)
-    return zero_outside(w, mask).to(trainer_logprobs.dtype)
+    return saturate(zero_outside(w, mask), trainer_logprobs.dtype)  # an unbounded weight saturates, never inf
 

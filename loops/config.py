@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import functools
 import difflib
 import math
@@ -472,6 +473,20 @@ def _sharding_faults(config: Any) -> list[str]:
     if getattr(config, "engine", None) == "vllm":
         faults.append("strategy: fsdp2 with engine: vllm is not offered (the engine loads the whole weights); use "
                       "engine: loop or hf")
+    if getattr(config, "sync_ref_model", False):
+        faults.append("strategy: fsdp2 with sync_ref_model is not offered (the reference's mix reads whole "
+                      "parameters); use strategy: none")
+    if getattr(config, "dynamic_sampling", False):
+        faults.append("strategy: fsdp2 with dynamic_sampling is not offered (each rank would refill its own number "
+                      "of rounds, and every sharded forward is a collective)")
+    for name in ("ref_device", "reward_device"):
+        if getattr(config, name, None) not in (None, getattr(config, "device", None)):
+            faults.append(f"{name}: fsdp2 places every sharded model on the run's device; leave {name} unset")
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    batch = getattr(config, "batch_size", None)
+    if world > 1 and isinstance(batch, int) and batch % world:
+        faults.append(f"batch_size: fsdp2 runs every forward on every rank at once, so each rank needs as many rows; "
+                      f"expected a multiple of the world size {world}, got {batch}")
     if any(f.name == "share_weights" for f in dataclasses.fields(config)):  # ReftFields
         faults.append("strategy: the ReFT recipes train interventions on a frozen model; run them with strategy: "
                       "none")

@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 from rlcore import keys as K
 from rlcore.checks import check_mask, lookup
 from rlcore.logprobs import token_logprobs
-from rlcore.loops.dist import is_fsdp2
+from rlcore.loops.dist import all_reduce_sum, is_fsdp2
 from rlcore.loops.models import cache_keyword, model_device, position_ids_from_mask
 
 __all__ = ["BEHAVIOUR_LOGPROBS", "multinomial_sample", "gumbel_max_sample", "inverse_cdf_sample", "SAMPLERS",
@@ -294,6 +294,7 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
     cache, logits, attention, position = _prefill(model, prompt_ids, prompt_mask, num_samples)
     cache = _preallocate(cache, attention.shape[-1] + max_new_tokens)
     forward = _decode_forward(model)
+    lockstep = is_fsdp2(model)
     stops = torch.as_tensor(list(stop_token_ids), device=prompt_ids.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     tokens, sampled, tempered = [], [], []
@@ -304,7 +305,10 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
         sampled.append(lp_s)
         tempered.append(lp_t)
         done = done | torch.isin(token, stops)
-        if step + 1 == max_new_tokens or bool(done.all()):  # one host sync per step, as generate's criteria
+        finished = bool(done.all())  # one host sync per step, as generate's criteria
+        if lockstep:  # FSDP2: every forward is a collective, so no rank stops before all are done
+            finished = bool(all_reduce_sum(torch.tensor([float(not finished)], device=done.device)).item() == 0)
+        if step + 1 == max_new_tokens or finished:
             break
         attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], -1)
         position = position + 1

@@ -185,6 +185,8 @@ def build_online_state(config: Any, *, extra_models: Callable[[nn.Module], Mappi
         models["reward"] = load_model(config.reward_model, task="reward", **loading).to(
             config.reward_device or config.device).eval()
         models["reward"].requires_grad_(False)
+        if models["reward"].config.pad_token_id is None:  # its own forward pools by pad id (a sharded one runs it)
+            models["reward"].config.pad_token_id = tokenizer.pad_token_id
     models.update(extra_models(policy) if extra_models is not None else {})
     for model in models.values():
         disable_dropout(model)  # RL needs the same log-probs in collect, score and update

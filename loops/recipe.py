@@ -364,7 +364,7 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     kwargs: dict[str, Any] = {"reshard_after_forward": config.fsdp_reshard_after_forward}
     if config.fsdp_cpu_offload:
         from torch.distributed.fsdp import CPUOffloadPolicy
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs a GPU
     done: dict[int, nn.Module] = {}
     for model in models.values():
         if id(model) not in done:

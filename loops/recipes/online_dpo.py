@@ -63,6 +63,10 @@ class Config(PreferenceSettings, ChunkSettings, LossTypeSettings, OnlineConfig,
         """Fail on a bad config before any model is built: an unpaired loss, fewer than 2 samples per
         prompt, an unknown ``loss_type``, a hyper-parameter the loss does not take, or
         ``sync_ref_model`` with a reference-free loss."""
+        if self.strategy == "fsdp2":
+            raise ValueError("strategy: fsdp2 is not offered for online DPO (each rank keeps its own number of "
+                             "pairs once ties are dropped, and every sharded forward is a collective); use "
+                             "strategy: none")
         if self.loss_type in UNPAIRED:
             raise ValueError(f"loss_type: {self.loss_type!r} trains on unpaired rows; online DPO forms pairs "
                              "(choose a pairwise loss of rlcore.algorithms.preference.PREFERENCE_LOSSES)")

@@ -136,6 +136,9 @@ def check_learner(config: Any, is_clip: float | None) -> Recipe:
             with ``dynamic_sampling``.
     """
     recipe = online_recipe(config)
+    if getattr(config, "strategy", "none") == "fsdp2":
+        raise ValueError("strategy: the asynchronous and Ray learners run unsharded (their generator holds a copy of "
+                         "the policy); use strategy: none, or the synchronous recipe under torchrun with fsdp2")
     if getattr(config, "dynamic_sampling", False):
         raise ValueError("dynamic_sampling: refilling a step with fresh prompts is a synchronous loop's; the "
                          "asynchronous and Ray learners train on the rollouts their actors send (set it false)")

@@ -35,3 +35,37 @@ def lm(request, tokenizer):
     """A tiny causal LM of each architecture (do not modify it in a test)."""
     from rlcore.loops.models import build_model
     return build_model(request.param, tokenizer=tokenizer, hidden_size=32, num_layers=2, num_heads=4).eval()
+
+
+STOP_SIGNALS = ("SIGINT", "SIGTERM")
+
+
+def deliver_stop_signals() -> None:
+    """SIGINT and SIGTERM unblocked, SIGINT's handler Python's own: what a shell gives a command. A test
+    worker's signal state may have been left otherwise by a library it ran before (a process started
+    with SIGINT blocked or ignored passes that on to the processes it starts)."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {getattr(signal, name) for name in STOP_SIGNALS})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture
+def stop_signals():
+    """The test runs with :func:`deliver_stop_signals`; the worker's signal state is restored after."""
+    import signal
+
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    handler = signal.getsignal(signal.SIGINT)
+    deliver_stop_signals()
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    signal.signal(signal.SIGINT, handler)
+
+
+def shell_signals() -> None:
+    """``preexec_fn`` of a child that must receive SIGINT / SIGTERM as it would from a shell."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {getattr(signal, name) for name in STOP_SIGNALS})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python installs its KeyboardInterrupt handler at start

@@ -221,7 +221,7 @@ def signalling_step(signum, at_step, times=1):
 
 
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
-def test_a_signal_stops_the_fold_after_the_step_in_progress(name):
+def test_a_signal_stops_the_fold_after_the_step_in_progress(name, stop_signals):
     import signal
 
     from rlcore.loops.fold import Interrupted
@@ -237,7 +237,7 @@ def test_a_signal_stops_the_fold_after_the_step_in_progress(name):
     assert signal.getsignal(signum) is before  # restored
 
 
-def test_a_second_signal_stops_at_once_and_a_signal_in_the_last_step_ends_normally():
+def test_a_second_signal_stops_at_once_and_a_signal_in_the_last_step_ends_normally(stop_signals):
     import signal
 
     from rlcore.loops.fold import Interrupted

@@ -29,11 +29,10 @@ RUNS = {
     "rloo": (rloo, ONLINE),
     "ppo_separate": (ppo, dict(ONLINE, value_model="separate")),
     "ppo_shared": (ppo, ONLINE),
-    "online_dpo": (online_dpo, ONLINE),
     "grpo_packed": (grpo, dict(ONLINE, padding_free=True, max_tokens_per_micro_batch=64)),
 }
 TOL = dict(rtol=1e-4, atol=1e-5)
-ONLINE_RECIPES = (grpo, rloo, ppo, online_dpo)
+ONLINE_RECIPES = (grpo, rloo, ppo)
 
 
 def length_reward(prompts, completions, **_):
@@ -66,6 +65,19 @@ def _worker(out_dir):
             recipe, "build_state") else None
         out[f"{name}/moved"] = start is None or any(
             not torch.equal(start[k], tensors[f"{name}/none/{k}"]) for k in start)
+    # the KV-cache loop on a sharded model: rank 0's rows stop at their first token, rank 1's run to the
+    # budget; every decode step is a collective, so rank 0 keeps stepping until both are done
+    from rlcore.loops.dist import wrap_model
+    from rlcore.loops.engines import sample_responses
+    from rlcore.loops.models import build_model
+
+    model = wrap_model(build_model("llama", vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, seed=0),
+                       strategy="fsdp2")
+    ids = torch.randint(3, 40, (2, 5), generator=torch.Generator().manual_seed(0))
+    tokens, _, _ = sample_responses(model, ids, torch.ones_like(ids, dtype=torch.bool), max_new_tokens=6,
+                                    stop_token_ids=range(40) if rank == 0 else [], pad_token_id=0,
+                                    generator=torch.Generator().manual_seed(rank))
+    out["decode"] = tokens.tolist()
     # a sharded run's checkpoint: written whole by rank 0, loadable in one process
     state, _ = train(dpo, dict(OFFLINE, run_dir=str(Path(out_dir) / "dpo-run"), save_every=2), strategy="fsdp2")
     for key, value in _gathered(state.model("policy")).items():
@@ -113,6 +125,44 @@ def test_a_sharded_runs_checkpoint_loads_in_one_process(ranks):
     state = load_checkpoint(path, dpo._setup(dpo.Config(**OFFLINE))[0])
     for key, value in _gathered(state.model("policy")).items():
         torch.testing.assert_close(value, tensors[f"checkpointed/{key}"], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_the_decode_loop_steps_until_every_rank_is_done(ranks):
+    (r0, _), (r1, _) = ranks[0]
+    assert all(len(row) == 6 for row in r1["decode"])  # rank 1 ran to its budget ...
+    assert all(len(row) == 6 and row[1:] == [0] * 5 for row in r0["decode"])  # ... and rank 0 with it, padding
+
+
+@pytest.mark.parametrize("recipe,overrides,match", [
+    (online_dpo, {}, "strategy: fsdp2 is not offered for online DPO"),
+    (grpo, {"dynamic_sampling": True}, "strategy: fsdp2 with dynamic_sampling is not offered"),
+    (dpo, {"sync_ref_model": True}, "strategy: fsdp2 with sync_ref_model is not offered"),
+])
+def test_what_fsdp2_cannot_keep_in_step_is_refused(recipe, overrides, match, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises((ConfigError, ValueError), match=match):
+        load_config(recipe.Config, overrides={**overrides, "strategy": "fsdp2", "run_dir": None})
+    with pytest.raises(ConfigError, match="batch_size: fsdp2 runs every forward on every rank at once"):
+        load_config(grpo.Config, overrides={"strategy": "fsdp2", "batch_size": 5, "run_dir": None})
+
+
+def test_a_model_on_another_device_is_refused():
+    import dataclasses
+
+    from rlcore.loops.config import _sharding_faults
+
+    config = dataclasses.replace(grpo.Config(), strategy="fsdp2")
+    object.__setattr__(config, "device", "cuda:0")  # a GPU run's config, checked here without the GPU
+    faults = _sharding_faults(dataclasses.replace(config, ref_device="cpu"))
+    assert faults == ["ref_device: fsdp2 places every sharded model on the run's device; leave ref_device unset"]
+
+
+def test_the_async_and_ray_learners_refuse_fsdp2():
+    from rlcore.loops.scale.async_learners import check_learner
+
+    with pytest.raises(ValueError, match="strategy: the asynchronous and Ray learners run unsharded"):
+        check_learner(grpo.Config(strategy="fsdp2"), None)
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -370,8 +370,10 @@ def interrupted_cli(argv, metrics, signum, script=SLOW_CLI):
     import sys
     import time
 
+    from tests.loops.conftest import shell_signals
+
     proc = subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=shell_signals)
     try:
         deadline = time.monotonic() + 240
         while not (metrics.is_file() and metrics.read_text().strip()) and proc.poll() is None:

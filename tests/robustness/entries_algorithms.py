@@ -362,6 +362,16 @@ def log_ratio(fn):
     return Entry(make)
 
 
+def engine_weights(d: Draw, dtype):
+    shape = rows(d)
+    trainer, engine = _lp_old(d, dtype, shape, extreme=True)
+    kw = dict(trainer_logprobs=trainer, engine_logprobs=engine, mask=d.mask(shape),
+              mode=d.choice(list(ratios.ENGINE_IS_MODES), "mode"), clip_min=d.choice([None, 0.5], "cmin"),
+              clip_max=d.choice([None, 3.0], "cmax"))
+    return Case(ratios.engine_importance_weights, kw, masks={"mask": ("trainer_logprobs", "engine_logprobs")},
+                bad_hyper={"clip_max": (-1.0, NAN), "clip_min": (-1.0, NAN), "mode": ("sequence", "tis")})
+
+
 # reported: the ratio levels called directly, ratio_stats and explained_variance check no shapes
 _RATIO_KNOWN = {"logprobs": _ANY, "old_logprobs": _ANY, "mask": _ANY + ("float_mask",)}
 
@@ -681,6 +691,7 @@ FUZZ = {
     "rlcore.algorithms.ratios.sequence_sum_log_ratio": log_ratio(ratios.sequence_sum_log_ratio),
     "rlcore.algorithms.ratios.RATIO_LEVELS": log_ratio("registry"),
     "rlcore.algorithms.ratios.importance_log_ratio": log_ratio(ratios.importance_log_ratio),
+    "rlcore.algorithms.ratios.engine_importance_weights": Entry(engine_weights),
     "rlcore.algorithms.ppo.clipped_surrogate": Entry(clipped_surrogate),
     "rlcore.algorithms.ppo.cispo_surrogate": Entry(cispo_surrogate),
     "rlcore.algorithms.ppo.sapo_surrogate": Entry(sapo_surrogate),
@@ -721,6 +732,8 @@ FUZZ = {
 
 EXEMPT_MODULES: dict[str, str] = {}
 EXEMPT = {
+    "rlcore.algorithms.ratios.ENGINE_IS_MODES": "a tuple of mode names, no computation; each mode is fuzzed through "
+                                                "engine_importance_weights",
     "rlcore.algorithms.ddpo.PromptStats": "a NamedTuple type; built and read by the fuzzed prompt_stats_*",
     "rlcore.algorithms.reft.ReftIntervention": "an nn.Module holding parameters (not a pure function); its forward "
                                                "calls the fuzzed variants (REFT_INTERVENTIONS)",
