@@ -469,7 +469,8 @@ def engine_correction(state: TrainState, rollout: TensorDictBase, config: Any) -
 
     The trainer's log-probs ``π_t`` of the rollout's responses (no-grad forwards of the policy before
     the update, ``forward_batch_size`` rows each, under the update's autocast and ``padding_free``, so
-    an unchanged policy's first ratio is 1) become the loss's ``old_logprobs``, so its clipped ratio is taken against the
+    an unchanged policy's first ratio is 1 up to the rounding of another batching) become the loss's
+    ``old_logprobs``, so its clipped ratio is taken against the
     trainer's own policy, and the advantages are weighted by ``w =
     algorithms.ratios.engine_importance_weights(π_t, π_engine)`` (the engine's log-probs are the
     rollout's ``old_logprobs``; ``w ≥ 0`` scales the surrogate as it scales ``A``) with the config's

@@ -69,3 +69,30 @@ def shell_signals() -> None:
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {getattr(signal, name) for name in STOP_SIGNALS})
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Python installs its KeyboardInterrupt handler at start
+
+
+def write_rank(out_dir, rank: int, out: dict, tensors: dict) -> None:
+    """What a spawned rank hands back to its test: ``rank<r>.json`` and ``rank<r>.safetensors``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out_dir) / f"rank{rank}.safetensors"))
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def run_ranks(worker, out_dir, world_size: int = 2) -> list[tuple[dict, dict]]:
+    """``worker(out_dir)`` on ``world_size`` gloo ranks (``rlcore.loops.dist.spawn``, forkserver with
+    ``rlcore.loops`` preloaded); each rank's ``(json, tensors)`` as it wrote them (:func:`write_rank`)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from rlcore.loops.dist import spawn
+
+    spawn(worker, world_size, str(out_dir), backend="gloo", start_method="forkserver", preload=("rlcore.loops",))
+    out = Path(out_dir)
+    return [(json.loads((out / f"rank{r}.json").read_text()), load_file(str(out / f"rank{r}.safetensors")))
+            for r in range(world_size)]

@@ -7,12 +7,11 @@ for float64 parameters: 1e-10 (observed differences are float summation order, ~
 """
 
 import functools
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tensordict import TensorDict
 
 from rlcore import keys as K
@@ -22,7 +21,7 @@ from rlcore.loops.dist.sync import (accumulation_context, all_ranks_ok, drop_tie
                                           full_weights, grad_sync, reduce_gradients, shard_optimizer_state,
                                           total_grad_norm)
 from rlcore.loops.dist import (STRATEGIES, DistInfo, agree, dist_info, init_distributed, is_main,
-                                            reduce_metrics, shard_batch, shard_source, spawn, unwrap_model, wrap_model)
+                                            reduce_metrics, shard_batch, shard_source, unwrap_model, wrap_model)
 from rlcore.loops.recipes import ppo
 from rlcore.loops.fold import fold
 from rlcore.loops.models import build_model
@@ -33,6 +32,7 @@ from rlcore.loops.update import chain, clip_by_global_norm, global_denominators,
 from rlcore.masked import aggregate
 from rlcore.testing import MockLM, make_rollout
 from rlcore.transforms import running_moments_init
+from tests.loops.conftest import run_ranks, write_rank
 
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -223,16 +223,13 @@ def _worker(out_dir):
     _fold(out, tensors)
     _ppo_statistics(out, tensors)
     _checkpoint(out, tensors, Path(out_dir) / "runs")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out_dir) / f"rank{info.rank}.safetensors"))
-    (Path(out_dir) / f"rank{info.rank}.json").write_text(json.dumps(out))
+    write_rank(out_dir, info.rank, out, tensors)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    spawn(_worker, 2, str(out), backend="gloo", start_method="forkserver", preload=("rlcore.loops",))
-    return [(json.loads((out / f"rank{r}.json").read_text()), load_file(str(out / f"rank{r}.safetensors")))
-            for r in range(2)], out
+    return run_ranks(_worker, out), out
 
 
 # --- single-process references -------------------------------------------------------------------------

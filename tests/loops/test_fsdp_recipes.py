@@ -6,16 +6,15 @@ One module-scoped fixture spawns the two ranks once (``rlcore.loops.dist.spawn``
 every recipe both ways and writes its gathered parameters and histories.
 """
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from rlcore.loops.config import ConfigError, load_config
-from rlcore.loops.dist import dist_info, is_fsdp2, spawn
+from rlcore.loops.dist import dist_info, is_fsdp2
 from rlcore.loops.recipes import dpo, grpo, online_dpo, ppo, reward, rloo, sft
+from tests.loops.conftest import run_ranks, write_rank
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_train=32, num_eval=8, steps=2, eval_every=2, run_dir=None,
             seed=1)
@@ -82,16 +81,13 @@ def _worker(out_dir):
     state, _ = train(dpo, dict(OFFLINE, run_dir=str(Path(out_dir) / "dpo-run"), save_every=2), strategy="fsdp2")
     for key, value in _gathered(state.model("policy")).items():
         tensors[f"checkpointed/{key}"] = value.contiguous()
-    save_file(tensors, str(Path(out_dir) / f"rank{rank}.safetensors"))
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
+    write_rank(out_dir, rank, out, tensors)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    spawn(_worker, 2, str(out), backend="gloo", start_method="forkserver", preload=("rlcore.loops",))
-    return [(json.loads((out / f"rank{r}.json").read_text()), load_file(str(out / f"rank{r}.safetensors")))
-            for r in range(2)], out
+    return run_ranks(_worker, out), out
 
 
 @pytest.mark.slow
