@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
 import socket
+import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -467,8 +469,15 @@ def _spawned(local_rank: int, fn: Callable, world_size: int, port: int, backend:
     init_distributed(backend=backend, timeout_s=120.0)
     try:
         fn(*args)
+        barrier()  # no rank leaves the group while another may still be talking to it
     finally:
         shutdown_distributed()
+    # Leave without the interpreter's teardown: models still holding the group (an FSDP2 mesh) would
+    # otherwise free gloo's worker threads during finalisation, which can abort the process.
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable, nprocs: int, *args: Any, backend: str | None = None, port: int | None = None,
