@@ -57,7 +57,7 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.checks import check_mask, lookup, require_keys
 from rlcore.loops.collate import collate_prompts
-from rlcore.loops.engines import BEHAVIOUR_LOGPROBS, ENGINES, SAMPLERS
+from rlcore.loops.engines import BEHAVIOUR_LOGPROBS, ENGINES, SAMPLERS, ContextCache
 from rlcore.loops.models import model_device, pad_token_id
 from rlcore.loops.score import score_rollout
 from rlcore.loops.tokenization import check_context, model_context, tokenize_example
@@ -177,7 +177,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
                      generator: torch.Generator | None = None, behaviour: str | None = "tempered",
                      max_prompt_length: int | None = None, policy_version: int | None = None,
                      use_cache: bool = True, engine: str = "hf", sampler: str = "inverse_cdf",
-                     engine_options: Mapping[str, Any] | None = None, **generate_kwargs) -> TensorDict:
+                     engine_options: Mapping[str, Any] | None = None,
+                     context_caches: Sequence[ContextCache] | None = None, **generate_kwargs) -> TensorDict:
     """Sample ``G = num_samples`` responses per prompt (KV cache) into a rollout.
 
     Prompts are tokenised (conversations through the chat template) and left padded; a prompt
@@ -214,6 +215,9 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
             the log-probs then come from one forward of ``model``.
         sampler: the ``"loop"`` engine's sampling rule, a key of ``SAMPLERS`` (``"inverse_cdf"``).
         engine_options: ``vllm.LLM`` keywords for ``engine="vllm"`` (``engine_for``).
+        context_caches: ``engine="loop"`` with ``num_samples=1``: one ``ContextCache`` per prompt,
+            which the prefill continues (only the tokens after a row's cached ones are read) and
+            which keeps the row's prompt and response for the next call (a multi-turn episode).
         generate_kwargs: passed to ``generate`` (e.g. ``repetition_penalty``, ``min_new_tokens``),
             and ``use_cache``: the ``"hf"`` engine's only.
     Returns:
@@ -242,6 +246,9 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
     if engine == "vllm" and callable(getattr(model, "prompt_kwargs", None)):
         raise ValueError(f"engine='vllm': {type(model).__name__} edits its forwards (prompt_kwargs), which a vLLM "
                          "engine cannot run; use engine='loop' or 'hf'")
+    if context_caches is not None and (engine != "loop" or num_samples != 1):
+        raise ValueError(f"context_caches: only for engine='loop' with num_samples=1, got engine={engine!r}, "
+                         f"num_samples={num_samples}")
     if engine != "hf" and (generate_kwargs or not use_cache):
         raise ValueError(f"engine={engine!r}: takes no generate_kwargs and always uses the KV cache (got "
                          f"{sorted(generate_kwargs) + ([] if use_cache else ['use_cache=False'])}); use engine='hf'")
@@ -263,6 +270,8 @@ def generate_rollout(model: nn.Module, tokenizer, prompts, *, max_new_tokens: in
         if seed is not None:
             torch.manual_seed(seed)
         options = {**generate_kwargs, "use_cache": use_cache} if engine == "hf" else dict(engine_options or {})
+        if context_caches is not None:
+            options["past"] = context_caches
         response, old = run(model, batch, behaviour=behaviour, max_new_tokens=max_new_tokens, num_samples=num_samples,
                             stops=stops, pad=pad, greedy=not do_sample, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, sampler=sampler, options=options)

@@ -23,11 +23,12 @@ from transformers.cache_utils import DynamicLayer
 from rlcore import keys as K
 from rlcore.checks import check_mask, lookup
 from rlcore.logprobs import token_logprobs
+from rlcore.loops.collate import pad_sequences
 from rlcore.loops.dist import all_reduce_sum, is_fsdp2
 from rlcore.loops.models import cache_keyword, model_device, position_ids_from_mask
 
 __all__ = ["BEHAVIOUR_LOGPROBS", "multinomial_sample", "gumbel_max_sample", "inverse_cdf_sample", "SAMPLERS",
-           "truncate_logits", "sample_responses", "ENGINES"]
+           "truncate_logits", "sample_responses", "ContextCache", "carries_context", "ENGINES"]
 
 
 # One [B, V] step at a time: no stacked [B, R, V] copy of what generate already holds.
@@ -171,6 +172,84 @@ def _prefill(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, num_sample
     return cache, rep(logits), rep(mask.long()), rep(position[:, -1])
 
 
+class ContextCache:
+    """The keys and values of one sequence's first tokens, kept from one call of the ``"loop"`` engine
+    to the next (a multi-turn episode's context: each turn only appends to it).
+
+    ``ids`` are the tokens the cache encodes and ``layers`` one ``(keys, values)`` pair per layer,
+    ``[heads, len(ids), head_dim]``. A call that gets the cache with a prompt row prefills only what
+    follows ``ids`` in that row, when the row's real tokens start with ``ids`` (otherwise the whole
+    row, as without a cache), and leaves in it the row's prompt and response as far as the model
+    read them (the last token drawn is never read). The logits equal a prefill of the whole row up
+    to float rounding (another summation order). An empty cache fills on its first call.
+    """
+
+    __slots__ = ("ids", "layers")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def carries_context(model: nn.Module) -> bool:
+    """Whether ``model``'s decoding can start from a ``ContextCache``: every layer of its KV cache a
+    plain full-attention one (no sliding window), and no prompt-position edits (``prompt_kwargs``)."""
+    config = getattr(model, "config", None)
+    if config is None or callable(getattr(model, "prompt_kwargs", None)):
+        return False
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+
+
+def _prefill_continued(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, past: Sequence[ContextCache]):
+    """``_prefill`` (one sample per row) that reads only what follows each row's ``past[b].ids``.
+
+    The cached keys and values are right aligned in ``[P, heads, T, d]`` (``T`` the longest reused
+    prefix), the rows' remaining tokens left padded after them: row ``b`` attends to
+    ``[pad | cached | pad | rest]`` with its pads masked, and its positions count real tokens only,
+    as in a prefill of the whole row. At least a row's last token is read again (its logits start
+    the decoding).
+    """
+    rows = [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
+    reused = [min(len(c), len(r) - 1) if c.layers and r[:len(c)] == c.ids else 0 for c, r in zip(past, rows)]
+    T = max(reused)
+    if T == 0:
+        return _prefill(model, ids, mask, 1)
+    cache = DynamicCache(config=model.config)
+    past_mask = torch.zeros(len(rows), T, dtype=torch.bool, device=ids.device)
+    for b, n in enumerate(reused):
+        past_mask[b, T - n:] = True
+    first = next(c for c, n in zip(past, reused) if n)
+    for index, pair in enumerate(first.layers):
+        kv = [x.new_zeros(len(rows), x.shape[0], T, x.shape[-1]) for x in pair]
+        for b, n in enumerate(reused):
+            for j in (0, 1):
+                if n:
+                    kv[j][b, :, T - n:] = past[b].layers[index][j][:, :n]
+        cache.update(kv[0], kv[1], index)
+    rest, rest_mask = (x.to(ids.device) for x in pad_sequences([r[n:] for r, n in zip(rows, reused)], side="left"))
+    attention = torch.cat([past_mask, rest_mask], -1)
+    position = position_ids_from_mask(attention)[:, T:]
+    logits = model(input_ids=rest, attention_mask=attention.long(), position_ids=position, use_cache=True,
+                   logits_to_keep=1, **{cache_keyword(model): cache}).logits[:, -1]
+    return cache, logits, attention.long(), position[:, -1]
+
+
+def _keep_context(past: Sequence[ContextCache], cache: DynamicCache, prefix: torch.Tensor, ids: torch.Tensor,
+                  mask: torch.Tensor, fed: list[torch.Tensor], live: list[torch.Tensor]) -> None:
+    """Each row's real columns of ``cache`` into ``past[b]``: those of ``prefix`` (the prefill's
+    attention mask), then the tokens fed back at the decode steps (``fed[k]``) before the row
+    stopped (``live[k]``)."""
+    live_m = torch.stack(live, -1) if live else mask.new_zeros(mask.shape[0], 0)
+    tokens = torch.stack(fed, -1) if fed else ids.new_zeros(ids.shape[0], 0)
+    keep = torch.cat([prefix.bool(), live_m], -1)
+    for b, entry in enumerate(past):
+        entry.ids = ids[b][mask[b]].tolist() + tokens[b][live_m[b]].tolist()
+        entry.layers = [(layer.keys[b][:, keep[b]], layer.values[b][:, keep[b]]) for layer in cache.layers]
+
+
 class _PreallocatedLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values live in buffers with room for ``capacity`` positions.
 
@@ -261,8 +340,8 @@ def _draw(logits: torch.Tensor, *, pick: Callable | None, temperature: float, to
 def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                      max_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int, num_samples: int = 1,
                      temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                     sampler: str | None = "inverse_cdf",
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     sampler: str | None = "inverse_cdf", generator: torch.Generator | None = None,
+                     past: Sequence[ContextCache] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode ``G`` responses per prompt over the model's KV cache, drawing with ``SAMPLERS[sampler]``.
 
     Each prompt is prefilled once and its cache repeated for its ``G`` samples. Step ``t``:
@@ -279,6 +358,9 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
         temperature, top_k, top_p: as ``generate_rollout`` (ignored when greedy).
         sampler: a key of ``SAMPLERS``, or ``None`` for greedy decoding.
         generator: the sampling randomness (``None``: torch's global RNG).
+        past: one ``ContextCache`` per prompt (``G = 1``): each row's prefill reads only what follows
+            its cached tokens, and the cache keeps the row's prompt and response afterwards
+            (``carries_context(model)`` must hold).
     Returns:
         ``(response_ids [B, R], sampled [B, R], tempered [B, R])``, ``R ≤ max_new_tokens`` the steps
         run: the tokens, their log-probs under the distribution drawn from (after truncation) and
@@ -291,15 +373,26 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
     check_mask("prompt_mask", prompt_mask, like=prompt_ids, like_name="prompt_ids")
-    cache, logits, attention, position = _prefill(model, prompt_ids, prompt_mask, num_samples)
+    if past is not None:
+        if num_samples != 1 or len(past) != prompt_ids.shape[0]:
+            raise ValueError(f"past: expected one ContextCache per prompt and num_samples=1, got {len(past)} for "
+                             f"{prompt_ids.shape[0]} prompts and num_samples={num_samples}")
+        if not carries_context(model):
+            raise ValueError(f"past: {type(model).__name__}'s decoding cannot start from a kept context (a sliding-"
+                             "window layer or prompt-position edits); call without past")
+        cache, logits, attention, position = _prefill_continued(model, prompt_ids, prompt_mask, past)
+    else:
+        cache, logits, attention, position = _prefill(model, prompt_ids, prompt_mask, num_samples)
+    prefix = attention
     cache = _preallocate(cache, attention.shape[-1] + max_new_tokens)
     forward = _decode_forward(model)
     lockstep = is_fsdp2(model)
     stops = torch.as_tensor(list(stop_token_ids), device=prompt_ids.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    tokens, sampled, tempered = [], [], []
+    tokens, sampled, tempered, live = [], [], [], []
     for step in range(max_new_tokens):
         token, lp_s, lp_t = _draw(logits, pick=pick, temperature=tau, top_k=top_k, top_p=top_p, generator=generator)
+        live.append(~done)
         token = torch.where(done, pad_token_id, token)
         tokens.append(token)
         sampled.append(lp_s)
@@ -313,6 +406,8 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
         attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], -1)
         position = position + 1
         logits = forward(token[:, None], attention, position[:, None], cache)
+    if past is not None:  # every token drawn but the last was read
+        _keep_context(past, cache, prefix, prompt_ids, prompt_mask, tokens[:-1], live[:-1])
     return tuple(torch.stack(x, -1) for x in (tokens, sampled, tempered))
 
 
@@ -338,12 +433,14 @@ def _engine_loop(model: nn.Module, batch: TensorDict, *, behaviour: str | None, 
                  stops: list[int], pad: int, greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
                  seed: int | None, sampler: str, options: Mapping[str, Any]):
     """``sample_responses`` with the ``sampler`` rule (greedy: argmax), drawing from its own generator
-    seeded with ``seed``; both behaviour log-probs come from the same logits."""
+    seeded with ``seed``; both behaviour log-probs come from the same logits. ``options``: ``past``,
+    one ``ContextCache`` per prompt."""
     g = None if seed is None else torch.Generator(model_device(model)).manual_seed(seed)
     response, *lps = sample_responses(model, batch[K.PROMPT_IDS], batch[K.PROMPT_MASK],
                                       max_new_tokens=max_new_tokens, stop_token_ids=stops, pad_token_id=pad,
                                       num_samples=num_samples, temperature=temperature, top_k=top_k,
-                                      top_p=top_p, sampler=None if greedy else sampler, generator=g)
+                                      top_p=top_p, sampler=None if greedy else sampler, generator=g,
+                                      past=options.get("past"))
     return response, None if behaviour is None else dict(zip(("sampled", "tempered"), lps))[behaviour]
 
 

@@ -23,8 +23,10 @@ model attends to when log-probs are recomputed over the whole trajectory in one 
 the assistant turns and ``env_reward`` sums the environment's rewards (per turn, and
 ``final_reward()`` when the environment has it), which scoring adds to the score.
 
-Each turn's context is encoded again (one prefill of the whole history per turn); a turn-level KV
-cache kept across environment steps is not offered.
+With the ``"loop"`` engine each episode keeps its KV cache from one turn to the next
+(``loops.engines.ContextCache``): a turn's prefill reads only the environment's answer and the last
+token the model drew, not the whole history again. ``"vllm"`` finds the history in its prefix cache;
+``"hf"`` (and a model whose cache has sliding-window layers) encodes each turn's context again.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch import nn
 from rlcore import keys as K
 from rlcore.loops.collate import pad_sequences
 from rlcore.loops.collect import draw_seed, generate_rollout
+from rlcore.loops.engines import ContextCache, carries_context
 from rlcore.loops.envs import EnvFactory, EnvStep
 from rlcore.loops.models import pad_token_id
 from rlcore.loops.tokenization import model_context
@@ -106,7 +109,7 @@ def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], m
                     stop_token_ids: Sequence[int] = (), engine: str = "loop", sampler: str = "inverse_cdf",
                     engine_options: Mapping[str, Any] | None = None, seed: int | None = None,
                     policy_version: int | None = None, do_sample: bool = True,
-                    workers: int = MAX_ENV_WORKERS, lanes: int = 2) -> TensorDict:
+                    workers: int = MAX_ENV_WORKERS, lanes: int = 2, reuse_context: bool = True) -> TensorDict:
     """``G = num_samples`` episodes per row of ``rows`` (dict of columns with ``prompt``) against
     environments from ``make_env``, as one rollout ``[B = P·G]`` (the layout is the module's docstring's).
 
@@ -122,6 +125,9 @@ def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], m
         lanes: fixed groups of episodes that take turns generating, so that one group's environments
             answer while the next group generates (1: every episode in one batch, environments then
             waited for).
+        reuse_context: with ``engine="loop"``, keep each episode's KV cache across turns (False: one
+            prefill of the whole context per turn; the same episodes up to float rounding, less memory
+            held between turns).
     Returns:
         The rollout on the model's device: ``prompt_ids`` / ``prompt_mask`` ``[B, P]``, ``response_ids``,
         ``response_mask``, ``trajectory_mask``, ``old_logprobs``, ``turn_ids`` ``[B, R]``, ``group_id``,
@@ -163,10 +169,15 @@ def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], m
     done = [False] * B
     truncated = [False] * B
     turn_seeds = None if seed is None else torch.Generator().manual_seed(seed)
+    kept = [ContextCache() for _ in range(B)] if reuse_context and engine == "loop" and carries_context(model) else None
 
     def generate(group: list[int], turn: int) -> dict[int, str]:
         """One assistant turn of the group's running episodes; their texts for the environments."""
         running = [b for b in group if not done[b]]
+        if kept is not None:
+            for b in group:
+                if done[b]:
+                    kept[b] = ContextCache()  # a finished episode's cache is let go
         budgets = {b: min(max_new_tokens, caps[b] - len(traj[b])) for b in running}
         for b in [b for b in running if budgets[b] < 1]:
             done[b], truncated[b] = True, True
@@ -180,7 +191,8 @@ def sample_episodes(model: nn.Module, tokenizer, rows: Mapping[str, Sequence], m
             out = generate_rollout(model, tokenizer, contexts, max_new_tokens=budget, temperature=temperature,
                                    top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
                                    seed=None if turn_seeds is None else draw_seed(turn_seeds), engine=engine,
-                                   sampler=sampler, engine_options=engine_options, do_sample=do_sample)
+                                   sampler=sampler, engine_options=engine_options, do_sample=do_sample,
+                                   context_caches=None if kept is None else [kept[b] for b in members])
             for j, b in enumerate(members):
                 m = out[K.RESPONSE_MASK][j]
                 new = out[K.RESPONSE_IDS][j][m].tolist()

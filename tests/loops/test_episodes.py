@@ -455,3 +455,57 @@ def test_the_reft_recipes_refuse_an_environment(name):
 
     with pytest.raises(ValueError, match="env: a ReFT policy intervenes at its prompt's positions"):
         RECIPES[name].config(env="calculator", run_dir=None)
+
+
+@pytest.mark.parametrize("do_sample,every", [(False, 2), (True, 3), (True, 4)])
+def test_a_kept_context_plays_the_episodes_of_a_whole_prefill_each_turn(do_sample, every):
+    """The loop engine's per-episode KV cache (``ContextCache``): each turn reads only what is new,
+    and the episodes (ragged turns: some rows stop early, some run to the budget) are those of
+    encoding every turn's whole context again, to float rounding (the tokens exactly here)."""
+    tokenizer = build_tokenizer()
+    model = build_model("llama", tokenizer=tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=3).eval()
+    stops = list(range(0, len(tokenizer), every))
+    read = []
+    hook = model.model.register_forward_pre_hook(lambda m, args, kwargs: read.append(kwargs["input_ids"].shape[1])
+                                                 if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+    kw = dict(num_samples=3, max_new_tokens=6, max_turns=4, stop_token_ids=stops, seed=5, do_sample=do_sample)
+    try:
+        kept = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(4), **kw)
+        read_kept, read[:] = list(read), []
+        whole = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(4), reuse_context=False, **kw)
+    finally:
+        hook.remove()
+    assert int(kept[K.TURNS].sum()) > len(kept)
+    assert not do_sample or len(set(kept[K.RESPONSE_MASK].sum(-1).tolist())) > 1  # ragged turns
+    for key in kept.keys():
+        if key != K.OLD_LOGPROBS:
+            assert torch.equal(kept[key], whole[key]), key
+    torch.testing.assert_close(kept[K.OLD_LOGPROBS], whole[K.OLD_LOGPROBS], rtol=1e-5, atol=1e-5)
+    assert sum(read_kept) < sum(read) / 2  # the prefills read the new tokens only
+
+
+def test_a_context_cache_reads_only_what_follows_its_tokens_and_refuses_what_it_cannot_carry(lm):
+    from rlcore.loops.engines import ContextCache, carries_context, sample_responses
+
+    model, tokenizer = lm
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])
+    mask = ids != 0
+    caches = [ContextCache(), ContextCache()]
+    kw = dict(max_new_tokens=3, stop_token_ids=[], pad_token_id=0, sampler=None)
+    first = sample_responses(model, ids, mask, past=caches, **kw)[0]
+    assert [c.ids for c in caches] == [[5, 6, 7, 8] + first[0, :2].tolist(), [9, 10] + first[1, :2].tolist()]
+    heads, dim = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    assert all(k.shape == v.shape == (heads, len(c), dim) for c in caches for k, v in c.layers)
+    # a row that does not start with its cache's tokens is read whole; the others continue
+    nxt = torch.cat([torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]), first], -1)
+    again = sample_responses(model, nxt, nxt != 0, past=caches, **kw)[0]
+    assert torch.equal(again, sample_responses(model, nxt, nxt != 0, **kw)[0])
+    with pytest.raises(ValueError, match="one ContextCache per prompt"):
+        sample_responses(model, ids, mask, past=caches[:1], **kw)
+    from transformers import MistralConfig, MistralForCausalLM
+
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                num_attention_heads=2, num_key_value_heads=2, sliding_window=4))
+    assert carries_context(model) and not carries_context(windowed)
+    with pytest.raises(ValueError, match="sliding-window"):
+        sample_responses(windowed, ids, mask, past=caches, **kw)
