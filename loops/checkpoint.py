@@ -19,9 +19,13 @@ and ``run_dir`` is fsynced. A process killed at any moment leaves either a compl
 save removes. Old checkpoints are renamed away before they are deleted, so a half-deleted
 one is never taken for a checkpoint. One writer per ``run_dir`` is assumed.
 
-Distributed runs (``rlcore.loops.dist``): every rank calls ``save_checkpoint``; sharded FSDP2
-tensors are gathered, rank 0 writes, and the others wait for it (and fail with it). Stored
-weights and optimiser state are those of one process, whatever the world size.
+Distributed runs (``rlcore.loops.dist``): every rank calls ``save_checkpoint``. By default FSDP2
+tensors are gathered, rank 0 writes, and the others wait for it (and fail with it): stored weights
+and optimiser state are those of one process. With ``sharded=True`` each rank writes its own rows
+of every FSDP2 model and of the optimiser state (``loops.checkpoint_shards``: ``models/<name>/`` and
+``optimizer/`` hold ``shards.json`` and one safetensors file per rank), hashes its files for the
+manifest, and no rank gathers a full tensor; such a checkpoint loads at any world size (each rank
+reads only its rows) and ``rlcore export`` writes it as a plain folder one file at a time.
 
 No pickle anywhere: tensors go to safetensors, everything else to JSON; loading never executes
 stored code (``loops.checkpoint_codec``: a stored type is rebuilt from the template, or is one of
@@ -49,10 +53,11 @@ from safetensors.torch import save_file, save_model
 from torch import nn
 
 from rlcore.loops.checkpoint_codec import CheckpointError, load_tensors, read_json, read_pair, write_pair
+from rlcore.loops.checkpoint_shards import INDEX, is_sharded_folder, read_index, read_rows, save_shards, split_rows
 from rlcore.loops.lora import is_peft, load_adapter_weights
 from rlcore.loops.dist.sync import (all_ranks_ok, drop_tied, full_optimizer_state, full_weights,
                                           load_full_weights, shard_optimizer_state)
-from rlcore.loops.dist import dist_info, is_fsdp2, unwrap_model
+from rlcore.loops.dist import all_reduce_sum, dist_info, is_fsdp2, unwrap_model
 from rlcore.loops.state import TrainState
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_info", "resume",
@@ -74,6 +79,15 @@ def _is_hf(model: nn.Module) -> bool:
     return hasattr(model, "save_pretrained") and hasattr(model, "config")
 
 
+def _save_config(model: nn.Module, directory: Path) -> None:
+    """What ``from_pretrained`` needs besides the weights (a sharded folder's weights are the ranks')."""
+    model = unwrap_model(model)
+    if _is_hf(model):
+        model.config.save_pretrained(directory)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(directory)
+
+
 def _save_model(model: nn.Module, directory: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
     directory.mkdir(parents=True)
     model = unwrap_model(model)  # DDP: no ``module.`` prefix, the checkpoint loads in one process
@@ -89,6 +103,8 @@ def _save_model(model: nn.Module, directory: Path, weights: dict[str, torch.Tens
 def _load_model(model: nn.Module, directory: Path) -> None:
     """Load every ``*.safetensors`` of ``directory`` into ``model``'s own tensors, in place (a DDP
     wrapper through its module; an FSDP2 module keeps its shards of the full tensors)."""
+    if is_sharded_folder(directory):
+        return _load_sharded_model(model, directory)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no safetensors weights")
@@ -120,6 +136,57 @@ def _load_model(model: nn.Module, directory: Path) -> None:
         model.load_state_dict(weights, strict=False)
     except RuntimeError as e:  # shapes differ
         raise CheckpointError(f"{directory}: weights do not fit the model: {e}") from e
+
+
+def _load_sharded_model(model: nn.Module, directory: Path) -> None:
+    """Each tensor of ``model`` (its rows, for an FSDP2 shard) read from a sharded folder, in place."""
+    index = read_index(directory)
+    model = unwrap_model(model)
+    if is_peft(model):
+        raise CheckpointError(f"{directory}: a sharded folder holds full weights, the model is a LoRA adapter's")
+    own = drop_tied(model, model.state_dict())
+    stored = index["tensors"]
+    unexpected, missing = sorted(set(stored) - set(own)), sorted(set(own) - set(stored))
+    if unexpected or missing:
+        raise CheckpointError(f"{directory}: weights do not fit the model: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}")
+    with torch.no_grad():
+        for name, t in own.items():
+            if list(t.shape) != stored[name]["shape"]:
+                raise CheckpointError(f"{directory}: {name}: stored shape {stored[name]['shape']}, the model's "
+                                      f"{list(t.shape)}")
+            rows = split_rows(t)
+            target = t.to_local() if rows is not None else t
+            target.copy_(read_rows(directory, index, name, rows))
+
+
+def _optimizer_tensors(sd: dict) -> dict[str, torch.Tensor]:
+    return {f"{i}.{k}": v for i, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
+
+
+def _load_sharded_optimizer(path: Path, stored: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """``stored`` (the optimiser's state dict less its tensors) with each tensor read from
+    ``path/optimizer``: the rows of its parameter's shard (a DTensor like the parameter) or whole."""
+    from torch.distributed.tensor import DTensor
+
+    directory = path / "optimizer"
+    index = read_index(directory)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {i: dict(st) for i, st in stored["state"].items()}
+    keys = {str(i): i for i in state}  # the state dict's own keys (ints), by their names in the index
+    for name, entry in index["tensors"].items():
+        i, _, key = name.partition(".")
+        if not (i.isdigit() and int(i) < len(params) and i in keys and key in state[keys[i]]):
+            raise CheckpointError(f"{directory / INDEX}: tensor {name!r} is no state of the optimiser's "
+                                  f"{len(params)} parameters")
+        p, i = params[int(i)], keys[i]
+        rows = split_rows(p) if entry["split"] and list(p.shape) == entry["shape"] else None
+        value = read_rows(directory, index, name, rows)
+        if rows is not None:
+            value = DTensor.from_local(value.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride())
+        state[i][key] = value
+    return {**stored, "state": state}
 
 
 # --- global RNGs ---------------------------------------------------------------------------------
@@ -172,20 +239,41 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_manifest(root: Path) -> None:
-    """``manifest.json``: size and SHA-256 of every file, written last (truncation and bit rot are caught)."""
-    files = {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(root.rglob("*")) if p.is_file()}
+def _hashes(root: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
+    return {p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
+
+
+def _write_manifest(root: Path, known: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """``manifest.json``: size and SHA-256 of every file, written last (truncation and bit rot are
+    caught); ``known``: entries other ranks computed for the files they wrote."""
+    known = known or {}
+    files = {name: known.get(name) or _hashes(root, [p])[name] for p in sorted(root.rglob("*")) if p.is_file()
+             for name in [p.relative_to(root).as_posix()]}
     (root / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
 
 
-def verify_checkpoint(path: str | Path) -> None:
+def _verify_together(path: Path) -> None:
+    """``verify_checkpoint`` on every rank of a distributed run, each hashing its share of the files."""
+    info = dist_info()
+    if not info.distributed:
+        return verify_checkpoint(path)
+    error = None
+    try:
+        verify_checkpoint(path, share=(info.rank, info.world_size))
+    except CheckpointError as e:
+        error = e
+    _together(error, path, "verify the checkpoint")
+
+
+def verify_checkpoint(path: str | Path, *, share: tuple[int, int] = (0, 1)) -> None:
     """Check a checkpoint against its ``manifest.json`` before anything is read from it.
 
     Every listed file must be a regular file inside the checkpoint (no ``..``, no absolute path,
     no symbolic link on the way, no device or pipe) with the recorded size and SHA-256, and every
     file present must be listed (a planted file is never loaded). Every load path runs this:
-    ``load_checkpoint`` (resume), ``init_from`` and ``rlcore eval``.
+    ``load_checkpoint`` (resume), ``init_from`` and ``rlcore eval``. ``share=(k, n)`` hashes only
+    every ``n``-th listed file from the ``k``-th (the ranks of a run split the reading; sizes and
+    names are checked in full).
 
     Raises:
         CheckpointError: naming the file and what is wrong with it.
@@ -206,7 +294,7 @@ def verify_checkpoint(path: str | Path) -> None:
     unlisted = sorted(present - set(files))
     if unlisted:
         raise CheckpointError(f"{path}: files not in manifest.json: {unlisted[:5]}")
-    for name, entry in files.items():
+    for position, (name, entry) in enumerate(files.items()):
         parts = PurePosixPath(name).parts
         if not isinstance(name, str) or not parts or PurePosixPath(name).is_absolute() or ".." in parts \
                 or "\\" in name or name == "manifest.json":
@@ -222,7 +310,7 @@ def verify_checkpoint(path: str | Path) -> None:
         found = f.stat().st_size
         if found != size:
             raise CheckpointError(f"{f}: truncated or altered: {found} bytes, manifest.json says {size}")
-        if sha is not None and _sha256(f) != sha:
+        if sha is not None and position % share[1] == share[0] and _sha256(f) != sha:
             raise CheckpointError(f"{f}: corrupted: its SHA-256 differs from the one in manifest.json")
 
 
@@ -293,7 +381,8 @@ def _as_dict(config: Any) -> dict:
     return dict(config)
 
 
-def _model_card(step: int, config: dict, metrics: Mapping[str, float], models: Mapping[str, nn.Module]) -> str:
+def _model_card(step: int, config: dict, metrics: Mapping[str, float], models: Mapping[str, nn.Module],
+                sharded: frozenset[str] = frozenset()) -> str:
     base = config.get("base_model") or config.get("model_name_or_path") or config.get("model") or next(
         (getattr(m, "name_or_path", "") for m in models.values() if getattr(m, "name_or_path", "")), "")
     recipe = config.get("recipe", "")
@@ -308,7 +397,12 @@ def _model_card(step: int, config: dict, metrics: Mapping[str, float], models: M
         lines += [f"| {k} | {v:.6g} |" for k, v in metrics.items()] + [""]
     lines += ["## Config", "", "```json", json.dumps(config, indent=2, default=str), "```", ""]
     name = next((n for n, m in models.items() if _is_hf(m)), None)
-    if name is not None and is_peft(models[name]):
+    if name in sharded:
+        lines += ["## Loading", "", f"`models/{name}` holds the weights sharded over the ranks that trained it "
+                  "(`shards.json`, one safetensors file per rank). "
+                  f"`rlcore export {recipe or 'RECIPE'} --checkpoint checkpoint-{step} --out DIR` writes them as a "
+                  "plain `from_pretrained` folder; the run resumes from them at any world size.", ""]
+    elif name is not None and is_peft(models[name]):
         lines += ["## Loading", "", f"`models/{name}` holds a LoRA adapter; its base is the run's `model`.", "",
                   "```python", "from peft import PeftModel",
                   f'model = PeftModel.from_pretrained(base_model, "checkpoint-{step}/models/{name}")', "```", "",
@@ -327,9 +421,12 @@ def _trainable(models: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
 # --- public API ---------------------------------------------------------------------------------------
 def _write_contents(tmp: Path, state: TrainState, step: int, config: dict, models: Mapping[str, nn.Module],
                     extra_json: Any, metrics: Mapping[str, float], weights: Mapping[str, Any],
-                    optimizer_state: dict | None, tokenizer: Any = None) -> None:
+                    optimizer_state: dict | None, tokenizer: Any = None, sharded: frozenset[str] = frozenset()) -> None:
     for name, model in models.items():
-        _save_model(model, tmp / "models" / name, weights.get(name))
+        if name in sharded:  # the ranks write the weights (save_shards); the folder gets the model's config
+            _save_config(model, tmp / "models" / name)
+        else:
+            _save_model(model, tmp / "models" / name, weights.get(name))
     if tokenizer is not None and "policy" in models:  # the policy folder loads with from_pretrained, both halves
         tokenizer.save_pretrained(tmp / "models" / "policy")
     if optimizer_state is not None:
@@ -344,13 +441,13 @@ def _write_contents(tmp: Path, state: TrainState, step: int, config: dict, model
             "metrics": dict(metrics), "extra": extra_json}
     (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2, default=str))
     unwrapped = {n: unwrap_model(m) for n, m in models.items()}
-    (tmp / "README.md").write_text(_model_card(step, config, metrics, unwrapped))
+    (tmp / "README.md").write_text(_model_card(step, config, metrics, unwrapped, sharded))
 
 
 def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None = None, config: Any = None,
                     models: Mapping[str, nn.Module] | None = None, extra_json: Any = None,
                     metrics: Mapping[str, float] | None = None, keep_last: int | None = None,
-                    tokenizer: Any = None) -> Path:
+                    tokenizer: Any = None, sharded: bool = False) -> Path:
     """Write ``state`` to ``run_dir/checkpoint-{step}`` atomically; return that path.
 
     Args:
@@ -367,16 +464,24 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None 
             the new one is in place); ``None`` keeps all.
         tokenizer: saved beside the policy's weights (``models/policy``), so that folder loads with
             ``from_pretrained`` for both the model and its tokenizer.
+        sharded: in a distributed run, each rank writes its own rows of the FSDP2 models and of the
+            optimiser state (``loops.checkpoint_shards``) instead of rank 0 writing gathered tensors.
     Returns:
         ``Path`` of the new checkpoint. Reads the global RNG states without changing them.
 
-    Distributed: call it on every rank (FSDP2 shards are gathered, rank 0 writes with its RNGs,
-    every rank returns once the checkpoint is in place or raises if rank 0 failed).
+    Distributed: call it on every rank (FSDP2 shards are gathered, or each rank writes its own;
+    rank 0 writes the rest with its RNGs; every rank returns once the checkpoint is in place or
+    raises if any rank failed).
     """
     _check_keep_last(keep_last)
     run_dir = Path(run_dir)
     step = state.step if step is None else int(step)
     models = _trainable(state.models) if models is None else dict(models)
+    split = frozenset(n for n, m in models.items() if is_fsdp2(m)) if sharded and dist_info().distributed \
+        else frozenset()
+    if split:
+        return _save_sharded(run_dir, run_dir / f"checkpoint-{step}", state, step, _as_dict(config), models, split,
+                             extra_json, dict(metrics or {}), keep_last, tokenizer)
     weights = {name: full_weights(model) for name, model in models.items()}  # collectives: every rank
     optimizer_state = None if state.optimizer is None else full_optimizer_state(state.optimizer)
     final, error = run_dir / f"checkpoint-{step}", None
@@ -386,11 +491,82 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None 
                               dict(metrics or {}), weights, optimizer_state, keep_last, tokenizer)
         except BaseException as e:  # noqa: BLE001 -- re-raised below, after the other ranks hear of it
             error = e
-    ok = all_ranks_ok(error is None)  # the barrier: every rank waits for rank 0's write
+    _together(error, final, "write the checkpoint")  # the barrier: every rank waits for rank 0's write
+    return final
+
+
+def _together(error: BaseException | None, where: Path, what: str) -> None:
+    """Every rank learns whether every rank succeeded (one all-reduce): a rank's own error is raised
+    on it, the others raise a ``CheckpointError`` pointing to it."""
+    ok = all_ranks_ok(error is None)
     if error is not None:
         raise error
     if not ok:
-        raise CheckpointError(f"{final}: rank 0 failed to write the checkpoint (see its error)")
+        raise CheckpointError(f"{where}: another rank failed to {what} (see its error)")
+
+
+def _save_sharded(run_dir: Path, final: Path, state: TrainState, step: int, config: dict,
+                  models: Mapping[str, nn.Module], split: frozenset[str], extra_json: Any, metrics: dict,
+                  keep_last: int | None, tokenizer: Any) -> Path:
+    """``save_checkpoint(sharded=True)``: every rank writes its rows into the same temporary folder
+    (named by rank 0), hashes its own files for the manifest; rank 0 writes the rest, the manifest,
+    and publishes the folder once every rank has written."""
+    info = dist_info()
+    weights = {name: full_weights(model) for name, model in models.items() if name not in split}  # collectives
+    token = secrets.randbits(31) if info.is_main else 0  # secrets: leaves `random` untouched
+    token = int(all_reduce_sum(torch.tensor([token], dtype=torch.long, device=info.device)).item())
+    tmp, error = run_dir / f".tmp-step-{step}-{token:08x}", None
+    if info.is_main:
+        try:
+            for name in split:
+                (tmp / "models" / name).mkdir(parents=True)
+            if state.optimizer is not None:
+                (tmp / "optimizer").mkdir(parents=True, exist_ok=True)
+        except BaseException as e:  # noqa: BLE001 -- raised by _together, after the other ranks hear of it
+            error = e
+    _together(error, final, "create the checkpoint's folder")
+    try:
+        written = []
+        for name in sorted(split):
+            model = unwrap_model(models[name])
+            written += save_shards(tmp / "models" / name, drop_tied(model, model.state_dict()), rank=info.rank,
+                                   world_size=info.world_size)
+        skeleton = None
+        if state.optimizer is not None:
+            sd = state.optimizer.state_dict()
+            written += save_shards(tmp / "optimizer", _optimizer_tensors(sd), rank=info.rank,
+                                   world_size=info.world_size)
+            skeleton = {**sd, "state": {i: {k: None if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+                                        for i, st in sd["state"].items()}}
+        for f in written:
+            _fsync(f)
+        if info.is_main:
+            _write_contents(tmp, state, step, config, models, extra_json, metrics, weights, skeleton, tokenizer,
+                            sharded=split)
+        else:  # this rank's files, hashed here: rank 0 reads none of them for the manifest
+            hashes = tmp / f".hashes-{info.rank}.json"
+            hashes.write_text(json.dumps(_hashes(tmp, written)))
+            _fsync(hashes)
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    ok = all_ranks_ok(error is None)
+    if info.is_main:
+        try:
+            if ok and error is None:
+                known: dict[str, Any] = {}
+                for rank in range(1, info.world_size):
+                    f = tmp / f".hashes-{rank}.json"
+                    known.update(read_json(f, expect=dict))
+                    f.unlink()
+                _write_manifest(tmp, known)
+                _fsync_tree(tmp)
+                _publish(tmp, final)
+                _prune(run_dir, keep_last)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        if error is not None or not ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _together(error, final, "write the checkpoint")
     return final
 
 
@@ -426,7 +602,7 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
             not fit the template.
     """
     path = Path(path)
-    verify_checkpoint(path)
+    _verify_together(path)
     meta = read_json(path / "trainer_state.json", expect=dict)
     if not (isinstance(meta.get("models"), list) and all(isinstance(n, str) for n in meta["models"])):
         raise CheckpointError(f"{path / 'trainer_state.json'}: expected 'models': a list of names, "
@@ -444,7 +620,10 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
                 raise CheckpointError(f"{path}: the template has a {name} but the checkpoint stores none")
             try:
                 stored = read_pair(path, name)
-                target.load_state_dict(shard_optimizer_state(stored, target) if name == "optimizer" else stored)
+                if name == "optimizer":
+                    stored = _load_sharded_optimizer(path, stored, target) if (path / name / INDEX).is_file() \
+                        else shard_optimizer_state(stored, target)
+                target.load_state_dict(stored)
             except (ValueError, KeyError, RuntimeError) as e:
                 raise CheckpointError(f"{path / name}.json: does not fit the template's {name}: {e}") from e
     rest = {f.name: getattr(state_template, f.name) for f in dataclasses.fields(state_template)
@@ -480,13 +659,13 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, *, every: int, keep_last: int | None = None, config: Any = None,
                  models: Mapping[str, nn.Module] | None = None, extra_json: Any = None, at_end: bool = True,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, sharded: bool = False):
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every: expected a positive int, got {every!r}")
         _check_keep_last(keep_last)
         self.run_dir, self.every, self.at_end = Path(run_dir), every, at_end
         self.kwargs = dict(keep_last=keep_last, config=config, models=models, extra_json=extra_json,
-                           tokenizer=tokenizer)
+                           tokenizer=tokenizer, sharded=sharded)
         self.saved: list[Path] = []
         self._metrics: dict = {}
 

@@ -207,8 +207,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from rlcore.loops.checkpoint_shards import is_sharded_folder, plain_folder
     from rlcore.loops.lora import export_merged
-    from rlcore.loops.recipe import build_policy
+    from rlcore.loops.recipe import build_policy, checkpoint_model_dir
 
     recipe = RECIPES[args.recipe]
     if recipe.checkpoint_state is not None:
@@ -218,6 +219,12 @@ def _export(args: argparse.Namespace) -> int:
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"rlcore export: --out {out} exists and is not empty")
     path, start, caller = _saved_run(recipe, args)
+    model_dir = checkpoint_model_dir(path)
+    if is_sharded_folder(model_dir):  # full weights written by the ranks: gathered one file at a time
+        args.started.on_start(None)
+        plain_folder(model_dir, out)
+        print(json.dumps({"exported": str(out), "from": str(path)}))
+        return 0
     # the checkpoint's policy as plain weights: an adapter merged into its base, no new adapter
     config = _config(recipe, args, start, {"init_from": str(path), "resume": False, "use_peft": False,
                                            "gradient_checkpointing": False, "device": "cpu"})

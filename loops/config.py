@@ -457,6 +457,7 @@ def _agent_faults(config: Any) -> list[str]:
 
 
 SHARDING_STRATEGIES = ("none", "fsdp2")
+FSDP_CHECKPOINTS = ("sharded", "full")
 
 
 def _sharding_faults(config: Any) -> list[str]:
@@ -465,6 +466,8 @@ def _sharding_faults(config: Any) -> list[str]:
     strategy = getattr(config, "strategy", "none")
     if strategy not in SHARDING_STRATEGIES:
         return [f"strategy: expected one of {list(SHARDING_STRATEGIES)}, got {strategy!r}"]
+    if getattr(config, "fsdp_checkpoint", "sharded") not in FSDP_CHECKPOINTS:
+        return [f"fsdp_checkpoint: expected one of {list(FSDP_CHECKPOINTS)}, got {config.fsdp_checkpoint!r}"]
     if strategy != "fsdp2":
         return []
     faults = []

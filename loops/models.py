@@ -279,9 +279,14 @@ def _quiet_loading():
 
 def safetensors_shapes(directory: str | Path) -> tuple[dict[str, list[int]], dict[str, Path]]:
     """``(key -> shape, key -> file)`` of every ``*.safetensors`` file in ``directory``, each header
-    checked (``check_safetensors``), no tensor read."""
+    checked (``check_safetensors``), no tensor read; of a sharded folder (``loops.checkpoint_shards``)
+    the full shapes its checked index gives, each key's file its ``shards.json``."""
     from rlcore.loops.checkpoint_codec import check_safetensors
+    from rlcore.loops.checkpoint_shards import INDEX, is_sharded_folder, read_index
 
+    if is_sharded_folder(directory):
+        index = read_index(Path(directory))["tensors"]
+        return {k: e["shape"] for k, e in index.items()}, {k: Path(directory) / INDEX for k in index}
     shapes, files = {}, {}
     for f in sorted(Path(directory).glob("*.safetensors")):
         for key, entry in check_safetensors(f).items():

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import itertools
 import random
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from rlcore.loops.fold import Interrupted, every, fold, to_floats
 from rlcore.loops.logging import make_loggers
 from rlcore.loops.lora import adapter_off, apply_lora, check_adapter_fits, is_adapter_dir, is_peft, with_adapter
 from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, read_json
+from rlcore.loops.checkpoint_shards import is_sharded_folder, plain_folder
 from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
@@ -285,6 +287,10 @@ def _checkpoint_weights(model_dir: Path, task: str, loading: Mapping[str, Any]) 
                          f"{_TASK_NAMES[task]} and would start from a random LM head: start from a policy "
                          "checkpoint (an SFT run, or a model folder)")
     try:
+        if is_sharded_folder(model_dir):  # the full tensors, one file at a time, into a plain folder first
+            with tempfile.TemporaryDirectory() as plain:
+                return load_exact(plain_folder(model_dir, Path(plain)), task=task,
+                                  new_head=saved is not None and saved != task, **_head_kwargs(task), **loading)
         return load_exact(model_dir, task=task, new_head=saved is not None and saved != task,
                           **_head_kwargs(task), **loading)
     except ValueError as e:  # a CheckpointMismatch stays one
@@ -571,7 +577,7 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
                 saved = {n: state.models[n] for n in dict.fromkeys([*trainable, *save_models])}
             cbs.append(Checkpointer(run_dir, every=config.save_every or max(num_steps, 1),
                                     keep_last=config.keep_last, config=settings, tokenizer=tokenizer,
-                                    models=saved))
+                                    models=saved, sharded=getattr(config, "fsdp_checkpoint", "full") == "sharded"))
         # Under torchrun each item of the source is the global batch and every rank takes its share.
         try:
             return fold(step, state, shard_source(source), num_steps=num_steps, callbacks=cbs)

@@ -261,10 +261,12 @@ def interrupted_report(stopped: Any, argv: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-# Fields a resumed run may change: how long it runs, where and how often it logs, saves and evaluates.
+# Fields a resumed run may change: how long it runs, where and how often it logs, saves and evaluates,
+# and how its models sit on the ranks (a checkpoint resumes at any world size, sharded or not).
 RESUMABLE_CHANGES = frozenset({"steps", "num_epochs", "resume", "run_dir", "save_every", "keep_last", "eval_every",
                                "log_every", "report_to", "log_completions", "eval_batch_size", "num_eval_images", "eval_seed",
-                               "device", "init_from", "gradient_checkpointing", "overwrite"})
+                               "device", "init_from", "gradient_checkpointing", "overwrite", "strategy",
+                               "fsdp_reshard_after_forward", "fsdp_cpu_offload", "fsdp_checkpoint"})
 
 
 def check_resume(checkpoint: str | Path, config: Mapping[str, Any], recipe: str) -> None:

@@ -213,6 +213,10 @@ class ShardingSettings(Section):
                                                           "forward and gather them again for the backward")
     fsdp_cpu_offload: bool = setting(False, help="fsdp2: the shards (parameters, gradients, optimiser state) kept "
                                                  "in CPU memory between uses")
+    fsdp_checkpoint: str = setting("sharded", help="fsdp2: sharded: each rank writes its own rows of the weights and "
+                                                   "optimiser state (no full tensor gathered; resumes at any world "
+                                                   "size; rlcore export writes a plain folder) | full: rank 0 writes "
+                                                   "the gathered tensors (models/policy loads with from_pretrained)")
 
 
 @dataclasses.dataclass(frozen=True)
