@@ -182,6 +182,11 @@ class ContextCache:
     row, as without a cache), and leaves in it the row's prompt and response as far as the model
     read them (the last token drawn is never read). The logits equal a prefill of the whole row up
     to float rounding (another summation order). An empty cache fills on its first call.
+
+    The keys and values are those of the weights that computed them: after the weights change,
+    start from empty caches (``sample_episodes`` keeps its caches for one call only). During a
+    call the cache is empty (its tensors are in the call's batch), so a call that fails leaves it
+    empty, never half written.
     """
 
     __slots__ = ("ids", "layers")
@@ -206,16 +211,22 @@ def carries_context(model: nn.Module) -> bool:
 def _prefill_continued(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, past: Sequence[ContextCache]):
     """``_prefill`` (one sample per row) that reads only what follows each row's ``past[b].ids``.
 
-    The cached keys and values are right aligned in ``[P, heads, T, d]`` (``T`` the longest reused
-    prefix), the rows' remaining tokens left padded after them: row ``b`` attends to
-    ``[pad | cached | pad | rest]`` with its pads masked, and its positions count real tokens only,
-    as in a prefill of the whole row. At least a row's last token is read again (its logits start
-    the decoding).
+    Every row reads the same number ``S`` of tokens, its last ``S`` (``S`` the longest part some row
+    has not cached: a row with less new text reads some of its cached tokens again), after its
+    cached keys and values right aligned in ``[P, heads, T, d]``: row ``b`` is laid out
+    ``[pad | cached | read]`` with no gap, as in a left-padded prefill of the whole row, which
+    models that measure distances in columns (ALiBi, local attention windows) need; positions count
+    real tokens only. At least a row's last token is read again (its logits start the decoding).
+    The caches are emptied: their tensors now live in the batch's cache.
     """
     rows = [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
-    reused = [min(len(c), len(r) - 1) if c.layers and r[:len(c)] == c.ids else 0 for c, r in zip(past, rows)]
+    cached = [min(len(c), len(r) - 1) if c.layers and r[:len(c)] == c.ids else 0 for c, r in zip(past, rows)]
+    read = max(len(r) - n for r, n in zip(rows, cached))
+    reused = [max(len(r) - read, 0) for r in rows]  # <= cached: len(r) - cached <= read
     T = max(reused)
     if T == 0:
+        for c in past:
+            c.ids, c.layers = [], []
         return _prefill(model, ids, mask, 1)
     cache = DynamicCache(config=model.config)
     past_mask = torch.zeros(len(rows), T, dtype=torch.bool, device=ids.device)
@@ -229,6 +240,8 @@ def _prefill_continued(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, 
                 if n:
                     kv[j][b, :, T - n:] = past[b].layers[index][j][:, :n]
         cache.update(kv[0], kv[1], index)
+    for c in past:
+        c.ids, c.layers = [], []
     rest, rest_mask = (x.to(ids.device) for x in pad_sequences([r[n:] for r, n in zip(rows, reused)], side="left"))
     attention = torch.cat([past_mask, rest_mask], -1)
     position = position_ids_from_mask(attention)[:, T:]
@@ -242,12 +255,15 @@ def _keep_context(past: Sequence[ContextCache], cache: DynamicCache, prefix: tor
     """Each row's real columns of ``cache`` into ``past[b]``: those of ``prefix`` (the prefill's
     attention mask), then the tokens fed back at the decode steps (``fed[k]``) before the row
     stopped (``live[k]``)."""
-    live_m = torch.stack(live, -1) if live else mask.new_zeros(mask.shape[0], 0)
-    tokens = torch.stack(fed, -1) if fed else ids.new_zeros(ids.shape[0], 0)
-    keep = torch.cat([prefix.bool(), live_m], -1)
+    live_m = (torch.stack(live, -1) if live else mask.new_zeros(mask.shape[0], 0)).cpu()
+    tokens = (torch.stack(fed, -1) if fed else ids.new_zeros(ids.shape[0], 0)).cpu()
+    keep = torch.cat([prefix.bool().cpu(), live_m], -1)  # on the host: one copy, no sync per row
+    prompt_ids, prompt_mask = ids.cpu(), mask.cpu()
     for b, entry in enumerate(past):
-        entry.ids = ids[b][mask[b]].tolist() + tokens[b][live_m[b]].tolist()
-        entry.layers = [(layer.keys[b][:, keep[b]], layer.values[b][:, keep[b]]) for layer in cache.layers]
+        columns = keep[b].nonzero().squeeze(1).to(cache.layers[0].keys.device)
+        layers = [(layer.keys[b].index_select(1, columns), layer.values[b].index_select(1, columns))
+                  for layer in cache.layers]
+        entry.ids, entry.layers = prompt_ids[b][prompt_mask[b]].tolist() + tokens[b][live_m[b]].tolist(), layers
 
 
 class _PreallocatedLayer(DynamicLayer):

@@ -52,6 +52,7 @@ def _evaluate_rows(state: TrainState, rows: Mapping[str, Sequence], config: Any,
             return generate_rollout(model, tokenizer, prompts, **gen, **kw)
         return sample_episodes(model, tokenizer, rows, env, max_turns=config.max_turns,
                                max_episode_tokens=config.max_episode_tokens,
+                               reuse_context=getattr(config, "reuse_context", True),
                                **{k: v for k, v in {**gen, **kw}.items() if k != "behaviour"})
 
     greedy = generate(policy, do_sample=False, behaviour=None)

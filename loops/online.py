@@ -241,7 +241,7 @@ def sample(state: TrainState, rows: Mapping[str, Sequence], *, generation: Gener
         rows: ``P`` rows of columns with ``prompt`` (text or conversations; an environment's
             ``reset`` reads the whole row).
         max_prompt_length: the data's (``None``: no limit).  agent: the multi-turn settings
-            (``max_turns``, ``max_episode_tokens``) the state's environment is played with.
+            (``max_turns``, ``max_episode_tokens``, ``reuse_context``) the state's environment is played with.
         num_samples: ``G`` (default ``generation.num_samples``).
     Returns:
         The state with its generator advanced, and the unscored rollout ``[B = P·G]`` (``loops.collect``,
@@ -252,7 +252,8 @@ def sample(state: TrainState, rows: Mapping[str, Sequence], *, generation: Gener
     kwargs = generate_kwargs(generation, max_prompt_length=max_prompt_length)
     if num_samples is not None:
         kwargs["num_samples"] = num_samples
-    turns = dict(max_turns=agent.max_turns, max_episode_tokens=agent.max_episode_tokens) if agent else {}
+    turns = dict(max_turns=agent.max_turns, max_episode_tokens=agent.max_episode_tokens,
+                 reuse_context=agent.reuse_context) if agent else {}
     rollout = generate_or_play(state.model("policy"), tokenizer, rows, seed=seed, policy_version=state.policy_version,
                                generate=kwargs, env=state.env, turns=turns)
     return dataclasses.replace(state, rng=rng), rollout

@@ -414,6 +414,9 @@ class AgentSettings(Section):
     max_episode_tokens: int | None = setting(None, help="tokens of a whole trajectory, the model's and the "
                                                         "environment's (None: the model's context less the prompt)",
                                              units="tokens", range=AT_LEAST_1)
+    reuse_context: bool = setting(True, help="engine loop: keep each episode's KV cache from one turn to the next, "
+                                             "so a turn reads only the new tokens (False: the whole context "
+                                             "encoded again each turn, and no cache held between turns)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,7 +152,8 @@ def agent_settings(config: Any) -> dict[str, Any] | None:
     if getattr(config, "env", None) is None and not getattr(config, "tools", ()):
         return None
     return {"env": config.env, "tools": tuple(config.tools), "tool_format": config.tool_format,
-            "max_turns": config.max_turns, "max_episode_tokens": config.max_episode_tokens}
+            "max_turns": config.max_turns, "max_episode_tokens": config.max_episode_tokens,
+            "reuse_context": config.reuse_context}
 
 
 def episode_player(episodes: Mapping[str, Any] | None) -> tuple[Any, dict[str, Any] | None]:
@@ -162,7 +163,7 @@ def episode_player(episodes: Mapping[str, Any] | None) -> tuple[Any, dict[str, A
     if episodes is None:
         return None, None
     return (resolve_env(episodes["env"], episodes["tools"], tool_format=episodes["tool_format"]),
-            {k: episodes[k] for k in ("max_turns", "max_episode_tokens")})
+            {k: episodes[k] for k in ("max_turns", "max_episode_tokens", "reuse_context")})
 
 
 def push_weights(handle: GeneratorHandle, policy: nn.Module, *, steps_done: int, version: int) -> None:
@@ -199,7 +200,7 @@ def generator_process(policy: nn.Module, tokenizer, *, max_lag: int, steps_done:
         seed: the generator process's global generators (``set_seed``: Python, NumPy, torch); each
             rollout's sampling has its own seed from the learner.
         episodes: multi-turn episodes instead of single responses: the config's ``env``, ``tools``,
-            ``tool_format``, ``max_turns`` and ``max_episode_tokens`` (``agent_settings``), the
+            ``tool_format``, ``max_turns``, ``max_episode_tokens`` and ``reuse_context`` (``agent_settings``), the
             environment resolved in the generator process (``loops.envs.resolve_env``).
     """
     check_max_lag(max_lag)

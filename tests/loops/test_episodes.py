@@ -457,17 +457,36 @@ def test_the_reft_recipes_refuse_an_environment(name):
         RECIPES[name].config(env="calculator", run_dir=None)
 
 
-@pytest.mark.parametrize("do_sample,every", [(False, 2), (True, 3), (True, 4)])
-def test_a_kept_context_plays_the_episodes_of_a_whole_prefill_each_turn(do_sample, every):
+def _local_attention_lm(tokenizer):
+    """GPT-Neo with a local attention window of 8 columns: its attention depends on where a row's
+    tokens sit in the batch, not only on their positions."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(GPTNeoConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_layers=4, num_heads=4, attention_types=[[["local", "global"], 2]],
+        window_size=8, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)).eval()
+
+
+@pytest.mark.parametrize("arch,do_sample,every", [("llama", False, 2), ("llama", True, 3), ("llama", True, 4),
+                                                  ("gpt_neo", True, 3)])
+def test_a_kept_context_plays_the_episodes_of_a_whole_prefill_each_turn(arch, do_sample, every):
     """The loop engine's per-episode KV cache (``ContextCache``): each turn reads only what is new,
     and the episodes (ragged turns: some rows stop early, some run to the budget) are those of
-    encoding every turn's whole context again, to float rounding (the tokens exactly here)."""
+    encoding every turn's whole context again, to float rounding (the tokens exactly here), also for
+    a model with a local attention window."""
     tokenizer = build_tokenizer()
-    model = build_model("llama", tokenizer=tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=3).eval()
+    model = build_model("llama", tokenizer=tokenizer, hidden_size=64, num_layers=2, num_heads=4, seed=3).eval() \
+        if arch == "llama" else _local_attention_lm(tokenizer)
     stops = list(range(0, len(tokenizer), every))
     read = []
-    hook = model.model.register_forward_pre_hook(lambda m, args, kwargs: read.append(kwargs["input_ids"].shape[1])
-                                                 if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+
+    def count(module, args, kwargs):
+        width = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else args[0]).shape[1]
+        if width > 1:  # a prefill, not a decode step
+            read.append(width)
+    hook = model.base_model.register_forward_pre_hook(count, with_kwargs=True)
     kw = dict(num_samples=3, max_new_tokens=6, max_turns=4, stop_token_ids=stops, seed=5, do_sample=do_sample)
     try:
         kept = sample_episodes(model, tokenizer, ROWS, lambda: Countdown(4), **kw)
