@@ -458,6 +458,7 @@ def _agent_faults(config: Any) -> list[str]:
 
 SHARDING_STRATEGIES = ("none", "fsdp2")
 FSDP_CHECKPOINTS = ("sharded", "full")
+FSDP_PARAM_DTYPES = (None, "bfloat16", "float16")
 
 
 def _sharding_faults(config: Any) -> list[str]:
@@ -468,6 +469,8 @@ def _sharding_faults(config: Any) -> list[str]:
         return [f"strategy: expected one of {list(SHARDING_STRATEGIES)}, got {strategy!r}"]
     if getattr(config, "fsdp_checkpoint", "sharded") not in FSDP_CHECKPOINTS:
         return [f"fsdp_checkpoint: expected one of {list(FSDP_CHECKPOINTS)}, got {config.fsdp_checkpoint!r}"]
+    if getattr(config, "fsdp_param_dtype", None) not in FSDP_PARAM_DTYPES:
+        return [f"fsdp_param_dtype: expected one of {list(FSDP_PARAM_DTYPES)}, got {config.fsdp_param_dtype!r}"]
     if strategy != "fsdp2":
         return []
     faults = []

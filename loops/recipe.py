@@ -24,6 +24,7 @@ recipe's ``Config`` (``run`` only its run fields, which the DDPO config has too)
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 import random
@@ -49,7 +50,7 @@ from rlcore.loops.checkpoint_shards import is_sharded_folder, plain_folder
 from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
-from rlcore.loops.dist import dist_info, is_main, shard_source, wrap_model
+from rlcore.loops.dist import dist_info, is_fsdp2, is_main, shard_source, wrap_model
 from rlcore.loops.settings import field_rule
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.trl_defaults import report_defaults
@@ -109,6 +110,8 @@ def build_reference(config: Any, policy: nn.Module) -> nn.Module:
                 raise ValueError(f"ref_device: {device!r}: the reference of a LoRA policy is the policy itself with "
                                  "its adapter off, on the policy's device; give a ref_model to place one elsewhere")
             return adapter_off(policy)
+        if _sharding(config) and isinstance(policy, PreTrainedModel):
+            return _sharded_reference(policy, config)
         return make_reference(policy).to(device) if device is not None else make_reference(policy)
     source = Path(path)
     if (source / "manifest.json").is_file() or latest_checkpoint(source) is not None:
@@ -359,24 +362,60 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     ``none`` (and any run in one process): as they are, every rank holding each model whole
     (``update`` sums the gradients). ``fsdp2``: each Hugging Face model (policy, reference, critic,
     reward model) goes through ``loops.dist.wrap_model(strategy="fsdp2")``: ``fully_shard`` on each
-    block and on the root, ``reshard_after_forward=fsdp_reshard_after_forward`` and, with
+    block and on the root, ``reshard_after_forward=fsdp_reshard_after_forward``, with
+    ``fsdp_param_dtype`` torch's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` and, with
     ``fsdp_cpu_offload``, torch's ``CPUOffloadPolicy``. The shards of a frozen model carry no
     optimiser state. A model shared under two names (the ReFT recipes' policy and reference) is
     sharded once; small heads of no Hugging Face class (PPO's shared ``ValueHead``) stay whole.
     Call before the optimiser is made: sharding replaces the parameters.
     """
-    if getattr(config, "strategy", "none") != "fsdp2" or not dist_info().distributed:
+    if not _sharding(config):
         return dict(models)
-    kwargs: dict[str, Any] = {"reshard_after_forward": config.fsdp_reshard_after_forward}
-    if config.fsdp_cpu_offload:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs a GPU
     done: dict[int, nn.Module] = {}
     for model in models.values():
         if id(model) not in done:
-            whole = not isinstance(model, PreTrainedModel)
-            done[id(model)] = model if whole else wrap_model(model, strategy="fsdp2", **kwargs)
+            whole = not isinstance(model, PreTrainedModel) or is_fsdp2(model)  # a head; or sharded already
+            done[id(model)] = model if whole else wrap_model(model, strategy="fsdp2", **_fsdp_kwargs(config))
     return {name: done[id(model)] for name, model in models.items()}
+
+
+def _sharding(config: Any) -> bool:
+    return getattr(config, "strategy", "none") == "fsdp2" and dist_info().distributed
+
+
+def _fsdp_kwargs(config: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"reshard_after_forward": config.fsdp_reshard_after_forward}
+    if config.fsdp_param_dtype is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, config.fsdp_param_dtype),
+                                                   reduce_dtype=torch.float32)
+    if config.fsdp_cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs a GPU
+    return kwargs
+
+
+@torch.no_grad()
+def _sharded_reference(policy: PreTrainedModel, config: Any) -> nn.Module:
+    """The frozen copy of ``policy`` for an fsdp2 run, never whole on a rank: the policy is sharded
+    first (in place, as ``shard_models`` would), the reference is built on the meta device (nothing
+    allocated), sharded alike, and each rank copies its own rows of every parameter (and the
+    buffers, which stay whole) from the policy. A rank's peak while building is one whole model,
+    not two."""
+    if not is_fsdp2(policy):
+        wrap_model(policy, strategy="fsdp2", **_fsdp_kwargs(config))
+    with torch.device("meta"):
+        ref = type(policy)._from_config(copy.deepcopy(policy.config), dtype=policy.dtype,
+                                        attn_implementation=policy.config._attn_implementation)
+    ref = wrap_model(ref, strategy="fsdp2", **_fsdp_kwargs(config))
+    ref.to_empty(device=next(policy.parameters()).device)
+    own = dict(policy.named_parameters(remove_duplicate=False)) | dict(policy.named_buffers())
+    for name, t in [*ref.named_parameters(remove_duplicate=False), *ref.named_buffers()]:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        source = own[name].to_local() if hasattr(own[name], "to_local") else own[name]
+        local.copy_(source)
+    ref.generation_config = copy.deepcopy(policy.generation_config)
+    return ref.eval().requires_grad_(False)
 
 
 def init_train_state(models: Mapping[str, nn.Module], config: Any, *, trainable: Sequence[str] = ("policy",),

@@ -213,6 +213,10 @@ class ShardingSettings(Section):
                                                           "forward and gather them again for the backward")
     fsdp_cpu_offload: bool = setting(False, help="fsdp2: the shards (parameters, gradients, optimiser state) kept "
                                                  "in CPU memory between uses")
+    fsdp_param_dtype: str | None = setting(None, help="fsdp2: the dtype a block's gathered parameters and its "
+                                                      "forward and backward run in (bfloat16 | float16), the shards "
+                                                      "and the optimiser staying in the weights' dtype and the "
+                                                      "gradients reduced in float32 (None: the weights' dtype)")
     fsdp_checkpoint: str = setting("sharded", help="fsdp2: sharded: each rank writes its own rows of the weights and "
                                                    "optimiser state (no full tensor gathered; resumes at any world "
                                                    "size; rlcore export writes a plain folder) | full: rank 0 writes "
