@@ -217,3 +217,53 @@ def test_export_and_init_from_read_a_sharded_checkpoint(runs, tmp_path):
     state = dpo._setup(dpo.Config(**{**SETTINGS, "strategy": "none"}, run_dir=None, init_from=str(out / "w4")))[0]
     for name, p in state.model("policy").named_parameters():
         assert torch.equal(p.detach(), trained[f"w4/{name}"]), name
+
+
+CRASH_ONCE = '''
+from pathlib import Path
+
+calls = 0
+
+
+def crash_once(prompts, completions, **_):
+    """Rank 1 of the first launch fails in step 2's scoring (the step 1 checkpoint is written)."""
+    global calls
+    calls += 1
+    if calls == 2 and __import__("os").environ["RANK"] == "1" and not Path("crashed").exists():
+        Path("crashed").write_text("rank 1, step 2")
+        raise RuntimeError("a worker lost mid-run")
+    return [float(len(c)) for c in completions]
+'''
+
+
+@pytest.mark.slow
+def test_a_failed_sharded_torchrun_job_launched_again_continues_from_its_last_checkpoint(tmp_path):
+    """The same ``torchrun`` command with ``--resume true``: a rank fails in step 2, the job ends with
+    an error, and the command launched again continues from the sharded checkpoint of step 1."""
+    import os
+    import subprocess
+    import sys
+
+    from rlcore.loops.dist import free_port
+
+    (tmp_path / "crash_once.py").write_text(CRASH_ONCE)
+    run = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+
+    def launch():
+        cmd = [str(torchrun), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               "-m", "rlcore.loops.cli", "train", "grpo", "--strategy", "fsdp2", "--reward_funcs",
+               "crash_once:crash_once", "--steps", "3", "--save_every", "1", "--resume", "true", "--batch_size", "4",
+               "--num_samples", "2", "--max_new_tokens", "4", "--hidden_size", "32", "--num_layers", "1",
+               "--num_train", "16", "--num_eval", "0", "--eval_every", "0", "--run_dir", str(run)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    failed = launch()
+    assert failed.returncode != 0 and "a worker lost mid-run" in failed.stderr
+    assert [p.name for p in sorted(run.glob("checkpoint-*"))] == ["checkpoint-1"]
+    done = launch()
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # step 1 from the first launch, 2 and 3 from the second
+    assert (run / "checkpoint-3" / "models" / "policy" / shard_file(1, 2)).is_file()
