@@ -186,6 +186,10 @@ def _load_sharded_optimizer(path: Path, stored: dict, optimizer: torch.optim.Opt
             value = DTensor.from_local(value.to(p.device), p.device_mesh, p.placements, run_check=False,
                                        shape=p.shape, stride=p.stride())
         state[i][key] = value
+    unfilled = sorted(f"{i}.{k}" for i, st in state.items() for k, v in st.items() if v is None)
+    if unfilled:
+        raise CheckpointError(f"{directory / INDEX}: no tensor for the optimiser state {unfilled[:5]} that "
+                              f"{path / 'optimizer.json'} lists")
     return {**stored, "state": state}
 
 
