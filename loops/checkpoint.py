@@ -172,6 +172,9 @@ def _load_sharded_optimizer(path: Path, stored: dict, optimizer: torch.optim.Opt
     directory = path / "optimizer"
     index = read_index(directory)
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not (isinstance(stored, dict) and isinstance(stored.get("state"), dict)
+            and all(isinstance(st, dict) for st in stored["state"].values())):
+        raise CheckpointError(f"{path / 'optimizer.json'}: expected {{'state': {{index: {{name: value}}}}, ...}}")
     state = {i: dict(st) for i, st in stored["state"].items()}
     keys = {str(i): i for i in state}  # the state dict's own keys (ints), by their names in the index
     for name, entry in index["tensors"].items():
@@ -180,7 +183,10 @@ def _load_sharded_optimizer(path: Path, stored: dict, optimizer: torch.optim.Opt
             raise CheckpointError(f"{directory / INDEX}: tensor {name!r} is no state of the optimiser's "
                                   f"{len(params)} parameters")
         p, i = params[int(i)], keys[i]
-        rows = split_rows(p) if entry["split"] and list(p.shape) == entry["shape"] else None
+        if entry["split"] and list(p.shape) != entry["shape"]:
+            raise CheckpointError(f"{directory / INDEX}: {name}: shape {entry['shape']}, its parameter's "
+                                  f"{list(p.shape)}")
+        rows = split_rows(p) if entry["split"] else None
         value = read_rows(directory, index, name, rows)
         if rows is not None:
             value = DTensor.from_local(value.to(p.device), p.device_mesh, p.placements, run_check=False,
@@ -237,9 +243,12 @@ def _fsync_tree(root: Path) -> None:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from e
     return digest.hexdigest()
 
 
@@ -264,7 +273,7 @@ def _verify_together(path: Path) -> None:
     error = None
     try:
         verify_checkpoint(path, share=(info.rank, info.world_size))
-    except CheckpointError as e:
+    except Exception as e:  # noqa: BLE001 -- an I/O error too: raised by _together once every rank knows
         error = e
     _together(error, path, "verify the checkpoint")
 
@@ -615,7 +624,29 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
     if absent:
         raise CheckpointError(f"{path}: models {absent} are stored but not in the template "
                               f"(which has {sorted(state_template.models)})")
-    for name in meta["models"]:
+    error = None
+    try:  # each rank reads its own rows of a sharded checkpoint: one failing makes every rank raise
+        _load_weights_and_optimizer(path, meta["models"], state_template)
+    except Exception as e:  # noqa: BLE001 -- raised by _together
+        error = e
+    if dist_info().distributed:
+        _together(error, path, "load the checkpoint")
+    elif error is not None:
+        raise error
+    rest = {f.name: getattr(state_template, f.name) for f in dataclasses.fields(state_template)
+            if f.name not in _SPECIAL}
+    restored = read_pair(path, "state", like=rest)
+    if restore_global_rng:
+        try:
+            _set_global_rng(read_pair(path, "rng"))
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a well-formed file of the wrong shape
+            raise CheckpointError(f"{path / 'rng.json'}: not the global RNG states rlcore stores "
+                                  f"({type(e).__name__}: {e})") from e
+    return dataclasses.replace(state_template, **{k: v for k, v in restored.items() if k in rest})
+
+
+def _load_weights_and_optimizer(path: Path, names: list[str], state_template: TrainState) -> None:
+    for name in names:
         _load_model(state_template.models[name], path / "models" / name)
     for name in ("optimizer", "scheduler"):
         target = getattr(state_template, name)
@@ -628,18 +659,8 @@ def load_checkpoint(path: str | Path, state_template: TrainState, *, restore_glo
                     stored = _load_sharded_optimizer(path, stored, target) if (path / name / INDEX).is_file() \
                         else shard_optimizer_state(stored, target)
                 target.load_state_dict(stored)
-            except (ValueError, KeyError, RuntimeError) as e:
+            except (ValueError, KeyError, RuntimeError, TypeError, AttributeError) as e:
                 raise CheckpointError(f"{path / name}.json: does not fit the template's {name}: {e}") from e
-    rest = {f.name: getattr(state_template, f.name) for f in dataclasses.fields(state_template)
-            if f.name not in _SPECIAL}
-    restored = read_pair(path, "state", like=rest)
-    if restore_global_rng:
-        try:
-            _set_global_rng(read_pair(path, "rng"))
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a well-formed file of the wrong shape
-            raise CheckpointError(f"{path / 'rng.json'}: not the global RNG states rlcore stores "
-                                  f"({type(e).__name__}: {e})") from e
-    return dataclasses.replace(state_template, **{k: v for k, v in restored.items() if k in rest})
 
 
 def checkpoint_info(path: str | Path) -> dict[str, Any]:

@@ -139,11 +139,12 @@ def read_index(directory: Path) -> dict[str, Any]:
                               f"world_size {world!r}, tensors of type {type(tensors).__name__}")
     for name, entry in tensors.items():
         shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                                for s in shape)
-                and entry.get("dtype") in _DTYPES and isinstance(entry.get("split"), bool)
+        if not (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2 ** 62
+                                                for s in shape) and math.prod(shape) < 2 ** 62
+                and isinstance(entry.get("dtype"), str) and entry["dtype"] in _DTYPES
+                and isinstance(entry.get("split"), bool)
                 and (shape or not entry["split"])):
-            raise CheckpointError(f"{where}: tensor {name!r}: expected {{shape: [int >= 0, ...], dtype: one of "
+            raise CheckpointError(f"{where}: tensor {name!r}: expected {{shape: [0 <= int < 2**62, ...], dtype: one of "
                                   f"{sorted(_DTYPES)}, split: bool (only with a shape)}}, got {entry!r:.200}")
     for rank in range(world):
         path = directory / shard_file(rank, world)
@@ -166,7 +167,14 @@ def read_index(directory: Path) -> dict[str, Any]:
 def read_rows(directory: Path, index: Mapping[str, Any], name: str, rows: tuple[int, int] | None = None
               ) -> torch.Tensor:
     """Rows ``[start, stop)`` of stored tensor ``name`` (``None``: the whole tensor), read from the
-    files that hold them and nothing else."""
+    files that hold them and nothing else (an unreadable file is a ``CheckpointError`` naming it)."""
+    try:
+        return _read_rows(directory, index, name, rows)
+    except (OSError, RuntimeError, TypeError, ValueError) as e:  # safetensors' own errors are RuntimeErrors
+        raise CheckpointError(f"{directory}: tensor {name!r} unreadable ({type(e).__name__}: {e})") from e
+
+
+def _read_rows(directory: Path, index: Mapping[str, Any], name: str, rows: tuple[int, int] | None) -> torch.Tensor:
     entry, world = index["tensors"][name], index["world_size"]
     if not entry["split"]:
         with safe_open(str(directory / shard_file(0, world)), "pt") as f:
@@ -188,7 +196,8 @@ def read_rows(directory: Path, index: Mapping[str, Any], name: str, rows: tuple[
 
 def gather_folder(directory: Path, out: Path, *, max_file_bytes: int = 2 << 30) -> list[Path]:
     """Write the full tensors of sharded folder ``directory`` into ``out`` as safetensors files of at
-    most about ``max_file_bytes`` each (one, ``model.safetensors``, when they fit; else
+    most about ``max_file_bytes`` each (a larger tensor alone in its file; one file,
+    ``model.safetensors``, when they fit; else
     ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``, the layout
     ``from_pretrained`` reads), holding one output file's tensors in memory at a time."""
     index = read_index(directory)
@@ -221,7 +230,8 @@ def plain_folder(directory: Path, out: Path, *, max_file_bytes: int = 2 << 30) -
     gather_folder(directory, out, max_file_bytes=max_file_bytes)
     index = read_index(directory)
     shards = {INDEX} | {shard_file(r, index["world_size"]) for r in range(index["world_size"])}
-    for f in sorted(directory.iterdir()):
-        if f.is_file() and not f.is_symlink() and f.name not in shards:
+    for f in sorted(directory.iterdir()):  # never weights beside the shards: the output holds the shards' only
+        weights = f.suffix == ".safetensors" or f.name == "model.safetensors.index.json"
+        if f.is_file() and not f.is_symlink() and f.name not in shards and not weights:
             shutil.copyfile(f, out / f.name)
     return out

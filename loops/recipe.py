@@ -39,7 +39,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, verify_checkpoint
-from rlcore.loops.run_dir import check_resume, open_run_dir
+from rlcore.loops.run_dir import LOCK_NAME, check_resume, open_run_dir
 from rlcore.loops.config import RunConfig, TINY_MODELS, config_dict, ensure_checked, loading_kwargs, quantization_kwargs
 from rlcore.loops.data import load_source, split_held_out
 from rlcore.loops.fold import Interrupted, every, fold, to_floats
@@ -50,7 +50,8 @@ from rlcore.loops.checkpoint_shards import is_sharded_folder, plain_folder
 from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
-from rlcore.loops.dist import dist_info, is_fsdp2, is_main, shard_source, wrap_model
+from rlcore.loops.dist import barrier, dist_info, is_fsdp2, is_main, shard_source, wrap_model
+from rlcore.loops.dist.sync import all_ranks_ok
 from rlcore.loops.settings import field_rule
 from rlcore.loops.state import TrainState, init_state
 from rlcore.loops.trl_defaults import report_defaults
@@ -379,6 +380,18 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     return {name: done[id(model)] for name, model in models.items()}
 
 
+def _check_shared_run_dir(run_dir: Path, config: Any) -> None:
+    """Under ``fsdp_checkpoint: sharded`` every rank writes into ``run_dir``: refuse a folder some rank
+    does not see (a path local to each node) before the first step, not at the first save."""
+    if not (_sharding(config) and getattr(config, "fsdp_checkpoint", "full") == "sharded"):
+        return
+    barrier()  # rank 0 holds the folder's lock file from here on
+    if not all_ranks_ok(is_main() or (run_dir / LOCK_NAME).is_file()):
+        raise ValueError(f"run_dir: {run_dir} is not one folder every rank sees (rank 0's {LOCK_NAME} is missing "
+                         "on some rank): with fsdp_checkpoint: sharded every rank writes its shards there; put "
+                         "run_dir on a file system every node mounts, or set fsdp_checkpoint: full (rank 0 writes)")
+
+
 def _sharding(config: Any) -> bool:
     return getattr(config, "strategy", "none") == "fsdp2" and dist_info().distributed
 
@@ -594,6 +607,8 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
         set_seed(config.seed)  # before a resume, which restores the checkpoint's global generators
     claim = dict(resume=bool(config.resume or restored), overwrite=bool(getattr(config, "overwrite", False)))
     with open_run_dir(run_dir, **claim) if run_dir and is_main() else contextlib.nullcontext():
+        if run_dir:
+            _check_shared_run_dir(Path(run_dir), config)
         latest = latest_checkpoint(run_dir) if run_dir and config.resume and not restored else None
         if latest is not None:
             check_resume(latest, settings, name)

@@ -81,8 +81,10 @@ def test_a_plain_folder_is_written_one_file_at_a_time(tmp_path):
     assert set(weight_map) == set(TENSORS)
     for name, t in TENSORS.items():
         assert torch.equal(load_file(str(tmp_path / "small" / weight_map[name]))[name], t)
+    save_file({"a": torch.full((7, 5), 7.0)}, str(tmp_path / "sharded" / "model.safetensors"))  # planted weights
     plain = plain_folder(tmp_path / "sharded", tmp_path / "plain")
     assert sorted(f.name for f in plain.iterdir()) == ["config.json", "model.safetensors"]
+    assert torch.equal(load_file(str(plain / "model.safetensors"))["a"], TENSORS["a"])  # the shards' weights
 
 
 @pytest.mark.parametrize("fault, match", [
@@ -98,6 +100,12 @@ def test_a_plain_folder_is_written_one_file_at_a_time(tmp_path):
                                                                     "split": True}}})), "shape"),
     (lambda d: (d / INDEX).write_text(json.dumps({"format": 1, "world_size": True, "tensors": {}})), "world_size"),
     (lambda d: (d / shard_file(1, 3)).write_bytes(b"\xff" * 16), "header"),
+    (lambda d: (d / INDEX).write_text(json.dumps({"format": 1, "world_size": 3,
+                                                  "tensors": {"a": {"shape": [7, 5], "dtype": ["float32"],
+                                                                    "split": True}}})), "dtype"),
+    (lambda d: (d / INDEX).write_text(json.dumps({"format": 1, "world_size": 3,
+                                                  "tensors": {"a": {"shape": [0, 2 ** 70], "dtype": "float32",
+                                                                    "split": True}}})), "shape"),
 ])
 def test_a_folder_that_does_not_match_its_index_is_refused_naming_the_file(tmp_path, fault, match):
     _write_folder(tmp_path, {k: TENSORS[k] for k in ("a", "b")}, 3, split={"a", "b"})
@@ -135,6 +143,25 @@ def _two_ranks(out_dir):
         out[name], params = _run(out_dir, name, steps, source)
         tensors.update(params)
     write_rank(out_dir, dist_info().rank, out, tensors)
+
+
+def _node_local_run_dirs(out_dir):
+    """Each rank given its own run folder, as a path local to each node would be."""
+    rank = dist_info().rank
+    try:
+        dpo.train(dpo.Config(**SETTINGS, steps=1, run_dir=str(Path(out_dir) / f"node{rank}" / "run")))
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    write_rank(out_dir, rank, {"error": error}, {})
+
+
+@pytest.mark.slow
+def test_a_run_folder_some_rank_does_not_see_is_refused_before_the_first_step(tmp_path):
+    ranks = run_ranks(_node_local_run_dirs, tmp_path)
+    for info, _ in ranks:
+        assert info["error"] and "fsdp_checkpoint: full" in info["error"]
+    assert not list(tmp_path.glob("node*/run/metrics.jsonl"))  # refused before any step
 
 
 @pytest.fixture(scope="module")
