@@ -1,11 +1,14 @@
 """Per-rank peak memory of full-parameter GRPO and DPO: one rank unsharded against FSDP2 on 2 and 4 ranks.
 
     python benchmarks/sharding.py [--recipes grpo dpo] [--ranks 1 2 4] [--hidden 1536] [--layers 8]
-                                  [--steps 2] [--out runs/sharding] [--tiny]
+                                  [--steps 2] [--out runs/sharding] [--built] [--tiny]
 
 Each (recipe, world size) runs in fresh processes (``rlcore.loops.dist.spawn``, gloo): world size 1
-with ``strategy: none``, larger ones with ``strategy: fsdp2``. Every rank trains ``steps`` steps of
-the recipe on the built-in tiny-llama at the given width and depth (character vocabulary,
+with ``strategy: none``, larger ones with ``strategy: fsdp2``. The policy is the tiny-llama at the
+given width and depth, saved once as a ``from_pretrained`` folder that every run loads, as a real
+model is (under fsdp2 each rank reads only its rows of the weights onto a model built on the meta
+device); ``--built`` builds it from its config in every rank instead (whole, then sharded). Every
+rank trains ``steps`` steps of the recipe on it (character vocabulary,
 float32, AdamW, no LoRA: parameters, gradients and optimiser state dominate) and reports its
 resident-set high-water mark (``getrusage``), the resident set after the imports (the baseline every
 process pays), and the run's losses. The report prints one row per run: the largest rank's peak,
@@ -13,9 +16,8 @@ the peak above the baseline, both as fractions of the one-rank run, and the loss
 
 Goals (issue: shard what does not fit): per-rank peak at 2 ranks ≤ 0.6× and at 4 ranks ≤ 0.4× the
 1-rank peak, with the losses of 2 and 4 ranks equal to 1 rank's within a stated tolerance.
-What the figures include: each rank builds its models whole before sharding them (the policy, and
-for GRPO and DPO its reference copy), so the build's peak (two full float32 copies) is in every
-rank's high-water mark.
+What the figures include: with ``--built`` each rank builds the policy whole before sharding it, so
+one full float32 copy is in every rank's high-water mark; from the folder no rank holds it whole.
 """
 
 from __future__ import annotations
@@ -43,6 +45,29 @@ def _settings(recipe: str, hidden: int, layers: int, steps: int) -> dict:
     if recipe == "grpo":
         return dict(common, batch_size=4, num_samples=2, max_new_tokens=8)
     return dict(common, batch_size=8, max_length=32)
+
+
+def _save_policy(folder: Path, hidden: int, layers: int) -> Path:
+    """The tiny-llama of the run's size as a ``from_pretrained`` folder (weights and tokenizer), in a
+    child process so that this one never holds it."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_write_policy, args=(str(folder), hidden, layers))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"writing the policy folder {folder} failed (exit code {child.exitcode})")
+    return folder
+
+
+def _write_policy(folder: str, hidden: int, layers: int) -> None:
+    from rlcore.loops.models import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    build_model("llama", tokenizer=tokenizer, hidden_size=hidden, num_layers=layers, num_heads=max(1, hidden // 64),
+                max_position_embeddings=128, seed=1).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def length_reward(prompts, completions, **_):
@@ -84,18 +109,21 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/sharding"))
+    parser.add_argument("--built", action="store_true", help="build the policy from its config in every rank "
+                                                               "(whole, then sharded) instead of loading a folder")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: width 64, 2 blocks, 1 and 2 ranks")
     args = parser.parse_args(argv)
     if args.tiny:
         args.hidden, args.layers, args.ranks, args.steps = 64, 2, [1, 2], 1
     args.out.mkdir(parents=True, exist_ok=True)
+    folder = None if args.built else _save_policy(args.out / "policy", args.hidden, args.layers)
     params = 12 * args.hidden ** 2 * args.layers
     lines = [f"Model: tiny-llama, width {args.hidden}, {args.layers} blocks (about {params / 1e6:.0f}M parameters in "
              f"the blocks), float32, AdamW, {args.steps} steps",
              "", "| recipe | ranks | strategy | peak MiB (largest rank) | × 1 rank | above baseline MiB | × 1 rank "
              "| losses | s |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
     for recipe in args.recipes:
-        settings = _settings(recipe, args.hidden, args.layers, args.steps)
+        settings = _settings(recipe, args.hidden, args.layers, args.steps) | ({"model": str(folder)} if folder else {})
         one = None
         for world_size in args.ranks:
             ranks = run(recipe, world_size, settings, args.out)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from datasets import Dataset
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 
 from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, verify_checkpoint
 from rlcore.loops.run_dir import LOCK_NAME, check_resume, open_run_dir
@@ -46,7 +46,7 @@ from rlcore.loops.fold import Interrupted, every, fold, to_floats
 from rlcore.loops.logging import make_loggers
 from rlcore.loops.lora import adapter_off, apply_lora, check_adapter_fits, is_adapter_dir, is_peft, with_adapter
 from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, read_json
-from rlcore.loops.checkpoint_shards import is_sharded_folder, plain_folder
+from rlcore.loops.checkpoint_shards import is_sharded_folder, plain_folder, split_rows
 from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
@@ -179,6 +179,8 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0,
                             max_position_embeddings=config.max_position_embeddings,
                             seed=config.seed, task=task, tie_word_embeddings=task == "causal_lm")
         model = _as_loaded(model, config)
+    elif _loads_sharded(config, task):
+        model = _load_sharded(Path(name), config)
     else:
         model = load_model(name, task=task, **_head_kwargs(task), **loading, **quantization_kwargs(config))
     if task != "causal_lm" and model.config.pad_token_id is None:
@@ -380,6 +382,58 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     return {name: done[id(model)] for name, model in models.items()}
 
 
+def _loads_sharded(config: Any, task: str) -> bool:
+    """Whether ``build_policy`` reads each rank's rows of the model folder ``config.model`` onto a
+    model built on the meta device: an fsdp2 run's causal LM from a local folder of safetensors
+    weights, full parameters, not quantised, no code of its own."""
+    folder = Path(config.model)
+    return (_sharding(config) and task == "causal_lm" and folder.is_dir() and saved_task(folder) == "causal_lm"
+            and any(folder.glob("*.safetensors")) and not config.use_peft and not config.trust_remote_code
+            and not (config.load_in_4bit or config.load_in_8bit))
+
+
+@torch.no_grad()
+def _load_sharded(folder: Path, config: Any) -> nn.Module:
+    """The causal LM of ``folder`` sharded as ``shard_models`` shards it, never whole on a rank: built
+    on the meta device from its ``config.json`` (nothing allocated), checked against its safetensors
+    headers (every weight present, no other, each shape equal: ``check_weights_fit``), sharded, and
+    each rank reads only its rows of each weight from the files (``safe_open(...).get_slice``). The
+    rotary embeddings' frequencies, buffers no file holds, are computed again (``_init_weights``); a
+    model with any other buffer outside its weights is loaded whole, as without sharding."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    loaded = AutoConfig.from_pretrained(folder)
+    dtype = (getattr(loaded, "dtype", None) or torch.float32) if config.dtype == "auto" else config.dtype
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    attn = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(loaded, dtype=dtype, **attn)
+    shapes, files = safetensors_shapes(folder)
+    check_weights_fit(model, shapes, folder)
+    rotary = [m for m in model.modules() if "RotaryEmbedding" in type(m).__name__ and hasattr(m, "original_inv_freq")]
+    others = {n for n, _ in model.named_non_persistent_buffers()} - {
+        f"{n}.{b}" for n, m in model.named_modules() if m in rotary for b in ("inv_freq", "original_inv_freq")}
+    if others:
+        return load_model(str(folder), task="causal_lm", **loading_kwargs(config))
+    model = wrap_model(model, strategy="fsdp2", **_fsdp_kwargs(config))
+    model.to_empty(device=torch.device(config.device))
+    for module in rotary:
+        model._init_weights(module)
+    opened: dict[Path, Any] = {}
+    for name, t in model.state_dict().items():
+        if name not in shapes:  # a tied weight stored under its other name
+            continue
+        f = opened.setdefault(files[name], safe_open(str(files[name]), "pt"))
+        rows = split_rows(t)
+        piece = f.get_slice(name)[rows[0]:rows[1]] if rows is not None else f.get_tensor(name)
+        (t.to_local() if rows is not None else t).copy_(piece)
+    model.generation_config = GenerationConfig.from_pretrained(folder) \
+        if (folder / "generation_config.json").is_file() else model.generation_config
+    model.name_or_path = str(folder)
+    return model
+
+
 def _check_shared_run_dir(run_dir: Path, config: Any) -> None:
     """Under ``fsdp_checkpoint: sharded`` every rank writes into ``run_dir``: refuse a folder some rank
     does not see (a path local to each node) before the first step, not at the first save."""
@@ -417,9 +471,12 @@ def _sharded_reference(policy: PreTrainedModel, config: Any) -> nn.Module:
     not two."""
     if not is_fsdp2(policy):
         wrap_model(policy, strategy="fsdp2", **_fsdp_kwargs(config))
+    from torch.distributed.fsdp import FSDPModule
+
+    plain = next(c for c in type(policy).__mro__ if not issubclass(c, FSDPModule))  # fully_shard's subclass undone
     with torch.device("meta"):
-        ref = type(policy)._from_config(copy.deepcopy(policy.config), dtype=policy.dtype,
-                                        attn_implementation=policy.config._attn_implementation)
+        ref = plain._from_config(copy.deepcopy(policy.config), dtype=policy.dtype,
+                                 attn_implementation=policy.config._attn_implementation)
     ref = wrap_model(ref, strategy="fsdp2", **_fsdp_kwargs(config))
     ref.to_empty(device=next(policy.parameters()).device)
     own = dict(policy.named_parameters(remove_duplicate=False)) | dict(policy.named_buffers())

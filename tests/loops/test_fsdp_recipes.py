@@ -32,6 +32,8 @@ RUNS = {
     "dpo_bf16": (dpo, dict(OFFLINE, fsdp_param_dtype="bfloat16")),
     "grpo_bf16": (grpo, dict(ONLINE, fsdp_param_dtype="bfloat16")),
 }
+# a causal LM from a local folder: under fsdp2 each rank reads its rows onto a meta-built model
+FOLDER_RUNS = {"dpo_folder": (dpo, OFFLINE), "grpo_folder": (grpo, ONLINE)}
 TOL = dict(rtol=1e-4, atol=1e-5)
 # fsdp_param_dtype: the sharded run's blocks compute in bfloat16 (8 bits of mantissa), the unsharded one in
 # float32; Adam's first steps move a weight by about lr whatever its gradient's size, so a tiny gradient whose sign
@@ -62,7 +64,21 @@ def _worker(out_dir):
     rank = dist_info().rank
     torch.set_num_threads(1)
     out, tensors = {}, {}
-    for name, (recipe, settings) in RUNS.items():
+    from rlcore.loops.dist import barrier
+    from rlcore.loops.models import build_model, build_tokenizer
+    from rlcore.loops.recipe import _loads_sharded
+
+    folder = Path(out_dir) / "folder"
+    if rank == 0:
+        tokenizer = build_tokenizer()
+        build_model("llama", tokenizer=tokenizer, hidden_size=32, num_layers=2, num_heads=4, seed=5).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    barrier()
+    runs = {**RUNS, **{name: (recipe, dict(settings, model=str(folder))) for name, (recipe, settings) in FOLDER_RUNS.items()}}
+    for name in FOLDER_RUNS:
+        recipe, settings = runs[name]
+        out[f"{name}/loads_sharded"] = _loads_sharded(recipe.Config(**settings, strategy="fsdp2"), "causal_lm")
+    for name, (recipe, settings) in runs.items():
         for strategy in ("none", "fsdp2"):
             state, history = train(recipe, settings, strategy=strategy)
             policy = state.model("policy")
@@ -77,7 +93,6 @@ def _worker(out_dir):
     # budget; every decode step is a collective, so rank 0 keeps stepping until both are done
     from rlcore.loops.dist import wrap_model
     from rlcore.loops.engines import sample_responses
-    from rlcore.loops.models import build_model
 
     model = wrap_model(build_model("llama", vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, seed=0),
                        strategy="fsdp2")
@@ -100,9 +115,11 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [*RUNS, *FOLDER_RUNS])
 def test_a_sharded_recipe_trains_as_the_replicated_one(ranks, name):
     ranks = ranks[0]
+    if name in FOLDER_RUNS:
+        assert all(info[f"{name}/loads_sharded"] for info, _ in ranks)
     for info, tensors in ranks:
         assert info[f"{name}/fsdp2"]["sharded"] and not info[f"{name}/none"]["sharded"]
         assert info[f"{name}/moved"]  # the steps trained
