@@ -1,4 +1,4 @@
-"""The ``rlcore`` command: ``demo``, ``train RECIPE``, ``eval RECIPE``, ``export RECIPE``, ``recipes``.
+"""The ``rlcore`` command: ``demo``, ``train RECIPE``, ``eval RECIPE``, ``export RECIPE``, ``plan RECIPE``, ``recipes``.
 
 ``rlcore train RECIPE [--config FILE.yaml] [--FIELD VALUE ...]`` runs a recipe of ``loops.recipes.RECIPES``;
 its options are the fields of the recipe's ``Config`` (``rlcore train RECIPE --help`` lists them
@@ -15,6 +15,12 @@ language-model policy (``ddpo``, the ``reft`` recipes) rebuilds it with its ``Re
 ``rlcore export RECIPE --checkpoint DIR --out DIR`` writes a checkpoint's policy as a plain
 ``from_pretrained`` folder with its tokenizer; a LoRA policy's adapter is merged into its base
 (``loops.lora.export_merged``).
+
+``rlcore plan RECIPE --model NAME_OR_PATH [--world-size 8 --strategy fsdp2 --device-memory 80GB ...]``
+prints the memory model's per-rank bytes by phase and component (``loops.plan``), for a built-in
+shape (``loops.plan.SHAPES``), a ``from_pretrained`` folder's ``config.json`` or ``tiny-llama``
+(``--hidden-size``, ``--num-layers``, ``--num-heads``); with ``--device-memory``, whether it fits and,
+if not, the nearby settings that do. Its options are the fields of ``loops.plan.PlanSettings``.
 
 A checkpoint is data: ``eval`` and ``export`` take its stored hyper-parameters (sizes, lengths,
 sampling) but every setting that runs code, opens a path or widens trust (reward functions,
@@ -241,6 +247,92 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main(args)
 
 
+def _plan_parser(sub: Any) -> None:
+    """``rlcore plan``: the recipe, the model, one ``--field`` per field of ``loops.plan.PlanSettings`` (dashes or
+    underscores), ``--device-memory``."""
+    from rlcore.loops.plan import RECIPE_MODELS, SHAPES, PlanSettings
+
+    p = sub.add_parser("plan", help="predict the per-rank peak memory of a recipe's run (rlcore.loops.plan)",
+                       description="Per-rank memory by phase and component; which settings fit a device.")
+    p.add_argument("recipe", choices=sorted(RECIPE_MODELS), help="which recipe")
+    p.add_argument("--model", default="tiny-llama",
+                   help=f"a built-in shape ({', '.join(sorted(SHAPES))}), a from_pretrained folder or its config.json, "
+                        "or tiny-llama (sized by --hidden-size, --num-layers, --num-heads) [default: tiny-llama]")
+    for name, default in (("hidden_size", 64), ("num_layers", 2), ("num_heads", 4)):
+        p.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=name, type=int, default=default,
+                       help=f"tiny-llama's {name} [default: {default}]")
+    p.add_argument("--device-memory", "--device_memory", dest="device_memory", default=None,
+                   help="bytes per device, e.g. 80GB (10^9) or 80GiB (2^30): says whether the plan fits, and if not, "
+                        "which nearby settings do")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    group = p.add_argument_group("settings (loops.plan.PlanSettings)")
+    for f in dataclasses.fields(PlanSettings):
+        if f.name == "recipe":
+            continue
+        flags = dict.fromkeys([f"--{f.name.replace('_', '-')}", f"--{f.name}"])
+        kwargs: dict[str, Any] = {"dest": f"plan_{f.name}", "default": f.default,
+                                  "help": f"{f.metadata['help']} [default: {f.default!r}]"}
+        if isinstance(f.default, bool) or f.name == "reference":
+            kwargs.update(action=argparse.BooleanOptionalAction)  # --gradient-checkpointing, --no-sharded-load
+        elif f.name == "lora_target_modules":
+            kwargs.update(nargs="+", metavar="MODULE")
+        elif f.name == "overhead":
+            kwargs.update(metavar="BYTES")
+        else:
+            kwargs.update(type=type(f.default) if f.default is not None and f.name != "lora_dropout" else
+                          (float if f.name == "lora_dropout" else _int_or_text(f.name)), metavar="VALUE")
+        group.add_argument(*flags, **kwargs)
+
+
+def _int_or_text(name: str) -> Any:
+    """An argparse type for a field whose default is None: an integer, or text for the string fields."""
+    return str if name == "mixed_precision" else int
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rlcore.loops.plan import PlanSettings, fitting, format_bytes, parse_bytes, plan_memory, shape_of
+
+    values = {k[len("plan_"):]: v for k, v in vars(args).items() if k.startswith("plan_")}
+    values["overhead"] = parse_bytes(values["overhead"], "overhead")
+    if values["lora_target_modules"] is not None:
+        values["lora_target_modules"] = tuple(values["lora_target_modules"])
+    settings = PlanSettings(recipe=args.recipe, **values)
+    model = {"hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_heads": args.num_heads} \
+        if args.model == "tiny-llama" else args.model
+    shape = shape_of(model)
+    memory = None if args.device_memory is None else parse_bytes(args.device_memory)
+    plan = plan_memory(shape, settings)
+    if args.json:
+        print(json.dumps({"shape": dataclasses.asdict(plan.shape), "settings": dataclasses.asdict(settings),
+                          "bytes": plan.bytes, "peak": plan.peak, "peak_phase": plan.peak_phase, "host": plan.host,
+                          "fits": None if memory is None else plan.fits(memory)}, indent=1))
+        return 0
+    print(plan.table(memory))
+    if memory is None or plan.fits(memory):
+        return 0
+    found = fitting(shape, settings, memory)
+    if found:
+        _print_fitting(f"Settings that fit in {format_bytes(memory)} (fewest changes first)", found)
+        return 0
+    print(f"\nNo nearby settings fit in {format_bytes(memory)} (tried gradient checkpointing, smaller micro-batches "
+          "and generation batches, bfloat16, fsdp2, CPU offload, LoRA).")
+    if plan.peak_phase == "load" and settings.strategy == "fsdp2" and not settings.sharded_load:
+        later = fitting(shape, dataclasses.replace(settings, sharded_load=True), memory)
+        if later:
+            _print_fitting("The load is the peak: each rank builds the policy whole before sharding it. Loaded "
+                           "sharded from a from_pretrained folder (--sharded-load), these would fit", later)
+    return 0
+
+
+def _print_fitting(title: str, found: list) -> None:
+    from rlcore.loops.plan import format_bytes
+
+    print(f"\n{title}:\n\n| changes | peak per rank | phase |\n| --- | ---: | --- |")
+    for changes, fit in found:
+        said = ", ".join(f"{k}={v}" for k, v in changes.items()) or "(none)"
+        print(f"| {said} | {format_bytes(fit.peak)} | {fit.peak_phase} |")
+
+
 def _recipes(args: argparse.Namespace) -> int:
     for name, recipe in RECIPES.items():
         print(f"{name:12s} {recipe.doc}")
@@ -255,6 +347,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     demo.add_arguments(sub.add_parser("demo", help="the built-in offline post-training demo",
                                       description=demo.__doc__.splitlines()[0]))
     sub.add_parser("recipes", help="list the recipes")
+    _plan_parser(sub)
     # Recipe options depend on the recipe: only the one named on the command line adds its fields.
     commands = (("train", "run a recipe"), ("eval", "evaluate a checkpoint of a recipe"),
                 ("export", "write a checkpoint's policy as a plain from_pretrained folder (a LoRA adapter merged)"))
@@ -334,7 +427,8 @@ def main(argv: Sequence[str] | None = None, *, report: bool | None = None) -> in
     argv = [a for a in argv if a != "--traceback"]
     args = build_parser(argv).parse_args(argv)
     args.started = _FirstStep()
-    handler = {"train": _train, "eval": _eval, "export": _export, "demo": _demo, "recipes": _recipes}[args.command]
+    handler = {"train": _train, "eval": _eval, "export": _export, "demo": _demo, "recipes": _recipes,
+               "plan": _plan}[args.command]
     from rlcore.loops.fold import Interrupted
     from rlcore.loops.run_dir import interrupted_report
 
