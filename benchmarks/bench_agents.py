@@ -24,9 +24,10 @@ tool's, i.e. ``instant-tool`` time / ``rlcore`` time >= 1 / 1.3.
 
 What bounds it: each episode waits 3 x 50 = 150 ms on its own tool, in sequence with its own
 three turns of decoding, whatever the schedule. On the tiny model the instant tool's whole step
-takes about 140 ms, so no schedule can come within 1.3x of it (150 ms alone is already 1.07x,
-before one token is decoded); the goal is reachable only where a turn of generation takes longer
-than a tool call, which the 256-wide case has and which real models have by a wide margin.
+takes 140-250 ms (by the machine), so no schedule comes much within 1.3x of it (150 ms alone is
+1.07x of the slowest, before one token is decoded); the goal is reachable only where a turn of
+generation takes longer than a tool call, which the 256-wide case has and which real models have
+by a wide margin.
 """
 
 from __future__ import annotations
