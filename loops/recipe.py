@@ -192,7 +192,7 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0,
         model = apply_lora(model, config, task=task)
     if getattr(config, "disable_dropout", True):
         disable_dropout(model)  # after the adapter: its dropout too
-    return model.to(config.device), tokenizer
+    return (model if is_fsdp2(model) else model.to(config.device)), tokenizer  # FSDP2 shards sit where they belong
 
 
 def _head_kwargs(task: str) -> dict[str, Any]:
@@ -388,7 +388,8 @@ def _loads_sharded(config: Any, task: str) -> bool:
     weights, full parameters, not quantised, no code of its own."""
     folder = Path(config.model)
     return (_sharding(config) and task == "causal_lm" and folder.is_dir() and saved_task(folder) == "causal_lm"
-            and any(folder.glob("*.safetensors")) and not config.use_peft and not config.trust_remote_code
+            and any(folder.glob("*.safetensors")) and not is_sharded_folder(folder)
+            and not config.use_peft and not config.trust_remote_code
             and not (config.load_in_4bit or config.load_in_8bit))
 
 
@@ -399,35 +400,48 @@ def _load_sharded(folder: Path, config: Any) -> nn.Module:
     headers (every weight present, no other, each shape equal: ``check_weights_fit``), sharded, and
     each rank reads only its rows of each weight from the files (``safe_open(...).get_slice``). The
     rotary embeddings' frequencies, buffers no file holds, are computed again (``_init_weights``); a
-    model with any other buffer outside its weights is loaded whole, as without sharding."""
+    model with any other buffer outside its weights, or whose stored names transformers converts on
+    loading (a mixture of experts' fused experts), is loaded whole, as without sharding. ``dtype:
+    auto`` is the config's dtype, else the stored weights'. The model comes back in eval mode, as
+    ``from_pretrained`` gives it."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     loaded = AutoConfig.from_pretrained(folder)
-    dtype = (getattr(loaded, "dtype", None) or torch.float32) if config.dtype == "auto" else config.dtype
+    shapes, files = safetensors_shapes(folder)
+    stored = {e["dtype"] for f in sorted(set(files.values())) for e in check_safetensors(f).values()}
+    stored_float = next((d for d in ("F32", "BF16", "F16") if d in stored), "F32")
+    dtype = (getattr(loaded, "dtype", None) or {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}[stored_float]) \
+        if config.dtype == "auto" else config.dtype
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     attn = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(loaded, dtype=dtype, **attn)
-    shapes, files = safetensors_shapes(folder)
-    check_weights_fit(model, shapes, folder)
+    try:
+        check_weights_fit(model, shapes, folder)
+    except CheckpointError:  # stored under other names (converted by from_pretrained): loaded whole, then checked
+        return load_model(str(folder), task="causal_lm", **loading_kwargs(config))
     rotary = [m for m in model.modules() if "RotaryEmbedding" in type(m).__name__ and hasattr(m, "original_inv_freq")]
     others = {n for n, _ in model.named_non_persistent_buffers()} - {
         f"{n}.{b}" for n, m in model.named_modules() if m in rotary for b in ("inv_freq", "original_inv_freq")}
     if others:
         return load_model(str(folder), task="causal_lm", **loading_kwargs(config))
     model = wrap_model(model, strategy="fsdp2", **_fsdp_kwargs(config))
-    model.to_empty(device=torch.device(config.device))
+    model.to_empty(device=torch.device("cpu" if config.fsdp_cpu_offload else config.device))  # offload: shards on CPU
     for module in rotary:
         model._init_weights(module)
-    opened: dict[Path, Any] = {}
-    for name, t in model.state_dict().items():
-        if name not in shapes:  # a tied weight stored under its other name
-            continue
-        f = opened.setdefault(files[name], safe_open(str(files[name]), "pt"))
-        rows = split_rows(t)
-        piece = f.get_slice(name)[rows[0]:rows[1]] if rows is not None else f.get_tensor(name)
-        (t.to_local() if rows is not None else t).copy_(piece)
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+        for name, t in model.state_dict().items():
+            if name not in shapes:  # a tied weight stored under its other name
+                continue
+            if files[name] not in opened:
+                opened[files[name]] = stack.enter_context(safe_open(str(files[name]), "pt"))
+            rows = split_rows(t)
+            piece = opened[files[name]].get_slice(name)[rows[0]:rows[1]] if rows is not None \
+                else opened[files[name]].get_tensor(name)
+            (t.to_local() if rows is not None else t).copy_(piece)
+    model.eval()
     model.generation_config = GenerationConfig.from_pretrained(folder) \
         if (folder / "generation_config.json").is_file() else model.generation_config
     model.name_or_path = str(folder)
@@ -479,7 +493,7 @@ def _sharded_reference(policy: PreTrainedModel, config: Any) -> nn.Module:
                                  attn_implementation=policy.config._attn_implementation)
     ref = wrap_model(ref, strategy="fsdp2", **_fsdp_kwargs(config))
     ref.to_empty(device=next(policy.parameters()).device)
-    own = dict(policy.named_parameters(remove_duplicate=False)) | dict(policy.named_buffers())
+    own = dict(policy.state_dict()) | dict(policy.named_buffers())  # the shards, even with the root gathered
     for name, t in [*ref.named_parameters(remove_duplicate=False), *ref.named_buffers()]:
         local = t.to_local() if hasattr(t, "to_local") else t
         source = own[name].to_local() if hasattr(own[name], "to_local") else own[name]

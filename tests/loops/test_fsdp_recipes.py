@@ -73,7 +73,18 @@ def _worker(out_dir):
         tokenizer = build_tokenizer()
         build_model("llama", tokenizer=tokenizer, hidden_size=32, num_layers=2, num_heads=4, seed=5).save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        from transformers import AutoModelForCausalLM, MixtralConfig
+
+        AutoModelForCausalLM.from_config(MixtralConfig(  # experts stored one by one, fused in memory
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1)).save_pretrained(Path(out_dir) / "moe")
+        tokenizer.save_pretrained(Path(out_dir) / "moe")
     barrier()
+    from rlcore.loops.recipe import build_policy
+
+    for kind in ("folder", "moe"):  # read sharded, or (names converted on loading) loaded whole, then sharded
+        policy, _ = build_policy(dpo.Config(**dict(OFFLINE, model=str(Path(out_dir) / kind)), strategy="fsdp2"))
+        out[f"{kind}/built"] = {"training": policy.training, "sharded": is_fsdp2(policy)}
     runs = {**RUNS, **{name: (recipe, dict(settings, model=str(folder))) for name, (recipe, settings) in FOLDER_RUNS.items()}}
     for name in FOLDER_RUNS:
         recipe, settings = runs[name]
@@ -137,6 +148,13 @@ def test_a_sharded_recipe_trains_as_the_replicated_one(ranks, name):
     for key in t0:  # the ranks end with the same (gathered) parameters
         if key.startswith(f"{name}/"):
             assert torch.equal(t0[key], t1[key]), key
+
+
+@pytest.mark.slow
+def test_a_policy_folder_loads_sharded_in_eval_mode_and_a_converted_one_whole(ranks):
+    for info, _ in ranks[0]:
+        assert info["folder/built"] == {"training": False, "sharded": True}
+        assert info["moe/built"] == {"training": False, "sharded": False}  # whole; shard_models shards it next
 
 
 @pytest.mark.slow
