@@ -31,7 +31,7 @@ import resource
 import time
 from pathlib import Path
 
-from sharding import _rss_mib, _settings, length_reward
+from sharding import _rss_mib, _settings, length_reward, run
 
 RUNTIME_MIB = 32
 GOAL = 0.15  # issue: shard what does not fit: the model within 15% of every measured per-rank peak
@@ -85,14 +85,6 @@ def predicted_mib(recipe: str, settings: dict, world_size: int, seen: dict) -> t
     return plan.peak / 2**20, plan.peak_phase
 
 
-def run(recipe: str, world_size: int, settings: dict, out: Path) -> list[dict]:
-    from rlcore.loops.dist import spawn
-
-    strategy = "none" if world_size == 1 else "fsdp2"
-    spawn(worker, world_size, recipe, settings, strategy, str(out), backend="gloo")
-    return [json.loads(out.joinpath(f"{recipe}-{world_size}-{r}.json").read_text()) for r in range(world_size)]
-
-
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["512x4", "768x6"], help="WIDTHxBLOCKS of tiny-llama")
@@ -120,7 +112,7 @@ def main(argv: list[str] | None = None) -> str:
         for recipe in args.recipes:
             settings = _settings(recipe, hidden, layers, args.steps)
             for world_size in args.ranks:
-                ranks = run(recipe, world_size, settings, args.out)
+                ranks = run(recipe, world_size, settings, args.out, rank_fn=worker)
                 top = max(ranks, key=lambda r: r["peak_mib"] - r["baseline_mib"])
                 measured = top["peak_mib"] - top["baseline_mib"]
                 predicted, phase = predicted_mib(recipe, settings, world_size, top)

@@ -93,11 +93,12 @@ def worker(recipe: str, settings: dict, strategy: str, out: str) -> None:
     Path(out, f"{recipe}-{info.world_size}-{info.rank}.json").write_text(json.dumps(result))
 
 
-def run(recipe: str, world_size: int, settings: dict, out: Path) -> list[dict]:
+def run(recipe: str, world_size: int, settings: dict, out: Path, rank_fn=None) -> list[dict]:
+    """``rank_fn`` (default :func:`worker`) on ``world_size`` fresh gloo ranks; each rank's JSON report."""
     from rlcore.loops.dist import spawn
 
     strategy = "none" if world_size == 1 else "fsdp2"
-    spawn(worker, world_size, recipe, settings, strategy, str(out), backend="gloo")
+    spawn(rank_fn or worker, world_size, recipe, settings, strategy, str(out), backend="gloo")
     return [json.loads(out.joinpath(f"{recipe}-{world_size}-{r}.json").read_text()) for r in range(world_size)]
 
 
