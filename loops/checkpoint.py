@@ -427,6 +427,17 @@ def _model_card(step: int, config: dict, metrics: Mapping[str, float], models: M
     return "\n".join(lines)
 
 
+def _gathered(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """``full_weights``, but of a sharded LoRA model only its trainable tensors (the adapter and
+    ``modules_to_save``), under the model's names: the frozen base is never gathered, since the
+    checkpoint holds the adapter alone (a collective: every rank calls it)."""
+    if not (is_peft(model) and is_fsdp2(model)):
+        return full_weights(model)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+            for n, t in model.state_dict().items() if n in trained}
+
+
 def _trainable(models: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
     return {n: m for n, m in models.items() if any(p.requires_grad for p in m.parameters())}
 
@@ -490,12 +501,12 @@ def save_checkpoint(run_dir: str | Path, state: TrainState, *, step: int | None 
     run_dir = Path(run_dir)
     step = state.step if step is None else int(step)
     models = _trainable(state.models) if models is None else dict(models)
-    split = frozenset(n for n, m in models.items() if is_fsdp2(m)) if sharded and dist_info().distributed \
-        else frozenset()
+    split = frozenset(n for n, m in models.items() if is_fsdp2(m) and not is_peft(m)) \
+        if sharded and dist_info().distributed else frozenset()  # an adapter is small: gathered, rank 0 writes
     if split:
         return _save_sharded(run_dir, run_dir / f"checkpoint-{step}", state, step, _as_dict(config), models, split,
                              extra_json, dict(metrics or {}), keep_last, tokenizer)
-    weights = {name: full_weights(model) for name, model in models.items()}  # collectives: every rank
+    weights = {name: _gathered(model) for name, model in models.items()}  # collectives: every rank
     optimizer_state = None if state.optimizer is None else full_optimizer_state(state.optimizer)
     final, error = run_dir / f"checkpoint-{step}", None
     if dist_info().is_main:
@@ -525,7 +536,7 @@ def _save_sharded(run_dir: Path, final: Path, state: TrainState, step: int, conf
     (named by rank 0), hashes its own files for the manifest; rank 0 writes the rest, the manifest,
     and publishes the folder once every rank has written."""
     info = dist_info()
-    weights = {name: full_weights(model) for name, model in models.items() if name not in split}  # collectives
+    weights = {name: _gathered(model) for name, model in models.items() if name not in split}  # collectives
     token = secrets.randbits(31) if info.is_main else 0  # secrets: leaves `random` untouched
     token = int(all_reduce_sum(torch.tensor([token], dtype=torch.long, device=info.device)).item())
     tmp, error = run_dir / f".tmp-step-{step}-{token:08x}", None

@@ -462,8 +462,8 @@ FSDP_PARAM_DTYPES = (None, "bfloat16", "float16")
 
 
 def _sharding_faults(config: Any) -> list[str]:
-    """An unknown ``strategy``, and what ``fsdp2`` does not shard yet: LoRA adapters, the vLLM engine
-    (it needs the whole weights on one rank) and the ReFT recipes (their interventions wrap the model)."""
+    """An unknown ``strategy``, and what ``fsdp2`` does not shard yet: the vLLM engine (it needs the
+    whole weights on one rank) and the ReFT recipes (their interventions wrap the model)."""
     strategy = getattr(config, "strategy", "none")
     if strategy not in SHARDING_STRATEGIES:
         return [f"strategy: expected one of {list(SHARDING_STRATEGIES)}, got {strategy!r}"]
@@ -474,8 +474,6 @@ def _sharding_faults(config: Any) -> list[str]:
     if strategy != "fsdp2":
         return []
     faults = []
-    if getattr(config, "use_peft", False):
-        faults.append("strategy: fsdp2 shards full-parameter training; LoRA (use_peft) runs with strategy: none")
     if getattr(config, "engine", None) == "vllm":
         faults.append("strategy: fsdp2 with engine: vllm is not offered (the engine loads the whole weights); use "
                       "engine: loop or hf")

@@ -24,7 +24,7 @@ from rlcore import keys as K
 from rlcore.checks import check_mask, lookup
 from rlcore.logprobs import token_logprobs
 from rlcore.loops.collate import pad_sequences
-from rlcore.loops.dist import all_reduce_sum, is_fsdp2
+from rlcore.loops.dist import all_reduce_sum, sharded_root
 from rlcore.loops.models import cache_keyword, model_device, position_ids_from_mask
 
 __all__ = ["BEHAVIOUR_LOGPROBS", "multinomial_sample", "gumbel_max_sample", "inverse_cdf_sample", "SAMPLERS",
@@ -322,7 +322,7 @@ def _decode_forward(model: nn.Module) -> Callable[..., torch.Tensor]:
     peft_config = getattr(model, "active_peft_config", None)
     if callable(getattr(model, "get_base_model", None)) and not getattr(peft_config, "is_prompt_learning", True):
         inner = model.get_base_model()
-    plain = type(inner).__name__ in _PLAIN_HEADS and not is_fsdp2(inner)  # FSDP2: the root's forward gathers
+    plain = type(inner).__name__ in _PLAIN_HEADS and sharded_root(model) is None  # FSDP2: the root's forward gathers
     head = inner.get_output_embeddings() if plain else None
     if type(head) is not nn.Linear or head.bias is not None:
         keyword = cache_keyword(model)
@@ -402,7 +402,7 @@ def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
     prefix = attention
     cache = _preallocate(cache, attention.shape[-1] + max_new_tokens)
     forward = _decode_forward(model)
-    lockstep = is_fsdp2(model)
+    lockstep = sharded_root(model) is not None
     stops = torch.as_tensor(list(stop_token_ids), device=prompt_ids.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     tokens, sampled, tempered, live = [], [], [], []

@@ -203,7 +203,8 @@ def load_adapter_weights(model: nn.Module, weights: dict[str, torch.Tensor], whe
     """Copy a saved adapter (``adapter_model.safetensors``'s tensors) into peft ``model``, in place.
 
     Raises ``ValueError`` naming ``where`` when a key is missing, unexpected, or of another shape,
-    before any tensor is copied.
+    before any tensor is copied. A model sharded by FSDP2 keeps its shards: each rank copies its
+    own rows of the full tensors.
     """
     own = adapter_keys(model)
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
@@ -211,6 +212,15 @@ def load_adapter_weights(model: nn.Module, weights: dict[str, torch.Tensor], whe
     if missing or unexpected or shapes:
         raise ValueError(f"{where}: the adapter does not fit the model: missing {missing[:8]}, unexpected "
                          f"{unexpected[:8]}, other shapes {shapes[:8]}")
+    if any(hasattr(t, "to_local") for t in own.values()):  # FSDP2: each rank copies its rows of each tensor
+        from rlcore.loops.checkpoint_shards import split_rows
+
+        with torch.no_grad():
+            for name, t in own.items():
+                rows = split_rows(t)
+                value = weights[name] if rows is None else weights[name][rows[0]:rows[1]]
+                (t if rows is None else t.to_local()).copy_(value)
+        return
     _peft().set_peft_model_state_dict(model, weights)
 
 

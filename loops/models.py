@@ -32,7 +32,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast)
 
 from rlcore.checks import check_mask, check_ndim, lookup
-from rlcore.loops.dist import is_fsdp2
+from rlcore.loops.dist import sharded_root
 
 __all__ = ["build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS", "CHAT_TEMPLATE", "build_model",
            "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS", "disable_dropout",
@@ -586,7 +586,7 @@ def trunk_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask)
         attention_mask = attention_mask.long()
-    if is_fsdp2(model):
+    if sharded_root(model) is not None:
         return _hidden_through_root(model, input_ids, attention_mask, position_ids)
     out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False)
@@ -599,10 +599,15 @@ def _hidden_through_root(model: nn.Module, input_ids: torch.Tensor, attention_ma
     runs: its root gathers the parameters outside the blocks (embeddings, final norm, a tied head)
     and arms their gradient reduction, which calling the trunk alone would skip. The head computes
     one position's logits at most (``logits_to_keep=1``), which are dropped; the root's parameters
-    stay gathered after the forward, so the head's weight can be read for the chunked log-probs."""
+    stay gathered after the forward, so the head's weight can be read for the chunked log-probs. A
+    LoRA model's (or its adapter-off view's) trunk is the base model's, read the same way."""
     seen: list[torch.Tensor] = []
-    hook = _decoder(model).register_forward_hook(lambda module, args, out: seen.append(out.last_hidden_state))
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    trunk = _decoder(model)
+    trunk = trunk.__dict__.get("wrapped", trunk)  # an adapter-off view of the trunk: the trunk it runs
+    hook = trunk.register_forward_hook(lambda module, args, out: seen.append(out.last_hidden_state))
+    base = model.__dict__.get("peft_model", model)
+    base = base.get_base_model() if callable(getattr(base, "get_base_model", None)) else base
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra)
     finally:

@@ -33,13 +33,13 @@ What is modelled, as the code runs (each term names the code it follows):
   the rest of the run); two blocks gathered at a time (the one running and the one prefetched),
   all of them from forward to backward with ``fsdp_reshard_after_forward=False``; during the
   backward the roots' and one block's unsharded gradients and one flat reduce-scatter input of the
-  largest group. ``fsdp_param_dtype`` gathers and runs the blocks and roots in that dtype (the
+  largest group (under LoRA only the adapter has gradients: sharded with its block, counted whole). ``fsdp_param_dtype`` gathers and runs the blocks and roots in that dtype (the
   activations, the KV cache and the unsharded gradients too), the shards and AdamW staying in
   ``dtype`` and the reduce-scatter input in float32. ``fsdp_cpu_offload`` keeps the shards, their
   gradients and the optimiser state (and its step) in host memory (:attr:`MemoryPlan.host`).
   ``strategy="none"`` on several ranks adds ``update``'s flat all-reduce bucket (``2**25`` elements).
 - **Load** (``loops.recipe.build_policy``, ``build_reference``, ``shard_models``): under FSDP2 a policy
-  from a ``from_pretrained`` folder (full parameters, safetensors) is built on the meta device and
+  from a ``from_pretrained`` folder (safetensors; a LoRA policy's base too) is built on the meta device and
   each rank reads only its rows (``sharded_load=True``, the default); one built from a config (the
   tiny models) or loaded otherwise is built whole on every rank, then sharded (``sharded_load=False``).
   The reference is built on the meta device and filled with each rank's rows of the policy; a reward
@@ -330,8 +330,6 @@ class PlanSettings:
         if self.strategy == "fsdp2" and self.world_size > 1:
             if RECIPE_MODELS[self.recipe].fsdp2:
                 raise ValueError(f"strategy: {RECIPE_MODELS[self.recipe].fsdp2}; expected 'none', got 'fsdp2'")
-            if self.use_peft:
-                raise ValueError("use_peft: LoRA is refused under strategy fsdp2; expected False, got True")
             if self.batch_size % self.world_size:
                 raise ValueError(f"batch_size: expected a multiple of world_size ({self.world_size}) under fsdp2, "
                                  f"got {self.batch_size}")
@@ -521,7 +519,7 @@ def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
     # gradients: whole, or shards plus (during the backward) the roots' and a block's unsharded gradients (in the
     # gathered dtype) and one flat reduce-scatter input of the largest group (float32 with fsdp_param_dtype)
     grads = 0.0 if offload else share(trained_bytes)
-    unsharded = (sum(own) + block) * g + max(own[0], block) * (4 if s.fsdp_param_dtype else g)
+    unsharded = 0 if lora else (sum(own) + block) * g + max(own[0], block) * (4 if s.fsdp_param_dtype else g)
     grads_backward = grads + (unsharded if sharded else 0)
     head_grad = V * H * g if head_trains else 0  # the LM head's, the first the backward makes
     bucket = min(trained_bytes, _BUCKET * (4 if lora else b)) if s.strategy == "none" and W > 1 else 0
@@ -596,8 +594,8 @@ def fitting(shape: Any, settings: PlanSettings, device_memory: int, *, limit: in
     """Settings near ``settings`` whose plan fits ``device_memory`` bytes: ``[(changes, plan)]``, the smallest sets of
     changes (none that only adds changes to a set that fits), fewest first, then the smallest peak, at most ``limit``. Tried: gradient checkpointing, micro-batches of
     ``1, 2, 4, ...`` rows below the given, ``generation_batch_size`` likewise (online), bfloat16 weights,
-    FSDP2 (several ranks) with and without CPU offload, and LoRA (on one rank or ``strategy: none``); a
-    combination the recipes refuse (LoRA under FSDP2) is skipped."""
+    FSDP2 (several ranks) with and without CPU offload, and LoRA; a combination the recipes refuse is
+    skipped."""
     s, m = settings, RECIPE_MODELS[settings.recipe]
     rows = _rows(s, m)
     halves = lambda n: sorted({n} | {2**k for k in range(int(math.log2(n)) + 1) if 2**k < n})  # noqa: E731

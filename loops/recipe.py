@@ -188,7 +188,7 @@ def build_policy(config: Any, *, task: str | None = None, depth: int = 0,
     if config.gradient_checkpointing and not enable_gradient_checkpointing(model):
         raise ValueError(f"gradient_checkpointing: {type(model).__name__} offers no gradient checkpointing "
                          "(gradient_checkpointing_enable)")
-    if config.use_peft and task in _LORA_TASKS:
+    if config.use_peft and task in _LORA_TASKS and not is_peft(model):  # a sharded load has it already
         model = apply_lora(model, config, task=task)
     if getattr(config, "disable_dropout", True):
         disable_dropout(model)  # after the adapter: its dropout too
@@ -377,7 +377,7 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     done: dict[int, nn.Module] = {}
     for model in models.values():
         if id(model) not in done:
-            whole = not isinstance(model, PreTrainedModel) or is_fsdp2(model)  # a head; or sharded already
+            whole = not (isinstance(model, PreTrainedModel) or is_peft(model)) or is_fsdp2(model)  # a head; sharded
             done[id(model)] = model if whole else wrap_model(model, strategy="fsdp2", **_fsdp_kwargs(config))
     return {name: done[id(model)] for name, model in models.items()}
 
@@ -385,11 +385,11 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
 def _loads_sharded(config: Any, task: str) -> bool:
     """Whether ``build_policy`` reads each rank's rows of the model folder ``config.model`` onto a
     model built on the meta device: an fsdp2 run's causal LM from a local folder of safetensors
-    weights, full parameters, not quantised, no code of its own."""
+    weights, not quantised, no code of its own (full parameters, or the base of a LoRA adapter)."""
     folder = Path(config.model)
     return (_sharding(config) and task == "causal_lm" and folder.is_dir() and saved_task(folder) == "causal_lm"
             and any(folder.glob("*.safetensors")) and not is_sharded_folder(folder)
-            and not config.use_peft and not config.trust_remote_code
+            and not config.trust_remote_code
             and not (config.load_in_4bit or config.load_in_8bit))
 
 
@@ -402,7 +402,9 @@ def _load_sharded(folder: Path, config: Any) -> nn.Module:
     rotary embeddings' frequencies, buffers no file holds, are computed again (``_init_weights``); a
     model with any other buffer outside its weights, or whose stored names transformers converts on
     loading (a mixture of experts' fused experts), is loaded whole, as without sharding. ``dtype:
-    auto`` is the config's dtype, else the stored weights'. The model comes back in eval mode, as
+    auto`` is the config's dtype, else the stored weights'. With ``use_peft`` the LoRA adapter is put
+    on the meta-built model before sharding, its values drawn as on the whole model
+    (``_lora_on_meta``), and sharded with the base. The model comes back in eval mode, as
     ``from_pretrained`` gives it."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -426,26 +428,71 @@ def _load_sharded(folder: Path, config: Any) -> nn.Module:
         f"{n}.{b}" for n, m in model.named_modules() if m in rotary for b in ("inv_freq", "original_inv_freq")}
     if others:
         return load_model(str(folder), task="causal_lm", **loading_kwargs(config))
+    base = model
+    drawn: dict[str, torch.Tensor] = {}
+    if config.use_peft:
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(model)  # before the adapter, as on a whole model
+        model, drawn = _lora_on_meta(model, config)
     model = wrap_model(model, strategy="fsdp2", **_fsdp_kwargs(config))
     model.to_empty(device=torch.device("cpu" if config.fsdp_cpu_offload else config.device))  # offload: shards on CPU
     for module in rotary:
-        model._init_weights(module)
+        base._init_weights(module)
     with contextlib.ExitStack() as stack:
         opened: dict[Path, Any] = {}
-        for name, t in model.state_dict().items():
-            if name not in shapes:  # a tied weight stored under its other name
-                continue
-            if files[name] not in opened:
-                opened[files[name]] = stack.enter_context(safe_open(str(files[name]), "pt"))
+        for key, t in model.state_dict().items():
             rows = split_rows(t)
-            piece = opened[files[name]].get_slice(name)[rows[0]:rows[1]] if rows is not None \
-                else opened[files[name]].get_tensor(name)
+            if key in drawn:  # the adapter, as drawn
+                piece = drawn[key] if rows is None else drawn[key][rows[0]:rows[1]]
+            else:
+                name = _stored_name(key) if drawn else key
+                if name not in shapes:  # a tied weight stored under its other name
+                    continue
+                if files[name] not in opened:
+                    opened[files[name]] = stack.enter_context(safe_open(str(files[name]), "pt"))
+                piece = opened[files[name]].get_slice(name)[rows[0]:rows[1]] if rows is not None \
+                    else opened[files[name]].get_tensor(name)
             (t.to_local() if rows is not None else t).copy_(piece)
     model.eval()
     model.generation_config = GenerationConfig.from_pretrained(folder) \
         if (folder / "generation_config.json").is_file() else model.generation_config
     model.name_or_path = str(folder)
     return model
+
+
+def _lora_on_meta(model: nn.Module, config: Any) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """``apply_lora`` on a model built on the meta device, and the adapter's initial values, drawn
+    exactly as on the whole model (``A`` from ``config.seed``, in the same order). peft places each
+    adapter where its base layer's weight lives, so while the adapter is made every base parameter
+    is a placeholder on the CPU (one zero broadcast to its shape: no memory), then the meta
+    parameters come back (their ``requires_grad`` as peft set it on the placeholders). Returns the
+    peft model, its adapter on the CPU (to be sharded with the base and filled from ``drawn``), and
+    ``drawn``: the adapter's values under the peft model's parameter names."""
+    originals: dict[tuple[nn.Module, str], nn.Parameter] = {}
+    placeholders: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                originals[(module, name)] = p
+                if id(p) not in placeholders:  # tied parameters stay one parameter
+                    placeholders[id(p)] = nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape),
+                                                       requires_grad=p.requires_grad)
+    for (module, name), p in originals.items():
+        module._parameters[name] = placeholders[id(p)]
+    try:
+        model = apply_lora(model, config, task="causal_lm")
+    finally:
+        for (module, name), p in originals.items():
+            p.requires_grad_(placeholders[id(p)].requires_grad)
+            module._parameters[name] = p
+    drawn = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    return model, drawn
+
+
+def _stored_name(key: str) -> str:
+    """The name in the model folder of a peft model's base tensor: peft's ``base_model.model.`` prefix
+    and the ``.base_layer`` of each layer it wraps removed."""
+    return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def _check_shared_run_dir(run_dir: Path, config: Any) -> None:

@@ -74,6 +74,7 @@ __all__ = [
     "unwrap_model",
     "reduces_own_gradients",
     "is_fsdp2",
+    "sharded_root",
     "broadcast_module",
     "all_reduce_sum",
     "agree",
@@ -364,6 +365,18 @@ def is_fsdp2(model: nn.Module) -> bool:
     except ImportError:  # pragma: no cover - older PyTorch
         return False
     return isinstance(model, FSDPModule)
+
+
+def sharded_root(model: nn.Module) -> nn.Module | None:
+    """The FSDP2 root a forward of ``model`` must run through, or ``None``: ``model`` itself when
+    sharded, else the sharded model a view of it calls (``loops.lora.AdapterOff``: the LoRA
+    policy with its adapters off, held as ``peft_model``). The root's forward gathers the
+    parameters outside the blocks (embeddings, final norm, head); a caller that reaches past it
+    (the trunk alone, the head by hand) must call the root instead."""
+    if is_fsdp2(model):
+        return model
+    inner = model.__dict__.get("peft_model")
+    return inner if inner is not None and is_fsdp2(inner) else None
 
 
 def reduces_own_gradients(model: nn.Module) -> bool:

@@ -208,7 +208,6 @@ def test_the_async_and_ray_learners_refuse_fsdp2():
 
 @pytest.mark.parametrize("overrides,match", [
     ({"strategy": "zero3"}, r"strategy: expected one of \['none', 'fsdp2'\], got 'zero3'"),
-    ({"strategy": "fsdp2", "use_peft": True}, "strategy: fsdp2 shards full-parameter training"),
     ({"strategy": "fsdp2", "engine": "vllm"}, "strategy: fsdp2 with engine: vllm is not offered"),
 ])
 def test_what_fsdp2_does_not_shard_is_refused_at_load(overrides, match):
