@@ -95,7 +95,8 @@ def _side(rollout: TensorDictBase, index: Tensor) -> TensorDict:
     return TensorDict(side, batch_size=index.shape)
 
 
-def online_preference_batch(rollout: TensorDictBase, *, num_groups: int | None = None) -> TensorDict:
+def online_preference_batch(rollout: TensorDictBase, *, num_groups: int | None = None,
+                            keep_ties: bool = False) -> TensorDict:
     """A preference batch from a scored rollout: per prompt, its best sample against its worst.
 
     Reads ``prompt_ids`` / ``prompt_mask`` ``[B, P]`` (left padded), ``response_ids`` /
@@ -112,6 +113,8 @@ def online_preference_batch(rollout: TensorDictBase, *, num_groups: int | None =
     Args:
         rollout: TensorDict ``[B]`` with the keys above.
         num_groups: number of prompts (default: ``B``, an upper bound).
+        keep_ties: keep every group, a tied one as its first best against its first worst sample (a
+            rank of a sharded run with no preference of its own runs one at weight zero).
     Returns:
         TensorDict ``[P']`` with ``chosen`` and ``rejected`` sub-TensorDicts; a new object, the
         rollout is not modified.
@@ -129,7 +132,8 @@ def online_preference_batch(rollout: TensorDictBase, *, num_groups: int | None =
             check_same_shape(K.RESPONSE_MASK, rollout.get(K.RESPONSE_MASK), **{key: rollout.get(key)})
     chosen, rejected, valid = best_worst_pairs(rollout.get(K.SCORE), rollout.get(K.GROUP_ID),
                                                num_groups=num_groups)
-    chosen, rejected = chosen[valid], rejected[valid]
+    if not keep_ties:
+        chosen, rejected = chosen[valid], rejected[valid]
     sub = rollout.select(*keys, K.LOGPROBS, K.REF_LOGPROBS, K.TRAJECTORY_MASK, strict=False)
     return TensorDict({K.CHOSEN: _side(sub, chosen), K.REJECTED: _side(sub, rejected)},
                       batch_size=chosen.shape)

@@ -246,7 +246,6 @@ class RecipeModels:
     reference: bool       # loads a frozen reference copy (none under LoRA)
     pairs: bool           # a training row is a pair: two sequences per item
     task: str = "causal_lm"
-    fsdp2: str = ""       # why FSDP2 is refused at load; "" when it is allowed
 
 
 RECIPE_MODELS: dict[str, RecipeModels] = {
@@ -256,8 +255,7 @@ RECIPE_MODELS: dict[str, RecipeModels] = {
     "grpo": RecipeModels(online=True, reference=True, pairs=False),
     "rloo": RecipeModels(online=True, reference=True, pairs=False),
     "ppo": RecipeModels(online=True, reference=True, pairs=False),
-    "online_dpo": RecipeModels(online=True, reference=True, pairs=True,
-                               fsdp2="online DPO is refused under fsdp2 (each rank keeps its own number of pairs)"),
+    "online_dpo": RecipeModels(online=True, reference=True, pairs=True),
 }
 
 
@@ -327,12 +325,9 @@ class PlanSettings:
         if self.mixed_precision and self.dtype != "float32":
             raise ValueError(f"mixed_precision: autocast runs over float32 weights; expected dtype 'float32', "
                              f"got {self.dtype!r}")
-        if self.strategy == "fsdp2" and self.world_size > 1:
-            if RECIPE_MODELS[self.recipe].fsdp2:
-                raise ValueError(f"strategy: {RECIPE_MODELS[self.recipe].fsdp2}; expected 'none', got 'fsdp2'")
-            if self.batch_size % self.world_size:
-                raise ValueError(f"batch_size: expected a multiple of world_size ({self.world_size}) under fsdp2, "
-                                 f"got {self.batch_size}")
+        if self.strategy == "fsdp2" and self.world_size > 1 and self.batch_size % self.world_size:
+            raise ValueError(f"batch_size: expected a multiple of world_size ({self.world_size}) under fsdp2, "
+                             f"got {self.batch_size}")
         if self.fsdp_cpu_offload and self.strategy != "fsdp2":
             raise ValueError(f"fsdp_cpu_offload: applies to strategy 'fsdp2', got strategy {self.strategy!r}")
         if self.recipe in ("grpo", "rloo") and self.num_samples < 2:

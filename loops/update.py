@@ -57,7 +57,7 @@ import functools
 import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -404,24 +404,20 @@ def _sizes(batch: TensorDictBase, minibatch_size: int | None, micro_batch_size: 
     return n, mb, micro
 
 
-def _plan(n: int, mb: int, micro: int | None, sync: GradSync | None) -> list[int]:
-    """The rows of each minibatch of an epoch summed over the ranks (host ints, agreed up front).
+def _plan(n: int, mb: int, sync: GradSync | None, *, counted: bool = True) -> list[int]:
+    """The rows of each minibatch of an epoch summed over the ranks (host ints, agreed up front); a
+    rank whose rows are not ``counted`` adds none.
 
-    Every rank must take the same number of optimiser steps (and, with FSDP2, run the same number
-    of forwards per step): checked here, on every rank, before any gradient is computed.
+    Every rank must take the same number of optimiser steps: checked here, on every rank, before
+    any gradient is computed (the forwards per step are agreed step by step, ``_micro_batches``).
     """
     rows = [min(mb, n - s) for s in range(0, n, mb)]
     if sync is None:
         return rows
     agree([len(rows)], what=f"update: optimiser steps per epoch ({len(rows)} here: {n} rows in minibatches of "
                             f"{mb}; sizes are per rank)")
-    micros = [math.ceil(r / (micro or r)) for r in rows]  # a token budget's counts are agreed per step
-    local = torch.tensor([*rows, *micros, *(c * c for c in micros)], dtype=torch.int64)
-    total = all_reduce_sum(local.to(sync.device)).cpu().view(3, -1)
-    if sync.lockstep and micro is not None and not torch.equal(total[1] ** 2, total[2] * sync.world_size):
-        raise ValueError(f"update: FSDP2 needs the same number of micro-batches per step on every rank; this "
-                         f"rank runs {micros} (micro_batch_size={micro} of {rows} rows)")
-    return total[0].tolist()
+    local = torch.tensor(rows if counted else [0] * len(rows), dtype=torch.int64)
+    return cast(list[int], all_reduce_sum(local.to(sync.device)).cpu().tolist())
 
 
 def token_micro_batches(tokens: torch.Tensor, *, budget: int, max_rows: int) -> list[torch.Tensor]:
@@ -456,16 +452,22 @@ def token_micro_batches(tokens: torch.Tensor, *, budget: int, max_rows: int) -> 
     return [torch.tensor(g, dtype=torch.long) for g in groups]
 
 
-def _split_to(groups: list[torch.Tensor], count: int, where: str) -> list[torch.Tensor]:
-    """``groups`` cut (the largest in rows first, in halves) until there are ``count`` of them: FSDP2's
+class _Again(torch.Tensor):
+    """Row indices run again at weight zero: a forward and backward that only keeps an FSDP2 step's
+    collectives in step with a rank that runs more micro-batches (its gradients and metrics count
+    nothing)."""
+
+
+def _split_to(groups: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """``groups`` cut (the largest in rows first, in halves) until there are ``count`` of them, and
+    when no group has two rows left, its last row run again at weight zero (:class:`_Again`): FSDP2's
     ranks must run as many forwards per step."""
     groups = list(groups)
     while len(groups) < count:
         i = max(range(len(groups)), key=lambda j: len(groups[j]))
         if len(groups[i]) < 2:
-            raise ValueError(f"update: FSDP2 needs the same number of micro-batches per step on every rank; {where} "
-                             f"has {len(groups)} rows and another rank {count} micro-batches (give each rank more "
-                             f"rows or a larger max_tokens_per_micro_batch)")
+            groups += [groups[-1][-1:].as_subclass(_Again)] * (count - len(groups))
+            break
         half = len(groups[i]) // 2
         groups[i:i + 1] = [groups[i][:half], groups[i][half:]]
     return groups
@@ -473,20 +475,24 @@ def _split_to(groups: list[torch.Tensor], count: int, where: str) -> list[torch.
 
 def _micro_batches(minibatch: TensorDictBase, micro_batch_size: int, *, budget: int | None,
                    row_tokens: Callable[[TensorDictBase], torch.Tensor] | None,
-                   sync: GradSync | None, where: str) -> list[slice | torch.Tensor]:
+                   sync: GradSync | None) -> list[torch.Tensor]:
+    """The row indices of each forward of a minibatch: ``micro_batch_size`` rows, or cut by a token
+    budget; under FSDP2 the ranks agree on the largest count (one all-reduce) and the others cut
+    theirs to it (:func:`_split_to`)."""
     n = minibatch.batch_size[0]
     if budget is None:
-        return [slice(start, start + micro_batch_size) for start in range(0, n, micro_batch_size)]
-    if row_tokens is None:
-        raise ValueError("row_tokens: a token budget (max_tokens_per_micro_batch) needs the tokens each row costs")
-    tokens = torch.as_tensor(row_tokens(minibatch)).reshape(-1)
-    if tokens.numel() != n:
-        raise ValueError(f"row_tokens: expected one count per row ({n}), got shape {list(tokens.shape)}")
-    groups = token_micro_batches(tokens, budget=budget, max_rows=micro_batch_size)
+        groups = list(torch.arange(n).split(micro_batch_size))
+    else:
+        if row_tokens is None:
+            raise ValueError("row_tokens: a token budget (max_tokens_per_micro_batch) needs the tokens each row costs")
+        tokens = torch.as_tensor(row_tokens(minibatch)).reshape(-1)
+        if tokens.numel() != n:
+            raise ValueError(f"row_tokens: expected one count per row ({n}), got shape {list(tokens.shape)}")
+        groups = token_micro_batches(tokens, budget=budget, max_rows=micro_batch_size)
     if sync is not None and sync.lockstep:
         count = torch.tensor(float(len(groups)), device=sync.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        groups = _split_to(groups, int(count.item()), where)
+        groups = _split_to(groups, int(count.item()))
     return groups
 
 
@@ -501,22 +507,23 @@ def _named(metrics: Any) -> Iterable[tuple[str, torch.Tensor]]:
 
 def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *, groups: list,
                 rows: int, mask_key: Any, autocast_dtype: torch.dtype | None, device_type: str,
-                early_stop_key: str | None,
-                sync: GradSync | None) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Forward/backward over the micro-batches (``groups``: row slices or indices) of one
-    minibatch; gradients add up in ``.grad``.
+                early_stop_key: str | None, sync: GradSync | None,
+                counted: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Forward/backward over the micro-batches (``groups``: row indices) of one minibatch;
+    gradients add up in ``.grad``.
 
-    ``rows``: the minibatch's rows over every rank; each micro-batch's share of the step is
-    ``b / rows``, so the ranks' weighted sums add up to the global minibatch's.
+    ``rows``: the minibatch's counted rows over every rank; each micro-batch's share of the step is
+    ``b / rows``, so the ranks' weighted sums add up to the global minibatch's. A group run again
+    (:class:`_Again`), or any group of a rank whose rows are not ``counted``, weighs zero.
     """
-    denominators = global_denominators(minibatch, mask_key)
+    denominators = global_denominators(minibatch if counted else minibatch[:0], mask_key)
     scale = 1.0 if sync is None else sync.loss_scale
     sums: dict[str, torch.Tensor] = {}
     finite = stop = None  # 0-d bool tensors on the loss's device: no synchronisation here
     for k, group in enumerate(groups):
-        micro = minibatch[group]
-        share = micro.batch_size[0] / rows
-        loss_weight = 1.0 if denominators else share
+        micro = minibatch[group.as_subclass(torch.Tensor)]
+        share = micro.batch_size[0] / max(rows, 1) if counted and not isinstance(group, _Again) else 0.0
+        loss_weight = (1.0 if denominators else share) if share else 0.0
         with accumulation_context(sync, last=k == len(groups) - 1):  # DDP no_sync but on the last
             with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16,
                                 enabled=autocast_dtype is not None):
@@ -629,7 +636,7 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
            params: Iterable[torch.Tensor] | None = None, autocast_dtype: torch.dtype | None = None,
            shuffle: bool = True, max_tokens_per_micro_batch: int | None = None,
            row_tokens: Callable[[TensorDictBase], torch.Tensor] | None = None,
-           transform: Transform = DEFAULT_TRANSFORM) -> tuple[TrainState, TensorDict]:
+           transform: Transform = DEFAULT_TRANSFORM, counted: bool = True) -> tuple[TrainState, TensorDict]:
     """Optimise ``loss_fn`` on ``batch``: ``epochs`` passes of shuffled minibatches (impure).
 
     Per epoch the rows are permuted with ``state.rng`` (when there is more than one minibatch and
@@ -664,7 +671,10 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
     are summed and the others averaged by rows across ranks; a non-finite loss or an early stop
     on any rank holds for all. The result on ``W`` ranks is the result of one process on the
     concatenated batch (up to float summation order). Every rank must take the same number of
-    steps per epoch (checked: ``ValueError`` on every rank before any gradient).
+    steps per epoch (checked: ``ValueError`` on every rank before any gradient). Under FSDP2 every
+    forward is a collective: the ranks agree on each step's number of micro-batches (the largest),
+    a rank with fewer cuts its own in halves, and one with fewer rows than that runs its last row
+    again at weight zero.
 
     Args:
         state: ``TrainState`` with ``optimizer`` (and optionally ``scheduler``, ``rng``).
@@ -689,6 +699,9 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
             ``raise_nonfinite()``, ``stop_on(...)`` and ``clip_by_global_norm(max_norm)``, applied
             in that order (non-finite check, early stop, clip); the default ``DEFAULT_TRANSFORM`` is
             ``chain(skip_nonfinite(), clip_by_global_norm(1.0))`` (no early stop).
+        counted: ``False``: this rank's rows weigh nothing (in the loss, the denominators and the
+            metrics); it runs them only so that an FSDP2 step's collectives meet (a rank with no
+            data of its own this step, such as online DPO's when every one of its prompts tied).
     Returns:
         ``(state, metrics)``: ``state`` with the advanced generator copy as ``rng`` and
         ``optimizer_steps``, ``skipped_steps``, ``policy_version`` (+1 if any step was taken)
@@ -719,7 +732,7 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
             max_tokens_per_micro_batch, int) or max_tokens_per_micro_batch < 1):
         raise ValueError(f"max_tokens_per_micro_batch: expected a positive int or None, got "
                          f"{max_tokens_per_micro_batch!r}")
-    rows = _plan(n, mb, None if max_tokens_per_micro_batch else micro, sync)
+    rows = _plan(n, mb, sync, counted=counted)
     steps, counts, lr = [], dict.fromkeys(("taken", "skipped", "stopped"), 0), None
     _zero_grads(params, state.optimizer)
     with training_mode(state.models.values(), trained):  # dropout as the model defines it
@@ -729,11 +742,11 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
                 minibatch = batch[order[start:start + mb]]
                 where = f"epoch {epoch}, rows {start}:{start + mb}"
                 groups = _micro_batches(minibatch, micro, budget=max_tokens_per_micro_batch, row_tokens=row_tokens,
-                                        sync=sync, where=where)
+                                        sync=sync)
                 sums, finite, stop = _accumulate(
                     state, minibatch, loss_fn, groups=groups, rows=rows[k],
                     mask_key=mask_key, autocast_dtype=autocast_dtype, device_type=device_type,
-                    early_stop_key=None if rule is None else rule.key, sync=sync)
+                    early_stop_key=None if rule is None else rule.key, sync=sync, counted=counted)
                 sums, finite, stop = _synchronise(sums, finite, stop, sync)
                 step_lr = state.optimizer.param_groups[0]["lr"]
                 outcome, norm, flagged = _optimizer_step(state, params, finite, stop, transform=transform,

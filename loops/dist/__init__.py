@@ -33,7 +33,8 @@ Gradient reduction strategies (:func:`wrap_model`):
 - ``"fsdp2"``: ``torch.distributed.fsdp.fully_shard`` on each block (a Hugging Face model's
   ``_no_split_modules``) and on the root: parameters, gradients and optimiser state sharded;
   reduce-scatter averages, so the same ``W`` scaling applies. Works on CPU with gloo. Every rank
-  must run the same number of forwards per step (``update`` checks the micro-batch counts).
+  must run the same number of forwards per step (``update`` agrees on the micro-batch count: a rank
+  with fewer halves its own, or runs its last row again at weight zero).
 
 References:
     Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",

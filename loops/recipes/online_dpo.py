@@ -47,6 +47,7 @@ from rlcore.loops.score import concatenated_forward
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.config import autocast_dtype
 from rlcore.loops.settings import ChunkSettings, LossTypeSettings, PreferenceSettings
+from rlcore.loops.dist import all_reduce_sum, dist_info
 from rlcore.loops.state import TrainState
 from rlcore.loops.update import chain, clip_by_global_norm, skip_nonfinite, update
 
@@ -63,10 +64,11 @@ class Config(PreferenceSettings, ChunkSettings, LossTypeSettings, OnlineConfig,
         """Fail on a bad config before any model is built: an unpaired loss, fewer than 2 samples per
         prompt, an unknown ``loss_type``, a hyper-parameter the loss does not take, or
         ``sync_ref_model`` with a reference-free loss."""
-        if self.strategy == "fsdp2":
-            raise ValueError("strategy: fsdp2 is not offered for online DPO (each rank keeps its own number of "
-                             "pairs once ties are dropped, and every sharded forward is a collective); use "
-                             "strategy: none")
+        if self.strategy == "fsdp2" and self.minibatch_size is not None:
+            raise ValueError(f"minibatch_size: under strategy fsdp2 online DPO takes one optimiser step per epoch "
+                             f"(each rank keeps its own number of pairs once ties are dropped, so minibatches "
+                             f"would give the ranks different numbers of steps); expected None, got "
+                             f"{self.minibatch_size}")
         if self.loss_type in UNPAIRED:
             raise ValueError(f"loss_type: {self.loss_type!r} trains on unpaired rows; online DPO forms pairs "
                              "(choose a pairwise loss of rlcore.algorithms.preference.PREFERENCE_LOSSES)")
@@ -116,12 +118,22 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple[T
     """A scored rollout → per prompt its best sample against its worst (ties dropped) → their reference
     log-probs when the loss reads them → ``epochs`` passes of the preference loss, then the reference's
     TR-DPO update when due (``loops.recipes.dpo.sync_reference``). Impure: trains. No optimiser step
-    without a pair (``rollout/pairs`` = 0 in the metrics)."""
+    without a pair on any rank (``rollout/pairs`` = 0 in the metrics). Over several ranks each trains
+    on its own pairs, weighted by the pairs of every rank; a rank whose prompts all tied runs one tied
+    pair at weight zero (``update(counted=False)``), since the update's reductions, and under FSDP2
+    every forward, need every rank."""
     c = config
-    pairs = online_preference_batch(rollout, num_groups=rollout.batch_size[0] // c.num_samples)
+    groups = rollout.batch_size[0] // c.num_samples
+    pairs = online_preference_batch(rollout, num_groups=groups)
     info = {**rollout_metrics(rollout), "rollout/pairs": torch.tensor(float(pairs.batch_size[0]))}
-    if pairs.batch_size[0] == 0:  # every prompt tied: nothing to prefer
+    # over several ranks the update's collectives need every rank: one whose prompts all tied runs a tied pair
+    # that counts for nothing, unless every rank's did
+    counted, ranks = pairs.batch_size[0] > 0, dist_info()
+    if not (all_reduce_sum(torch.tensor(float(counted), device=ranks.device)).item() if ranks.distributed
+            else counted):  # every prompt tied: nothing to prefer
         return sync_reference(state, c), TensorDict(info, batch_size=[])
+    if not counted:
+        pairs = online_preference_batch(rollout, num_groups=groups, keep_ties=True)[:1]
     if needs_reference(c):  # the reference's log-probs of both sides, once (not for ORPO, SimPO, CPO)
         pairs = with_reference(state, pairs, chunked=c.chunked, packed=c.padding_free)
     loss = bind_loss(c)  # PREFERENCE_LOSSES[loss_type](beta, **loss_kwargs): a mean over pairs
@@ -133,9 +145,9 @@ def learn(state: TrainState, rollout: TensorDictBase, config: Config) -> tuple[T
     state, metrics = update(state, pairs, loss_fn,
                             **update_sizes(len(pairs), minibatch_size=c.minibatch_size,
                                            micro_batch_size=c.micro_batch_size), **token_budget(c),
-                            epochs=c.epochs, autocast_dtype=autocast_dtype(c),
+                            epochs=c.epochs, autocast_dtype=autocast_dtype(c), counted=counted,
                             transform=chain(skip_nonfinite(),
                                             None if c.max_grad_norm is None else clip_by_global_norm(c.max_grad_norm)))
-    info.update({"rollout/score_chosen": pairs[K.CHOSEN, K.SCORE].mean(),
+    info.update({"rollout/score_chosen": pairs[K.CHOSEN, K.SCORE].mean(),  # a rank with no pair: its tied pair's
                  "rollout/score_rejected": pairs[K.REJECTED, K.SCORE].mean()})
     return sync_reference(state, c), metrics.update(info)

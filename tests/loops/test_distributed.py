@@ -123,6 +123,16 @@ def _equivalence(out, tensors):
     rows = shard_batch(global_batch(7))  # 4 + 3 rows, per-row mean loss, no mask_key
     new, metrics = update(model_state(), rows, row_mean_loss, micro_batch_size=3, transform=chain(skip_nonfinite()))
     tensors["rows"], out["rows"] = flat(new.model()), floats(metrics)
+    rank, seven = dist_info().rank, global_batch(7)
+    for strategy in WRAPS:  # 6 rows and 1: FSDP2's rank 1 runs its row in 3 forwards, 2 of them at weight 0
+        new, _ = update(model_state(strategy), seven[1:] if rank == 0 else seven[:1], row_mean_loss,
+                        micro_batch_size=2 if rank == 0 else 1, transform=chain(skip_nonfinite()))
+        tensors[f"uneven/{strategy}"] = flat(new.model())
+        # rank 1's rows not counted: the step of rank 0's 4 rows alone (denominators too)
+        new, metrics = update(model_state(strategy), seven[:4] if rank == 0 else seven[4:], make_loss("token_mean"),
+                              mask_key=K.RESPONSE_MASK, micro_batch_size=2, counted=rank == 0,
+                              transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
+        tensors[f"uncounted/{strategy}"], out[f"uncounted/{strategy}"] = flat(new.model()), floats(metrics)
     out["local_tokens"] = int(local[K.RESPONSE_MASK].sum())
     out["denominators"] = {k: int(v) for k, v in global_denominators(local, K.RESPONSE_MASK).items()}
 
@@ -291,6 +301,24 @@ def test_row_mean_losses_weight_unequal_shards_by_global_rows(ranks):
     torch.testing.assert_close(t0["rows"], flat(new.model()), **TOL)
     torch.testing.assert_close(t1["rows"], flat(new.model()), **TOL)
     assert r0["rows"]["loss_rows"] == pytest.approx(float(metrics["loss_rows"]), rel=1e-10)
+
+
+@pytest.mark.parametrize("strategy", WRAPS)
+def test_ranks_with_unequal_micro_batch_counts_equal_one_process(ranks, strategy):
+    """FSDP2 needs as many forwards on each rank: the rank with one row runs it again at weight zero."""
+    expected, _ = update(model_state(), global_batch(7), row_mean_loss, transform=chain(skip_nonfinite()))
+    for _, t in ranks[0]:
+        torch.testing.assert_close(t[f"uneven/{strategy}"], flat(expected.model()), **TOL)
+
+
+@pytest.mark.parametrize("strategy", WRAPS)
+def test_rows_not_counted_weigh_nothing(ranks, strategy):
+    expected, metrics = update(model_state(), global_batch(7)[:4], make_loss("token_mean"), mask_key=K.RESPONSE_MASK,
+                               transform=chain(skip_nonfinite(), clip_by_global_norm(1.0)))
+    for r, t in ranks[0]:
+        torch.testing.assert_close(t[f"uncounted/{strategy}"], flat(expected.model()), **TOL)
+        for name in ("loss", "loss_nll", "mean_lp"):
+            assert r[f"uncounted/{strategy}"][name] == pytest.approx(float(metrics[name]), rel=1e-10), name
 
 
 def test_nonfinite_guard_and_early_stop_are_agreed(ranks):

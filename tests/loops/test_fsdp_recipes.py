@@ -28,6 +28,8 @@ RUNS = {
     "rloo": (rloo, ONLINE),
     "ppo_separate": (ppo, dict(ONLINE, value_model="separate")),
     "ppo_shared": (ppo, ONLINE),
+    # ties: a rank with no pair runs a tied one at weight zero, so the collectives meet
+    "online_dpo": (online_dpo, dict(ONLINE, num_samples=2, micro_batch_size=1)),
     "grpo_packed": (grpo, dict(ONLINE, padding_free=True, max_tokens_per_micro_batch=64)),
     "dpo_bf16": (dpo, dict(OFFLINE, fsdp_param_dtype="bfloat16")),
     "grpo_bf16": (grpo, dict(ONLINE, fsdp_param_dtype="bfloat16")),
@@ -39,7 +41,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 # float32; Adam's first steps move a weight by about lr whatever its gradient's size, so a tiny gradient whose sign
 # bfloat16 flips moves it 2·lr the other way (DPO's lr is 5e-4)
 TOLS = {"dpo_bf16": dict(rtol=2e-2, atol=5e-3), "grpo_bf16": dict(rtol=2e-2, atol=5e-3)}
-ONLINE_RECIPES = (grpo, rloo, ppo)
+ONLINE_RECIPES = (grpo, rloo, ppo, online_dpo)
 
 
 def length_reward(prompts, completions, **_):
@@ -47,8 +49,16 @@ def length_reward(prompts, completions, **_):
     return [float(len(c)) for c in completions]
 
 
+def rank_reward(prompts, completions, **_):
+    """Rank 1's samples all tie (it has no pair: it runs a tied one at weight zero), rank 0's differ."""
+    if dist_info().rank == 1:
+        return [0.0] * len(completions)
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
 def train(recipe, settings, **overrides):
-    kwargs = {"reward_fn": length_reward} if recipe in ONLINE_RECIPES else {}
+    reward_fn = rank_reward if recipe is online_dpo else length_reward
+    kwargs = {"reward_fn": reward_fn} if recipe in ONLINE_RECIPES else {}
     return recipe.train(recipe.Config(**settings, **overrides), **kwargs)
 
 
@@ -176,7 +186,7 @@ def test_the_decode_loop_steps_until_every_rank_is_done(ranks):
 
 
 @pytest.mark.parametrize("recipe,overrides,match", [
-    (online_dpo, {}, "strategy: fsdp2 is not offered for online DPO"),
+    (online_dpo, {"minibatch_size": 2}, "minibatch_size: under strategy fsdp2 online DPO takes one optimiser step"),
     (grpo, {"dynamic_sampling": True}, "strategy: fsdp2 with dynamic_sampling is not offered"),
     (dpo, {"sync_ref_model": True}, "strategy: fsdp2 with sync_ref_model is not offered"),
 ])

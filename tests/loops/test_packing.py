@@ -223,13 +223,15 @@ def test_token_micro_batches_cover_the_rows_in_order_within_the_budget(tokens, b
 
 
 def test_fsdp2_ranks_halve_their_largest_micro_batches_to_agree_on_the_count():
-    from rlcore.loops.update import _split_to
+    from rlcore.loops.update import _Again, _split_to
 
     groups = [torch.tensor([0, 1, 2, 3]), torch.tensor([4])]
-    assert [g.tolist() for g in _split_to(groups, 4, "here")] == [[0], [1], [2, 3], [4]]
-    assert _split_to(groups, 2, "here") == groups
-    with pytest.raises(ValueError, match="FSDP2 needs the same number of micro-batches per step on every rank"):
-        _split_to(groups, 6, "epoch 0, rows 0:5")
+    assert [g.tolist() for g in _split_to(groups, 4)] == [[0], [1], [2, 3], [4]]
+    assert _split_to(groups, 2) == groups
+    # fewer rows than forwards: the last row again, at weight zero
+    more = _split_to(groups, 7)
+    assert [g.tolist() for g in more] == [[0], [1], [2], [3], [4], [4], [4]]
+    assert [isinstance(g, _Again) for g in more] == [False] * 5 + [True] * 2
 
 
 def test_row_tokens_for_each_layout():

@@ -213,7 +213,6 @@ def test_recipes_of_the_plan_are_recipes_of_the_table():
     (dict(batch_size=0), "batch_size: expected a positive integer, got 0"),
     (dict(dtype="int8"), "dtype: expected one of .*got 'int8'"),
     (dict(strategy="ddp"), "strategy: expected one of \\['none', 'fsdp2'\\], got 'ddp'"),
-    (dict(recipe="online_dpo", world_size=2, strategy="fsdp2"), "strategy: online DPO is refused under fsdp2"),
     (dict(world_size=4, strategy="fsdp2", batch_size=6), "batch_size: expected a multiple of world_size \\(4\\)"),
     (dict(fsdp_cpu_offload=True), "fsdp_cpu_offload: applies to strategy 'fsdp2', got strategy 'none'"),
     (dict(lora_target_modules=("lm_head",)), "lora_target_modules: expected .*got \\['lm_head'\\]"),
