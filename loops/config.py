@@ -477,12 +477,6 @@ def _sharding_faults(config: Any) -> list[str]:
     if getattr(config, "engine", None) == "vllm":
         faults.append("strategy: fsdp2 with engine: vllm is not offered (the engine loads the whole weights); use "
                       "engine: loop or hf")
-    if getattr(config, "sync_ref_model", False):
-        faults.append("strategy: fsdp2 with sync_ref_model is not offered (the reference's mix reads whole "
-                      "parameters); use strategy: none")
-    if getattr(config, "dynamic_sampling", False):
-        faults.append("strategy: fsdp2 with dynamic_sampling is not offered (each rank would refill its own number "
-                      "of rounds, and every sharded forward is a collective)")
     for name in ("ref_device", "reward_device"):
         if getattr(config, name, None) not in (None, getattr(config, "device", None)):
             faults.append(f"{name}: fsdp2 places every sharded model on the run's device; leave {name} unset")

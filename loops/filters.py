@@ -33,6 +33,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from rlcore import keys as K
 from rlcore.loops.chunks import cat_rollouts
+from rlcore.loops.dist import shard_batch
+from rlcore.loops.dist.sync import all_ranks_ok
 
 __all__ = ["exclude_unscored", "mask_truncated", "informative_groups", "prompt_refill", "refill_informative"]
 
@@ -49,36 +51,45 @@ def informative_groups(rollout: TensorDictBase) -> torch.Tensor:
 
 def prompt_refill(dataset: Dataset, config: Any) -> Callable[[int, int], dict]:
     """``(step, round) -> rows``: ``config.batch_size`` prompts (all columns) drawn from ``dataset``
-    with a generator seeded by ``(config.seed, step, round)``."""
+    with a generator seeded by ``(config.seed, step, round)``; on several ranks this rank's block of
+    them (``loops.dist.shard_batch``: the blocks together are one process's draw)."""
     def draw(step: int, round_: int) -> dict:
         g = torch.Generator().manual_seed(zlib.crc32(f"{int(config.seed)}:{int(step)}:{int(round_)}".encode()))
         index = torch.randperm(len(dataset), generator=g)[:config.batch_size].tolist()
-        return dataset[index]
+        return shard_batch(dataset[index])
     return draw
 
 
 def refill_informative(state: Any, rows: Mapping[str, Sequence], collect: Callable[..., tuple[Any, TensorDict]], *,
                        refill: Callable[[int, int], Mapping[str, Sequence]], batch_size: int, num_samples: int,
-                       max_rounds: int, pad_id: int) -> tuple[Any, TensorDict, dict[str, torch.Tensor]]:
+                       max_rounds: int, pad_id: int,
+                       lockstep: bool = False) -> tuple[Any, TensorDict, dict[str, torch.Tensor]]:
     """``collect(state, rows) -> (state, rollout)`` round after round, keeping the informative groups,
     until ``batch_size`` of them or ``max_rounds`` rounds: ``(state, rollout, counts)``. The kept
     groups are joined by ``loops.chunks.cat_rollouts`` (ids padded with ``pad_id``).
+
+    ``lockstep`` (a sharded policy, whose every forward is a collective): the ranks go on while any
+    of them lacks groups (one all-reduce per round); a rank that holds enough samples along, its
+    round's state and rollout dropped, so it ends as it would alone.
 
     ``counts``: ``rollout/sampling_rounds``, ``rollout/dropped_groups`` (uninformative groups
     sampled and dropped) and ``rollout/kept_groups``.
     """
     kept, rounds, dropped, first = [], 0, 0, None
-    step = int(state.step)
+    step, done = int(state.step), False
     while True:
-        state, rollout = collect(state, rows)
-        first = rollout if first is None else first
-        rounds += 1
-        useful = informative_groups(rollout)
-        dropped += int((~useful).sum()) // num_samples
-        if bool(useful.any()):
-            kept.append(rollout[useful])
-        held = sum(r.batch_size[0] for r in kept) // num_samples
-        if held >= batch_size or rounds >= max_rounds:
+        if done:  # lockstep: another rank still samples, and every forward needs this one
+            collect(state, rows)
+        else:
+            state, rollout = collect(state, rows)
+            first = rollout if first is None else first
+            rounds += 1
+            useful = informative_groups(rollout)
+            dropped += int((~useful).sum()) // num_samples
+            if bool(useful.any()):
+                kept.append(rollout[useful])
+            done = sum(r.batch_size[0] for r in kept) // num_samples >= batch_size or rounds >= max_rounds
+        if all_ranks_ok(done) if lockstep else done:
             break
         rows = refill(step, rounds)
     rollout = cat_rollouts(kept, pad_id=pad_id)[:batch_size * num_samples] if kept else first

@@ -752,6 +752,20 @@ def mix_into_reference(ref: nn.Module, policy: nn.Module, alpha: float) -> nn.Mo
         differ = sorted(set(shapes(ref_params).items()) ^ set(shapes(params).items()))[:3]
         raise ValueError(f"ref_model: the reference's parameters differ from the policy's (e.g. {differ}); "
                          "only a reference of the policy's architecture can be synced")
-    for name, target in ref_params.items():
-        target.lerp_(params[name].to(target.dtype), alpha)
+    if sharded_root(ref) is None:
+        for name, target in ref_params.items():
+            target.lerp_(params[name].to(target.dtype), alpha)
+        return ref
+    # FSDP2 (both sharded alike): each rank mixes its own rows; the reference's root, left gathered by its
+    # last forward, is resharded first so that its next forward gathers the mixed rows
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in ref.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    own, theirs = ref.state_dict(), policy.state_dict()  # the shards, even with a root gathered
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    for name in ref_params:
+        target = local(own[name])
+        target.lerp_(local(theirs[name]).to(target.dtype), alpha)
     return ref

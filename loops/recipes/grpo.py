@@ -45,6 +45,7 @@ from rlcore.algorithms.ratios import RATIO_LEVELS
 from rlcore.checks import lookup
 from rlcore.loops.collate import token_budget
 from rlcore.loops.config import autocast_dtype, try_loss
+from rlcore.loops.dist import shard_batch, sharded_root
 from rlcore.loops.evaluate import evaluate_policy as evaluate  # held-out reward, exact match, KL to the reference
 from rlcore.loops.online import build_online_state as build_state  # policy, frozen reference, AdamW
 from rlcore.loops.filters import mask_truncated, refill_informative
@@ -197,8 +198,10 @@ def collect_groups(state: TrainState, rows: dict, *, config: OnlineConfig, token
     if not (c.dynamic_sampling and refill is not None):
         return (*collect(state, rows), {})
     # DAPO: groups whose scores are all alike (every advantage 0) are swapped for fresh prompts' groups
-    return refill_informative(state, rows, collect, refill=refill, batch_size=c.batch_size, num_samples=c.num_samples,
-                              max_rounds=c.max_sampling_rounds, pad_id=pad_token_id(tokenizer))
+    # on several ranks each keeps its share of batch_size groups; a sharded policy keeps the ranks' rounds in step
+    return refill_informative(state, rows, collect, refill=refill, batch_size=len(shard_batch(list(range(c.batch_size)))),
+                              num_samples=c.num_samples, max_rounds=c.max_sampling_rounds,
+                              pad_id=pad_token_id(tokenizer), lockstep=sharded_root(state.model("policy")) is not None)
 
 
 def learn(state: TrainState, rollout: TensorDictBase, config: Config, *,

@@ -30,6 +30,10 @@ RUNS = {
     "ppo_shared": (ppo, ONLINE),
     # ties: a rank with no pair runs a tied one at weight zero, so the collectives meet
     "online_dpo": (online_dpo, dict(ONLINE, num_samples=2, micro_batch_size=1)),
+    # rank 1's groups all tie: it refills every round while rank 0, done after one, samples along
+    "grpo_dynamic": (grpo, dict(ONLINE, dynamic_sampling=True, max_sampling_rounds=3)),
+    # TR-DPO: each rank mixes its rows of the policy into its rows of the reference after every step
+    "dpo_sync": (dpo, dict(OFFLINE, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, lr=0.05)),
     "grpo_packed": (grpo, dict(ONLINE, padding_free=True, max_tokens_per_micro_batch=64)),
     "dpo_bf16": (dpo, dict(OFFLINE, fsdp_param_dtype="bfloat16")),
     "grpo_bf16": (grpo, dict(ONLINE, fsdp_param_dtype="bfloat16")),
@@ -57,7 +61,7 @@ def rank_reward(prompts, completions, **_):
 
 
 def train(recipe, settings, **overrides):
-    reward_fn = rank_reward if recipe is online_dpo else length_reward
+    reward_fn = rank_reward if recipe is online_dpo or settings.get("dynamic_sampling") else length_reward
     kwargs = {"reward_fn": reward_fn} if recipe in ONLINE_RECIPES else {}
     return recipe.train(recipe.Config(**settings, **overrides), **kwargs)
 
@@ -187,8 +191,6 @@ def test_the_decode_loop_steps_until_every_rank_is_done(ranks):
 
 @pytest.mark.parametrize("recipe,overrides,match", [
     (online_dpo, {"minibatch_size": 2}, "minibatch_size: under strategy fsdp2 online DPO takes one optimiser step"),
-    (grpo, {"dynamic_sampling": True}, "strategy: fsdp2 with dynamic_sampling is not offered"),
-    (dpo, {"sync_ref_model": True}, "strategy: fsdp2 with sync_ref_model is not offered"),
 ])
 def test_what_fsdp2_cannot_keep_in_step_is_refused(recipe, overrides, match, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
