@@ -485,9 +485,6 @@ def _sharding_faults(config: Any) -> list[str]:
     if world > 1 and isinstance(batch, int) and batch % world:
         faults.append(f"batch_size: fsdp2 runs every forward on every rank at once, so each rank needs as many rows; "
                       f"expected a multiple of the world size {world}, got {batch}")
-    if any(f.name == "share_weights" for f in dataclasses.fields(config)):  # ReftFields
-        faults.append("strategy: the ReFT recipes train interventions on a frozen model; run them with strategy: "
-                      "none")
     return faults
 
 

@@ -431,7 +431,9 @@ def _engine_hf(model: nn.Module, batch: TensorDict, *, behaviour: str | None, ma
                stops: list[int], pad: int, greedy: bool, temperature: float, top_k: int | None, top_p: float | None,
                seed: int | None, sampler: str, options: Mapping[str, Any]):
     """Hugging Face ``generate`` (its sampling draws from the global RNG, which ``generate_rollout``
-    seeds inside ``fork_rng``); ``options``: ``generate_kwargs`` and ``use_cache``."""
+    seeds inside ``fork_rng``); ``options``: ``generate_kwargs`` and ``use_cache``. On an FSDP2 model
+    transformers sets ``synced_gpus`` itself: a rank whose rows are done keeps stepping until every
+    rank's are (tested in ``tests/loops/test_fsdp_recipes.py``)."""
     record = None if behaviour is None else BEHAVIOUR_LOGPROBS[behaviour]
     # Sampling settings are passed only when sampling (greedy decoding warns about them).
     sampling = dict(temperature=temperature, top_k=0 if top_k is None else top_k,

@@ -154,6 +154,8 @@ class AdapterOff(nn.Module):
     (the base head), ``generate``. Call it under ``torch.no_grad()``, as any reference.
     """
 
+    calls_through = "peft_model"  # loops.dist.sharded_root: a sharded policy's forwards go through its root
+
     def __init__(self, peft_model: nn.Module, module: nn.Module | None = None):
         super().__init__()
         if not is_peft(peft_model):

@@ -600,7 +600,12 @@ def _hidden_through_root(model: nn.Module, input_ids: torch.Tensor, attention_ma
     and arms their gradient reduction, which calling the trunk alone would skip. The head computes
     one position's logits at most (``logits_to_keep=1``), which are dropped; the root's parameters
     stay gathered after the forward, so the head's weight can be read for the chunked log-probs. A
-    LoRA model's (or its adapter-off view's) trunk is the base model's, read the same way."""
+    LoRA model's (or its adapter-off view's) trunk is the base model's, read the same way.
+
+    FSDP2 arms the root's gradient reduction from a hook on its forward's outputs, which are
+    dropped here: so the states come back tied to the logits (:class:`_ThroughRoot`), whose zero
+    gradient fires that hook even when no block's output needs a gradient (ReFT's interventions on
+    the last block of a frozen model, beside a trained score head)."""
     seen: list[torch.Tensor] = []
     trunk = _decoder(model)
     trunk = trunk.__dict__.get("wrapped", trunk)  # an adapter-off view of the trunk: the trunk it runs
@@ -609,10 +614,28 @@ def _hidden_through_root(model: nn.Module, input_ids: torch.Tensor, attention_ma
     base = base.get_base_model() if callable(getattr(base, "get_base_model", None)) else base
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    **extra)
     finally:
         hook.remove()
-    return seen[-1]
+    hidden, logits = seen[-1], getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor) and logits.requires_grad and hidden.requires_grad:
+        return _ThroughRoot.apply(hidden, logits)
+    return hidden
+
+
+class _ThroughRoot(torch.autograd.Function):
+    """``hidden`` unchanged, with the backward also giving ``logits`` a zero gradient: an FSDP2 root's
+    hook on its outputs then runs (it gathers for, and reduces, the root's gradients)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return grad, grad.new_zeros(ctx.logits_shape, dtype=ctx.logits_dtype)
 
 
 class ValueHead(nn.Module):

@@ -47,6 +47,7 @@ from rlcore.loops.logging import make_loggers
 from rlcore.loops.lora import adapter_off, apply_lora, check_adapter_fits, is_adapter_dir, is_peft, with_adapter
 from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, read_json
 from rlcore.loops.checkpoint_shards import is_sharded_folder, plain_folder, split_rows
+from rlcore.loops.reft_model import ReftModel
 from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
@@ -369,16 +370,24 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     ``fsdp_param_dtype`` torch's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` and, with
     ``fsdp_cpu_offload``, torch's ``CPUOffloadPolicy``. The shards of a frozen model carry no
     optimiser state. A model shared under two names (the ReFT recipes' policy and reference) is
-    sharded once; small heads of no Hugging Face class (PPO's shared ``ValueHead``) stay whole.
+    sharded once; small heads of no Hugging Face class (PPO's shared ``ValueHead``) and ReFT's
+    interventions stay whole (a ``ReftModel``'s base is sharded in place).
     Call before the optimiser is made: sharding replaces the parameters.
     """
     if not _sharding(config):
         return dict(models)
     done: dict[int, nn.Module] = {}
     for model in models.values():
-        if id(model) not in done:
-            whole = not (isinstance(model, PreTrainedModel) or is_peft(model)) or is_fsdp2(model)  # a head; sharded
-            done[id(model)] = model if whole else wrap_model(model, strategy="fsdp2", **_fsdp_kwargs(config))
+        if id(model) in done:
+            continue
+        if isinstance(model, ReftModel):  # the frozen base sharded in place, the interventions whole
+            if not is_fsdp2(model.model):
+                model.model = done.setdefault(id(model.model), wrap_model(model.model, strategy="fsdp2",
+                                                                          **_fsdp_kwargs(config)))
+            done[id(model)] = model
+            continue
+        whole = not (isinstance(model, PreTrainedModel) or is_peft(model)) or is_fsdp2(model)  # a head; sharded
+        done[id(model)] = model if whole else wrap_model(model, strategy="fsdp2", **_fsdp_kwargs(config))
     return {name: done[id(model)] for name, model in models.items()}
 
 

@@ -291,7 +291,13 @@ class ReftModel(nn.Module):
     - ``get_decoder`` / ``get_output_embeddings`` / ``config`` are the base model's, so
       ``rlcore.loops.score`` works on the wrapper: inside ``intervened`` (or ``intervene``) its
       forwards are edited, outside they are the base model's.
+
+    Under FSDP2 (``loops.recipe.shard_models``) the base model is sharded and the interventions
+    stay whole on every rank (their gradients summed by ``update``); the wrapper's forwards reach
+    the base through its sharded root (``calls_through``).
     """
+
+    calls_through = "model"  # loops.dist.sharded_root
 
     def __init__(self, model: nn.Module, spec: ReftSpec | None = None, interventions: ReftInterventions | None = None,
                  *, zero_init: bool = False, generator: torch.Generator | None = None):

@@ -370,13 +370,15 @@ def is_fsdp2(model: nn.Module) -> bool:
 
 def sharded_root(model: nn.Module) -> nn.Module | None:
     """The FSDP2 root a forward of ``model`` must run through, or ``None``: ``model`` itself when
-    sharded, else the sharded model a view of it calls (``loops.lora.AdapterOff``: the LoRA
-    policy with its adapters off, held as ``peft_model``). The root's forward gathers the
-    parameters outside the blocks (embeddings, final norm, head); a caller that reaches past it
-    (the trunk alone, the head by hand) must call the root instead."""
+    sharded, else the sharded model a wrapper of it calls, named by the wrapper's class attribute
+    ``calls_through`` (``loops.lora.AdapterOff``: the LoRA policy with its adapters off;
+    ``loops.reft_model.ReftModel``: the frozen model its interventions edit). The root's forward
+    gathers the parameters outside the blocks (embeddings, final norm, head); a caller that
+    reaches past it (the trunk alone, the head by hand) must call the root instead."""
     if is_fsdp2(model):
         return model
-    inner = model.__dict__.get("peft_model")
+    name = getattr(type(model), "calls_through", None)
+    inner = model.__dict__.get(name) or model._modules.get(name) if name else None
     return inner if inner is not None and is_fsdp2(inner) else None
 
 

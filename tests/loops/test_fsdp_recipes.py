@@ -126,6 +126,18 @@ def _worker(out_dir):
                                     stop_token_ids=range(40) if rank == 0 else [], pad_token_id=0,
                                     generator=torch.Generator().manual_seed(rank))
     out["decode"] = tokens.tolist()
+    from tensordict import TensorDict
+
+    from rlcore import keys as K
+    from rlcore.loops.engines import _engine_hf
+
+    batch = TensorDict({K.PROMPT_IDS: ids, K.PROMPT_MASK: torch.ones_like(ids, dtype=torch.bool)}, [2])
+    with torch.random.fork_rng():
+        torch.manual_seed(rank)
+        tokens, _ = _engine_hf(model, batch, behaviour=None, max_new_tokens=6, num_samples=1,
+                               stops=list(range(40)) if rank == 0 else [], pad=0, greedy=False, temperature=1.0,
+                               top_k=None, top_p=None, seed=None, sampler="multinomial", options={})
+    out["decode_hf"] = tokens.tolist()
     # a sharded run's checkpoint: written whole by rank 0, loadable in one process
     state, _ = train(dpo, dict(OFFLINE, run_dir=str(Path(out_dir) / "dpo-run"), save_every=2), strategy="fsdp2")
     for key, value in _gathered(state.model("policy")).items():
@@ -187,6 +199,8 @@ def test_the_decode_loop_steps_until_every_rank_is_done(ranks):
     (r0, _), (r1, _) = ranks[0]
     assert all(len(row) == 6 for row in r1["decode"])  # rank 1 ran to its budget ...
     assert all(len(row) == 6 and row[1:] == [0] * 5 for row in r0["decode"])  # ... and rank 0 with it, padding
+    assert all(len(row) == 6 for row in r1["decode_hf"])  # Hugging Face generate, synced: the same
+    assert all(row[1:] == [0] * (len(row) - 1) for row in r0["decode_hf"])
 
 
 @pytest.mark.parametrize("recipe,overrides,match", [
