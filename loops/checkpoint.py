@@ -82,7 +82,9 @@ def _is_hf(model: nn.Module) -> bool:
 def _save_config(model: nn.Module, directory: Path) -> None:
     """What ``from_pretrained`` needs besides the weights (a sharded folder's weights are the ranks')."""
     model = unwrap_model(model)
-    if _is_hf(model):
+    if hasattr(model, "save_config"):  # a diffusers model: its config is a dict, saved by the model
+        model.save_config(directory)
+    elif _is_hf(model):
         model.config.save_pretrained(directory)
         if getattr(model, "generation_config", None) is not None and model.can_generate():
             model.generation_config.save_pretrained(directory)
@@ -91,7 +93,11 @@ def _save_config(model: nn.Module, directory: Path) -> None:
 def _save_model(model: nn.Module, directory: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
     directory.mkdir(parents=True)
     model = unwrap_model(model)  # DDP: no ``module.`` prefix, the checkpoint loads in one process
-    if _is_hf(model):
+    if weights is not None and hasattr(model, "save_config"):  # a diffusers model's gathered weights, its names
+        model.save_config(directory)
+        save_file({k: v.contiguous() for k, v in drop_tied(model, weights).items()},
+                  str(directory / "diffusion_pytorch_model.safetensors"))
+    elif _is_hf(model):
         model.save_pretrained(directory, **({} if weights is None else {"state_dict": weights}))
     elif weights is not None:
         save_file({k: v.contiguous() for k, v in drop_tied(model, weights).items()},
@@ -433,7 +439,8 @@ def _gathered(model: nn.Module) -> dict[str, torch.Tensor] | None:
     checkpoint holds the adapter alone (a collective: every rank calls it)."""
     if not (is_peft(model) and is_fsdp2(model)):
         return full_weights(model)
-    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    trained = {n for n, p in model.named_parameters()
+               if p.requires_grad or "lora_" in n or ".modules_to_save." in n}  # a frozen adapter too
     return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
             for n, t in model.state_dict().items() if n in trained}
 

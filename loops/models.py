@@ -619,7 +619,7 @@ def _hidden_through_root(model: nn.Module, input_ids: torch.Tensor, attention_ma
     finally:
         hook.remove()
     hidden, logits = seen[-1], getattr(out, "logits", None)
-    if isinstance(logits, torch.Tensor) and logits.requires_grad and hidden.requires_grad:
+    if isinstance(logits, torch.Tensor) and logits.requires_grad:  # a trained head over a frozen trunk too
         return _ThroughRoot.apply(hidden, logits)
     return hidden
 

@@ -28,6 +28,7 @@ import copy
 import dataclasses
 import itertools
 import random
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -371,7 +372,8 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     ``fsdp_cpu_offload``, torch's ``CPUOffloadPolicy``. The shards of a frozen model carry no
     optimiser state. A model shared under two names (the ReFT recipes' policy and reference) is
     sharded once; small heads of no Hugging Face class (PPO's shared ``ValueHead``) and ReFT's
-    interventions stay whole (a ``ReftModel``'s base is sharded in place).
+    interventions stay whole (a ``ReftModel``'s base is sharded in place); a diffusers UNet (DDPO's
+    policy, with or without its LoRA adapter) is sharded block by block (``_unet_blocks``).
     Call before the optimiser is made: sharding replaces the parameters.
     """
     if not _sharding(config):
@@ -386,9 +388,23 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
                                                                           **_fsdp_kwargs(config)))
             done[id(model)] = model
             continue
-        whole = not (isinstance(model, PreTrainedModel) or is_peft(model)) or is_fsdp2(model)  # a head; sharded
-        done[id(model)] = model if whole else wrap_model(model, strategy="fsdp2", **_fsdp_kwargs(config))
+        unet = _unet_blocks(model)
+        whole = not (isinstance(model, PreTrainedModel) or is_peft(model) or unet) or is_fsdp2(model)  # a head
+        done[id(model)] = model if whole else wrap_model(model, strategy="fsdp2", **_fsdp_kwargs(config),
+                                                         **({"blocks": unet} if unet else {}))
     return {name: done[id(model)] for name, model in models.items()}
+
+
+def _unet_blocks(model: nn.Module) -> list[type] | None:
+    """A diffusers UNet's blocks to shard one by one (the classes of its down, mid and up blocks), for
+    a UNet whose class names none (``_no_split_modules``); ``None`` for any other model."""
+    inner = model.get_base_model() if is_peft(model) else model
+    if not (hasattr(inner, "down_blocks") and hasattr(inner, "up_blocks") and hasattr(inner, "save_config")):
+        return None
+    named = getattr(inner, "_no_split_modules", None)
+    parts = [*inner.down_blocks, *([inner.mid_block] if getattr(inner, "mid_block", None) is not None else []),
+             *inner.up_blocks]
+    return [*dict.fromkeys(named or [type(m) for m in parts])]
 
 
 def _loads_sharded(config: Any, task: str) -> bool:
@@ -439,6 +455,10 @@ def _load_sharded(folder: Path, config: Any) -> nn.Module:
         return load_model(str(folder), task="causal_lm", **loading_kwargs(config))
     base = model
     drawn: dict[str, torch.Tensor] = {}
+    tied: dict[int, list[str]] = {}  # a tied weight's names: the one the folder stores serves them all
+    for n, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(n)
+    stored_as = {n: next((m for m in names if m in shapes), n) for names in tied.values() for n in names}
     if config.use_peft:
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(model)  # before the adapter, as on a whole model
@@ -454,8 +474,9 @@ def _load_sharded(folder: Path, config: Any) -> nn.Module:
             if key in drawn:  # the adapter, as drawn
                 piece = drawn[key] if rows is None else drawn[key][rows[0]:rows[1]]
             else:
-                name = _stored_name(key) if drawn else key
-                if name not in shapes:  # a tied weight stored under its other name
+                name = _stored_name(key) if config.use_peft else key
+                name = stored_as.get(name, name)
+                if name not in shapes:  # a buffer no file holds (the rotary frequencies, computed above)
                     continue
                 if files[name] not in opened:
                     opened[files[name]] = stack.enter_context(safe_open(str(files[name]), "pt"))
@@ -494,14 +515,17 @@ def _lora_on_meta(model: nn.Module, config: Any) -> tuple[nn.Module, dict[str, t
         for (module, name), p in originals.items():
             p.requires_grad_(placeholders[id(p)].requires_grad)
             module._parameters[name] = p
-    drawn = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    # the adapter's own tensors; a modules_to_save copy (of a placeholder here) is read from the folder, as its original
+    drawn = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta and "lora_" in n}
     return model, drawn
 
 
 def _stored_name(key: str) -> str:
     """The name in the model folder of a peft model's base tensor: peft's ``base_model.model.`` prefix
-    and the ``.base_layer`` of each layer it wraps removed."""
-    return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    removed, and the ``.base_layer`` of each layer it wraps, the ``.original_module`` and the
+    ``.modules_to_save.<adapter>`` of each module it trains a copy of (both copies start as the stored one)."""
+    key = key.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
+    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", key)
 
 
 def _check_shared_run_dir(run_dir: Path, config: Any) -> None:

@@ -163,14 +163,19 @@ def apply_unet_lora(unet: nn.Module, *, r: int = 4, alpha: int = 4, target_modul
 def export_lora(policy: nn.Module, directory: str | Path) -> Path:
     """The LoRA adapter of a UNet trained by DDPO (``apply_unet_lora``), written in the diffusers
     LoRA format: ``directory/pytorch_lora_weights.safetensors``, loaded into any pipeline of the
-    same base by ``pipeline.load_lora_weights(directory)``."""
+    same base by ``pipeline.load_lora_weights(directory)``. On several ranks every rank calls it (an
+    FSDP2 adapter's shards are gathered) and rank 0 writes."""
+    from rlcore.loops.dist import is_main
     from rlcore.loops.lora import adapter_keys, is_peft
 
     require_extra(StableDiffusionPipeline, "export_lora", "diffusers")
     if not is_peft(policy):
         raise ValueError("policy: no LoRA adapter to export (the run did not set train_use_lora)")
     prefix = "base_model.model."
-    layers = {k.removeprefix(prefix): v.detach().float().cpu() for k, v in adapter_keys(policy).items()}
+    layers = {k.removeprefix(prefix): (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu()
+              for k, v in adapter_keys(policy).items()}  # FSDP2 shards gathered: every rank calls this
+    if not is_main():  # on several ranks, rank 0 writes
+        return Path(directory)
     lora = policy.peft_config["default"]
     metadata = {"r": lora.r, "lora_alpha": lora.lora_alpha, "target_modules": sorted(lora.target_modules)}
     StableDiffusionPipeline.save_lora_weights(str(directory), unet_lora_layers=layers, safe_serialization=True,

@@ -67,7 +67,7 @@ from torch import nn
 from rlcore.checks import NonFiniteError, check_mask
 from rlcore.loops.dist.sync import (GradSync, accumulation_context, grad_sync, is_dtensor, reduce_gradients,
                                     total_grad_norm)
-from rlcore.loops.dist import agree, all_reduce_sum
+from rlcore.loops.dist import all_reduce_sum
 from rlcore.loops.state import TrainState, copy_generator
 
 __all__ = ["update", "global_denominators", "token_micro_batches", "make_optimizer", "make_scheduler", "SCHEDULES", "linear_schedule",
@@ -408,15 +408,19 @@ def _plan(n: int, mb: int, sync: GradSync | None, *, counted: bool = True) -> li
     """The rows of each minibatch of an epoch summed over the ranks (host ints, agreed up front); a
     rank whose rows are not ``counted`` adds none.
 
-    Every rank must take the same number of optimiser steps: checked here, on every rank, before
-    any gradient is computed (the forwards per step are agreed step by step, ``_micro_batches``).
+    The ranks take as many optimiser steps as the rank with the most minibatches (an all-reduce of
+    the counts): a rank whose rows run out sooner runs its last row again at weight zero in the
+    steps left, so that every step's collectives meet (the forwards per step are agreed step by
+    step, ``_micro_batches``).
     """
     rows = [min(mb, n - s) for s in range(0, n, mb)]
     if sync is None:
         return rows
-    agree([len(rows)], what=f"update: optimiser steps per epoch ({len(rows)} here: {n} rows in minibatches of "
-                            f"{mb}; sizes are per rank)")
-    local = torch.tensor(rows if counted else [0] * len(rows), dtype=torch.int64)
+    steps = torch.tensor([len(rows)], dtype=torch.int64, device=sync.device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    local = torch.zeros(int(steps.item()), dtype=torch.int64)
+    if counted:
+        local[:len(rows)] = torch.tensor(rows, dtype=torch.int64)
     return cast(list[int], all_reduce_sum(local.to(sync.device)).cpu().tolist())
 
 
@@ -533,8 +537,8 @@ def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *
         finite = ok if finite is None else finite & ok
         stop = torch.zeros_like(ok) if stop is None else stop
         for name, value in [("loss", loss.detach()), *((k, v) for k, v in _named(metrics) if k != "loss")]:
-            if name == early_stop_key:
-                stop = stop | value.to(stop.device).bool().any()
+            if name == early_stop_key:  # a forward at weight zero has no say
+                stop = stop | (value.to(stop.device).bool().any() & bool(share))
                 continue
             w = loss_weight if name.startswith("loss") else share
             sums[name] = sums.get(name, 0.0) + w * value.to(torch.float64)
@@ -670,8 +674,9 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
     accumulation (DDP ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``); the loss metrics
     are summed and the others averaged by rows across ranks; a non-finite loss or an early stop
     on any rank holds for all. The result on ``W`` ranks is the result of one process on the
-    concatenated batch (up to float summation order). Every rank must take the same number of
-    steps per epoch (checked: ``ValueError`` on every rank before any gradient). Under FSDP2 every
+    concatenated batch (up to float summation order). The ranks take as many steps per epoch as
+    the rank with the most minibatches; a rank whose rows run out runs its last row again at weight
+    zero in the steps left (its rows count for nothing there). Under FSDP2 every
     forward is a collective: the ranks agree on each step's number of micro-batches (the largest),
     a rank with fewer cuts its own in halves, and one with fewer rows than that runs its last row
     again at weight zero.
@@ -738,15 +743,17 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
     with training_mode(state.models.values(), trained):  # dropout as the model defines it
         for epoch in range(epochs):
             order = torch.randperm(n, generator=rng) if shuffled else torch.arange(n)
-            for k, start in enumerate(range(0, n, mb)):
-                minibatch = batch[order[start:start + mb]]
-                where = f"epoch {epoch}, rows {start}:{start + mb}"
+            for k in range(len(rows)):
+                start = k * mb
+                own = start < n  # else this rank's rows are done: its last row again, at weight zero
+                minibatch = batch[order[start:start + mb]] if own else batch[order[-1:]]
+                where = f"epoch {epoch}, rows {start}:{start + mb}" if own else f"epoch {epoch}, step {k}"
                 groups = _micro_batches(minibatch, micro, budget=max_tokens_per_micro_batch, row_tokens=row_tokens,
                                         sync=sync)
                 sums, finite, stop = _accumulate(
                     state, minibatch, loss_fn, groups=groups, rows=rows[k],
                     mask_key=mask_key, autocast_dtype=autocast_dtype, device_type=device_type,
-                    early_stop_key=None if rule is None else rule.key, sync=sync, counted=counted)
+                    early_stop_key=None if rule is None else rule.key, sync=sync, counted=counted and own)
                 sums, finite, stop = _synchronise(sums, finite, stop, sync)
                 step_lr = state.optimizer.param_groups[0]["lr"]
                 outcome, norm, flagged = _optimizer_step(state, params, finite, stop, transform=transform,

@@ -70,6 +70,8 @@ __all__ = [
     "is_main",
     "barrier",
     "all_gather_moments",
+    "all_gather_rows",
+    "all_gather_strings",
     "STRATEGIES",
     "wrap_model",
     "unwrap_model",
@@ -204,6 +206,40 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return buf.to(x.device)
 
 
+def all_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x`` ``[n, ...]`` concatenated in rank order, the same on every rank (``x`` in one
+    process). Each rank must pass the same shape."""
+    info = dist_info()
+    if not info.distributed:
+        return x
+    local = x.detach().to(info.device).contiguous()
+    parts = [torch.empty_like(local) for _ in range(info.world_size)]
+    dist.all_gather(parts, local)
+    return torch.cat(parts).to(x.device)
+
+
+def all_gather_strings(strings: Sequence[str]) -> list[str]:
+    """Every rank's strings in rank order, the same on every rank (a copy in one process): UTF-8
+    bytes in padded tensors (two all-gathers; no pickling)."""
+    info = dist_info()
+    if not info.distributed:
+        return list(strings)
+    encoded = [s.encode() for s in strings]
+    sizes = all_gather_rows(torch.tensor([len(encoded), max(map(len, encoded), default=0)], dtype=torch.long))
+    rows, width = int(sizes.view(-1, 2)[:, 0].max()), int(sizes.view(-1, 2)[:, 1].max())
+    local = torch.zeros(rows, max(width, 1), dtype=torch.uint8)
+    lengths = torch.zeros(rows, dtype=torch.long)
+    for i, b in enumerate(encoded):
+        local[i, :len(b)] = torch.tensor(list(b), dtype=torch.uint8)
+        lengths[i] = len(b)
+    table, counts = all_gather_rows(local), all_gather_rows(lengths)
+    out = []
+    for r, n in enumerate(sizes.view(-1, 2)[:, 0].tolist()):
+        for i in range(r * rows, r * rows + n):
+            out.append(bytes(table[i, :int(counts[i])].tolist()).decode())
+    return out
+
+
 def all_gather_moments(moments: RunningMoments) -> RunningMoments:
     """The moments of every rank's values together, the same on every rank (``moments`` in one process).
 
@@ -315,7 +351,7 @@ def _fsdp2(model: nn.Module, *, blocks: Sequence[type | str] | None = None, **kw
     names = blocks if blocks is not None else list(getattr(model, "_no_split_modules", None) or [])
     wanted = tuple(b for b in names if isinstance(b, type))
     wanted_names = {b for b in names if isinstance(b, str)}
-    for module in list(model.modules())[1:]:
+    for module in reversed(list(model.modules())[1:]):  # inner blocks first: FSDP2 shards bottom-up
         if isinstance(module, wanted) or type(module).__name__ in wanted_names:
             fully_shard(module, **kwargs)
     # the root's parameters (embeddings, final norm, head) stay gathered after its forward: the chunked
@@ -420,7 +456,7 @@ def shard_batch(item: Any, *, rank: int | None = None, world_size: int | None = 
     info = dist_info()
     rank = info.rank if rank is None else rank
     world_size = info.world_size if world_size is None else world_size
-    if world_size == 1:
+    if world_size == 1 or item is None:  # None: a source without data (DDPO samples its own)
         return item
     if isinstance(item, TensorDictBase):
         lo, hi = _bounds(item.batch_size[0], rank, world_size, "shard_batch")

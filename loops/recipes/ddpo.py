@@ -47,6 +47,7 @@ import functools
 import itertools
 import json
 import random
+import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -64,11 +65,12 @@ from rlcore.loops.diffusion import (build_denoiser, ddim_schedule, pretrain_deno
                                     sample_trajectories, step_logprobs, timestep_rows)
 from rlcore.loops.images import get_reward_fn, latents_to_images, save_image_grid, score_images
 from rlcore.loops.config import coerce_tuples
-from rlcore.loops.recipe import run
+from rlcore.loops.dist import all_gather_rows, all_gather_strings, dist_info, is_main
+from rlcore.loops.recipe import run, shard_models
 from rlcore.loops.sd import (LORA_TARGETS, LatentDecoder, TextEncoder, apply_unet_lora, export_lora,
                              load_pipeline, pipeline_schedule, scheduler_config)
 from rlcore.loops.settings import (AT_LEAST_0, AT_LEAST_1, OPEN_UNIT, POSITIVE, UNIT, ModelSettings, RewardModelSettings,
-                                   Rule, RunSettings, Section, setting)
+                                   Rule, RunSettings, ShardingSettings, Section, setting)
 from rlcore.loops.state import TrainState, advance, copy_generator, init_state, with_transforms
 from rlcore.loops.update import chain, clip_by_global_norm, make_optimizer, skip_nonfinite, update
 from rlcore.transforms import StateTransform
@@ -125,7 +127,7 @@ class DDPOSettings(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(DDPOSettings, RewardModelSettings, ModelSettings, RunSettings,
+class Config(DDPOSettings, RewardModelSettings, ModelSettings, RunSettings, ShardingSettings,
              defaults={"model": None, "lora_r": 4, "lora_alpha": 4, "lora_target_modules": LORA_TARGETS, "run_dir": "runs/ddpo", "save_every": 1, "keep_last": 5, "eval_every": 1, "log_every": 1}):
     """DDPO settings, named and defaulted as DDPO's trainer options (``configs/ddpo.yaml`` holds
     the tiny model's, ``configs/ddpo_sd.yaml`` a Stable Diffusion pipeline's); each comment says
@@ -316,6 +318,7 @@ def build_state(config: Config, *, pretrain: bool = True) -> TrainState:
             pretrain_denoiser(model, _schedule(config), config.prompts, steps=config.pretrain_steps,
                               lr=config.pretrain_learning_rate, seed=config.seed)
         models = {"policy": model}
+    models = shard_models(models, config)  # strategy fsdp2: the UNet's blocks sharded over the ranks
     optimizer = make_optimizer(models["policy"], lr=config.train_learning_rate,
                                weight_decay=config.train_adam_weight_decay,
                                betas=(config.train_adam_beta1, config.train_adam_beta2), eps=config.train_adam_epsilon)
@@ -342,10 +345,11 @@ def collect(state: TrainState, config: Config, reward_fn: Callable, executor=Non
     ``() -> (prompt, metadata)``, default drawn from ``prompt_table(config)`` with ``state.rng``."""
     executor = executor if executor is not None else _Inline()
     g = copy_generator(state.rng)
+    draw = _rank_generator(g)
     batches, futures = [], []
     for _ in range(config.sample_num_batches_per_epoch):
-        prompts, metadata = _draw_prompts(g, config, config.sample_batch_size, prompt_fn)
-        batch = _sample(state, config, _condition(state, config, prompts), g)
+        prompts, metadata = _draw_prompts(draw, config, config.sample_batch_size, prompt_fn)
+        batch = _sample(state, config, _condition(state, config, prompts), draw)
         images = _decode(state, config, batch.get(K.LATENTS)[:, -1])
         futures.append(executor.submit(score_images, reward_fn, images, prompts, metadata))
         batch.set(K.IMAGES, images.to(config.device))
@@ -356,15 +360,30 @@ def collect(state: TrainState, config: Config, reward_fn: Callable, executor=Non
     return dataclasses.replace(state, rng=g), torch.cat(batches).update({K.SCORE: rewards})
 
 
+def _rank_generator(g: torch.Generator) -> torch.Generator:
+    """The generator this rank samples with: ``g`` in one process; on several ranks one seeded from a
+    draw of ``g`` (every rank draws alike, so ``g`` stays the same on all) and the rank, so each
+    rank samples its own prompts and noise (DDPO's per-device sampling)."""
+    info = dist_info()
+    if not info.distributed:
+        return g
+    seed = int(torch.randint(2**62, (1,), generator=g, device=g.device))
+    return torch.Generator(device=g.device).manual_seed(zlib.crc32(f"{seed}:{info.rank}".encode()))
+
+
 def score(state: TrainState, rollout, config: Config):
-    """Advantages ``[B]`` from the batch's rewards, or per prompt (updating ``prompt_stats``)."""
-    rewards = rollout.get(K.SCORE)
+    """Advantages ``[B]`` from the batch's rewards, or per prompt (updating ``prompt_stats``). On
+    several ranks the rewards (and prompts) of every rank are gathered first, as DDPO gathers them,
+    so the statistics are those of the global batch; each rank keeps its rows' advantages."""
+    rewards = all_gather_rows(rollout.get(K.SCORE))
+    info, b = dist_info(), rollout.batch_size[0]
     if config.per_prompt_stat_tracking:
-        names = list(rollout.get(K.PROMPT).tolist())
+        names = all_gather_strings(list(rollout.get(K.PROMPT).tolist()))
         stats, advantages = _prompt_stats(config).update(state.transforms["prompt_stats"], names, rewards)
         state = with_transforms(state, prompt_stats=stats)
     else:
         advantages = batch_advantages(rewards)
+    advantages = advantages[info.rank * b:(info.rank + 1) * b]  # all of them in one process
     return state, rollout.copy().update({K.ADVANTAGES: advantages})
 
 
@@ -414,7 +433,7 @@ def step(state: TrainState, _, *, config: Config, reward_fn: Callable, executor=
     state, metrics = train_epoch(state, rollout, config)
     rewards, n = rollout.get(K.SCORE), rollout.batch_size[0]
     state = advance(state, samples_seen=n, episodes=n)
-    if image_samples_hook is not None:
+    if image_samples_hook is not None and is_main():  # rank 0's samples, written once
         last = rollout[n - config.sample_batch_size:]
         image_samples_hook([[last.get(K.IMAGES).cpu(), list(last.get(K.PROMPT).tolist()),
                              list(last.get(K.PROMPT_METADATA).tolist()), last.get(K.SCORE).cpu()]],
@@ -481,7 +500,8 @@ def train(config: Config, *, reward_fn: Callable | None = None, prompt_fn: Promp
     held_out = eval_prompts(config, prompt_fn)
 
     def eval_fn(state):
-        grid = Path(config.run_dir) / "images" / f"epoch-{state.step:05d}.png" if config.run_dir else None
+        grid = Path(config.run_dir) / "images" / f"epoch-{state.step:05d}.png" if config.run_dir and is_main() \
+            else None
         return evaluate(state, config, reward_fn=reward_fn, save_to=grid, prompts=held_out)
 
     pool = ThreadPoolExecutor(config.max_workers) if config.async_reward_computation else None
@@ -494,7 +514,7 @@ def train(config: Config, *, reward_fn: Callable | None = None, prompt_fn: Promp
         if pool is not None:
             pool.shutdown()
     if config.train_use_lora and config.run_dir:
-        export_lora(state.model(), Path(config.run_dir) / "lora")
+        export_lora(state.model(), Path(config.run_dir) / "lora")  # every rank (a sharded adapter is gathered)
     return state, history
 
 

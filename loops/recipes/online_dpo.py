@@ -64,11 +64,6 @@ class Config(PreferenceSettings, ChunkSettings, LossTypeSettings, OnlineConfig,
         """Fail on a bad config before any model is built: an unpaired loss, fewer than 2 samples per
         prompt, an unknown ``loss_type``, a hyper-parameter the loss does not take, or
         ``sync_ref_model`` with a reference-free loss."""
-        if self.strategy == "fsdp2" and self.minibatch_size is not None:
-            raise ValueError(f"minibatch_size: under strategy fsdp2 online DPO takes one optimiser step per epoch "
-                             f"(each rank keeps its own number of pairs once ties are dropped, so minibatches "
-                             f"would give the ranks different numbers of steps); expected None, got "
-                             f"{self.minibatch_size}")
         if self.loss_type in UNPAIRED:
             raise ValueError(f"loss_type: {self.loss_type!r} trains on unpaired rows; online DPO forms pairs "
                              "(choose a pairwise loss of rlcore.algorithms.preference.PREFERENCE_LOSSES)")

@@ -67,6 +67,13 @@ def _worker(out_dir):
     from rlcore.loops.recipe import _loads_sharded
 
     runs = {**RUNS, **{name: (recipe, dict(settings, model=str(folder))) for name, (recipe, settings) in FOLDER_RUNS.items()}}
+    from rlcore.loops.recipe import build_policy, shard_models
+
+    for strategy in ("none", "fsdp2"):  # a trained copy of the head: both copies start as the stored head
+        config = dpo.Config(**dict(OFFLINE, model=str(folder), lora_modules_to_save=["lm_head"]), strategy=strategy)
+        policy = shard_models({"policy": build_policy(config)[0]}, config)["policy"]
+        for key, value in _gathered(policy).items():
+            tensors[f"saved_head/{strategy}/{key}"] = value
     for name in FOLDER_RUNS:
         recipe, settings = runs[name]
         out[f"{name}/loads_sharded"] = _loads_sharded(recipe.Config(**settings, strategy="fsdp2"), "causal_lm")
@@ -153,3 +160,13 @@ def test_a_sharded_lora_checkpoint_loads_in_one_process_and_exports_merged(ranks
     layer = policy.get_base_model().model.layers[0].self_attn.q_proj
     weight, _ = linear_weights(layer)  # W + (α/r)·B·A of the trained adapter
     torch.testing.assert_close(merged.model.layers[0].self_attn.q_proj.weight, weight.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_folder_policys_trained_copy_of_a_module_starts_as_the_stored_module(ranks):
+    for _, tensors in ranks[0]:
+        whole = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith("saved_head/none/")}
+        sharded = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith("saved_head/fsdp2/")}
+        assert whole.keys() == sharded.keys() and any("modules_to_save" in k for k in whole)
+        for key in whole:
+            torch.testing.assert_close(sharded[key], whole[key], rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
