@@ -64,7 +64,7 @@ from rlcore.loops.checkpoint import latest_checkpoint, load_checkpoint
 from rlcore.loops.diffusion import (build_denoiser, ddim_schedule, pretrain_denoiser, row_condition,
                                     sample_trajectories, step_logprobs, timestep_rows)
 from rlcore.loops.images import get_reward_fn, latents_to_images, save_image_grid, score_images
-from rlcore.loops.config import coerce_tuples
+from rlcore.loops.config import coerce_tuples, ensure_checked
 from rlcore.loops.dist import all_gather_rows, all_gather_strings, dist_info, is_main
 from rlcore.loops.recipe import run, shard_models
 from rlcore.loops.sd import (LORA_TARGETS, LatentDecoder, TextEncoder, apply_unet_lora, export_lora,
@@ -309,6 +309,7 @@ def _pipeline_models(config: Config) -> dict[str, torch.nn.Module]:
 def build_state(config: Config, *, pretrain: bool = True) -> TrainState:
     """The policy (the tiny denoiser, pre-trained when ``pretrain_steps``; or a pipeline's UNet
     beside its frozen text encoder and VAE), AdamW over what trains, empty prompt statistics, the rng."""
+    ensure_checked(config)  # a bad setting (an unknown strategy...) refused before any model is built
     if config.model is not None:
         models = _pipeline_models(config)
     else:

@@ -96,3 +96,31 @@ def run_ranks(worker, out_dir, world_size: int = 2) -> list[tuple[dict, dict]]:
     out = Path(out_dir)
     return [(json.loads((out / f"rank{r}.json").read_text()), load_file(str(out / f"rank{r}.safetensors")))
             for r in range(world_size)]
+
+
+def gathered_parameters(model):
+    """A model's parameters by state-dict name, FSDP2 shards gathered into full tensors (a collective on a
+    sharded model), each a contiguous copy in its own dtype (a root left gathered after its forward holds
+    its parameters in ``fsdp_param_dtype``, its shards in the weights' dtype)."""
+    names = dict(model.named_parameters())
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().contiguous()
+            for n, p in model.state_dict().items() if n in names}
+
+
+def save_tiny_llama(folder):
+    """The tiny Llama every sharded-loading test reads, saved as a ``from_pretrained`` folder with its tokenizer."""
+    from rlcore.loops.models import build_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    build_model("llama", tokenizer=tokenizer, hidden_size=32, num_layers=2, num_heads=4, seed=5).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def assert_histories_close(history, other, *, rtol, atol):
+    """Two runs logged the same metrics at every step, each within ``rtol`` / ``atol``."""
+    assert len(history) == len(other)
+    for row, theirs in zip(history, other, strict=True):
+        assert row.keys() == theirs.keys()
+        for k in row:
+            assert theirs[k] == pytest.approx(row[k], rel=rtol, abs=atol), k

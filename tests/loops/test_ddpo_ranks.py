@@ -18,7 +18,7 @@ from rlcore import keys as K  # noqa: E402
 from rlcore.algorithms.ddpo import prompt_stats  # noqa: E402
 from rlcore.loops.dist import all_gather_strings, barrier, dist_info, is_fsdp2  # noqa: E402
 from rlcore.loops.recipes import ddpo  # noqa: E402
-from tests.loops.conftest import run_ranks, write_rank  # noqa: E402
+from tests.loops.conftest import assert_histories_close, run_ranks, write_rank  # noqa: E402
 
 PROMPTS = ("stripes", "checkers", "blob")
 TINY = dict(prompts=PROMPTS, sample_size=8, block_out_channels=(8, 16), prediction_type="sample", sample_num_steps=3,
@@ -120,10 +120,7 @@ def test_a_sharded_unet_trains_as_the_replicated_one(ranks):
         for name in names:
             torch.testing.assert_close(tensors[f"train/fsdp2/{name}"], tensors[f"train/none/{name}"], **WEIGHTS,
                                        msg=lambda m, name=name: f"{name}: {m}")
-        for row, other in zip(info["train/none"]["history"], info["train/fsdp2"]["history"], strict=True):
-            assert row.keys() == other.keys()
-            for k in row:
-                assert other[k] == pytest.approx(row[k], rel=TOL["rtol"], abs=TOL["atol"]), k
+        assert_histories_close(info["train/none"]["history"], info["train/fsdp2"]["history"], **TOL)
     (_, t0), (_, t1) = ranks[0]
     assert all(torch.equal(t0[k], t1[k]) for k in t0 if k.startswith("train/"))  # the ranks agree
 
@@ -154,3 +151,10 @@ def test_a_sharded_pipeline_lora_trains_as_the_replicated_one_and_exports(ranks)
     assert exported["none"].keys() == exported["fsdp2"].keys() and exported["none"]
     for key in exported["none"]:
         torch.testing.assert_close(exported["fsdp2"][key], exported["none"][key], rtol=1e-4, atol=0.05)
+
+
+def test_a_bad_sharding_setting_is_refused_before_any_model_is_built():
+    from rlcore.loops.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"strategy: expected one of \['none', 'fsdp2'\], got 'zero3'"):
+        ddpo.build_state(ddpo.Config(**TINY, run_dir=None, strategy="zero3"))

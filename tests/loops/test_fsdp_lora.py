@@ -14,7 +14,8 @@ import torch
 
 from rlcore.loops.dist import barrier, dist_info, is_fsdp2
 from rlcore.loops.recipes import dpo, grpo, ppo, reward, sft
-from tests.loops.conftest import run_ranks, write_rank
+from tests.loops.conftest import assert_histories_close, gathered_parameters as _gathered, run_ranks, save_tiny_llama, \
+    write_rank
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_train=32, num_eval=8, steps=2, eval_every=2, run_dir=None,
             seed=1, use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["all-linear"])
@@ -46,23 +47,13 @@ def train(recipe, settings, **overrides):
     return recipe.train(recipe.Config(**settings, **overrides), **kwargs)
 
 
-def _gathered(model):
-    names = dict(model.named_parameters())
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().contiguous()
-            for n, p in model.state_dict().items() if n in names}
-
-
 def _worker(out_dir):
     rank = dist_info().rank
     torch.set_num_threads(1)
     out, tensors = {}, {}
     folder = Path(out_dir) / "folder"
     if rank == 0:
-        from rlcore.loops.models import build_model, build_tokenizer
-
-        tokenizer = build_tokenizer()
-        build_model("llama", tokenizer=tokenizer, hidden_size=32, num_layers=2, num_heads=4, seed=5).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        save_tiny_llama(folder)
     barrier()
     from rlcore.loops.recipe import _loads_sharded
 
@@ -118,10 +109,7 @@ def test_a_sharded_lora_recipe_trains_as_the_replicated_one(ranks, name):
         assert any(whole[k].abs().max() > 0 for k in whole if "lora_B" in k)  # the adapter trained (B starts at 0)
         for key in whole:
             torch.testing.assert_close(sharded[key], whole[key], **TOL, msg=lambda m, key=key: f"{key}: {m}")
-        for row, other in zip(info[f"{name}/none"]["history"], info[f"{name}/fsdp2"]["history"], strict=True):
-            assert row.keys() == other.keys()
-            for k in row:
-                assert other[k] == pytest.approx(row[k], rel=TOL["rtol"], abs=TOL["atol"]), k
+        assert_histories_close(info[f"{name}/none"]["history"], info[f"{name}/fsdp2"]["history"], **TOL)
     (_, t0), (_, t1) = ranks[0]
     for key in t0:  # the ranks end with the same (gathered) parameters
         if key.startswith(f"{name}/"):

@@ -14,7 +14,8 @@ import torch
 from rlcore.loops.config import ConfigError, load_config
 from rlcore.loops.dist import dist_info, is_fsdp2
 from rlcore.loops.recipes import dpo, grpo, online_dpo, ppo, reward, rloo, sft
-from tests.loops.conftest import run_ranks, write_rank
+from tests.loops.conftest import assert_histories_close, gathered_parameters as _gathered, run_ranks, save_tiny_llama, \
+    write_rank
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_train=32, num_eval=8, steps=2, eval_every=2, run_dir=None,
             seed=1)
@@ -66,27 +67,18 @@ def train(recipe, settings, **overrides):
     return recipe.train(recipe.Config(**settings, **overrides), **kwargs)
 
 
-def _gathered(model):
-    """The full parameters in their own dtype (the state dict: a root left gathered after its forward
-    holds its parameters in ``fsdp_param_dtype``, its shards in the weights' dtype)."""
-    names = dict(model.named_parameters())
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.state_dict().items() if n in names}
-
 
 def _worker(out_dir):
     rank = dist_info().rank
     torch.set_num_threads(1)
     out, tensors = {}, {}
     from rlcore.loops.dist import barrier
-    from rlcore.loops.models import build_model, build_tokenizer
+    from rlcore.loops.models import build_model
     from rlcore.loops.recipe import _loads_sharded
 
     folder = Path(out_dir) / "folder"
     if rank == 0:
-        tokenizer = build_tokenizer()
-        build_model("llama", tokenizer=tokenizer, hidden_size=32, num_layers=2, num_heads=4, seed=5).save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        tokenizer = save_tiny_llama(folder)
         from transformers import AutoModelForCausalLM, MixtralConfig
 
         AutoModelForCausalLM.from_config(MixtralConfig(  # experts stored one by one, fused in memory
@@ -166,10 +158,7 @@ def test_a_sharded_recipe_trains_as_the_replicated_one(ranks, name):
         tol = TOLS.get(name, TOL)
         for key in whole:
             torch.testing.assert_close(sharded[key], whole[key], **tol, msg=lambda m, key=key: f"{key}: {m}")
-        for row, other in zip(info[f"{name}/none"]["history"], info[f"{name}/fsdp2"]["history"]):
-            assert row.keys() == other.keys()
-            for k in row:
-                assert other[k] == pytest.approx(row[k], rel=tol["rtol"], abs=tol["atol"]), k
+        assert_histories_close(info[f"{name}/none"]["history"], info[f"{name}/fsdp2"]["history"], **tol)
     (_, t0), (_, t1) = ranks
     for key in t0:  # the ranks end with the same (gathered) parameters
         if key.startswith(f"{name}/"):
