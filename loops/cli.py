@@ -286,7 +286,7 @@ def _plan_parser(sub: Any) -> None:
 
 def _int_or_text(name: str) -> Any:
     """An argparse type for a field whose default is None: an integer, or text for the string fields."""
-    return str if name == "mixed_precision" else int
+    return str if name in ("mixed_precision", "fsdp_param_dtype", "ref_device", "reward_device") else int
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -463,7 +463,7 @@ FSDP_PARAM_DTYPES = (None, "bfloat16", "float16")
 
 def _sharding_faults(config: Any) -> list[str]:
     """An unknown ``strategy``, and what ``fsdp2`` does not shard yet: the vLLM engine (it needs the
-    whole weights on one rank) and the ReFT recipes (their interventions wrap the model)."""
+    whole weights on one rank)."""
     strategy = getattr(config, "strategy", "none")
     if strategy not in SHARDING_STRATEGIES:
         return [f"strategy: expected one of {list(SHARDING_STRATEGIES)}, got {strategy!r}"]
@@ -477,9 +477,6 @@ def _sharding_faults(config: Any) -> list[str]:
     if getattr(config, "engine", None) == "vllm":
         faults.append("strategy: fsdp2 with engine: vllm is not offered (the engine loads the whole weights); use "
                       "engine: loop or hf")
-    for name in ("ref_device", "reward_device"):
-        if getattr(config, name, None) not in (None, getattr(config, "device", None)):
-            faults.append(f"{name}: fsdp2 places every sharded model on the run's device; leave {name} unset")
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     batch = getattr(config, "batch_size", None)
     if world > 1 and isinstance(batch, int) and batch % world:

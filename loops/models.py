@@ -762,7 +762,9 @@ def mix_into_reference(ref: nn.Module, policy: nn.Module, alpha: float) -> nn.Mo
     for every parameter; ``alpha = 1`` copies the policy. Returns ``ref``.
 
     Raises ``ValueError`` when the two models' parameters differ in names or shapes (a reference of
-    another architecture cannot be mixed), before any parameter changes.
+    another architecture cannot be mixed), before any parameter changes. Both sharded by FSDP2: each
+    rank mixes its own rows; a whole reference beside a sharded policy: the policy's parameters are
+    gathered one at a time (a collective: every rank calls it).
 
     Reference: Gorbatovski et al., "Learn Your Reference Model for Real Good Alignment",
     https://arxiv.org/abs/2404.09656
@@ -775,9 +777,10 @@ def mix_into_reference(ref: nn.Module, policy: nn.Module, alpha: float) -> nn.Mo
         differ = sorted(set(shapes(ref_params).items()) ^ set(shapes(params).items()))[:3]
         raise ValueError(f"ref_model: the reference's parameters differ from the policy's (e.g. {differ}); "
                          "only a reference of the policy's architecture can be synced")
-    if sharded_root(ref) is None:
+    if sharded_root(ref) is None:  # a whole reference (of a whole policy, or on its ref_device beside a sharded one)
         for name, target in ref_params.items():
-            target.lerp_(params[name].to(target.dtype), alpha)
+            source = params[name].full_tensor() if hasattr(params[name], "full_tensor") else params[name]
+            target.lerp_(source.to(target.device, target.dtype), alpha)
         return ref
     # FSDP2 (both sharded alike): each rank mixes its own rows; the reference's root, left gathered by its
     # last forward, is resharded first so that its next forward gathers the mixed rows

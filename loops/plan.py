@@ -297,6 +297,10 @@ class PlanSettings:
     value_model: str = _setting("shared", "PPO's critic: shared (a value head) | separate (a model of the policy's shape)")
     reward_model: bool = _setting(False, "a frozen reward model of the policy's shape")
     device: str = _setting("cuda", "cuda | cpu: the logits' block size and AdamW's implementation")
+    ref_device: str | None = _setting(None, "the reference's device: None: with the policy (sharded under fsdp2); "
+                                            "device: whole there on every rank; another (cpu beside cuda): in host "
+                                            "memory")
+    reward_device: str | None = _setting(None, "the reward model's device, as ref_device")
     sharded_load: bool = _setting(True, "fsdp2: the policy is read sharded from a from_pretrained folder; False: "
                                         "built whole on every rank, then sharded (a model built from a config)")
     overhead: int = _setting(0, "bytes per rank outside the tensors (CUDA context, NCCL, the process's own)")
@@ -309,6 +313,8 @@ class PlanSettings:
         _choice("strategy", self.strategy, ("none", "fsdp2"))
         _choice("value_model", self.value_model, ("shared", "separate"))
         _choice("device", self.device, ("cuda", "cpu"))
+        _choice("ref_device", self.ref_device, (None, "cuda", "cpu"))
+        _choice("reward_device", self.reward_device, (None, "cuda", "cpu"))
         for f in ("lora_r", "batch_size", "num_samples", "prompt_length", "completion_length", "world_size"):
             _positive(f, getattr(self, f))
         for f in ("micro_batch_size", "generation_batch_size", "forward_batch_size"):
@@ -489,8 +495,12 @@ def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
     own = [shape.root_params(m.task)] + ([shape.root_params("value")] if s.recipe == "ppo" and s.value_model == "separate"
                                          else [])
     has_ref = (m.reference if s.reference is None else s.reference) and not lora  # LoRA: the adapter switched off
-    frozen_roots = ([shape.root_params("causal_lm")] if has_ref else []) \
-        + ([shape.root_params("reward")] if s.reward_model else [])
+    # the frozen models by where they sit: with the policy (sharded under fsdp2), whole on the device, in host memory
+    frozen_by: dict[str | None, list[int]] = {None: [], s.device: [], "host": []}
+    for present, placed, task in ((has_ref, s.ref_device, "causal_lm"), (s.reward_model, s.reward_device, "reward")):
+        if present:
+            frozen_by[placed if placed in (None, s.device) else "host"].append(shape.root_params(task))
+    frozen_roots = [r for where in frozen_by.values() for r in where]
     adapter = L * sum(s.lora_r * (i + o) for t, (i, o) in shape.linears().items() if t in _targets(s)) if lora else 0
     value_head = H + 1 if s.recipe == "ppo" and s.value_model == "shared" else 0  # stays whole beside the shards
     params = sum(L * block + r for r in own + frozen_roots) + adapter + value_head
@@ -508,7 +518,8 @@ def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
     extra = adapter * 4 + value_head * b
     params_in_use = sum(on_device(r, True) for r in own) + extra
     params_in_step = sum(on_device(r, False) for r in own) + extra
-    frozen = sum(on_device(r, True) for r in frozen_roots)
+    frozen = sum(on_device(r, True) for r in frozen_by[None]) + sum((L * block + r) * b for r in frozen_by[s.device])
+    frozen_host = sum((L * block + r) * b for r in frozen_by["host"])
     optimiser = 0.0 if offload else share(2 * trained_bytes)
 
     # gradients: whole, or shards plus (during the backward) the roots' and a block's unsharded gradients (in the
@@ -549,13 +560,17 @@ def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
     work = (6 * H + 3 * I) * g  # one block's no-grad working set per token
     phases: dict[str, dict[str, float]] = {}
     if sharded:
-        # the policy read sharded or built whole and sharded (by build_reference when there is a reference: its
-        # copy is built on the meta device and filled with each rank's rows); a reward model and a separate
-        # critic built whole beside those shards, then sharded
+        # the policy read sharded or built whole and sharded (by build_reference when there is a sharded
+        # reference: its copy is built on the meta device and filled with each rank's rows; a reference placed
+        # on the device is a whole copy); a reward model and a separate critic built whole beside those shards,
+        # then sharded (a reward model placed in host memory: none on the device)
         policy = (L * block + own[0]) * b
+        ref_sharded, ref_whole = has_ref and s.ref_device is None, has_ref and s.ref_device == s.device
         first = policy / W if s.sharded_load else policy
-        later = (policy / W if s.sharded_load or has_ref else policy) + (policy / W if has_ref else 0) \
-            + sum((L * block + r) * b for r in own[1:]) + (shape.num_params("reward") * b if s.reward_model else 0)
+        later = (policy / W if s.sharded_load or ref_sharded else policy) + (policy / W if ref_sharded else 0) \
+            + ((L * block + shape.root_params("causal_lm")) * b if ref_whole else 0) \
+            + sum((L * block + r) * b for r in own[1:]) \
+            + (shape.num_params("reward") * b if s.reward_model and s.reward_device in (None, s.device) else 0)
         phases["load"] = {"parameters": max(first, later)}
     else:
         phases["load"] = {"parameters": params_in_step, "frozen copies": frozen}
@@ -582,6 +597,7 @@ def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
     table = {p: {c: round(v.get(c, 0)) + (s.overhead if c == "overhead" else 0) for c in COMPONENTS}
              for p, v in phases.items()}
     host = int(share(params * b) + 3 * share(trained_bytes) + 2 * share(max(V * H, H * I) * b)) if offload else 0
+    host += int(frozen_host) if not offload else 0  # a reference or reward model placed on the host, whole
     return MemoryPlan(shape=shape, settings=s, bytes=table, host=host, params=params, trainable=trainable)
 
 

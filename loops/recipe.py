@@ -114,7 +114,7 @@ def build_reference(config: Any, policy: nn.Module) -> nn.Module:
                                  "its adapter off, on the policy's device; give a ref_model to place one elsewhere")
             return adapter_off(policy)
         if _sharding(config) and isinstance(policy, PreTrainedModel):
-            return _sharded_reference(policy, config)
+            return _sharded_reference(policy, config) if device is None else _whole_reference(policy, device)
         return make_reference(policy).to(device) if device is not None else make_reference(policy)
     source = Path(path)
     if (source / "manifest.json").is_file() or latest_checkpoint(source) is not None:
@@ -366,7 +366,8 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
 
     ``none`` (and any run in one process): as they are, every rank holding each model whole
     (``update`` sums the gradients). ``fsdp2``: each Hugging Face model (policy, reference, critic,
-    reward model) goes through ``loops.dist.wrap_model(strategy="fsdp2")``: ``fully_shard`` on each
+    reward model; not a reference or reward model given a device of its own, ``ref_device`` /
+    ``reward_device`` (:data:`PLACED`), which stays whole there on every rank) goes through ``loops.dist.wrap_model(strategy="fsdp2")``: ``fully_shard`` on each
     block and on the root, ``reshard_after_forward=fsdp_reshard_after_forward``, with
     ``fsdp_param_dtype`` torch's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` and, with
     ``fsdp_cpu_offload``, torch's ``CPUOffloadPolicy``. The shards of a frozen model carry no
@@ -379,8 +380,11 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     if not _sharding(config):
         return dict(models)
     done: dict[int, nn.Module] = {}
-    for model in models.values():
+    for name, model in models.items():
         if id(model) in done:
+            continue
+        if getattr(config, PLACED.get(name, ""), None) is not None and not is_fsdp2(model):
+            done[id(model)] = model  # a reference or reward model given a device of its own: whole there
             continue
         if isinstance(model, ReftModel):  # the frozen base sharded in place, the interventions whole
             if not is_fsdp2(model.model):
@@ -393,6 +397,9 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
         done[id(model)] = model if whole else wrap_model(model, strategy="fsdp2", **_fsdp_kwargs(config),
                                                          **({"blocks": unet} if unet else {}))
     return {name: done[id(model)] for name, model in models.items()}
+
+
+PLACED = {"ref": "ref_device", "reward": "reward_device"}  # a frozen model -> the setting that places it whole
 
 
 def _unet_blocks(model: nn.Module) -> list[type] | None:
@@ -565,21 +572,41 @@ def _sharded_reference(policy: PreTrainedModel, config: Any) -> nn.Module:
     not two."""
     if not is_fsdp2(policy):
         wrap_model(policy, strategy="fsdp2", **_fsdp_kwargs(config))
+    ref = wrap_model(_on_meta(policy), strategy="fsdp2", **_fsdp_kwargs(config))
+    ref.to_empty(device=next(policy.parameters()).device)
+    return _filled(ref, policy, lambda t: t.to_local() if hasattr(t, "to_local") else t)
+
+
+def _on_meta(policy: PreTrainedModel) -> PreTrainedModel:
+    """A model of ``policy``'s class (FSDP2's subclass undone), config and dtype, on the meta device."""
     from torch.distributed.fsdp import FSDPModule
 
-    plain = next(c for c in type(policy).__mro__ if not issubclass(c, FSDPModule))  # fully_shard's subclass undone
+    plain = next(c for c in type(policy).__mro__ if not issubclass(c, FSDPModule))
     with torch.device("meta"):
-        ref = plain._from_config(copy.deepcopy(policy.config), dtype=policy.dtype,
-                                 attn_implementation=policy.config._attn_implementation)
-    ref = wrap_model(ref, strategy="fsdp2", **_fsdp_kwargs(config))
-    ref.to_empty(device=next(policy.parameters()).device)
+        return plain._from_config(copy.deepcopy(policy.config), dtype=policy.dtype,
+                                  attn_implementation=policy.config._attn_implementation)
+
+
+def _filled(ref: nn.Module, policy: nn.Module, part: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """``ref`` with each parameter and buffer copied from ``policy``'s of the same name, ``part`` of
+    each tensor (a shard's rows, or the gathered whole), frozen and in eval mode."""
     own = dict(policy.state_dict()) | dict(policy.named_buffers())  # the shards, even with the root gathered
     for name, t in [*ref.named_parameters(remove_duplicate=False), *ref.named_buffers()]:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        source = own[name].to_local() if hasattr(own[name], "to_local") else own[name]
-        local.copy_(source)
+        part(t).copy_(part(own[name]))
     ref.generation_config = copy.deepcopy(policy.generation_config)
     return ref.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def _whole_reference(policy: PreTrainedModel, device: str) -> nn.Module:
+    """The frozen copy of ``policy`` whole on ``device`` (``ref_device``) on every rank of an fsdp2 run:
+    a copy of the policy before it is sharded, or of a policy read sharded (``_load_sharded``) built
+    on the meta device and filled one gathered parameter at a time (a collective per tensor, in the
+    same order on every rank), so no rank holds more than the reference and one gathered tensor."""
+    if not is_fsdp2(policy):
+        return make_reference(policy).to(device)
+    ref = _on_meta(policy).to_empty(device=device)
+    return _filled(ref, policy, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
 def init_train_state(models: Mapping[str, nn.Module], config: Any, *, trainable: Sequence[str] = ("policy",),

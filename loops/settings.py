@@ -344,7 +344,8 @@ class ReferenceSettings(Section):
     ref_model: str | None = setting(None, help="the reference: a model folder or checkpoint (default: a copy of the "
                                                "initial policy; a LoRA policy's base)")
     ref_device: str | None = setting(None, help="where the reference lives (None: device; e.g. cpu beside a policy "
-                                                "on cuda)")
+                                                "on cuda); under fsdp2 a reference given a device is whole there on "
+                                                "every rank, not sharded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +358,9 @@ class RewardModelSettings(Section):
 class RewardSettings(RewardModelSettings):
     """What scores a rollout (``loops.reward_fns``, ``loops.score.score_rollout``)."""
 
-    reward_device: str | None = setting(None, help="where the reward model lives (None: device)")
+    reward_device: str | None = setting(None, help="where the reward model lives (None: device); under fsdp2 a "
+                                                   "reward model given a device is whole there on every rank, not "
+                                                   "sharded")
     reward_funcs: tuple[str, ...] = setting((), help="package.module:function reward functions to import")
     reward_weights: tuple[float, ...] | None = setting(None, help="one weight per reward function (None: all 1)")
     reward_timeout: float | None = setting(300.0, help="time a reward function call may take; past it the step "

@@ -41,6 +41,18 @@ RUNS = {
 }
 # a causal LM from a local folder: under fsdp2 each rank reads its rows onto a meta-built model
 FOLDER_RUNS = {"dpo_folder": (dpo, OFFLINE), "grpo_folder": (grpo, ONLINE)}
+# a reference or reward model given a device of its own is whole there on every rank, beside the sharded policy;
+# the reward model from the folder "rm" (its score summed with length_reward's), sharded without reward_device
+PLACED_RUNS = {
+    "dpo_ref_placed": (dpo, dict(OFFLINE, ref_device="cpu")),
+    # the policy is read sharded, so the reference is filled one gathered parameter at a time
+    "dpo_folder_ref_placed": (dpo, dict(OFFLINE, ref_device="cpu", folder=True)),
+    # TR-DPO: the sharded policy's parameters gathered one at a time into the whole reference
+    "dpo_sync_placed": (dpo, dict(OFFLINE, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
+                                  lr=0.05, ref_device="cpu")),
+    "grpo_placed": (grpo, dict(ONLINE, kl_coef=0.1, ref_device="cpu", reward_model="rm", reward_device="cpu")),
+    "grpo_rm_sharded": (grpo, dict(ONLINE, kl_coef=0.1, reward_model="rm")),
+}
 TOL = dict(rtol=1e-4, atol=1e-5)
 # fsdp_param_dtype: the sharded run's blocks compute in bfloat16 (8 bits of mantissa), the unsharded one in
 # float32; Adam's first steps move a weight by about lr whatever its gradient's size, so a tiny gradient whose sign
@@ -85,6 +97,10 @@ def _worker(out_dir):
             vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1)).save_pretrained(Path(out_dir) / "moe")
         tokenizer.save_pretrained(Path(out_dir) / "moe")
+        from rlcore.loops.models import build_reward_model
+
+        build_reward_model("llama", tokenizer=tokenizer, hidden_size=32, num_layers=1, num_heads=4,
+                           seed=3).save_pretrained(Path(out_dir) / "rm")
     barrier()
     from rlcore.loops.recipe import build_policy
 
@@ -92,6 +108,10 @@ def _worker(out_dir):
         policy, _ = build_policy(dpo.Config(**dict(OFFLINE, model=str(Path(out_dir) / kind)), strategy="fsdp2"))
         out[f"{kind}/built"] = {"training": policy.training, "sharded": is_fsdp2(policy)}
     runs = {**RUNS, **{name: (recipe, dict(settings, model=str(folder))) for name, (recipe, settings) in FOLDER_RUNS.items()}}
+    for name, (recipe, settings) in PLACED_RUNS.items():
+        settings = {k: v for k, v in settings.items() if k != "folder"} | (
+            {"model": str(folder)} if settings.get("folder") else {})
+        runs[name] = recipe, settings | ({"reward_model": str(Path(out_dir) / "rm")} if "reward_model" in settings else {})
     for name in FOLDER_RUNS:
         recipe, settings = runs[name]
         out[f"{name}/loads_sharded"] = _loads_sharded(recipe.Config(**settings, strategy="fsdp2"), "causal_lm")
@@ -99,7 +119,8 @@ def _worker(out_dir):
         for strategy in ("none", "fsdp2"):
             state, history = train(recipe, settings, strategy=strategy)
             policy = state.model("policy")
-            out[f"{name}/{strategy}"] = {"history": history, "sharded": is_fsdp2(policy)}
+            out[f"{name}/{strategy}"] = {"history": history, "sharded": is_fsdp2(policy),
+                                         "models": {n: is_fsdp2(m) for n, m in state.models.items()}}
             for key, value in _gathered(policy).items():
                 tensors[f"{name}/{strategy}/{key}"] = value.contiguous()
         start = _gathered(recipe.build_state(recipe.Config(**settings))[0].model("policy")) if hasattr(
@@ -144,7 +165,7 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*RUNS, *FOLDER_RUNS])
+@pytest.mark.parametrize("name", [*RUNS, *FOLDER_RUNS, *PLACED_RUNS])
 def test_a_sharded_recipe_trains_as_the_replicated_one(ranks, name):
     ranks = ranks[0]
     if name in FOLDER_RUNS:
@@ -163,6 +184,18 @@ def test_a_sharded_recipe_trains_as_the_replicated_one(ranks, name):
     for key in t0:  # the ranks end with the same (gathered) parameters
         if key.startswith(f"{name}/"):
             assert torch.equal(t0[key], t1[key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PLACED_RUNS)
+def test_a_model_given_a_device_of_its_own_stays_whole(ranks, name):
+    settings = PLACED_RUNS[name][1]
+    expected = {"policy": True, "ref": "ref_device" not in settings}
+    if "reward_model" in settings:
+        expected["reward"] = "reward_device" not in settings
+    for info, _ in ranks[0]:
+        assert info[f"{name}/fsdp2"]["models"] == expected
+        assert not any(info[f"{name}/none"]["models"].values())
 
 
 @pytest.mark.slow
@@ -198,15 +231,14 @@ def test_a_batch_the_ranks_cannot_split_evenly_is_refused(monkeypatch):
         load_config(grpo.Config, overrides={"strategy": "fsdp2", "batch_size": 5, "run_dir": None})
 
 
-def test_a_model_on_another_device_is_refused():
+def test_a_model_on_a_device_of_its_own_is_taken():
     import dataclasses
 
     from rlcore.loops.config import _sharding_faults
 
     config = dataclasses.replace(grpo.Config(), strategy="fsdp2")
     object.__setattr__(config, "device", "cuda:0")  # a GPU run's config, checked here without the GPU
-    faults = _sharding_faults(dataclasses.replace(config, ref_device="cpu"))
-    assert faults == ["ref_device: fsdp2 places every sharded model on the run's device; leave ref_device unset"]
+    assert _sharding_faults(dataclasses.replace(config, ref_device="cpu", reward_device="cpu")) == []
 
 
 def test_the_async_and_ray_learners_refuse_fsdp2():

@@ -65,6 +65,26 @@ def test_a_reference_is_a_frozen_copy_and_fsdp2_divides_by_the_world_size():
     assert plan_memory(TINY, dataclasses.replace(one.settings, strategy="fsdp2")).bytes == one.bytes
 
 
+def test_a_frozen_model_given_a_device_is_whole_there_or_in_host_memory():
+    """DPO (float32) on 4 ranks under fsdp2, read sharded: the reference sharded holds n/4 per rank
+    (+ its root, gathered), whole on the device n, on the host nothing on the device and n in host memory;
+    at load a whole reference is a copy beside the policy's shards."""
+    n, root = TINY.num_params(), TINY.root_params()
+    settings = PlanSettings(recipe="dpo", batch_size=8, world_size=4, strategy="fsdp2", device="cuda")
+    sharded = plan_memory(TINY, settings)
+    whole = plan_memory(TINY, dataclasses.replace(settings, ref_device="cuda"))
+    host = plan_memory(TINY, dataclasses.replace(settings, ref_device="cpu"))
+    assert sharded.bytes["step"]["frozen copies"] == pytest.approx(4 * n / 4 + 4 * root, abs=1)
+    assert whole.bytes["step"]["frozen copies"] == 4 * n and host.bytes["step"]["frozen copies"] == 0
+    assert (sharded.host, whole.host, host.host) == (0, 0, 4 * n)
+    assert whole.bytes["load"]["parameters"] == pytest.approx(4 * n / 4 + 4 * n, abs=1)
+    assert host.bytes["load"]["parameters"] == pytest.approx(4 * n / 4, abs=1)
+    rm = dataclasses.replace(settings, recipe="grpo", reward_model=True, reward_device="cpu")
+    assert plan_memory(TINY, rm).host == 4 * TINY.num_params("reward")
+    with pytest.raises(ValueError, match="ref_device: expected one of .*got 'tpu'"):
+        PlanSettings(ref_device="tpu")
+
+
 def test_fsdp_param_dtype_gathers_in_bfloat16_and_keeps_float32_shards():
     base = PlanSettings(recipe="grpo", world_size=4, strategy="fsdp2", batch_size=8)
     full, half = plan_memory(TINY, base), plan_memory(TINY, dataclasses.replace(base, fsdp_param_dtype="bfloat16"))
@@ -274,6 +294,12 @@ def test_the_command_prints_the_table(capsys, tmp_path):
     out = capsys.readouterr().out  # each rank builds the policy whole before sharding it: 131 GiB at load
     assert "Peak: 131.42 GiB per rank (load)" in out and "Loaded sharded from a from_pretrained folder" in out
     assert "| fsdp_cpu_offload=True |" in out
+    # the text settings whose default is None are read as text
+    assert cli.main(["plan", "dpo", "--model", "0.5b", "--world-size", "4", "--strategy", "fsdp2", "--fsdp-param-dtype",
+                     "bfloat16", "--ref-device", "cpu", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["settings"]["fsdp_param_dtype"] == "bfloat16" and plan["settings"]["ref_device"] == "cpu"
+    assert plan["host"] > 0
 
 
 def test_the_command_reports_a_bad_setting_in_one_line(capsys):
