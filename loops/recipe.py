@@ -32,7 +32,7 @@ import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from datasets import Dataset
@@ -61,7 +61,7 @@ from rlcore.loops.update import enable_gradient_checkpointing, make_optimizer, m
 from rlcore.seeding import set_seed
 
 __all__ = ["build_reference", "build_policy", "check_tiny_fits", "policy_tokenizer", "checkpoint_model_dir",
-           "shard_models", "init_train_state",
+           "shard_models", "whole_copy", "init_train_state",
            "load_splits", "holds_out", "require_held_out", "batch_source", "mean_metrics", "run"]
 
 
@@ -114,7 +114,8 @@ def build_reference(config: Any, policy: nn.Module) -> nn.Module:
                                  "its adapter off, on the policy's device; give a ref_model to place one elsewhere")
             return adapter_off(policy)
         if _sharding(config) and isinstance(policy, PreTrainedModel):
-            return _sharded_reference(policy, config) if device is None else _whole_reference(policy, device)
+            return _sharded_reference(policy, config) if device is None else whole_copy(policy, device).eval() \
+                .requires_grad_(False)
         return make_reference(policy).to(device) if device is not None else make_reference(policy)
     source = Path(path)
     if (source / "manifest.json").is_file() or latest_checkpoint(source) is not None:
@@ -574,7 +575,7 @@ def _sharded_reference(policy: PreTrainedModel, config: Any) -> nn.Module:
         wrap_model(policy, strategy="fsdp2", **_fsdp_kwargs(config))
     ref = wrap_model(_on_meta(policy), strategy="fsdp2", **_fsdp_kwargs(config))
     ref.to_empty(device=next(policy.parameters()).device)
-    return _filled(ref, policy, lambda t: t.to_local() if hasattr(t, "to_local") else t)
+    return _filled(ref, policy, lambda t: t.to_local() if hasattr(t, "to_local") else t).eval().requires_grad_(False)
 
 
 def _on_meta(policy: PreTrainedModel) -> PreTrainedModel:
@@ -589,24 +590,29 @@ def _on_meta(policy: PreTrainedModel) -> PreTrainedModel:
 
 def _filled(ref: nn.Module, policy: nn.Module, part: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
     """``ref`` with each parameter and buffer copied from ``policy``'s of the same name, ``part`` of
-    each tensor (a shard's rows, or the gathered whole), frozen and in eval mode."""
+    each tensor (a shard's rows, or the gathered whole), and the policy's generation config."""
     own = dict(policy.state_dict()) | dict(policy.named_buffers())  # the shards, even with the root gathered
     for name, t in [*ref.named_parameters(remove_duplicate=False), *ref.named_buffers()]:
         part(t).copy_(part(own[name]))
     ref.generation_config = copy.deepcopy(policy.generation_config)
-    return ref.eval().requires_grad_(False)
+    return ref
 
 
 @torch.no_grad()
-def _whole_reference(policy: PreTrainedModel, device: str) -> nn.Module:
-    """The frozen copy of ``policy`` whole on ``device`` (``ref_device``) on every rank of an fsdp2 run:
-    a copy of the policy before it is sharded, or of a policy read sharded (``_load_sharded``) built
-    on the meta device and filled one gathered parameter at a time (a collective per tensor, in the
-    same order on every rank), so no rank holds more than the reference and one gathered tensor."""
-    if not is_fsdp2(policy):
-        return make_reference(policy).to(device)
-    ref = _on_meta(policy).to_empty(device=device)
-    return _filled(ref, policy, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
+def whole_copy(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """A copy of ``model`` whole on ``device``, in its mode: of a model FSDP2 shards (a Hugging Face
+    model), one of its class built on the meta device and filled one gathered parameter at a time (a
+    collective per tensor, in the same order on every rank), so no rank holds more than the copy and
+    one gathered tensor; of any other model, a deep copy. An fsdp2 run's reference on its own
+    ``ref_device``, and the asynchronous learner's generator copy."""
+    if not is_fsdp2(model):
+        return copy.deepcopy(model).to(device)
+    copied = _on_meta(cast(PreTrainedModel, model)).to_empty(device=device)
+    _filled(copied, model, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
+    trains = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
+    for name, p in copied.named_parameters():
+        p.requires_grad_(trains[name])
+    return copied.train(model.training)
 
 
 def init_train_state(models: Mapping[str, nn.Module], config: Any, *, trainable: Sequence[str] = ("policy",),
@@ -734,7 +740,7 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
         num_steps: int, eval_fn: Callable[[TrainState], Mapping[str, float]] | None = None,
         name: str | None = None, callbacks: Sequence[Callable] = (), tokenizer: Any = None,
         save_models: Sequence[str] | None = None, live: Sequence[str] | None = None,
-        restored: bool = False) -> tuple[TrainState, list[dict[str, float]]]:
+        restored: bool = False, sharded: bool = False) -> tuple[TrainState, list[dict[str, float]]]:
     """``fold(step, state, source)`` with the standard callbacks of a recipe, from ``config``.
 
     In order after each step: ``callbacks`` (extra ones, first); ``eval_fn(state)`` every
@@ -771,6 +777,9 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
         restored: the caller has already restored ``state`` from ``run_dir``'s latest checkpoint
             (``config.resume``: an asynchronous run, whose generator needs the weights first); the
             folder is claimed as a resume and nothing is loaded again.
+        sharded: ``source`` already yields this rank's part of each global batch (an asynchronous
+            run's rollouts, generated from each rank's prompts); else each item is split over the
+            ranks (``shard_source``).
     Returns:
         ``(state, history)`` of ``fold``.
     """
@@ -812,7 +821,7 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
                                     models=saved, sharded=getattr(config, "fsdp_checkpoint", "full") == "sharded"))
         # Under torchrun each item of the source is the global batch and every rank takes its share.
         try:
-            return fold(step, state, shard_source(source), num_steps=num_steps, callbacks=cbs)
+            return fold(step, state, source if sharded else shard_source(source), num_steps=num_steps, callbacks=cbs)
         except Interrupted as stopped:  # SIGINT / SIGTERM: say where the run can continue from
             if run_dir:
                 latest = latest_checkpoint(run_dir)

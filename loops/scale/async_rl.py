@@ -50,13 +50,13 @@ from torch import nn
 from rlcore.loops.scale.async_learners import check_learner, learn_off_policy
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.collect import draw_seed
-from rlcore.loops.dist import process_context
+from rlcore.loops.dist import process_context, shard_source
 from rlcore.loops.recipes.dpo import reference_models
 from rlcore.loops.envs import resolve_env
 from rlcore.loops.online import check_prompt_data, check_prompt_lengths, generate_kwargs, generate_or_play, prompt_source
 from rlcore.loops.reward_fns import make_reward_fn
 from rlcore.loops.evaluate import evaluate_policy
-from rlcore.loops.recipe import load_splits, run
+from rlcore.loops.recipe import load_splits, run, whole_copy
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset
 from rlcore.seeding import set_seed
@@ -96,9 +96,11 @@ class GeneratorHandle:
 
 
 def _copy_weights(dst: nn.Module, src: nn.Module) -> None:
+    """``src``'s weights into ``dst`` (a whole copy); an FSDP2 ``src``'s gathered one tensor at a time
+    (a collective: every rank calls it, in the same order)."""
     with torch.no_grad():
         for d, s in zip(dst.state_dict().values(), src.state_dict().values()):
-            d.copy_(s)
+            d.copy_(s.full_tensor() if hasattr(s, "full_tensor") else s)
 
 
 def _generator_main(weights, cond, steps_done, version, requests, results, stop, max_lag, tokenizer,
@@ -187,7 +189,8 @@ def generator_process(policy: nn.Module, tokenizer, *, max_lag: int, steps_done:
     exits by itself if the learner dies.
 
     Args:
-        policy: the learner's policy; a CPU copy in shared memory carries the weights.
+        policy: the learner's policy; a CPU copy in shared memory carries the weights (whole: an
+            FSDP2 policy's shards gathered one tensor at a time, on every rank for its own generator).
         max_lag: ``N ≥ 0``.  steps_done, version: the learner's position (``state.step``,
             ``state.policy_version``) whose weights are published first.
         generate_kwargs: for ``generate_rollout`` (``max_new_tokens``, ``temperature``,
@@ -205,7 +208,7 @@ def generator_process(policy: nn.Module, tokenizer, *, max_lag: int, steps_done:
     """
     check_max_lag(max_lag)
     ctx = process_context(start_method, preload=("rlcore.loops",))
-    weights = copy.deepcopy(policy).to("cpu").share_memory()
+    weights = whole_copy(policy, "cpu").share_memory()
     cond, stop = ctx.Condition(), ctx.Event()
     steps, ver = ctx.Value("q", steps_done), ctx.Value("q", version)
     requests, results = ctx.Queue(), ctx.Queue(maxsize=max_lag + 1)
@@ -346,7 +349,8 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
                                  is_clip=is_clip)
         eval_fn = functools.partial(evaluate_policy, config=config, tokenizer=tokenizer, dataset=eval_ds,
                                     reference_cache=None if getattr(config, "sync_ref_model", False) else {})
-        source = rollout_source(handle, prompt_source(train_ds, config), state.rng)
+        # each rank's generator samples for its own block of every batch's prompts
+        source = rollout_source(handle, shard_source(prompt_source(train_ds, config)), state.rng)
         return run(step, state, source, config=config, num_steps=config.steps, restored=bool(config.resume),
                    eval_fn=eval_fn, name=f"async-{recipe.name}", callbacks=callbacks,
-                   save_models=reference_models(config))
+                   save_models=reference_models(config), sharded=True)

@@ -231,7 +231,7 @@ class LearnerWorker:
     def __init__(self, config: Any, *, is_clip: float | None = None, threads: int | None = None):
         _set_threads(threads)
         self.config, self.is_clip = config, is_clip
-        self.recipe = check_learner(config, is_clip)
+        self.recipe = check_learner(config, is_clip, placed=True)
         state, self.tokenizer = self.recipe.build_state(config)
         if config.run_dir and config.resume:  # before the first weights go to the generator
             state = resume(config.run_dir, state)
@@ -300,7 +300,7 @@ def train_placed(config: Any, *, max_lag: int = 0, is_clip: float | None = None,
         (staleness, behaviour-vs-learner gap), ``placed/wait_s`` (the learner waiting for a
         scored rollout) and ``placed/push_wait_s`` (waiting for the previous weight push).
     """
-    check_learner(config, is_clip)
+    check_learner(config, is_clip, placed=True)
     check_max_lag(max_lag)
     cpus, gpus = _per_role(num_cpus, "num_cpus"), _per_role(num_gpus, "num_gpus")
     ray = require_ray()
