@@ -456,7 +456,7 @@ def _agent_faults(config: Any) -> list[str]:
     return faults
 
 
-SHARDING_STRATEGIES = ("none", "fsdp2")
+SHARDING_STRATEGIES = ("none", "ddp", "fsdp2")
 FSDP_CHECKPOINTS = ("sharded", "full")
 FSDP_PARAM_DTYPES = (None, "bfloat16", "float16")
 

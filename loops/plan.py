@@ -37,7 +37,8 @@ What is modelled, as the code runs (each term names the code it follows):
   activations, the KV cache and the unsharded gradients too), the shards and AdamW staying in
   ``dtype`` and the reduce-scatter input in float32. ``fsdp_cpu_offload`` keeps the shards, their
   gradients and the optimiser state (and its step) in host memory (:attr:`MemoryPlan.host`).
-  ``strategy="none"`` on several ranks adds ``update``'s flat all-reduce bucket (``2**25`` elements).
+  ``strategy="none"`` on several ranks adds ``update``'s flat all-reduce bucket (``2**25`` elements);
+  ``strategy="ddp"`` adds, at the end of the backward, the buckets' copy of every trained gradient.
 - **Load** (``loops.recipe.build_policy``, ``build_reference``, ``shard_models``): under FSDP2 a policy
   from a ``from_pretrained`` folder (safetensors; a LoRA policy's base too) is built on the meta device and
   each rank reads only its rows (``sharded_load=True``, the default); one built from a config (the
@@ -286,7 +287,8 @@ class PlanSettings:
     generation_batch_size: int | None = _setting(None, "rows per generation call on a rank; None: all")
     forward_batch_size: int | None = _setting(None, "rows per no-grad scoring forward on a rank; None: all")
     world_size: int = _setting(1, "ranks")
-    strategy: str = _setting("none", "none: each rank holds each model whole | fsdp2: sharded over the ranks")
+    strategy: str = _setting("none", "none: each rank holds each model whole | ddp: whole, the gradients sent in "
+                                     "buckets during the backward (a copy of them) | fsdp2: sharded over the ranks")
     fsdp_cpu_offload: bool = _setting(False, "fsdp2: shards, their gradients and AdamW's state in host memory")
     fsdp_reshard_after_forward: bool = _setting(True, "fsdp2: free each gathered block after its forward")
     fsdp_param_dtype: str | None = _setting(None, "fsdp2: the dtype blocks are gathered and run in (bfloat16 | "
@@ -310,7 +312,7 @@ class PlanSettings:
         _choice("dtype", self.dtype, DTYPE_BYTES)
         _choice("mixed_precision", self.mixed_precision, (None, "bf16"))
         _choice("fsdp_param_dtype", self.fsdp_param_dtype, (None, "bfloat16", "float16"))
-        _choice("strategy", self.strategy, ("none", "fsdp2"))
+        _choice("strategy", self.strategy, ("none", "ddp", "fsdp2"))
         _choice("value_model", self.value_model, ("shared", "separate"))
         _choice("device", self.device, ("cuda", "cpu"))
         _choice("ref_device", self.ref_device, (None, "cuda", "cpu"))
@@ -590,7 +592,9 @@ def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
     # per step: the earlier ones' gradients are there from the start)
     start = {**resident, "FSDP2 all-gather": gathered_train, "activations": activations, "logits": logits,
              "gradients": head_grad + (grads if rows["micro"] < rows["train_items"] else 0)}
-    end = {**resident, "FSDP2 all-gather": gathered_train, "activations": last_block, "gradients": grads_backward}
+    sent = trained_bytes if s.strategy == "ddp" and W > 1 else 0  # ddp: the buckets' copy of the gradients
+    end = {**resident, "FSDP2 all-gather": gathered_train, "activations": last_block,
+           "gradients": grads_backward + sent}
     phases["train"] = max(start, end, key=lambda p: sum(p.values()))
     phases["step"] = {"parameters": params_in_step, "frozen copies": frozen, "optimiser state": optimiser + step_temp,
                       "gradients": grads + bucket}

@@ -366,9 +366,12 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     """The models as the config's ``strategy`` places them on the ranks of a ``torchrun`` job.
 
     ``none`` (and any run in one process): as they are, every rank holding each model whole
-    (``update`` sums the gradients). ``fsdp2``: each Hugging Face model (policy, reference, critic,
-    reward model; not a reference or reward model given a device of its own, ``ref_device`` /
-    ``reward_device`` (:data:`PLACED`), which stays whole there on every rank) goes through ``loops.dist.wrap_model(strategy="fsdp2")``: ``fully_shard`` on each
+    (``update`` sums the gradients after the backward). ``ddp``: whole too, each model through
+    ``loops.dist.wrap_model(strategy="bucketed")``: its weights broadcast from rank 0 and ``update``
+    all-reducing its gradients bucket by bucket during the backward. ``fsdp2``: each Hugging Face
+    model (policy, reference, critic, reward model; not a reference or reward model given a device
+    of its own, ``ref_device`` / ``reward_device`` (:data:`PLACED`), which stays whole there on
+    every rank) goes through ``loops.dist.wrap_model(strategy="fsdp2")``: ``fully_shard`` on each
     block and on the root, ``reshard_after_forward=fsdp_reshard_after_forward``, with
     ``fsdp_param_dtype`` torch's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` and, with
     ``fsdp_cpu_offload``, torch's ``CPUOffloadPolicy``. The shards of a frozen model carry no
@@ -378,6 +381,8 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     policy, with or without its LoRA adapter) is sharded block by block (``_unet_blocks``).
     Call before the optimiser is made: sharding replaces the parameters.
     """
+    if getattr(config, "strategy", "none") == "ddp" and dist_info().distributed:
+        return {name: wrap_model(model, strategy="bucketed") for name, model in models.items()}
     if not _sharding(config):
         return dict(models)
     done: dict[int, nn.Module] = {}

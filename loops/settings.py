@@ -206,9 +206,11 @@ class ModelSettings(Section):
 class ShardingSettings(Section):
     """How the models sit on the ranks of a ``torchrun`` job (``loops.recipe.shard_models``)."""
 
-    strategy: str = setting("none", help="none: every rank holds each model whole (update sums the gradients) | "
-                                         "fsdp2: each model's parameters, gradients and optimiser state sharded "
-                                         "over the ranks, a block gathered only while it runs")
+    strategy: str = setting("none", help="none: every rank holds each model whole (update sums the gradients "
+                                         "after the backward) | ddp: the same, the gradients all-reduced bucket by "
+                                         "bucket while the backward makes them (DDP's overlap) | fsdp2: each "
+                                         "model's parameters, gradients and optimiser state sharded over the ranks, "
+                                         "a block gathered only while it runs")
     fsdp_reshard_after_forward: bool = setting(True, help="fsdp2: free each block's gathered parameters after its "
                                                           "forward and gather them again for the backward")
     fsdp_cpu_offload: bool = setting(False, help="fsdp2: the shards (parameters, gradients, optimiser state) kept "

@@ -65,7 +65,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from rlcore.checks import NonFiniteError, check_mask
-from rlcore.loops.dist.sync import (GradSync, accumulation_context, grad_sync, is_dtensor, reduce_gradients,
+from rlcore.loops.dist.sync import (GradSync, OverlappedReduction, accumulation_context, grad_sync, is_dtensor,
+                                    reduce_gradients,
                                     total_grad_norm)
 from rlcore.loops.dist import all_reduce_sum
 from rlcore.loops.state import TrainState, copy_generator
@@ -512,13 +513,15 @@ def _named(metrics: Any) -> Iterable[tuple[str, torch.Tensor]]:
 def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *, groups: list,
                 rows: int, mask_key: Any, autocast_dtype: torch.dtype | None, device_type: str,
                 early_stop_key: str | None, sync: GradSync | None,
-                counted: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+                counted: bool = True, overlap: OverlappedReduction | None = None
+                ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """Forward/backward over the micro-batches (``groups``: row indices) of one minibatch;
     gradients add up in ``.grad``.
 
     ``rows``: the minibatch's counted rows over every rank; each micro-batch's share of the step is
     ``b / rows``, so the ranks' weighted sums add up to the global minibatch's. A group run again
-    (:class:`_Again`), or any group of a rank whose rows are not ``counted``, weighs zero.
+    (:class:`_Again`), or any group of a rank whose rows are not ``counted``, weighs zero. With
+    ``overlap``, the last micro-batch's backward sends the gradients as it makes them.
     """
     denominators = global_denominators(minibatch if counted else minibatch[:0], mask_key)
     scale = 1.0 if sync is None else sync.loss_scale
@@ -528,11 +531,13 @@ def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *
         micro = minibatch[group.as_subclass(torch.Tensor)]
         share = micro.batch_size[0] / max(rows, 1) if counted and not isinstance(group, _Again) else 0.0
         loss_weight = (1.0 if denominators else share) if share else 0.0
-        with accumulation_context(sync, last=k == len(groups) - 1):  # DDP no_sync but on the last
+        last = k == len(groups) - 1
+        with accumulation_context(sync, last=last):  # DDP no_sync but on the last
             with torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16,
                                 enabled=autocast_dtype is not None):
                 loss, metrics = loss_fn(state, micro, **denominators)
-            (loss if loss_weight * scale == 1.0 else loss * (loss_weight * scale)).backward()
+            with overlap.armed() if overlap is not None and last else contextlib.nullcontext():
+                (loss if loss_weight * scale == 1.0 else loss * (loss_weight * scale)).backward()
         ok = torch.isfinite(loss.detach())
         finite = ok if finite is None else finite & ok
         stop = torch.zeros_like(ok) if stop is None else stop
@@ -542,12 +547,17 @@ def _accumulate(state: TrainState, minibatch: TensorDictBase, loss_fn: LossFn, *
                 continue
             w = loss_weight if name.startswith("loss") else share
             sums[name] = sums.get(name, 0.0) + w * value.to(torch.float64)
+    if overlap is not None:
+        overlap.finish()
     return sums, finite, stop
 
 
 def _synchronise(sums: dict[str, torch.Tensor], finite: torch.Tensor, stop: torch.Tensor,
-                 sync: GradSync | None) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """One all-reduce of the step's metric sums, flags and gradient presence; then the gradients.
+                 sync: GradSync | None, overlap: OverlappedReduction | None = None
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One all-reduce of the step's metric sums, flags and gradient presence; then the gradients
+    (the buckets ``overlap`` sent during the backward, unless a gradient changed after its bucket
+    was sent on some rank: then reduced again from ``.grad``).
 
     Metric sums are already weighted by global shares, so their sum over ranks is the global
     value; a non-finite loss or an early stop on any rank holds for all of them.
@@ -559,19 +569,23 @@ def _synchronise(sums: dict[str, torch.Tensor], finite: torch.Tensor, stop: torc
     present = [p.grad is not None for p in sync.manual]
     head = [float(len(names)), float(signature), float(len(names)) ** 2, float(signature) ** 2]
     values = [torch.as_tensor(sums[k]).to(sync.device, torch.float64).reshape(()) for k in names]
-    flags = torch.stack([(~finite).to(sync.device, torch.float64), stop.to(sync.device, torch.float64)])
+    late = torch.tensor(float(overlap is not None and overlap.late), dtype=torch.float64, device=sync.device)
+    flags = torch.stack([(~finite).to(sync.device, torch.float64), stop.to(sync.device, torch.float64), late])
     buf = torch.cat([torch.tensor(head + [float(x) for x in present], dtype=torch.float64, device=sync.device),
                      flags, torch.stack(values) if values else flags[:0]])
     dist.all_reduce(buf)
     k = 4 + len(present)
-    host = buf[:k].tolist()  # the step's synchronisation point under NCCL (one small transfer)
+    host = buf[:k + 3].tolist()  # the step's synchronisation point under NCCL (one small transfer)
     W = sync.world_size
     if host[0] ** 2 != host[2] * W or host[1] ** 2 != host[3] * W:
         raise ValueError(f"update: the ranks report different metric names (this rank: {names}); every rank "
                          "must run the same loss_fn")
-    reduce_gradients(sync, host[4:])
+    if overlap is not None and host[k + 2] == 0:
+        overlap.apply(host[4:k])
+    else:
+        reduce_gradients(sync, host[4:k])
     bad, halt = buf[k], buf[k + 1]
-    reduced = dict(zip(names, buf[k + 2:].unbind()))
+    reduced = dict(zip(names, buf[k + 3:].unbind()))
     return reduced, (bad == 0).to(finite.device), (halt > 0).to(stop.device)
 
 
@@ -750,11 +764,13 @@ def update(state: TrainState, batch: TensorDictBase, loss_fn: LossFn, *, minibat
                 where = f"epoch {epoch}, rows {start}:{start + mb}" if own else f"epoch {epoch}, step {k}"
                 groups = _micro_batches(minibatch, micro, budget=max_tokens_per_micro_batch, row_tokens=row_tokens,
                                         sync=sync)
+                overlap = OverlappedReduction(sync) if sync is not None and sync.overlap else None
                 sums, finite, stop = _accumulate(
                     state, minibatch, loss_fn, groups=groups, rows=rows[k],
                     mask_key=mask_key, autocast_dtype=autocast_dtype, device_type=device_type,
-                    early_stop_key=None if rule is None else rule.key, sync=sync, counted=counted and own)
-                sums, finite, stop = _synchronise(sums, finite, stop, sync)
+                    early_stop_key=None if rule is None else rule.key, sync=sync, counted=counted and own,
+                    overlap=overlap)
+                sums, finite, stop = _synchronise(sums, finite, stop, sync, overlap)
                 step_lr = state.optimizer.param_groups[0]["lr"]
                 outcome, norm, flagged = _optimizer_step(state, params, finite, stop, transform=transform,
                                                          where=where)

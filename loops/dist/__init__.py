@@ -24,6 +24,12 @@ Gradient reduction strategies (:func:`wrap_model`):
   from rank 0 once, and ``update`` sums the gradients of the optimiser's parameters itself, in
   flat buckets. Any forward path works (the chunked trunk → head log-probs of ``loops.score``,
   ``generate``), because nothing hooks the module's ``forward``.
+- ``"bucketed"`` (the recipes' ``strategy: ddp``): as ``None``, but ``update`` all-reduces the
+  gradients in buckets of about 25 MiB, each sent (asynchronously, in a fixed order) as soon as the
+  last micro-batch's backward has made all of its gradients, so the communication overlaps the rest
+  of the backward as DDP's does; it needs no wrapper, so every forward path works. A gradient that
+  changes after its bucket was sent (a parameter reached twice by a reentrant checkpoint) is caught
+  and that step is reduced again after the backward. The buckets hold one copy of the gradients.
 - ``"ddp"``: ``DistributedDataParallel``: bucketed all-reduce overlapped with the backward of the
   last micro-batch (``no_sync`` on the others). DDP *averages* over ranks, so ``update``
   multiplies each micro-batch loss by ``W`` before ``backward`` (the mean of ``W·g_r`` is
@@ -50,6 +56,7 @@ import gc
 import os
 import socket
 import sys
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -76,6 +83,7 @@ __all__ = [
     "wrap_model",
     "unwrap_model",
     "reduces_own_gradients",
+    "overlaps_reduction",
     "is_fsdp2",
     "sharded_root",
     "broadcast_module",
@@ -338,6 +346,22 @@ def _replicate(model: nn.Module, **kwargs: Any) -> nn.Module:
     return broadcast_module(model)
 
 
+_OVERLAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _bucketed(model: nn.Module, **kwargs: Any) -> nn.Module:
+    if kwargs:
+        raise TypeError(f"wrap_model(strategy='bucketed') takes no options, got {sorted(kwargs)}")
+    _OVERLAPPED.add(broadcast_module(model))
+    return model
+
+
+def overlaps_reduction(model: nn.Module) -> bool:
+    """Whether ``update`` all-reduces ``model``'s gradients while the backward makes them
+    (``wrap_model(strategy="bucketed")``, the recipes' ``strategy: ddp``)."""
+    return model in _OVERLAPPED
+
+
 def _ddp(model: nn.Module, **kwargs: Any) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
     device = next(model.parameters()).device
@@ -361,6 +385,7 @@ def _fsdp2(model: nn.Module, *, blocks: Sequence[type | str] | None = None, **kw
 
 STRATEGIES: dict[str, Callable[..., nn.Module]] = {
     "none": _replicate,
+    "bucketed": _bucketed,
     "ddp": _ddp,
     "fsdp2": _fsdp2,
 }
@@ -370,7 +395,10 @@ def wrap_model(model: nn.Module, *, strategy: str | None = "ddp", **kwargs: Any)
     """Prepare ``model`` for data-parallel training under the current process group.
 
     - ``None`` / ``"none"``: the module itself, its weights broadcast from rank 0; ``update`` sums
-      its gradients (works with every forward path, the recommended one for the recipes);
+      its gradients after the step's last backward (works with every forward path);
+    - ``"bucketed"``: the same, but ``update`` all-reduces the gradients bucket by bucket while the
+      step's last backward makes them, as DDP does, with no wrapper (every forward path works);
+      the recipes' ``strategy: ddp``;
     - ``"ddp"``: ``DistributedDataParallel(model, **kwargs)`` (``device_ids`` set on CUDA); the
       loss must call the wrapper's ``forward``;
     - ``"fsdp2"``: ``fully_shard`` on each block (``blocks=``: classes or class names; default the

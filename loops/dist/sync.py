@@ -25,12 +25,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rlcore.loops.dist import all_reduce_sum, dist_info, is_fsdp2, reduces_own_gradients
+from rlcore.loops.dist import all_reduce_sum, dist_info, is_fsdp2, overlaps_reduction, reduces_own_gradients
 
-__all__ = ["GradSync", "grad_sync", "is_dtensor", "accumulation_context", "reduce_gradients", "total_grad_norm", "full_weights",
+__all__ = ["GradSync", "grad_sync", "is_dtensor", "accumulation_context", "reduce_gradients", "OverlappedReduction",
+           "total_grad_norm", "full_weights",
            "drop_tied", "load_full_weights", "full_optimizer_state", "shard_optimizer_state", "all_ranks_ok"]
 
 _BUCKET = 1 << 25  # elements per flat all-reduce bucket (a 128 MiB float32 buffer)
+_OVERLAP_BUCKET_BYTES = 25 << 20  # a bucket sent during the backward (DDP's default size)
 
 
 # --- gradients (update) -----------------------------------------------------------------------------
@@ -47,6 +49,8 @@ class GradSync:
             the manual reduction then averages too), else 1 (manual sums).
         lockstep: an FSDP2 module is present: its forwards are collectives, so every rank must
             run the same number of micro-batches.
+        overlap: the manual parameters belong to models whose reduction overlaps the backward
+            (``loops.dist.overlaps_reduction``: :class:`OverlappedReduction`).
     """
 
     world_size: int
@@ -55,6 +59,7 @@ class GradSync:
     manual: tuple[torch.Tensor, ...]
     loss_scale: float
     lockstep: bool
+    overlap: bool = False
 
 
 def is_dtensor(p: torch.Tensor) -> bool:
@@ -76,8 +81,10 @@ def grad_sync(models: Iterable[nn.Module], params: Sequence[torch.Tensor]) -> Gr
     owned = {id(p) for m in wrapped for p in m.parameters()}
     # an FSDP2 root gathered after its forward shows its unsharded parameters: its optimiser's are DTensors
     manual = tuple(p for p in params if id(p) not in owned and not is_dtensor(p))
+    overlapped = {id(p) for m in models if overlaps_reduction(m) for p in m.parameters()}
     return GradSync(world_size=info.world_size, device=info.device, wrapped=wrapped, manual=manual,
-                    loss_scale=float(info.world_size) if wrapped else 1.0, lockstep=any(map(is_fsdp2, wrapped)))
+                    loss_scale=float(info.world_size) if wrapped else 1.0, lockstep=any(map(is_fsdp2, wrapped)),
+                    overlap=bool(manual) and all(id(p) in overlapped for p in manual))
 
 
 @contextlib.contextmanager
@@ -134,6 +141,93 @@ def reduce_gradients(sync: GradSync | None, present: Sequence[float] | None = No
                 flat /= sync.loss_scale
             for g, chunk in zip(bucket, flat.split([g.numel() for g in bucket])):
                 g.copy_(chunk.view_as(g))
+
+
+class OverlappedReduction:
+    """The manual parameters' gradients all-reduced while the step's last backward makes them.
+
+    The parameters, in reverse order (the backward reaches the last layers first), are cut into
+    buckets of about 25 MiB per dtype and device. While :meth:`armed`, a hook on each parameter
+    (``register_post_accumulate_grad_hook``) counts it ready once its gradient of the last
+    micro-batch is accumulated; a bucket is sent as soon as it and every bucket before it are
+    ready (a flat copy, ``all_reduce(async_op=True)``), so every rank sends the same buckets in the
+    same order whatever its graph. :meth:`finish` (after the backward) sends the rest (a parameter
+    that got no gradient sends zeros) and waits; :meth:`apply` writes the sums back, the parameters
+    absent on every rank staying ``None``, as :func:`reduce_gradients` leaves them.
+
+    A gradient accumulated again after its bucket was sent (a parameter reached twice, through a
+    reentrant checkpoint's inner backward) sets :attr:`late`; ``update`` agrees on it across the
+    ranks and then reduces the untouched ``.grad`` again with :func:`reduce_gradients`. The buckets
+    hold one copy of the gradients until :meth:`apply`.
+    """
+
+    def __init__(self, sync: GradSync):
+        self.sync = sync
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for p in reversed(sync.manual):
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        self.buckets: list[list[torch.Tensor]] = []
+        for params in groups.values():
+            size = 0
+            for p in params:
+                nbytes = p.numel() * p.element_size()
+                if not self.buckets or self.buckets[-1][0].dtype != p.dtype or self.buckets[-1][0].device != p.device \
+                        or size + nbytes > _OVERLAP_BUCKET_BYTES:
+                    self.buckets.append([])
+                    size = 0
+                self.buckets[-1].append(p)
+                size += nbytes
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._waiting = [len(b) for b in self.buckets]
+        self._fired: set[int] = set()
+        self._sent: list[tuple[torch.Tensor, Any]] = []
+        self.late = False
+        self.sent_in_backward = 0  # buckets sent before finish(): the overlap achieved
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """Watch the gradients the backward run inside accumulates (the hooks removed on exit)."""
+        hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in self.sync.manual if p.requires_grad]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _ready(self, p: torch.Tensor) -> None:
+        i = self._bucket_of[id(p)]
+        if id(p) in self._fired:
+            self.late |= i < len(self._sent)
+            return
+        self._fired.add(id(p))
+        self._waiting[i] -= 1
+        while len(self._sent) < len(self.buckets) and self._waiting[len(self._sent)] == 0:
+            self._send()
+
+    def _send(self) -> None:
+        bucket = self.buckets[len(self._sent)]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in bucket]).to(self.sync.device)
+        self._sent.append((flat, dist.all_reduce(flat, async_op=True)))
+
+    def finish(self) -> None:
+        """After the backward: send the buckets not yet sent, wait for all of them."""
+        self.sent_in_backward = len(self._sent)
+        while len(self._sent) < len(self.buckets):
+            self._send()
+        for _, work in self._sent:
+            work.wait()
+
+    def apply(self, present: Sequence[float]) -> None:
+        """The sums (over ``loss_scale``) into ``.grad``; ``present`` as in :func:`reduce_gradients`."""
+        has = {id(p): n > 0 for p, n in zip(self.sync.manual, present)}
+        for bucket, (flat, _) in zip(self.buckets, self._sent):
+            if self.sync.loss_scale != 1.0:
+                flat /= self.sync.loss_scale
+            for p, chunk in zip(bucket, flat.split([p.numel() for p in bucket])):
+                if has[id(p)]:
+                    p.grad = chunk.view_as(p).to(p.device)
+        self._sent = []
 
 
 def total_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -156,5 +156,5 @@ def test_a_sharded_pipeline_lora_trains_as_the_replicated_one_and_exports(ranks)
 def test_a_bad_sharding_setting_is_refused_before_any_model_is_built():
     from rlcore.loops.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"strategy: expected one of \['none', 'fsdp2'\], got 'zero3'"):
+    with pytest.raises(ConfigError, match=r"strategy: expected one of \['none', 'ddp', 'fsdp2'\], got 'zero3'"):
         ddpo.build_state(ddpo.Config(**TINY, run_dir=None, strategy="zero3"))

@@ -37,7 +37,7 @@ from tests.loops.conftest import run_ranks, write_rank
 DT = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
 MODES = ("token_mean", "seq_mean_token_mean")
-WRAPS = (None, "ddp", "fsdp2")
+WRAPS = (None, "bucketed", "ddp", "fsdp2")
 B = 8  # global rows: 4 per rank
 
 
@@ -137,6 +137,42 @@ def _equivalence(out, tensors):
     out["denominators"] = {k: int(v) for k, v in global_denominators(local, K.RESPONSE_MASK).items()}
 
 
+def _overlap(out, tensors):
+    """``bucketed`` sends buckets during the backward (buckets of 256 bytes here: about one per parameter);
+    a parameter reached twice (a reentrant checkpoint's inner backward, then the outer one) after its
+    bucket was sent makes the step reduce again."""
+    from rlcore.loops.dist import sync
+
+    seen = []
+    finish = sync.OverlappedReduction.finish
+
+    def recorded(self):
+        finish(self)
+        seen.append([self.sent_in_backward, len(self.buckets), self.late])
+
+    local = shard_batch(global_batch())
+
+    def reentrant(state, mb, **d):
+        loss, m = make_loss("token_mean")(state, mb, **d)
+        last = list(state.model().parameters())[-1]  # the first bucket, sent as soon as its gradient is made
+        x = torch.ones_like(last, requires_grad=True)
+        again = torch.utils.checkpoint.checkpoint(lambda x: (last * x).square().sum(), x, use_reentrant=True)
+        return loss + 0.1 * again, m
+
+    sync.OverlappedReduction.finish = recorded
+    try:
+        for strategy in (None, "bucketed"):
+            seen.clear()
+            new, _ = update(model_state(strategy), local, make_loss("token_mean"), micro_batch_size=2,
+                            mask_key=K.RESPONSE_MASK)
+            out[f"overlap/sent/{strategy}"] = list(seen)
+            seen.clear()
+            new, _ = update(model_state(strategy), local, reentrant, micro_batch_size=2, mask_key=K.RESPONSE_MASK)
+            tensors[f"late/{strategy}"], out[f"late/seen/{strategy}"] = flat(new.model()), list(seen)
+    finally:
+        sync.OverlappedReduction.finish = finish
+
+
 def _guards(out, tensors):
     info = dist_info()
     local = shard_batch(global_batch())
@@ -226,7 +262,11 @@ def _checkpoint(out, tensors, run_dir):
 def _worker(out_dir):
     info = dist_info()
     out, tensors = {"info": [info.rank, info.world_size, info.backend, is_main()]}, {}
+    from rlcore.loops.dist import sync
+
+    sync._OVERLAP_BUCKET_BYTES = 256  # many buckets, so the overlap and their order are exercised
     _equivalence(out, tensors)
+    _overlap(out, tensors)
     _guards(out, tensors)
     _fold(out, tensors)
     _ppo_statistics(out, tensors)
@@ -317,6 +357,22 @@ def test_rows_not_counted_weigh_nothing(ranks, strategy):
         torch.testing.assert_close(t[f"uncounted/{strategy}"], flat(expected.model()), **TOL)
         for name in ("loss", "loss_nll", "mean_lp"):
             assert r[f"uncounted/{strategy}"][name] == pytest.approx(float(metrics[name]), rel=1e-10), name
+
+
+def test_bucketed_sends_gradients_during_the_backward(ranks):
+    for r, _ in ranks[0]:
+        assert r["overlap/sent/None"] == []  # none: after the backward, no bucket
+        (sent, buckets, late), = r["overlap/sent/bucketed"]  # one optimiser step
+        assert buckets > 2 and 0 < sent <= buckets and not late
+
+
+def test_a_gradient_made_again_after_its_bucket_was_sent_is_reduced_again(ranks):
+    for r, t in ranks[0]:
+        (_, _, late), = r["late/seen/bucketed"]
+        assert late
+        torch.testing.assert_close(t["late/bucketed"], t["late/None"], **TOL)
+    (_, t0), (_, t1) = ranks[0]
+    assert torch.equal(t0["late/bucketed"], t1["late/bucketed"])
 
 
 def test_nonfinite_guard_and_early_stop_are_agreed(ranks):
@@ -416,9 +472,9 @@ def test_drop_tied_keeps_one_name_per_tensor():
 
 
 def test_wrap_model_rejects_unknown_strategies():
-    with pytest.raises(ValueError, match=r"strategy: unknown 'zero3'; valid: \['ddp', 'fsdp2', 'none'\]"):
+    with pytest.raises(ValueError, match=r"strategy: unknown 'zero3'; valid: \['bucketed', 'ddp', 'fsdp2', 'none'\]"):
         wrap_model(MockLM(), strategy="zero3")
-    assert sorted(STRATEGIES) == ["ddp", "fsdp2", "none"]
+    assert sorted(STRATEGIES) == ["bucketed", "ddp", "fsdp2", "none"]
 
 
 def test_init_distributed_needs_the_torchrun_environment(monkeypatch):

@@ -53,6 +53,9 @@ PLACED_RUNS = {
     "grpo_placed": (grpo, dict(ONLINE, kl_coef=0.1, ref_device="cpu", reward_model="rm", reward_device="cpu")),
     "grpo_rm_sharded": (grpo, dict(ONLINE, kl_coef=0.1, reward_model="rm")),
 }
+# strategy: ddp (every rank whole, the gradients all-reduced bucket by bucket during the backward) against none
+DDP_RUNS = ("sft", "dpo", "reward", "grpo", "ppo_separate", "ppo_shared", "online_dpo", "grpo_packed", "dpo_folder")
+DDP_ONLY = {"grpo_lora": (grpo, dict(ONLINE, use_peft=True, kl_coef=0.1, lr=1e-2))}  # the adapter alone trains
 TOL = dict(rtol=1e-4, atol=1e-5)
 # fsdp_param_dtype: the sharded run's blocks compute in bfloat16 (8 bits of mantissa), the unsharded one in
 # float32; Adam's first steps move a weight by about lr whatever its gradient's size, so a tiny gradient whose sign
@@ -115,8 +118,11 @@ def _worker(out_dir):
     for name in FOLDER_RUNS:
         recipe, settings = runs[name]
         out[f"{name}/loads_sharded"] = _loads_sharded(recipe.Config(**settings, strategy="fsdp2"), "causal_lm")
+    runs.update(DDP_ONLY)
     for name, (recipe, settings) in runs.items():
-        for strategy in ("none", "fsdp2"):
+        strategies = ("none", "ddp") if name in DDP_ONLY else ("none", "fsdp2", "ddp") if name in DDP_RUNS \
+            else ("none", "fsdp2")
+        for strategy in strategies:
             state, history = train(recipe, settings, strategy=strategy)
             policy = state.model("policy")
             out[f"{name}/{strategy}"] = {"history": history, "sharded": is_fsdp2(policy),
@@ -187,6 +193,21 @@ def test_a_sharded_recipe_trains_as_the_replicated_one(ranks, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", [*DDP_RUNS, *DDP_ONLY])
+def test_ddp_trains_as_none(ranks, name):
+    """ddp's reduction overlaps the backward; the sums are the same (up to float order)."""
+    for info, tensors in ranks[0]:
+        assert not info[f"{name}/ddp"]["sharded"]
+        whole = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/none/")}
+        ddp = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/ddp/")}
+        assert whole.keys() == ddp.keys() and whole
+        for key in whole:
+            torch.testing.assert_close(ddp[key], whole[key], **TOL, msg=lambda m, key=key: f"{key}: {m}")
+        assert_histories_close(info[f"{name}/none"]["history"], info[f"{name}/ddp"]["history"], **TOL)
+        assert info[f"{name}/moved"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PLACED_RUNS)
 def test_a_model_given_a_device_of_its_own_stays_whole(ranks, name):
     settings = PLACED_RUNS[name][1]
@@ -251,7 +272,7 @@ def test_the_ray_learner_and_a_lora_asynchronous_learner_refuse_fsdp2():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"strategy": "zero3"}, r"strategy: expected one of \['none', 'fsdp2'\], got 'zero3'"),
+    ({"strategy": "zero3"}, r"strategy: expected one of \['none', 'ddp', 'fsdp2'\], got 'zero3'"),
     ({"strategy": "fsdp2", "engine": "vllm"}, "strategy: fsdp2 with engine: vllm is not offered"),
 ])
 def test_what_fsdp2_does_not_shard_is_refused_at_load(overrides, match):

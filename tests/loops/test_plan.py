@@ -85,6 +85,14 @@ def test_a_frozen_model_given_a_device_is_whole_there_or_in_host_memory():
         PlanSettings(ref_device="tpu")
 
 
+def test_ddp_holds_a_second_copy_of_the_gradients_at_the_end_of_the_backward():
+    n = TINY.num_params()
+    none = plan_memory(TINY, PlanSettings(recipe="sft", batch_size=8, world_size=2))
+    ddp = plan_memory(TINY, PlanSettings(recipe="sft", batch_size=8, world_size=2, strategy="ddp"))
+    assert ddp.bytes["step"]["gradients"] == 4 * n and none.bytes["step"]["gradients"] == 4 * n + 4 * n  # bucket
+    assert ddp.total("train") >= none.total("train") and ddp.params == none.params
+
+
 def test_fsdp_param_dtype_gathers_in_bfloat16_and_keeps_float32_shards():
     base = PlanSettings(recipe="grpo", world_size=4, strategy="fsdp2", batch_size=8)
     full, half = plan_memory(TINY, base), plan_memory(TINY, dataclasses.replace(base, fsdp_param_dtype="bfloat16"))
@@ -232,7 +240,7 @@ def test_recipes_of_the_plan_are_recipes_of_the_table():
     (dict(recipe="trpo"), "recipe: expected one of .*'grpo'.*got 'trpo'"),
     (dict(batch_size=0), "batch_size: expected a positive integer, got 0"),
     (dict(dtype="int8"), "dtype: expected one of .*got 'int8'"),
-    (dict(strategy="ddp"), "strategy: expected one of \\['none', 'fsdp2'\\], got 'ddp'"),
+    (dict(strategy="zero3"), "strategy: expected one of \\['none', 'ddp', 'fsdp2'\\], got 'zero3'"),
     (dict(world_size=4, strategy="fsdp2", batch_size=6), "batch_size: expected a multiple of world_size \\(4\\)"),
     (dict(fsdp_cpu_offload=True), "fsdp_cpu_offload: applies to strategy 'fsdp2', got strategy 'none'"),
     (dict(lora_target_modules=("lm_head",)), "lora_target_modules: expected .*got \\['lm_head'\\]"),
