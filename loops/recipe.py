@@ -606,17 +606,32 @@ def _filled(ref: nn.Module, policy: nn.Module, part: Callable[[torch.Tensor], to
 @torch.no_grad()
 def whole_copy(model: nn.Module, device: str | torch.device) -> nn.Module:
     """A copy of ``model`` whole on ``device``, in its mode: of a model FSDP2 shards (a Hugging Face
-    model), one of its class built on the meta device and filled one gathered parameter at a time (a
-    collective per tensor, in the same order on every rank), so no rank holds more than the copy and
-    one gathered tensor; of any other model, a deep copy. An fsdp2 run's reference on its own
-    ``ref_device``, and the asynchronous learner's generator copy."""
+    model, or a LoRA model: its base so built, the same adapter put on it), one of its class built
+    on the meta device and filled one gathered parameter at a time (a collective per tensor, in the
+    same order on every rank), so no rank holds more than the copy and one gathered tensor, each
+    dropout's ``p`` as the model has it; of any other model, a deep copy. An fsdp2 run's reference
+    on its own ``ref_device``, and the asynchronous learner's generator copy."""
     if not is_fsdp2(model):
         return copy.deepcopy(model).to(device)
-    copied = _on_meta(cast(PreTrainedModel, model)).to_empty(device=device)
+    if is_peft(model):  # the base's class on the meta device, the same adapter put on it by peft
+        from peft import get_peft_model
+
+        peft: Any = model
+        meta = _on_meta(peft.get_base_model())
+        with torch.device("meta"):
+            copied = get_peft_model(meta, copy.deepcopy(peft.peft_config[peft.active_adapter]),
+                                    adapter_name=peft.active_adapter)
+        copied = copied.to_empty(device=device)
+    else:
+        copied = _on_meta(cast(PreTrainedModel, model)).to_empty(device=device)
     _filled(copied, model, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
     trains = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
     for name, p in copied.named_parameters():
         p.requires_grad_(trains[name])
+    dropout = {n: m.p for n, m in model.named_modules() if isinstance(m, nn.Dropout)}  # disable_dropout's zeros too
+    for name, m in copied.named_modules():
+        if isinstance(m, nn.Dropout):
+            m.p = dropout[name]
     return copied.train(model.training)
 
 

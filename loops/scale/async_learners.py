@@ -133,14 +133,12 @@ def check_learner(config: Any, is_clip: float | None, *, placed: bool = False) -
     Raises:
         TypeError: ``config`` of no online recipe.
         ValueError: ``is_clip`` for a loss with no ratio (online DPO), or not ``> 0``; a config
-            with ``dynamic_sampling``; ``strategy: fsdp2`` for the Ray learner (``placed``) or a LoRA
-            policy (their generators copy the policy whole).
+            with ``dynamic_sampling``; ``strategy: fsdp2`` for the Ray learner (``placed``).
     """
     recipe = online_recipe(config)
-    if getattr(config, "strategy", "none") == "fsdp2" and (placed or getattr(config, "use_peft", False)):
-        raise ValueError("strategy: fsdp2 shards the learners of train_async (full parameters); the Ray learner "
-                         "and a LoRA policy's asynchronous learner run unsharded: use strategy: none, or the "
-                         "synchronous recipe under torchrun with fsdp2")
+    if getattr(config, "strategy", "none") == "fsdp2" and placed:
+        raise ValueError("strategy: fsdp2 shards the learners of train_async; the Ray learner runs unsharded: use "
+                         "strategy: none, or train_async / the synchronous recipe under torchrun with fsdp2")
     if getattr(config, "dynamic_sampling", False):
         raise ValueError("dynamic_sampling: refilling a step with fresh prompts is a synchronous loop's; the "
                          "asynchronous and Ray learners train on the rollouts their actors send (set it false)")

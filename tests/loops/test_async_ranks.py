@@ -15,6 +15,9 @@ from tests.loops.conftest import assert_histories_close, gathered_parameters, ru
 ONLINE = dict(hidden_size=32, num_layers=2, num_heads=4, num_train=32, num_eval=8, steps=2, eval_every=2,
               run_dir=None, seed=1, num_samples=2, batch_size=4, max_new_tokens=6, kl_coef=0.1)
 TOL = dict(rtol=1e-4, atol=1e-5)
+# max_lag (the key's first character), and a LoRA policy: its generator gets a whole peft copy (the base built on
+# the meta device, the same adapter put on it), pushed one gathered tensor at a time
+CASES = {"0": {}, "1": {}, "0_lora": dict(use_peft=True, lr=1e-2), "1_lora": dict(use_peft=True, lr=1e-2)}
 
 
 def length_reward(prompts, completions, **_):
@@ -25,8 +28,8 @@ def _worker(out_dir):
     torch.set_num_threads(1)
     out, tensors = {}, {}
     for strategy in ("none", "fsdp2"):
-        for lag in (0, 1):
-            state, history = train_async(grpo.Config(**ONLINE, strategy=strategy), max_lag=lag,
+        for lag, extra in CASES.items():
+            state, history = train_async(grpo.Config(**ONLINE, **extra, strategy=strategy), max_lag=int(lag[0]),
                                          reward_fn=length_reward, start_method="forkserver", generator_threads=1)
             out[f"{strategy}/{lag}"] = {"history": history, "sharded": is_fsdp2(state.model("policy"))}
             for key, value in gathered_parameters(state.model("policy")).items():
@@ -44,7 +47,7 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("lag", CASES)
 def test_the_sharded_asynchronous_learner_trains_as_the_unsharded_one(ranks, lag):
     for info, tensors in ranks:
         assert info[f"fsdp2/{lag}"]["sharded"] and not info[f"none/{lag}"]["sharded"]
