@@ -57,7 +57,7 @@ from rlcore.loops.checkpoint_shards import INDEX, is_sharded_folder, read_index,
 from rlcore.loops.lora import is_peft, load_adapter_weights
 from rlcore.loops.dist.sync import (all_ranks_ok, drop_tied, full_optimizer_state, full_weights,
                                           load_full_weights, shard_optimizer_state)
-from rlcore.loops.dist import all_reduce_sum, dist_info, is_fsdp2, unwrap_model
+from rlcore.loops.dist import all_reduce_sum, dist_info, gathered, is_fsdp2, unwrap_model
 from rlcore.loops.state import TrainState
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "checkpoint_info", "resume",
@@ -441,7 +441,7 @@ def _gathered(model: nn.Module) -> dict[str, torch.Tensor] | None:
         return full_weights(model)
     trained = {n for n, p in model.named_parameters()
                if p.requires_grad or "lora_" in n or ".modules_to_save." in n}  # a frozen adapter too
-    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+    return {n: gathered(t).detach().cpu()
             for n, t in model.state_dict().items() if n in trained}
 
 

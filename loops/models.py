@@ -32,7 +32,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast)
 
 from rlcore.checks import check_mask, check_ndim, lookup
-from rlcore.loops.dist import sharded_root
+from rlcore.loops.dist import gathered, sharded_root
 
 __all__ = ["build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS", "CHAT_TEMPLATE", "build_model",
            "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS", "disable_dropout",
@@ -779,8 +779,7 @@ def mix_into_reference(ref: nn.Module, policy: nn.Module, alpha: float) -> nn.Mo
                          "only a reference of the policy's architecture can be synced")
     if sharded_root(ref) is None:  # a whole reference (of a whole policy, or on its ref_device beside a sharded one)
         for name, target in ref_params.items():
-            source = params[name].full_tensor() if hasattr(params[name], "full_tensor") else params[name]
-            target.lerp_(source.to(target.device, target.dtype), alpha)
+            target.lerp_(gathered(params[name]).to(target.device, target.dtype), alpha)
         return ref
     # FSDP2 (both sharded alike): each rank mixes its own rows; the reference's root, left gathered by its
     # last forward, is resharded first so that its next forward gathers the mixed rows

@@ -52,7 +52,7 @@ from rlcore.loops.reft_model import ReftModel
 from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
-from rlcore.loops.dist import barrier, dist_info, is_fsdp2, is_main, shard_source, wrap_model
+from rlcore.loops.dist import barrier, dist_info, gathered, is_fsdp2, is_main, shard_source, wrap_model
 from rlcore.loops.dist.sync import all_ranks_ok
 from rlcore.loops.settings import field_rule
 from rlcore.loops.state import TrainState, init_state
@@ -607,7 +607,8 @@ def _filled(ref: nn.Module, policy: nn.Module, part: Callable[[torch.Tensor], to
 def whole_copy(model: nn.Module, device: str | torch.device) -> nn.Module:
     """A copy of ``model`` whole on ``device``, in its mode: of a model FSDP2 shards (a Hugging Face
     model, or a LoRA model: its base so built, the same adapter put on it), one of its class built
-    on the meta device and filled one gathered parameter at a time (a collective per tensor, in the
+    on the meta device (its tied weights tied again after ``to_empty``, which gives each module its
+    own tensor) and filled one gathered parameter at a time (a collective per tensor, in the
     same order on every rank), so no rank holds more than the copy and one gathered tensor, each
     dropout's ``p`` as the model has it; of any other model, a deep copy. An fsdp2 run's reference
     on its own ``ref_device``, and the asynchronous learner's generator copy."""
@@ -622,9 +623,11 @@ def whole_copy(model: nn.Module, device: str | torch.device) -> nn.Module:
             copied = get_peft_model(meta, copy.deepcopy(peft.peft_config[peft.active_adapter]),
                                     adapter_name=peft.active_adapter)
         copied = copied.to_empty(device=device)
+        copied.get_base_model().tie_weights()  # to_empty gives each module its own tensor: tied ones again
     else:
         copied = _on_meta(cast(PreTrainedModel, model)).to_empty(device=device)
-    _filled(copied, model, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
+        copied.tie_weights()
+    _filled(copied, model, gathered)
     trains = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
     for name, p in copied.named_parameters():
         p.requires_grad_(trains[name])
@@ -810,8 +813,9 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     name = name or type(config).__module__.rsplit(".", 1)[-1]
     run_dir = config.run_dir
     settings = {**config_dict(config), "recipe": name} if dataclasses.is_dataclass(config) else {"recipe": name}
-    if getattr(config, "seed", None) is not None:
-        set_seed(config.seed)  # before a resume, which restores the checkpoint's global generators
+    if getattr(config, "seed", None) is not None and not restored:
+        set_seed(config.seed)  # before a resume, which restores the checkpoint's global generators (a caller's
+        # resume already did: seeding now would overwrite them)
     claim = dict(resume=bool(config.resume or restored), overwrite=bool(getattr(config, "overwrite", False)))
     with open_run_dir(run_dir, **claim) if run_dir and is_main() else contextlib.nullcontext():
         if run_dir:

@@ -165,14 +165,14 @@ def export_lora(policy: nn.Module, directory: str | Path) -> Path:
     LoRA format: ``directory/pytorch_lora_weights.safetensors``, loaded into any pipeline of the
     same base by ``pipeline.load_lora_weights(directory)``. On several ranks every rank calls it (an
     FSDP2 adapter's shards are gathered) and rank 0 writes."""
-    from rlcore.loops.dist import is_main
+    from rlcore.loops.dist import gathered, is_main
     from rlcore.loops.lora import adapter_keys, is_peft
 
     require_extra(StableDiffusionPipeline, "export_lora", "diffusers")
     if not is_peft(policy):
         raise ValueError("policy: no LoRA adapter to export (the run did not set train_use_lora)")
     prefix = "base_model.model."
-    layers = {k.removeprefix(prefix): (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().cpu()
+    layers = {k.removeprefix(prefix): gathered(v).detach().float().cpu()
               for k, v in adapter_keys(policy).items()}  # FSDP2 shards gathered: every rank calls this
     if not is_main():  # on several ranks, rank 0 writes
         return Path(directory)

@@ -583,6 +583,8 @@ def _synchronise(sums: dict[str, torch.Tensor], finite: torch.Tensor, stop: torc
     if overlap is not None and host[k + 2] == 0:
         overlap.apply(host[4:k])
     else:
+        if overlap is not None:
+            overlap.release()  # before the second reduction: one copy of the gradients at a time
         reduce_gradients(sync, host[4:k])
     bad, halt = buf[k], buf[k + 1]
     reduced = dict(zip(names, buf[k + 3:].unbind()))

@@ -78,6 +78,7 @@ __all__ = [
     "barrier",
     "all_gather_moments",
     "all_gather_rows",
+    "gathered",
     "all_gather_strings",
     "STRATEGIES",
     "wrap_model",
@@ -212,6 +213,17 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     buf = x.detach().to(info.device, copy=True)
     dist.all_reduce(buf)
     return buf.to(x.device)
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP2 shard (``DTensor.full_tensor``: a collective, every rank calls it),
+    on the shard's device; any other tensor as it is. A shard kept on the CPU (``fsdp_cpu_offload``)
+    under NCCL, which cannot gather CPU tensors, goes through the rank's device and comes back."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device.type == "cpu" and dist.get_backend() == "nccl":
+        return cast(torch.Tensor, t.to(dist_info().device).full_tensor()).to("cpu")
+    return cast(torch.Tensor, t.full_tensor())
 
 
 def all_gather_rows(x: torch.Tensor) -> torch.Tensor:

@@ -178,9 +178,10 @@ class OverlappedReduction:
                 self.buckets[-1].append(p)
                 size += nbytes
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self._waiting = [len(b) for b in self.buckets]
-        self._fired: set[int] = set()
         self._sent: list[tuple[torch.Tensor, Any]] = []
+        self._waiting = [sum(p.requires_grad for p in b) for b in self.buckets]  # a frozen one never comes
+        self._send_ready()
+        self._fired: set[int] = set()
         self.late = False
         self.sent_in_backward = 0  # buckets sent before finish(): the overlap achieved
 
@@ -201,6 +202,9 @@ class OverlappedReduction:
             return
         self._fired.add(id(p))
         self._waiting[i] -= 1
+        self._send_ready()
+
+    def _send_ready(self) -> None:
         while len(self._sent) < len(self.buckets) and self._waiting[len(self._sent)] == 0:
             self._send()
 
@@ -217,6 +221,10 @@ class OverlappedReduction:
             self._send()
         for _, work in self._sent:
             work.wait()
+
+    def release(self) -> None:
+        """Drop the buckets' copies unused (the step is reduced again from ``.grad``)."""
+        self._sent = []
 
     def apply(self, present: Sequence[float]) -> None:
         """The sums (over ``loss_scale``) into ``.grad``; ``present`` as in :func:`reduce_gradients`."""

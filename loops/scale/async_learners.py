@@ -126,19 +126,16 @@ def online_recipe(config: Any) -> Recipe:
                     f"got {type(config).__module__}.{type(config).__qualname__}")
 
 
-def check_learner(config: Any, is_clip: float | None, *, placed: bool = False) -> Recipe:
+def check_learner(config: Any, is_clip: float | None) -> Recipe:
     """:func:`online_recipe` of ``config``, after checking that ``is_clip`` suits its loss: ``None``, or
     ``C > 0`` for a loss with an importance ratio (the recipe's ``ratio_level`` not ``None``).
 
     Raises:
         TypeError: ``config`` of no online recipe.
         ValueError: ``is_clip`` for a loss with no ratio (online DPO), or not ``> 0``; a config
-            with ``dynamic_sampling``; ``strategy: fsdp2`` for the Ray learner (``placed``).
+            with ``dynamic_sampling``.
     """
     recipe = online_recipe(config)
-    if getattr(config, "strategy", "none") == "fsdp2" and placed:
-        raise ValueError("strategy: fsdp2 shards the learners of train_async; the Ray learner runs unsharded: use "
-                         "strategy: none, or train_async / the synchronous recipe under torchrun with fsdp2")
     if getattr(config, "dynamic_sampling", False):
         raise ValueError("dynamic_sampling: refilling a step with fresh prompts is a synchronous loop's; the "
                          "asynchronous and Ray learners train on the rollouts their actors send (set it false)")

@@ -50,7 +50,7 @@ from torch import nn
 from rlcore.loops.scale.async_learners import check_learner, learn_off_policy
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.collect import draw_seed
-from rlcore.loops.dist import process_context, shard_source
+from rlcore.loops.dist import gathered, process_context, shard_source
 from rlcore.loops.recipes.dpo import reference_models
 from rlcore.loops.envs import resolve_env
 from rlcore.loops.online import check_prompt_data, check_prompt_lengths, generate_kwargs, generate_or_play, prompt_source
@@ -96,11 +96,23 @@ class GeneratorHandle:
 
 
 def _copy_weights(dst: nn.Module, src: nn.Module) -> None:
-    """``src``'s weights into ``dst`` (a whole copy); an FSDP2 ``src``'s gathered one tensor at a time
-    (a collective: every rank calls it, in the same order)."""
+    """``src``'s weights into ``dst`` (a whole copy), name by name; an FSDP2 ``src``'s gathered one
+    tensor at a time (a collective: every rank calls it, in the same order)."""
     with torch.no_grad():
-        for d, s in zip(dst.state_dict().values(), src.state_dict().values()):
-            d.copy_(s.full_tensor() if hasattr(s, "full_tensor") else s)
+        for (name, d), (theirs, s) in zip(dst.state_dict().items(), src.state_dict().items(), strict=True):
+            if name != theirs:
+                raise ValueError(f"the generator's copy holds {name!r} where the policy holds {theirs!r}")
+            d.copy_(gathered(s))
+
+
+def _generator_device(device: str | torch.device) -> torch.device:
+    """Where the generator process puts its copy: ``device``, a bare ``cuda`` being this rank's GPU
+    (``torch.cuda.current_device()``, which ``init_distributed`` set to ``LOCAL_RANK``), so the ranks'
+    generators do not all land on GPU 0."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _generator_main(weights, cond, steps_done, version, requests, results, stop, max_lag, tokenizer,
@@ -343,7 +355,7 @@ def train_async(config: Any, *, max_lag: int = 1, is_clip: float | None = None, 
     with generator_process(state.model("policy"), tokenizer, max_lag=max_lag, steps_done=state.step,
                            version=state.policy_version,
                            generate_kwargs=generate_kwargs(config, max_prompt_length=config.max_prompt_length),
-                           start_method=start_method, device=generator_device or config.device,
+                           start_method=start_method, device=_generator_device(generator_device or config.device),
                            threads=generator_threads, seed=config.seed, episodes=episodes) as handle:
         step = functools.partial(_async_step, handle=handle, config=config, tokenizer=tokenizer, reward_fn=reward,
                                  is_clip=is_clip)

@@ -56,7 +56,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -66,11 +66,12 @@ from rlcore.loops.scale.async_learners import check_learner, learn_off_policy
 from rlcore.loops.scale.async_rl import agent_settings, check_max_lag, episode_player
 from rlcore.loops.checkpoint import resume
 from rlcore.loops.collect import draw_seed
+from rlcore.loops.dist import gathered, is_fsdp2, is_main, shard_source
 from rlcore.loops.models import disable_dropout
 from rlcore.loops.online import build_online_state, generate_kwargs, generate_or_play, prompt_source
 from rlcore.loops.reward_fns import make_reward_fn, repeat_columns, repeat_prompts, reward_settings
 from rlcore.loops.evaluate import evaluate_policy
-from rlcore.loops.recipe import build_policy, load_splits, run
+from rlcore.loops.recipe import build_policy, load_splits, run, whole_copy
 from rlcore.loops.state import TrainState, copy_generator
 from rlcore.loops.tasks import task_dataset
 from rlcore.loops.scale.workers import compute_log_probs, compute_rewards
@@ -93,8 +94,10 @@ def require_ray():
 
 
 def cpu_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s parameters and buffers as detached CPU tensors (what travels to the generator)."""
-    return {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    """``model``'s parameters and buffers as detached CPU tensors (what travels to the generator); an
+    FSDP2 model's gathered one tensor at a time (a collective: every learner rank calls it)."""
+    return {k: gathered(v).detach().to("cpu")
+            for k, v in model.state_dict().items()}
 
 
 def _set_threads(threads: int | None) -> None:
@@ -226,12 +229,34 @@ def _placed_step(state: TrainState, item: tuple, *, weights: WeightPush, config:
 
 
 class LearnerWorker:
-    """Holds the ``TrainState`` (policy, optimiser, schedule, counters, rng) and runs the fold."""
+    """Holds the ``TrainState`` (policy, optimiser, schedule, counters, rng) and runs the fold; one
+    rank of the learners' process group when there are several (:meth:`join` first)."""
 
     def __init__(self, config: Any, *, is_clip: float | None = None, threads: int | None = None):
         _set_threads(threads)
         self.config, self.is_clip = config, is_clip
-        self.recipe = check_learner(config, is_clip, placed=True)
+        self.recipe = check_learner(config, is_clip)
+        self.state: TrainState | None = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """``(address, port)`` of this actor's node and a port free on it: rank 0's, for the group."""
+        import socket
+
+        from rlcore.loops.dist import free_port
+
+        return socket.gethostbyname(socket.gethostname()), free_port()
+
+    def join(self, rank: int = 0, world_size: int = 1, address: str | None = None, port: int | None = None) -> int:
+        """Join the learners' process group as ``rank`` of ``world_size`` (the ``torchrun`` variables,
+        ``LOCAL_RANK`` 0: an actor sees only the GPUs Ray gave it), then build the state (sharded as
+        ``config.strategy`` says) and resume it. Every learner calls it at once."""
+        if world_size > 1:
+            from rlcore.loops.dist import init_distributed
+
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                              LOCAL_WORLD_SIZE="1", MASTER_ADDR=str(address), MASTER_PORT=str(port))
+            init_distributed()
+        config = self.config
         state, self.tokenizer = self.recipe.build_state(config)
         if config.run_dir and config.resume:  # before the first weights go to the generator
             state = resume(config.run_dir, state)
@@ -239,28 +264,43 @@ class LearnerWorker:
         self.reference = self.recipe.rollout_ref_logprobs(config)
         moved = ("reward",) if self.recipe.learn_uses_ref else ("reward", "ref")
         self.state = dataclasses.replace(state, models={k: v for k, v in state.models.items() if k not in moved})
+        return rank
 
     def train(self, generator, scorer, *, max_lag: int,
               callbacks: Sequence[Callable] = ()) -> tuple[TrainState, list[dict[str, float]]]:
         """``run`` over the prompt batches, each step on the scored rollout of its item."""
         ray = require_ray()
         config, state = self.config, self.state
+        if state is None:
+            raise RuntimeError("LearnerWorker.train: call join() first (it builds the state)")
         weights = WeightPush(ray, generator)
         weights.push(state.model("policy"), state.policy_version)
         weights.wait()  # the first weights are in place before any generation
         step = functools.partial(_placed_step, weights=weights, config=config, tokenizer=self.tokenizer,
                                  is_clip=self.is_clip)
-        source = placed_source(generator, scorer, prompt_source(load_splits(config, task_dataset)[0], config),
-                               state.rng, max_lag=max_lag, reference=self.reference)
+        # each learner rank's generator samples for its own block of every batch's prompts
+        prompts = shard_source(prompt_source(load_splits(config, task_dataset)[0], config))
+        source = placed_source(generator, scorer, prompts, state.rng, max_lag=max_lag, reference=self.reference)
 
         def eval_fn(s: TrainState) -> dict[str, float]:
             return ray.get(scorer.evaluate.remote(cpu_state_dict(s.model("policy"))))
 
         self.state, history = run(step, state, source, config=config, restored=bool(config.resume),
                                   num_steps=config.steps, eval_fn=eval_fn, name=f"placed-{self.recipe.name}",
-                                  callbacks=callbacks)
+                                  callbacks=callbacks, sharded=True)
         weights.wait()  # the last push: its error fails the run too
-        return self.state, history
+        return self._returned(), history
+
+    def _returned(self) -> TrainState | None:
+        """The state the driver gets: this learner's, or with sharded learners rank 0's with each
+        FSDP2 model gathered whole onto the CPU (``whole_copy``: a collective, every rank calls it) and
+        no optimiser or schedule (their state stays sharded in the learners and their checkpoints);
+        ``None`` on the other ranks."""
+        state = cast(TrainState, self.state)
+        if not any(is_fsdp2(m) for m in state.models.values()):
+            return state if is_main() else None
+        models = {name: whole_copy(m, "cpu") if is_fsdp2(m) else m for name, m in state.models.items()}
+        return dataclasses.replace(state, models=models, optimizer=None, scheduler=None) if is_main() else None
 
 
 # --- the driver -------------------------------------------------------------------------------------
@@ -276,7 +316,8 @@ def _per_role(value: float | Mapping[str, float], name: str) -> dict[str, float]
 def train_placed(config: Any, *, max_lag: int = 0, is_clip: float | None = None,
                  reward_fn: Callable | None = None, callbacks: Sequence[Callable] = (),
                  num_cpus: float | Mapping[str, float] = 0.5, num_gpus: float | Mapping[str, float] = 0,
-                 threads: int | None = None, address: str | None = None) -> tuple[TrainState, list[dict[str, float]]]:
+                 threads: int | None = None, address: str | None = None,
+                 learners: int = 1) -> tuple[TrainState, list[dict[str, float]]]:
     """Train an online recipe with the generator, scorer and learner placed as Ray actors.
 
     Starts the three actors (named ``rlcore-<role>-<id>``), runs the learner's fold (see the
@@ -294,14 +335,26 @@ def train_placed(config: Any, *, max_lag: int = 0, is_clip: float | None = None,
             ``ROLES``. ``config.device`` is where each actor puts its models.
         threads: ``torch.set_num_threads`` in each actor (default: Ray's, from ``num_cpus``).
         address: for ``ray.init`` when Ray is not running (``"auto"``: join the local cluster).
+        learners: learner ranks ``W``: ``W`` learner actors form one ``torch.distributed`` group
+            (rank 0's node and a free port its rendezvous; gloo, or NCCL on GPUs), each with its
+            own generator and scorer and its own block of every batch's prompts, as ``torchrun``
+            ranks of the synchronous recipe; ``config.strategy`` places the learners' models
+            (``fsdp2``: sharded over them; each generator and scorer holds whole copies, the
+            weights pushed one gathered tensor at a time). ``batch_size`` a multiple of ``W``.
     Returns:
         ``(state, history)`` as the recipe's ``train``: the learner's final ``TrainState`` (policy,
-        optimiser, counters; no reference) and one row of metrics per step, with ``async/*``
+        optimiser, counters; no reference; of sharded learners, rank 0's with the models gathered
+        whole and no optimiser) and one row of metrics per step, with ``async/*``
         (staleness, behaviour-vs-learner gap), ``placed/wait_s`` (the learner waiting for a
         scored rollout) and ``placed/push_wait_s`` (waiting for the previous weight push).
     """
-    check_learner(config, is_clip, placed=True)
+    check_learner(config, is_clip)
     check_max_lag(max_lag)
+    if isinstance(learners, bool) or not isinstance(learners, int) or learners < 1:
+        raise ValueError(f"learners: expected a positive int, got {learners!r}")
+    if config.batch_size % learners:
+        raise ValueError(f"batch_size: each of the {learners} learners takes an equal block of every batch's prompts; "
+                         f"expected a multiple of {learners}, got {config.batch_size}")
     cpus, gpus = _per_role(num_cpus, "num_cpus"), _per_role(num_gpus, "num_gpus")
     ray = require_ray()
     if config.run_dir:
@@ -311,16 +364,22 @@ def train_placed(config: Any, *, max_lag: int = 0, is_clip: float | None = None,
         ray.init(address=address)
     tag, actors = uuid.uuid4().hex[:8], []
 
-    def place(cls: type, role: str, *args, **kwargs):
+    def place(cls: type, role: str, rank: int, *args, **kwargs):
         remote = ray.remote(num_cpus=cpus[role], num_gpus=gpus[role])(cls)
-        actors.append(remote.options(name=f"rlcore-{role}-{tag}").remote(*args, threads=threads, **kwargs))
+        name = f"rlcore-{role}-{tag}" + (f"-{rank}" if learners > 1 else "")
+        actors.append(remote.options(name=name).remote(*args, threads=threads, **kwargs))
         return actors[-1]
 
     try:
-        generator = place(GeneratorWorker, "generator", config)
-        scorer = place(ScorerWorker, "scorer", config, reward_fn=reward_fn)
-        learner_actor = place(LearnerWorker, "learner", config, is_clip=is_clip)
-        return ray.get(learner_actor.train.remote(generator, scorer, max_lag=max_lag, callbacks=tuple(callbacks)))
+        ranks = range(learners)
+        generators = [place(GeneratorWorker, "generator", r, config) for r in ranks]
+        scorers = [place(ScorerWorker, "scorer", r, config, reward_fn=reward_fn) for r in ranks]
+        learner_actors = [place(LearnerWorker, "learner", r, config, is_clip=is_clip) for r in ranks]
+        address, port = ray.get(learner_actors[0].rendezvous.remote()) if learners > 1 else (None, None)
+        ray.get([a.join.remote(r, learners, address, port) for r, a in enumerate(learner_actors)])
+        runs = [a.train.remote(g, s, max_lag=max_lag, callbacks=tuple(callbacks))
+                for a, g, s in zip(learner_actors, generators, scorers)]
+        return ray.get(runs)[0]  # rank 0's state and history (the ranks log the same metrics)
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)

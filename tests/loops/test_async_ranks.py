@@ -72,3 +72,13 @@ def test_with_no_lag_the_ranks_learn_as_the_synchronous_recipe(ranks):
             torch.testing.assert_close(tensors[f"none/0/{key}"], value, **TOL, msg=lambda m, key=key: f"{key}: {m}")
         for row, theirs in zip(info["none/0"]["history"], info["sync"]["history"], strict=True):
             assert row["loss"] == pytest.approx(theirs["loss"], rel=1e-4, abs=1e-5)
+
+
+def test_a_bare_cuda_generator_goes_to_this_ranks_gpu(monkeypatch):
+    from rlcore.loops.scale import async_rl
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # init_distributed set LOCAL_RANK 3
+    assert async_rl._generator_device("cuda") == torch.device("cuda", 3)
+    assert async_rl._generator_device("cuda:1") == torch.device("cuda", 1)
+    assert async_rl._generator_device("cpu") == torch.device("cpu")

@@ -161,6 +161,12 @@ def _overlap(out, tensors):
 
     sync.OverlappedReduction.finish = recorded
     try:
+        for strategy in (None, "bucketed"):  # the first bucket's parameter frozen: no gradient to wait for
+            seen.clear()
+            state = model_state(strategy)
+            list(state.model().parameters())[-1].requires_grad_(False)
+            new, _ = update(state, local, make_loss("token_mean"), micro_batch_size=2, mask_key=K.RESPONSE_MASK)
+            tensors[f"frozen/{strategy}"], out[f"frozen/sent/{strategy}"] = flat(new.model()), list(seen)
         for strategy in (None, "bucketed"):
             seen.clear()
             new, _ = update(model_state(strategy), local, make_loss("token_mean"), micro_batch_size=2,
@@ -366,6 +372,13 @@ def test_bucketed_sends_gradients_during_the_backward(ranks):
         assert buckets > 2 and 0 < sent <= buckets and not late
 
 
+def test_a_bucket_of_frozen_parameters_does_not_hold_the_others_back(ranks):
+    for r, t in ranks[0]:
+        (sent, buckets, _), = r["frozen/sent/bucketed"]
+        assert sent == buckets  # bucket 0 (frozen) went out before the backward, the rest during it
+        torch.testing.assert_close(t["frozen/bucketed"], t["frozen/None"], **TOL)
+
+
 def test_a_gradient_made_again_after_its_bucket_was_sent_is_reduced_again(ranks):
     for r, t in ranks[0]:
         (_, _, late), = r["late/seen/bucketed"]
@@ -469,6 +482,33 @@ def test_drop_tied_keeps_one_name_per_tensor():
     model[1].weight = model[0].weight
     weights = {"0.weight": torch.zeros(4, 3), "1.weight": torch.zeros(4, 3)}
     assert list(drop_tied(model, weights)) == ["0.weight"]
+
+
+def test_gathered_is_the_tensor_itself_unsharded_and_goes_through_the_device_under_nccl(monkeypatch):
+    from rlcore.loops import dist as D
+
+    t = torch.ones(3)
+    assert D.gathered(t) is t
+    calls = []
+
+    class Shard:  # a CPU-offloaded DTensor's interface
+        device = torch.device("cpu")
+
+        def to(self, device):
+            calls.append(("to", str(device)))
+            return self
+
+        def full_tensor(self):
+            calls.append(("full_tensor",))
+            return torch.zeros(2)
+
+    monkeypatch.setattr(D.dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(D, "dist_info", lambda: DistInfo(rank=0, world_size=2, device=torch.device("cuda", 1)))
+    assert torch.equal(D.gathered(Shard()), torch.zeros(2)) and calls == [("to", "cuda:1"), ("full_tensor",)]
+    monkeypatch.setattr(D.dist, "get_backend", lambda *a: "gloo")
+    calls.clear()
+    D.gathered(Shard())
+    assert calls == [("full_tensor",)]
 
 
 def test_wrap_model_rejects_unknown_strategies():

@@ -50,6 +50,9 @@ PLACED_RUNS = {
     # TR-DPO: the sharded policy's parameters gathered one at a time into the whole reference
     "dpo_sync_placed": (dpo, dict(OFFLINE, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
                                   lr=0.05, ref_device="cpu")),
+    # the same from a folder (tied embeddings): the meta-built reference keeps the head tied to the embeddings
+    "dpo_folder_sync_placed": (dpo, dict(OFFLINE, sync_ref_model=True, ref_model_sync_steps=1,
+                                         ref_model_mixup_alpha=0.5, lr=0.05, ref_device="cpu", folder=True)),
     "grpo_placed": (grpo, dict(ONLINE, kl_coef=0.1, ref_device="cpu", reward_model="rm", reward_device="cpu")),
     "grpo_rm_sharded": (grpo, dict(ONLINE, kl_coef=0.1, reward_model="rm")),
 }
@@ -260,15 +263,6 @@ def test_a_model_on_a_device_of_its_own_is_taken():
     config = dataclasses.replace(grpo.Config(), strategy="fsdp2")
     object.__setattr__(config, "device", "cuda:0")  # a GPU run's config, checked here without the GPU
     assert _sharding_faults(dataclasses.replace(config, ref_device="cpu", reward_device="cpu")) == []
-
-
-def test_the_ray_learner_refuses_fsdp2():
-    from rlcore.loops.scale.async_learners import check_learner
-
-    for config in (grpo.Config(strategy="fsdp2"), grpo.Config(strategy="fsdp2", use_peft=True)):
-        assert check_learner(config, None).name == "grpo"  # train_async's
-        with pytest.raises(ValueError, match="strategy: fsdp2 shards the learners of train_async; the Ray learner"):
-            check_learner(config, None, placed=True)
 
 
 @pytest.mark.parametrize("overrides,match", [

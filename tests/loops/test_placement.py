@@ -279,3 +279,46 @@ def test_a_failed_weight_push_fails_the_run_within_a_step_and_leaves_no_actors(r
     # the push after step 0 failed; step 1 checks it before its own push: steps 0 and 1 ran, 1 was not logged
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
     assert_no_actors_left(ray_local)
+
+
+def _sync_ranks(out_dir):
+    """The synchronous recipe on 2 gloo ranks: what 2 placed learners at max_lag 0 must reproduce."""
+    from rlcore.loops.dist import dist_info
+    from tests.loops.conftest import write_rank
+
+    torch.set_num_threads(1)
+    state, history = grpo.train(grpo.Config(**TWO_LEARNERS), reward_fn=LENGTH_REWARD)
+    write_rank(out_dir, dist_info().rank, {"history": history}, policy_params(state))
+
+
+TWO_LEARNERS = dict(TINY, batch_size=4, steps=2, eval_every=0, seed=1, kl_coef=0.1)
+
+
+def test_two_learner_ranks_train_as_the_synchronous_recipe_on_two_ranks(ray_local, tmp_path):
+    """Two learner actors in one gloo group, each with its own generator and scorer and half of every batch:
+    with strategy none and fsdp2 (the learners' policy sharded, the generators' copies gathered) the run ends
+    as the synchronous recipe on two torchrun ranks."""
+    from tests.loops.conftest import run_ranks
+
+    (sync_info, sync), _ = run_ranks(_sync_ranks, tmp_path)
+    cpus = {"generator": 0.25, "scorer": 0.25, "learner": 0.25}  # six actors on the instance's 2 CPUs
+    for strategy in ("none", "fsdp2"):
+        state, history = train_placed(grpo.Config(**TWO_LEARNERS, strategy=strategy), max_lag=0, learners=2,
+                                      reward_fn=LENGTH_REWARD, threads=1, num_cpus=cpus)
+        placed = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in policy_params(state).items()}
+        assert placed.keys() == sync.keys()
+        for name in sync:
+            torch.testing.assert_close(placed[name], sync[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        for row, sync_row in zip(history, sync_info["history"], strict=True):
+            for key in ("loss", "rollout/reward_mean", "kl"):
+                if key in sync_row:
+                    assert row[key] == pytest.approx(sync_row[key], rel=1e-5, abs=1e-6), key
+        assert_no_actors_left(ray_local)
+
+
+def test_learners_must_divide_the_batch(monkeypatch):
+    monkeypatch.setattr(placement, "require_ray", lambda: pytest.fail("no actor may start"))
+    with pytest.raises(ValueError, match="batch_size: each of the 3 learners takes an equal block"):
+        train_placed(grpo.Config(**TINY, steps=1), learners=3)
+    with pytest.raises(ValueError, match="learners: expected a positive int, got 0"):
+        train_placed(grpo.Config(**TINY, steps=1), learners=0)
