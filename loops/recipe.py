@@ -43,7 +43,7 @@ from rlcore.loops.checkpoint import Checkpointer, latest_checkpoint, resume, ver
 from rlcore.loops.run_dir import LOCK_NAME, check_resume, open_run_dir
 from rlcore.loops.config import RunConfig, TINY_MODELS, config_dict, ensure_checked, loading_kwargs, quantization_kwargs
 from rlcore.loops.data import load_source, split_held_out
-from rlcore.loops.fold import Interrupted, every, fold, to_floats
+from rlcore.loops.fold import Interrupted, every, fold, follow_live_memory, to_floats
 from rlcore.loops.logging import make_loggers
 from rlcore.loops.lora import adapter_off, apply_lora, check_adapter_fits, is_adapter_dir, is_peft, with_adapter
 from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, read_json
@@ -806,6 +806,7 @@ def run(step: Callable, state: TrainState, source: Iterable | Callable[[int], It
     Returns:
         ``(state, history)`` of ``fold``.
     """
+    follow_live_memory()  # the resident set follows the live tensors (loops.fold's module doc)
     if dataclasses.is_dataclass(config):
         ensure_checked(config)  # before any file is written
         if is_main():  # a model other than a built-in tiny one: the defaults that differ from TRL's, said once

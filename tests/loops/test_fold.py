@@ -1,6 +1,10 @@
 """fold: step counting, callback order and protocol, early stop, resume skip, to_floats."""
 
 import dataclasses
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from rlcore.loops.fold import STOP, every, fold, stop_when, to_floats
+from rlcore.loops.fold import STOP, every, fold, follow_live_memory, stop_when, to_floats
 from rlcore.loops.state import TrainState, advance, copy_generator, init_state, with_transforms
 from rlcore.testing import assert_pure
 
@@ -260,3 +264,41 @@ def test_a_fold_outside_the_main_thread_leaves_signals_alone():
     thread.start()
     thread.join()
     assert out[0][0].step == 3 and signal.getsignal(signal.SIGINT) is before
+
+
+# --- memory --------------------------------------------------------------------------------------
+_HEAP_PROBE = """
+import ctypes, sys
+from rlcore.loops.fold import follow_live_memory
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+libc.mallinfo2.restype = Info
+set_ = follow_live_memory() if sys.argv[1] == "fixed" else False
+libc.free(libc.malloc(8 << 20))  # a mapped block freed: glibc's default raises its threshold to 8 MiB
+before = libc.mallinfo2().hblkhd
+block = libc.malloc(1 << 20)
+print(set_, libc.mallinfo2().hblkhd - before >= 1 << 20)  # was the 1 MiB block mapped?
+libc.free(block)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.parametrize("mode, expected", [("default", "False False"), ("fixed", "True True")])
+def test_follow_live_memory_maps_blocks_after_a_large_one_was_freed(mode, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    done = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], capture_output=True, text=True, env=env,
+                          check=True)
+    assert done.stdout.split("\n")[-2] == expected
+
+
+def test_follow_live_memory_leaves_a_threshold_the_environment_chose(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
+    assert follow_live_memory() is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")
+    assert follow_live_memory() is False
