@@ -462,8 +462,8 @@ FSDP_PARAM_DTYPES = (None, "bfloat16", "float16")
 
 
 def _sharding_faults(config: Any) -> list[str]:
-    """An unknown ``strategy``, and what ``fsdp2`` does not shard yet: the vLLM engine (it needs the
-    whole weights on one rank)."""
+    """An unknown ``strategy`` or FSDP2 setting, and a ``batch_size`` the ranks of an ``fsdp2`` run
+    cannot split evenly."""
     strategy = getattr(config, "strategy", "none")
     if strategy not in SHARDING_STRATEGIES:
         return [f"strategy: expected one of {list(SHARDING_STRATEGIES)}, got {strategy!r}"]
@@ -474,9 +474,6 @@ def _sharding_faults(config: Any) -> list[str]:
     if strategy != "fsdp2":
         return []
     faults = []
-    if getattr(config, "engine", None) == "vllm":
-        faults.append("strategy: fsdp2 with engine: vllm is not offered (the engine loads the whole weights); use "
-                      "engine: loop or hf")
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     batch = getattr(config, "batch_size", None)
     if world > 1 and isinstance(batch, int) and batch % world:

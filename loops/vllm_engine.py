@@ -15,6 +15,10 @@ One engine per policy module, built on first use and kept in a per-process regis
   weight (vLLM's in-place ``reload_weights``, through :class:`WeightLoader` in its workers) and drops its
   prefix cache, whose keys and values came from the old weights.
 - **PEFT policies.** A LoRA-wrapped policy's engine holds the merged weights (``engine_state_dict``).
+- **Streamed, and sharded policies.** The weights go over in chunks of about 256 MiB
+  (:func:`engine_weight_chunks`), each loaded as it arrives; an FSDP2 policy's shards are gathered
+  one tensor at a time, so a rank never holds more than a chunk of the whole weights besides the
+  engine's own copy (each rank runs its own engine).
 - **Tokens in, tokens out.** Prompts go in as the ids ``generate_rollout`` tokenised and left
   padded (padding stripped per row); the engine has no tokenizer (``skip_tokenizer_init``).
 - **Behaviour log-probs from the engine.** ``logprobs_mode="processed_logprobs"``: the sampled
@@ -47,7 +51,7 @@ import os
 import tempfile
 import weakref
 from unittest import mock
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from safetensors.torch import load as safetensors_load, save as safetensors_save
@@ -55,7 +59,10 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["ENGINE_DEFAULTS", "WeightLoader", "Engine", "build_engine", "engine_state_dict", "load_engine_weights",
+from rlcore.loops.dist import gathered
+
+__all__ = ["ENGINE_DEFAULTS", "CHUNK_BYTES", "WeightLoader", "Engine", "build_engine", "engine_weight_chunks",
+           "engine_state_dict", "load_engine_weights",
            "engine_for", "close_engines", "vllm_generate", "weights_fingerprint"]
 
 # vLLM engine arguments rlcore sets (any can be overridden through ``engine_options``).
@@ -68,20 +75,44 @@ ENGINE_DEFAULTS: dict[str, Any] = dict(
 )
 # On a CPU, vLLM reserves most of the machine's memory for its KV cache unless told otherwise.
 CPU_KV_CACHE_BYTES = 256 << 20
+# The weights go to the engine in chunks of about this many bytes (what the trainer holds at once).
+CHUNK_BYTES = 256 << 20
 
 
 class WeightLoader:
     """Mixed into vLLM's workers (``worker_extension_cls``): methods the trainer calls by name
     through ``LLM.collective_rpc``."""
 
-    def rlcore_load_weights(self, blob: bytes) -> int:
-        """Load a safetensors blob of Hugging Face-named weights into the worker's model; returns how
-        many tensors it held."""
+    # vLLM's in-place reload (``reload_weights(is_checkpoint_format=True)``), split in three so the
+    # weights can arrive in chunks: the layers, whose parameters vLLM processed into its kernels'
+    # formats (a second plain load_weights cannot load into those), are restored, each chunk is
+    # loaded (a layer is processed again as soon as all of its weights are in), then the rest is
+    # processed and the caches derived from the old weights are dropped.
+    def rlcore_begin_reload(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def rlcore_load_chunk(self, blob: bytes) -> int:
+        """Load a safetensors blob of Hugging Face-named weights; returns how many tensors it held."""
+        from vllm.config import set_current_vllm_config
+
         weights = safetensors_load(blob)
-        # vLLM's in-place reload: loads checkpoint-format weights into layers whose parameters
-        # were already processed into kernel formats (a second plain load_weights cannot).
-        self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(iter(weights.items()))
         return len(weights)
+
+    def rlcore_finish_reload(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            getattr(runner, reset, lambda: None)()
 
 
 @dataclasses.dataclass
@@ -113,8 +144,11 @@ def _vllm():
 
 def weights_fingerprint(model: nn.Module) -> tuple:
     """``(data_ptr, version)`` of every parameter: changes when any parameter is replaced or written
-    in place (optimiser steps, ``load_state_dict``, ``copy_``); equal otherwise."""
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+    in place (optimiser steps, ``load_state_dict``, ``copy_``); equal otherwise. An FSDP2 shard's
+    address is its local tensor's, its version the ``DTensor``'s own (an in-place update of the
+    ``DTensor`` leaves its local tensor's counter as it was)."""
+    return tuple(((p.to_local() if hasattr(p, "to_local") else p).data_ptr(), p._version)
+                 for p in model.parameters())
 
 
 def _base_model(model: nn.Module) -> nn.Module:
@@ -127,29 +161,33 @@ def _saves_modules(model: nn.Module) -> bool:
         hasattr(m, "original_module") and hasattr(m, "modules_to_save") for m in model.modules())
 
 
-def engine_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The weights an engine loads for ``model``: Hugging Face names, CPU copies (``model`` untouched).
+def engine_weight_chunks(model: nn.Module, *, chunk_bytes: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """The weights an engine loads for ``model``, in chunks of about ``chunk_bytes`` (default
+    :data:`CHUNK_BYTES`): Hugging Face names, CPU tensors (``model`` untouched), in the model's order
+    (a block's tensors together, so the engine processes each layer as soon as it is complete).
 
-    Tied weights appear under each of their names. For a PEFT model the LoRA adapters are merged
-    into copies of their base weights, ``W + ΔW`` for each active adapter (``get_delta_weight``:
-    ``(α/r)·B·A``) unless the adapters are disabled or already merged; the active ``modules_to_save``
-    copies replace their originals (not while the adapters are disabled). DoRA (a learned
-    magnitude) is refused.
+    Tied weights appear under each of their names. An FSDP2 model's shards are gathered one tensor at
+    a time (a collective: every rank calls it), so no rank holds more than a chunk of the whole
+    weights. For a PEFT model the LoRA adapters are merged into their base weights, ``W + ΔW`` for
+    each active adapter (``ΔW = (α/r)·B·A``, transposed with ``fan_in_fan_out``, computed in float32
+    on a CPU as peft does) unless the adapters are disabled or already merged; the active
+    ``modules_to_save`` copies replace their originals (not while the adapters are disabled). DoRA
+    (a learned magnitude) is refused.
     """
+    chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     base = _base_model(model)
-    weights = {name: t.detach().to("cpu").clone() for name, t in base.state_dict().items()}
-    if base is model:
-        return weights
-    layers = {name: m for name, m in base.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
+    layers = {} if base is model else {
+        name: m for name, m in base.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
     # modules_to_save wrappers: the active adapter's trained copy, or the original when disabled
     chosen = {}
-    for name, m in base.named_modules():
+    for name, m in ({} if base is model else dict(base.named_modules())).items():
         if hasattr(m, "original_module") and hasattr(m, "modules_to_save"):
             adapter = next((a for a in m.active_adapters if a in m.modules_to_save), None)
             use = "original_module" if m.disable_adapters or adapter is None else f"modules_to_save.{adapter}"
             chosen[name] = f"{name}.{use}."
-    out = {}
-    for name, t in weights.items():
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in base.state_dict().items():
         if "lora_magnitude_vector" in name:
             raise NotImplementedError(f"{name}: DoRA adapters cannot be merged for the engine; merge_and_unload() "
                                       "a copy of the model, or use engine='loop'")
@@ -160,22 +198,49 @@ def engine_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             if not name.startswith(chosen[wrapper]):
                 continue  # the copy not in use
             name = f"{wrapper}.{name[len(chosen[wrapper]):]}"
-        out[name.replace(".base_layer.", ".")] = t
-    for name, layer in layers.items():
-        if layer.merged or layer.disable_adapters:
-            continue
-        key = f"{name}.weight"
-        for adapter in layer.active_adapters:
-            if adapter in layer.lora_A:
-                out[key] = out[key] + layer.get_delta_weight(adapter).detach().to("cpu", out[key].dtype)
-    return out
+        value = gathered(t).detach().to("cpu", copy=True)
+        layer = layers.get(name.removesuffix(".base_layer.weight")) if name.endswith(".base_layer.weight") else None
+        if layer is not None and not (layer.merged or layer.disable_adapters):
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    value = value + _delta_weight(layer, adapter, value.dtype)
+        chunk[name.replace(".base_layer.", ".")] = value
+        size += value.numel() * value.element_size()
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = {}, 0
+    if chunk:
+        yield chunk
+
+
+def _delta_weight(layer: nn.Module, adapter: str, dtype: torch.dtype) -> torch.Tensor:
+    """``(α/r)·B·A`` of a LoRA linear layer on the CPU (its factors gathered when FSDP2 shards them),
+    as peft's ``get_delta_weight``: float32 for half-precision factors, transposed with ``fan_in_fan_out``."""
+    A = gathered(layer.lora_A[adapter].weight).detach().to("cpu")
+    B = gathered(layer.lora_B[adapter].weight).detach().to("cpu")
+    if A.dtype in (torch.float16, torch.bfloat16):
+        A, B = A.float(), B.float()
+    delta = B @ A
+    return (delta.T if getattr(layer, "fan_in_fan_out", False) else delta).mul(layer.scaling[adapter]).to(dtype)
+
+
+def engine_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every chunk of :func:`engine_weight_chunks` in one mapping: the weights an engine holds for
+    ``model``."""
+    return {name: t for chunk in engine_weight_chunks(model) for name, t in chunk.items()}
 
 
 def load_engine_weights(engine: Engine, model: nn.Module) -> None:
-    """Load ``model``'s weights (:func:`engine_state_dict`) into ``engine`` and drop its prefix cache;
-    record the fingerprint."""
-    # One safetensors blob: bytes cross vLLM's RPC (in-process or between processes) as they are.
-    engine.llm.collective_rpc("rlcore_load_weights", args=(safetensors_save(engine_state_dict(model)),))
+    """Load ``model``'s weights into ``engine`` chunk by chunk (:func:`engine_weight_chunks`, each a
+    safetensors blob: bytes cross vLLM's RPC, in-process or between processes, as they are), then
+    drop its prefix cache; record the fingerprint."""
+    rpc = engine.llm.collective_rpc
+    rpc("rlcore_begin_reload")
+    try:
+        for chunk in engine_weight_chunks(model):
+            rpc("rlcore_load_chunk", args=(safetensors_save(chunk),))
+    finally:
+        rpc("rlcore_finish_reload")
     engine.llm.reset_prefix_cache()
     engine.fingerprint = weights_fingerprint(model)
 

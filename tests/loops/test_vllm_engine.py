@@ -338,3 +338,70 @@ def test_close_engines_leaves_no_process(policy, tokenizer):
     assert not list(vllm_engine._ENGINES.keys())
     _, alive = psutil.wait_procs(engines, timeout=20)
     assert not alive
+
+
+def test_engine_weight_chunks_split_the_state_dict_in_order(tokenizer):
+    from rlcore.loops.vllm_engine import engine_state_dict, engine_weight_chunks
+    model = build_model(tokenizer=tokenizer, **WIDE)
+    chunks = list(engine_weight_chunks(model, chunk_bytes=64 << 10))
+    assert len(chunks) > 2 and all(chunks)
+    merged = [name for chunk in chunks for name in chunk]
+    assert merged == list(engine_state_dict(model)) == list(model.state_dict())  # one pass, in the model's order
+    assert all(sum(t.numel() * t.element_size() for t in list(c.values())[:-1]) < 64 << 10 for c in chunks)
+
+
+@needs_vllm
+def test_the_weights_stream_to_the_engine_in_chunks(tokenizer, monkeypatch):
+    """Many small chunks, each loaded as it arrives: the engine samples from the module's weights."""
+    from rlcore.loops import vllm_engine
+    monkeypatch.setattr(vllm_engine, "CHUNK_BYTES", 32 << 10)
+    model = build_model(tokenizer=tokenizer, seed=3, **WIDE)
+    sent = []
+    calls = vllm_engine.engine_for(model).llm.collective_rpc
+
+    def counted(method, *args, **kwargs):
+        sent.append(method)
+        return calls(method, *args, **kwargs)
+
+    monkeypatch.setattr(vllm_engine.engine_for(model).llm, "collective_rpc", counted)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    rollout = _vllm(model, tokenizer, num_samples=2, seed=0)
+    assert sent[0] == "rlcore_begin_reload" and sent[-1] == "rlcore_finish_reload"
+    assert sent.count("rlcore_load_chunk") > 4
+    vllm_engine._ENGINES.pop(model).close()  # this test's engine only
+    recomputed = score_rollout(rollout, policy=model)[K.OLD_LOGPROBS]
+    mask = rollout[K.RESPONSE_MASK]
+    torch.testing.assert_close(rollout[K.OLD_LOGPROBS][mask], recomputed[mask], atol=5e-4, rtol=0)
+
+
+def _fsdp2_ranks(out_dir):
+    """GRPO with the vLLM engine on 2 gloo ranks, the policy sharded: each rank's engine gets the gathered
+    weights after every update (its log-probs agree with the trainer's: the engine-vs-trainer KL stays ~0)."""
+    from rlcore.loops.dist import dist_info, is_fsdp2
+    from rlcore.loops.vllm_engine import close_engines
+    from tests.loops.conftest import write_rank
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for lora in (False, True):
+            config = grpo.Config(**{**TINY, **WIDE, "eval_every": 0, "num_eval": 0}, steps=3, batch_size=4,
+                                 num_samples=2, lr=5e-2, engine="vllm", strategy="fsdp2", use_peft=lora)
+            state, history = grpo.train(config, reward_fn=digit_fraction)
+            out[f"lora={lora}"] = {"sharded": is_fsdp2(state.model("policy")), "step": state.step,
+                                   "kl": [h["sampling/engine_kl"] for h in history]}
+    finally:
+        close_engines()  # a failing rank leaves no engine process behind
+    write_rank(out_dir, dist_info().rank, out, {"x": torch.zeros(1)})
+
+
+@needs_vllm
+def test_a_sharded_policy_streams_its_gathered_weights_to_each_ranks_engine(tmp_path):
+    from tests.loops.conftest import run_ranks
+    for info, _ in run_ranks(_fsdp2_ranks, tmp_path):
+        for lora in (False, True):
+            run = info[f"lora={lora}"]
+            assert run["sharded"] and run["step"] == 3
+            assert all(0 <= kl < 1e-3 for kl in run["kl"]), run["kl"]
