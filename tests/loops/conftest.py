@@ -117,6 +117,12 @@ def save_tiny_llama(folder):
     return tokenizer
 
 
+def run_tensors(tensors, run, strategy):
+    """The tensors a rank wrote under ``{run}/{strategy}/``, keyed by the rest of their names."""
+    prefix = f"{run}/{strategy}/"
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def assert_histories_close(history, other, *, rtol, atol):
     """Two runs logged the same metrics at every step, each within ``rtol`` / ``atol``."""
     assert len(history) == len(other)

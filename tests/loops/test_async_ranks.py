@@ -10,7 +10,7 @@ import torch
 from rlcore.loops.dist import dist_info, is_fsdp2
 from rlcore.loops.recipes import grpo
 from rlcore.loops.scale.async_rl import train_async
-from tests.loops.conftest import assert_histories_close, gathered_parameters, run_ranks, write_rank
+from tests.loops.conftest import assert_histories_close, gathered_parameters, run_ranks, run_tensors, write_rank
 
 ONLINE = dict(hidden_size=32, num_layers=2, num_heads=4, num_train=32, num_eval=8, steps=2, eval_every=2,
               run_dir=None, seed=1, num_samples=2, batch_size=4, max_new_tokens=6, kl_coef=0.1)
@@ -51,8 +51,8 @@ def ranks(tmp_path_factory):
 def test_the_sharded_asynchronous_learner_trains_as_the_unsharded_one(ranks, lag):
     for info, tensors in ranks:
         assert info[f"fsdp2/{lag}"]["sharded"] and not info[f"none/{lag}"]["sharded"]
-        whole = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"none/{lag}/")}
-        sharded = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"fsdp2/{lag}/")}
+        whole = run_tensors(tensors, "none", lag)
+        sharded = run_tensors(tensors, "fsdp2", lag)
         assert whole.keys() == sharded.keys() and whole
         for key in whole:
             torch.testing.assert_close(sharded[key], whole[key], **TOL, msg=lambda m, key=key: f"{key}: {m}")

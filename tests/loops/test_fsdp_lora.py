@@ -14,8 +14,8 @@ import torch
 
 from rlcore.loops.dist import barrier, dist_info, is_fsdp2
 from rlcore.loops.recipes import dpo, grpo, ppo, reward, sft
-from tests.loops.conftest import assert_histories_close, gathered_parameters as _gathered, run_ranks, save_tiny_llama, \
-    write_rank
+from tests.loops.conftest import assert_histories_close, gathered_parameters as _gathered, run_ranks, run_tensors, \
+    save_tiny_llama, write_rank
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_train=32, num_eval=8, steps=2, eval_every=2, run_dir=None,
             seed=1, use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=["all-linear"])
@@ -103,8 +103,8 @@ def test_a_sharded_lora_recipe_trains_as_the_replicated_one(ranks, name):
     for info, tensors in ranks[0]:
         assert name not in FOLDER_RUNS or info[f"{name}/loads_sharded"]
         assert info[f"{name}/fsdp2"]["sharded"] and not info[f"{name}/none"]["sharded"]
-        whole = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/none/")}
-        sharded = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/fsdp2/")}
+        whole = run_tensors(tensors, name, "none")
+        sharded = run_tensors(tensors, name, "fsdp2")
         assert whole.keys() == sharded.keys() and any("lora_B" in k for k in whole)
         assert any(whole[k].abs().max() > 0 for k in whole if "lora_B" in k)  # the adapter trained (B starts at 0)
         for key in whole:
@@ -153,8 +153,8 @@ def test_a_sharded_lora_checkpoint_loads_in_one_process_and_exports_merged(ranks
 @pytest.mark.slow
 def test_a_folder_policys_trained_copy_of_a_module_starts_as_the_stored_module(ranks):
     for _, tensors in ranks[0]:
-        whole = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith("saved_head/none/")}
-        sharded = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith("saved_head/fsdp2/")}
+        whole = run_tensors(tensors, "saved_head", "none")
+        sharded = run_tensors(tensors, "saved_head", "fsdp2")
         assert whole.keys() == sharded.keys() and any("modules_to_save" in k for k in whole)
         for key in whole:
             torch.testing.assert_close(sharded[key], whole[key], rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")

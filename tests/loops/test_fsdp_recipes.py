@@ -14,8 +14,8 @@ import torch
 from rlcore.loops.config import ConfigError, load_config
 from rlcore.loops.dist import dist_info, is_fsdp2
 from rlcore.loops.recipes import dpo, grpo, online_dpo, ppo, reward, rloo, sft
-from tests.loops.conftest import assert_histories_close, gathered_parameters as _gathered, run_ranks, save_tiny_llama, \
-    write_rank
+from tests.loops.conftest import assert_histories_close, gathered_parameters as _gathered, run_ranks, run_tensors, \
+    save_tiny_llama, write_rank
 
 TINY = dict(hidden_size=32, num_layers=2, num_heads=4, num_train=32, num_eval=8, steps=2, eval_every=2, run_dir=None,
             seed=1)
@@ -182,8 +182,8 @@ def test_a_sharded_recipe_trains_as_the_replicated_one(ranks, name):
     for info, tensors in ranks:
         assert info[f"{name}/fsdp2"]["sharded"] and not info[f"{name}/none"]["sharded"]
         assert info[f"{name}/moved"]  # the steps trained
-        whole = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/none/")}
-        sharded = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/fsdp2/")}
+        whole = run_tensors(tensors, name, "none")
+        sharded = run_tensors(tensors, name, "fsdp2")
         assert whole.keys() == sharded.keys() and whole
         tol = TOLS.get(name, TOL)
         for key in whole:
@@ -201,8 +201,8 @@ def test_ddp_trains_as_none(ranks, name):
     """ddp's reduction overlaps the backward; the sums are the same (up to float order)."""
     for info, tensors in ranks[0]:
         assert not info[f"{name}/ddp"]["sharded"]
-        whole = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/none/")}
-        ddp = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/ddp/")}
+        whole = run_tensors(tensors, name, "none")
+        ddp = run_tensors(tensors, name, "ddp")
         assert whole.keys() == ddp.keys() and whole
         for key in whole:
             torch.testing.assert_close(ddp[key], whole[key], **TOL, msg=lambda m, key=key: f"{key}: {m}")

@@ -13,7 +13,7 @@ from rlcore.loops.dist import dist_info, is_fsdp2
 from rlcore.loops.recipes.reft import ReftConfig, train_reft_sft
 from rlcore.loops.recipes.reft_recipes import (ReftDpoConfig, ReftGrpoConfig, ReftRewardConfig, train_reft_dpo,
                                                train_reft_policy_gradient, train_reft_reward)
-from tests.loops.conftest import assert_histories_close, run_ranks, write_rank
+from tests.loops.conftest import assert_histories_close, run_ranks, run_tensors, write_rank
 
 BASE = dict(hidden_size=32, num_layers=2, num_heads=4, num_train=32, num_eval=8, steps=2, eval_every=2, run_dir=None,
             seed=1, lr=2e-2, layers=[1])
@@ -63,8 +63,8 @@ def ranks(tmp_path_factory):
 def test_a_sharded_reft_recipe_trains_as_the_replicated_one(ranks, name):
     for info, tensors in ranks:
         assert info[f"{name}/fsdp2"]["sharded"] and not info[f"{name}/none"]["sharded"]
-        whole = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/none/")}
-        sharded = {k.split("/", 2)[2]: v for k, v in tensors.items() if k.startswith(f"{name}/fsdp2/")}
+        whole = run_tensors(tensors, name, "none")
+        sharded = run_tensors(tensors, name, "fsdp2")
         assert whole.keys() == sharded.keys() and any(k.startswith("interventions/") or "interventions." in k
                                                       for k in whole)
         for key in whole:
