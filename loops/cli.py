@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -266,13 +267,14 @@ def _plan_parser(sub: Any) -> None:
                         "which nearby settings do")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     group = p.add_argument_group("settings (loops.plan.PlanSettings)")
+    hints = typing.get_type_hints(PlanSettings)
     for f in dataclasses.fields(PlanSettings):
         if f.name == "recipe":
             continue
         flags = dict.fromkeys([f"--{f.name.replace('_', '-')}", f"--{f.name}"])
         kwargs: dict[str, Any] = {"dest": f"plan_{f.name}", "default": f.default,
                                   "help": f"{f.metadata['help']} [default: {f.default!r}]"}
-        if isinstance(f.default, bool) or f.name == "reference":
+        if hints[f.name] in (bool, bool | None):
             kwargs.update(action=argparse.BooleanOptionalAction)  # --gradient-checkpointing, --no-sharded-load
         elif f.name == "lora_target_modules":
             kwargs.update(nargs="+", metavar="MODULE")

@@ -30,8 +30,10 @@ What is modelled, as the code runs (each term names the code it follows):
 - **Sharding** (``strategy="fsdp2"``, ``loops.recipe.shard_models``): parameters, gradients and
   optimiser state divided by the world size; the root (embeddings, final norm, head) held whole
   after a forward (``loops.dist``: for the policy until its backward ends, for a frozen model for
-  the rest of the run); two blocks gathered at a time (the one running and the one prefetched),
-  all of them from forward to backward with ``fsdp_reshard_after_forward=False``; during the
+  the rest of the run); two blocks gathered at a time in a forward (the one running and the last
+  one's gather) and in a backward with ``fsdp_backward_prefetch`` (the one running and the next;
+  without it, the default on a CPU, one), all of them from forward to backward with
+  ``fsdp_reshard_after_forward=False``; during the
   backward the roots' and one block's unsharded gradients and one flat reduce-scatter input of the
   largest group (under LoRA only the adapter has gradients: sharded with its block, counted whole). ``fsdp_param_dtype`` gathers and runs the blocks and roots in that dtype (the
   activations, the KV cache and the unsharded gradients too), the shards and AdamW staying in
@@ -291,6 +293,8 @@ class PlanSettings:
                                      "buckets during the backward (a copy of them) | fsdp2: sharded over the ranks")
     fsdp_cpu_offload: bool = _setting(False, "fsdp2: shards, their gradients and AdamW's state in host memory")
     fsdp_reshard_after_forward: bool = _setting(True, "fsdp2: free each gathered block after its forward")
+    fsdp_backward_prefetch: bool | None = _setting(None, "fsdp2: gather the block the backward reaches next while it "
+                                                         "runs this one; None: on for cuda, off for cpu")
     fsdp_param_dtype: str | None = _setting(None, "fsdp2: the dtype blocks are gathered and run in (bfloat16 | "
                                                   "float16); shards and AdamW stay in dtype, gradients reduced in "
                                                   "float32; None: dtype")
@@ -557,8 +561,10 @@ def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
     logits = head_blocks(scored) + (scored * H * (4 + (a if a != 4 else 0)) if m.task == "causal_lm" else 0)
     logits += V * H * (4 + (g if g != 4 else 0)) if head_trains else 0
 
-    gathered = 2 * block * g if sharded else 0
-    gathered_train = L * block * g if sharded and not s.fsdp_reshard_after_forward else gathered
+    gathered = 2 * block * g if sharded else 0  # a forward: the block running and the last one's gather
+    prefetch = s.device != "cpu" if s.fsdp_backward_prefetch is None else s.fsdp_backward_prefetch
+    gathered_train = L * block * g if sharded and not s.fsdp_reshard_after_forward \
+        else (gathered if prefetch else block * g if sharded else 0)  # a backward: its block (and the next)
     work = (6 * H + 3 * I) * g  # one block's no-grad working set per token
     phases: dict[str, dict[str, float]] = {}
     if sharded:

@@ -372,7 +372,8 @@ def shard_models(models: Mapping[str, nn.Module], config: Any) -> dict[str, nn.M
     model (policy, reference, critic, reward model; not a reference or reward model given a device
     of its own, ``ref_device`` / ``reward_device`` (:data:`PLACED`), which stays whole there on
     every rank) goes through ``loops.dist.wrap_model(strategy="fsdp2")``: ``fully_shard`` on each
-    block and on the root, ``reshard_after_forward=fsdp_reshard_after_forward``, with
+    block and on the root, ``reshard_after_forward=fsdp_reshard_after_forward``,
+    ``backward_prefetch=fsdp_backward_prefetch`` (``None``: on unless ``device`` is a CPU), with
     ``fsdp_param_dtype`` torch's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` and, with
     ``fsdp_cpu_offload``, torch's ``CPUOffloadPolicy``. The shards of a frozen model carry no
     optimiser state. A model shared under two names (the ReFT recipes' policy and reference) is
@@ -558,7 +559,10 @@ def _sharding(config: Any) -> bool:
 
 
 def _fsdp_kwargs(config: Any) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"reshard_after_forward": config.fsdp_reshard_after_forward}
+    prefetch = config.fsdp_backward_prefetch
+    kwargs: dict[str, Any] = {"reshard_after_forward": config.fsdp_reshard_after_forward,
+                              "backward_prefetch": torch.device(config.device).type != "cpu" if prefetch is None
+                              else prefetch}
     if config.fsdp_param_dtype is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, config.fsdp_param_dtype),

@@ -266,7 +266,8 @@ def interrupted_report(stopped: Any, argv: Sequence[str]) -> str:
 RESUMABLE_CHANGES = frozenset({"steps", "num_epochs", "resume", "run_dir", "save_every", "keep_last", "eval_every",
                                "log_every", "report_to", "log_completions", "eval_batch_size", "num_eval_images", "eval_seed",
                                "device", "init_from", "gradient_checkpointing", "overwrite", "strategy",
-                               "fsdp_reshard_after_forward", "fsdp_cpu_offload", "fsdp_checkpoint"})
+                               "fsdp_reshard_after_forward", "fsdp_cpu_offload", "fsdp_backward_prefetch",
+                               "fsdp_checkpoint"})
 
 
 def check_resume(checkpoint: str | Path, config: Mapping[str, Any], recipe: str) -> None:

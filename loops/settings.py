@@ -215,6 +215,11 @@ class ShardingSettings(Section):
                                                           "forward and gather them again for the backward")
     fsdp_cpu_offload: bool = setting(False, help="fsdp2: the shards (parameters, gradients, optimiser state) kept "
                                                  "in CPU memory between uses")
+    fsdp_backward_prefetch: bool | None = setting(None, help="fsdp2: gather the block the backward reaches next while "
+                                                             "it runs this one (two blocks gathered at once; the "
+                                                             "gather overlaps the compute on an accelerator); None: "
+                                                             "on unless device is cpu, where gloo gathers "
+                                                             "synchronously and the prefetch only holds memory")
     fsdp_param_dtype: str | None = setting(None, help="fsdp2: the dtype a block's gathered parameters and its "
                                                       "forward and backward run in (bfloat16 | float16), the shards "
                                                       "and the optimiser staying in the weights' dtype and the "

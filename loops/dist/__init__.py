@@ -382,8 +382,9 @@ def _ddp(model: nn.Module, **kwargs: Any) -> nn.Module:
     return DistributedDataParallel(model, **kwargs)
 
 
-def _fsdp2(model: nn.Module, *, blocks: Sequence[type | str] | None = None, **kwargs: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2(model: nn.Module, *, blocks: Sequence[type | str] | None = None, backward_prefetch: bool = True,
+           **kwargs: Any) -> nn.Module:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
     names = blocks if blocks is not None else list(getattr(model, "_no_split_modules", None) or [])
     wanted = tuple(b for b in names if isinstance(b, type))
     wanted_names = {b for b in names if isinstance(b, str)}
@@ -392,7 +393,14 @@ def _fsdp2(model: nn.Module, *, blocks: Sequence[type | str] | None = None, **kw
             fully_shard(module, **kwargs)
     # the root's parameters (embeddings, final norm, head) stay gathered after its forward: the chunked
     # log-prob path reads the head's weight after the forward, and the backward needs them at once
-    return cast(nn.Module, fully_shard(model, **{**kwargs, "reshard_after_forward": False}))
+    root = cast(nn.Module, fully_shard(model, **{**kwargs, "reshard_after_forward": False}))
+    if not backward_prefetch:
+        # FSDP2 gathers the block its backward reaches next unless a module names the modules to prefetch;
+        # naming itself (gathered already when its backward starts) leaves nothing to prefetch
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.set_modules_to_backward_prefetch([module])
+    return root
 
 
 STRATEGIES: dict[str, Callable[..., nn.Module]] = {
@@ -416,7 +424,10 @@ def wrap_model(model: nn.Module, *, strategy: str | None = "ddp", **kwargs: Any)
     - ``"fsdp2"``: ``fully_shard`` on each block (``blocks=``: classes or class names; default the
       Hugging Face ``_no_split_modules``) and on the root, ``**kwargs`` passed to ``fully_shard``
       (``mp_policy``, ``reshard_after_forward``...; the root keeps its parameters gathered after its
-      forward, as FSDP2's own default for a root does); the model is changed in place and returned.
+      forward, as FSDP2's own default for a root does); ``backward_prefetch=False`` gathers each block
+      only when its backward starts (by default the next one is gathered while this one runs: an
+      overlap on an accelerator, one more gathered block held for nothing on a CPU, whose gloo
+      all-gather is synchronous); the model is changed in place and returned.
 
     In one process every strategy returns ``model`` unchanged. Build the optimiser *after*
     wrapping (FSDP2 replaces the parameters by sharded ones).

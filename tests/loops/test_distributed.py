@@ -265,6 +265,40 @@ def _checkpoint(out, tensors, run_dir):
         tensors[f"ckpt/{strategy}/reloaded_next"] = flat(fresh.model())
 
 
+def _prefetch(out, tensors):
+    """FSDP2's backward with and without gathering the next block ahead: per block, how many blocks were
+    gathered past the one its backward reached (all-gathers counted as FSDP2 issues them), and the gradients."""
+    events: list = []
+    gather = torch.distributed.all_gather_single
+
+    def recorded(*args, **kwargs):
+        events.append("gather")
+        return gather(*args, **kwargs)
+
+    def mark(i):
+        def hook(module, args, output):
+            (output[0] if isinstance(output, tuple) else output).register_hook(lambda g: events.append(i))
+        return hook
+
+    ids = torch.randint(0, 103, (2, 5), generator=torch.Generator().manual_seed(dist_info().rank))
+    for prefetch in (True, False):
+        model = wrap_model(build_model("llama", vocab_size=103, hidden_size=16, num_layers=3, num_heads=2, dtype=DT),
+                           strategy="fsdp2", backward_prefetch=prefetch)
+        for i, block in enumerate(model.model.layers):
+            block.register_forward_hook(mark(i))
+        loss = model(ids).logits.log_softmax(-1).mean()
+        events.clear()
+        torch.distributed.all_gather_single = recorded
+        try:
+            loss.backward()
+        finally:
+            torch.distributed.all_gather_single = gather
+        reached = [(events[:at].count("gather"), e) for at, e in enumerate(events) if e != "gather"]
+        out[f"prefetch/{prefetch}/ahead"] = [gathered - (3 - i) for gathered, i in reached]
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        tensors[f"prefetch/{prefetch}"] = torch.cat([g.reshape(-1) for g in grads])
+
+
 def _worker(out_dir):
     info = dist_info()
     out, tensors = {"info": [info.rank, info.world_size, info.backend, is_main()]}, {}
@@ -277,6 +311,7 @@ def _worker(out_dir):
     _fold(out, tensors)
     _ppo_statistics(out, tensors)
     _checkpoint(out, tensors, Path(out_dir) / "runs")
+    _prefetch(out, tensors)
     write_rank(out_dir, info.rank, out, tensors)
 
 
@@ -318,6 +353,13 @@ def test_a_token_budget_on_two_ranks_equals_one_process(ranks, strategy):
     expected, _ = one_process("token_mean")
     for t in (t0, t1):
         torch.testing.assert_close(t[f"budget/{strategy}"], expected, **TOL)
+
+
+def test_fsdp2_without_backward_prefetch_gathers_each_block_only_when_its_backward_starts(ranks):
+    for r, t in ranks[0]:
+        assert r["prefetch/True/ahead"] == [1, 1, 0]  # blocks 2, 1 hold the next one gathered; block 0 has none
+        assert r["prefetch/False/ahead"] == [0, 0, 0]
+        torch.testing.assert_close(t["prefetch/False"], t["prefetch/True"], **TOL)
 
 
 def test_recipe_loss_through_an_unwrapped_hf_policy(ranks):

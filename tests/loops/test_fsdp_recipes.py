@@ -38,6 +38,8 @@ RUNS = {
     "grpo_packed": (grpo, dict(ONLINE, padding_free=True, max_tokens_per_micro_batch=64)),
     "dpo_bf16": (dpo, dict(OFFLINE, fsdp_param_dtype="bfloat16")),
     "grpo_bf16": (grpo, dict(ONLINE, fsdp_param_dtype="bfloat16")),
+    # a GPU run's default: the next block gathered during this one's backward (on a CPU it is off by default)
+    "grpo_prefetch": (grpo, dict(ONLINE, fsdp_backward_prefetch=True)),
 }
 # a causal LM from a local folder: under fsdp2 each rank reads its rows onto a meta-built model
 FOLDER_RUNS = {"dpo_folder": (dpo, OFFLINE), "grpo_folder": (grpo, ONLINE)}
@@ -263,6 +265,21 @@ def test_a_model_on_a_device_of_its_own_is_taken():
     config = dataclasses.replace(grpo.Config(), strategy="fsdp2")
     object.__setattr__(config, "device", "cuda:0")  # a GPU run's config, checked here without the GPU
     assert _sharding_faults(dataclasses.replace(config, ref_device="cpu", reward_device="cpu")) == []
+
+
+def test_backward_prefetch_defaults_to_on_for_an_accelerator_and_off_on_a_cpu():
+    import dataclasses
+
+    from rlcore.loops.recipe import _fsdp_kwargs
+
+    cpu = dataclasses.replace(grpo.Config(), strategy="fsdp2")
+    gpu = dataclasses.replace(cpu)
+    object.__setattr__(gpu, "device", "cuda:0")  # a GPU run's config, read here without the GPU
+    assert _fsdp_kwargs(cpu)["backward_prefetch"] is False and _fsdp_kwargs(gpu)["backward_prefetch"] is True
+    for given in (True, False):
+        assert _fsdp_kwargs(dataclasses.replace(cpu, fsdp_backward_prefetch=given))["backward_prefetch"] is given
+        object.__setattr__(gpu, "fsdp_backward_prefetch", given)
+        assert _fsdp_kwargs(gpu)["backward_prefetch"] is given
 
 
 def test_an_unknown_strategy_is_refused_at_load():

@@ -56,7 +56,14 @@ def test_a_reference_is_a_frozen_copy_and_fsdp2_divides_by_the_world_size():
     assert four.bytes["step"]["parameters"] == pytest.approx(4 * n / 4, abs=1)
     root = 4 * TINY.root_params()  # held whole by the frozen reference after its first forward
     assert four.bytes["step"]["frozen copies"] == pytest.approx(4 * n / 4 + root, abs=1)
-    assert four.bytes["train"]["FSDP2 all-gather"] == 2 * 4 * TINY.block_params()
+    assert four.bytes["train"]["FSDP2 all-gather"] == 2 * 4 * TINY.block_params()  # cuda: the next block prefetched
+    cpu = plan_memory(TINY, dataclasses.replace(four.settings, device="cpu"))  # no backward prefetch by default
+    assert cpu.bytes["train"]["FSDP2 all-gather"] == 4 * TINY.block_params()
+    assert cpu.bytes["score"]["FSDP2 all-gather"] == 2 * 4 * TINY.block_params()  # a forward holds two
+    for prefetch, blocks in ((True, 2), (False, 1)):
+        for device in ("cpu", "cuda"):
+            given = dataclasses.replace(four.settings, device=device, fsdp_backward_prefetch=prefetch)
+            assert plan_memory(TINY, given).bytes["train"]["FSDP2 all-gather"] == blocks * 4 * TINY.block_params()
     # read sharded from a folder, the reference built on the meta device and filled with each rank's rows
     assert four.bytes["load"]["parameters"] == pytest.approx(2 * 4 * n / 4, abs=1)
     built = plan_memory(TINY, dataclasses.replace(four.settings, sharded_load=False))
