@@ -157,7 +157,9 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 1800.0) -
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` /
     ``MASTER_PORT`` (the ``env://`` rendezvous). With ``WORLD_SIZE`` unset or 1 and no group, no
     group is created and the single-process ``DistInfo`` is returned: the same script runs with
-    ``python`` and with ``torchrun``. Calling it again returns the current group's info.
+    ``python`` and with ``torchrun``. Calling it again returns the current group's info. Under
+    torchrun's restarts (``--max-restarts``) each attempt keys the rendezvous by its number
+    (``TORCHELASTIC_RESTART_COUNT``), so no rank reads an address of the attempt before.
 
     Args:
         backend: ``"nccl"`` when CUDA is available, else ``"gloo"`` (default), or as given.
@@ -179,8 +181,16 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 1800.0) -
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
-    dist.init_process_group(backend, rank=_env_int("RANK", 0), world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    rank, timeout = _env_int("RANK", 0), datetime.timedelta(seconds=timeout_s)
+    store = None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is not None:
+        # torchrun's agent keeps one store across the restarts it makes (--max-restarts): the addresses
+        # the last attempt's ranks wrote there are still readable, and a relaunched rank that reads one
+        # before its peer has written anew connects to a process that is gone. Each attempt's own keys.
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        store = dist.PrefixStore(f"rlcore/attempt-{attempt}", store)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
     return dist_info()
 
 

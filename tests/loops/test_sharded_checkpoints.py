@@ -264,9 +264,11 @@ def crash_once(prompts, completions, **_):
 
 
 @pytest.mark.slow
-def test_a_failed_sharded_torchrun_job_launched_again_continues_from_its_last_checkpoint(tmp_path):
+def test_a_failed_sharded_torchrun_job_continues_from_its_last_checkpoint_relaunched_by_hand_or_by_torchrun(tmp_path):
     """The same ``torchrun`` command with ``--resume true``: a rank fails in step 2, the job ends with
-    an error, and the command launched again continues from the sharded checkpoint of step 1."""
+    an error, and the command launched again continues from the sharded checkpoint of step 1; with
+    ``--max-restarts 1`` torchrun relaunches the ranks itself and the one command ends the run (each
+    attempt keys its rendezvous apart: with the last attempt's addresses read, it failed 2 runs in 3)."""
     import os
     import subprocess
     import sys
@@ -277,9 +279,9 @@ def test_a_failed_sharded_torchrun_job_launched_again_continues_from_its_last_ch
     run = tmp_path / "run"
     torchrun = Path(sys.executable).with_name("torchrun")
 
-    def launch():
+    def launch(*restarts):
         cmd = [str(torchrun), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               "-m", "rlcore.loops.cli", "train", "grpo", "--strategy", "fsdp2", "--reward_funcs",
+               *restarts, "-m", "rlcore.loops.cli", "train", "grpo", "--strategy", "fsdp2", "--reward_funcs",
                "crash_once:crash_once", "--steps", "3", "--save_every", "1", "--resume", "true", "--batch_size", "4",
                "--num_samples", "2", "--max_new_tokens", "4", "--hidden_size", "32", "--num_layers", "1",
                "--num_train", "16", "--num_eval", "0", "--eval_every", "0", "--run_dir", str(run)]
@@ -294,3 +296,12 @@ def test_a_failed_sharded_torchrun_job_launched_again_continues_from_its_last_ch
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]  # step 1 from the first launch, 2 and 3 from the second
     assert (run / "checkpoint-3" / "models" / "policy" / shard_file(1, 2)).is_file()
+
+    # torchrun relaunching the workers itself: one command, the same three steps
+    (tmp_path / "crashed").unlink()
+    shutil.rmtree(run)
+    restarted = launch("--max-restarts", "1")
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "a worker lost mid-run" in restarted.stderr and (tmp_path / "crashed").is_file()
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
