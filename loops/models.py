@@ -32,7 +32,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           AutoTokenizer, GPT2Config, LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast)
 
 from rlcore.checks import check_mask, check_ndim, lookup
-from rlcore.loops.dist import gathered, sharded_root
+from rlcore.loops.dist import gathered, release_gathered, sharded_root
 
 __all__ = ["build_tokenizer", "load_tokenizer", "pad_token_id", "TOKENIZER_KINDS", "CHAT_TEMPLATE", "build_model",
            "build_value_model", "build_reward_model", "load_model", "ARCHS", "TASKS", "disable_dropout",
@@ -781,13 +781,9 @@ def mix_into_reference(ref: nn.Module, policy: nn.Module, alpha: float) -> nn.Mo
         for name, target in ref_params.items():
             target.lerp_(gathered(params[name]).to(target.device, target.dtype), alpha)
         return ref
-    # FSDP2 (both sharded alike): each rank mixes its own rows; the reference's root, left gathered by its
-    # last forward, is resharded first so that its next forward gathers the mixed rows
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in ref.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    # FSDP2 (both sharded alike): each rank mixes its own rows; the reference's root, if a forward left it
+    # gathered, is resharded first so that its next forward gathers the mixed rows
+    release_gathered(ref)
     own, theirs = ref.state_dict(), policy.state_dict()  # the shards, even with a root gathered
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     for name in ref_params:

@@ -29,8 +29,8 @@ What is modelled, as the code runs (each term names the code it follows):
   weight for the backward.
 - **Sharding** (``strategy="fsdp2"``, ``loops.recipe.shard_models``): parameters, gradients and
   optimiser state divided by the world size; the root (embeddings, final norm, head) held whole
-  after a forward (``loops.dist``: for the policy until its backward ends, for a frozen model for
-  the rest of the run); two blocks gathered at a time in a forward (the one running and the last
+  after a forward (``loops.dist``: for the policy until its backward ends, or its next no-grad
+  scoring pass ends; for a frozen model while it scores, ``loops.dist.release_gathered``); two blocks gathered at a time in a forward (the one running and the last
   one's gather) and in a backward with ``fsdp_backward_prefetch`` (the one running and the next;
   without it, the default on a CPU, one), all of them from forward to backward with
   ``fsdp_reshard_after_forward=False``; during the
@@ -524,7 +524,9 @@ def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
     extra = adapter * 4 + value_head * b
     params_in_use = sum(on_device(r, True) for r in own) + extra
     params_in_step = sum(on_device(r, False) for r in own) + extra
-    frozen = sum(on_device(r, True) for r in frozen_by[None]) + sum((L * block + r) * b for r in frozen_by[s.device])
+    # a sharded frozen model's root is whole only while it scores (loops.dist.release_gathered after each pass)
+    frozen = sum(on_device(r, False) for r in frozen_by[None]) + sum((L * block + r) * b for r in frozen_by[s.device])
+    scoring_root = max(frozen_by[None], default=0) * g if sharded else 0
     frozen_host = sum((L * block + r) * b for r in frozen_by["host"])
     optimiser = 0.0 if offload else share(2 * trained_bytes)
 
@@ -591,7 +593,7 @@ def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
         phases["generate"] = {**resident, "KV cache": kv, "activations": prefill, "logits": rg * V * (g + 8)}
     if m.online or m.reference:
         f = rows["score"]
-        phases["score"] = {**resident, "activations": f * T * (work + g * H),
+        phases["score"] = {**resident, "frozen copies": frozen + scoring_root, "activations": f * T * (work + g * H),
                            "logits": head_blocks(f * s.completion_length)}
     # the backward starts with every activation saved and the head's gradients, and ends with every
     # gradient made and the first block's activations: the larger of the two (several micro-batches

@@ -27,6 +27,7 @@ from rlcore.checks import check_mask, check_ndim, require_keys
 from rlcore.kl import kl_full
 from rlcore.logprobs import entropy_from_logits, sequence_logprobs, token_logprobs
 from rlcore.lm_head import LogprobStats, hidden_logprobs
+from rlcore.loops.dist import release_gathered
 from rlcore.loops.lora import linear_weights
 from rlcore.loops.models import (model_device, pack_rows, packed_trunk, position_ids_from_mask, reward_model_scores,
                                  trunk_hidden)
@@ -335,12 +336,14 @@ def score_rollout(rollout: TensorDictBase, *, policy: nn.Module | None = None, r
                 new[key] = response_only(by_rows(lambda i, m, model=model: _on_model_device(
                     model, lambda i, m: token_logprobs_from_model(model, i, m, response_length=R,
                                                                   temperature=temperature, chunked=chunked), i, m)))
+                release_gathered(model)  # FSDP2: the root is not held whole until the model's next forward
         if value_fn is not None:
             new[K.VALUES] = response_only(_at_least_fp32(by_rows(value_fn)[:, P - 1:P - 1 + R]))
         scores, terms = [], {}
         if reward_model is not None:
             from_model = _at_least_fp32(by_rows(lambda i, m: _on_model_device(
                 reward_model, lambda i, m: reward_model_scores(reward_model, i, m), i, m)))
+            release_gathered(reward_model)
             scores.append(check_finite_scores(from_model, _reward_model_name(reward_model),
                                               nonfinite_rewards=nonfinite_rewards))
             terms[_reward_model_id(reward_model)] = scores[-1]
@@ -492,6 +495,8 @@ def score_sequences(model: nn.Module, batch: TensorDictBase, *, temperature: flo
             out = _scored_logprobs(model, ids, mask, pos, scored, **kw)
         lp = out.logprobs if isinstance(out, LogprobStats) else out
         logps = sequence_logprobs(lp, scored)
+    if reference:
+        release_gathered(model)  # FSDP2: a frozen model's root is not held whole until its next forward
     seq_key, tok_key = (K.REF_LOGPS, K.REF_LOGPROBS) if reference else (K.LOGPS, K.LOGPROBS)
     stats = dict(zip(STAT_KEYS, out[1:])) if isinstance(out, LogprobStats) else {}
     return batch.copy().update({seq_key: logps, tok_key: lp, **stats})

@@ -280,7 +280,24 @@ def _prefetch(out, tensors):
             (output[0] if isinstance(output, tuple) else output).register_hook(lambda g: events.append(i))
         return hook
 
+    from rlcore.loops.dist import FreedAfterReduce
+
+    reduce, reduced = FreedAfterReduce.__call__, []
+
+    def freed(self, output_tensor, input_tensor, *args, **kwargs):
+        reduce(self, output_tensor, input_tensor, *args, **kwargs)
+        reduced.append([input_tensor.numel(), input_tensor.untyped_storage().nbytes()])
+
     ids = torch.randint(0, 103, (2, 5), generator=torch.Generator().manual_seed(dist_info().rank))
+    FreedAfterReduce.__call__ = freed
+    try:
+        _prefetch_runs(out, tensors, events, gather, recorded, mark, ids)
+    finally:
+        FreedAfterReduce.__call__ = reduce
+    out["reduced"] = reduced
+
+
+def _prefetch_runs(out, tensors, events, gather, recorded, mark, ids):
     for prefetch in (True, False):
         model = wrap_model(build_model("llama", vocab_size=103, hidden_size=16, num_layers=3, num_heads=2, dtype=DT),
                            strategy="fsdp2", backward_prefetch=prefetch)
@@ -299,6 +316,35 @@ def _prefetch(out, tensors):
         tensors[f"prefetch/{prefetch}"] = torch.cat([g.reshape(-1) for g in grads])
 
 
+def _release(out, tensors):
+    """After a no-grad scoring pass an FSDP2 model holds nothing gathered: its root's parameters are
+    shards again (a forward alone leaves them whole), and the scores equal those of a held root."""
+    from torch.distributed.tensor import DTensor
+
+    from rlcore.loops.score import score_rollout, score_sequences
+
+    def sharded(model):
+        return isinstance(model.model.embed_tokens.weight, DTensor)
+
+    model = wrap_model(build_model("llama", vocab_size=103, hidden_size=16, num_layers=2, num_heads=2, dtype=DT),
+                       strategy="fsdp2")
+    rollout = recipe_batch()
+    side = TensorDict({K.INPUT_IDS: rollout[K.PROMPT_IDS], K.ATTENTION_MASK: rollout[K.PROMPT_MASK],
+                       K.LOSS_MASK: rollout[K.PROMPT_MASK]}, [B])
+    seen = {"start": sharded(model)}
+    with torch.no_grad():
+        model(rollout[K.PROMPT_IDS])
+    seen["forward"] = sharded(model)
+    tensors["release/ref"] = score_sequences(model, side, reference=True)[K.REF_LOGPS]
+    seen["score_sequences"] = sharded(model)
+    with torch.no_grad():
+        model(rollout[K.PROMPT_IDS])
+    tensors["release/rollout"] = score_rollout(rollout, policy=model, ref=model)[K.REF_LOGPROBS]
+    seen["score_rollout"] = sharded(model)
+    tensors["release/again"] = score_sequences(model, side, reference=True)[K.REF_LOGPS]  # gathered anew
+    out["release"] = seen
+
+
 def _worker(out_dir):
     info = dist_info()
     out, tensors = {"info": [info.rank, info.world_size, info.backend, is_main()]}, {}
@@ -312,6 +358,7 @@ def _worker(out_dir):
     _ppo_statistics(out, tensors)
     _checkpoint(out, tensors, Path(out_dir) / "runs")
     _prefetch(out, tensors)
+    _release(out, tensors)
     write_rank(out_dir, info.rank, out, tensors)
 
 
@@ -360,6 +407,26 @@ def test_fsdp2_without_backward_prefetch_gathers_each_block_only_when_its_backwa
         assert r["prefetch/True/ahead"] == [1, 1, 0]  # blocks 2, 1 hold the next one gathered; block 0 has none
         assert r["prefetch/False/ahead"] == [0, 0, 0]
         torch.testing.assert_close(t["prefetch/False"], t["prefetch/True"], **TOL)
+
+
+def test_under_gloo_each_reduce_scatter_frees_its_input_and_the_gradients_are_the_ranks_mean(ranks):
+    for r, t in ranks[0]:
+        assert len(r["reduced"]) == 2 * 4  # 3 blocks and the root, in each of the two backwards
+        assert all(numel > 0 and nbytes == 0 for numel, nbytes in r["reduced"])
+    model = build_model("llama", vocab_size=103, hidden_size=16, num_layers=3, num_heads=2, dtype=DT)
+    for rank in (0, 1):  # each rank's loss on its own rows; FSDP2 averages the gradients over the ranks
+        ids = torch.randint(0, 103, (2, 5), generator=torch.Generator().manual_seed(rank))
+        (model(ids).logits.log_softmax(-1).mean() / 2).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    for _, t in ranks[0]:
+        torch.testing.assert_close(t["prefetch/False"], expected, **TOL)
+
+
+def test_a_scoring_pass_leaves_nothing_of_an_fsdp2_model_gathered(ranks):
+    for r, t in ranks[0]:
+        assert r["release"] == {"start": True, "forward": False, "score_sequences": True, "score_rollout": True}
+        torch.testing.assert_close(t["release/again"], t["release/ref"], **TOL)
+        assert torch.isfinite(t["release/rollout"]).all()
 
 
 def test_recipe_loss_through_an_unwrapped_hf_policy(ranks):

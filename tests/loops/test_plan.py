@@ -54,8 +54,9 @@ def test_a_reference_is_a_frozen_copy_and_fsdp2_divides_by_the_world_size():
     assert four.bytes["step"]["optimiser state"] == pytest.approx(one.bytes["step"]["optimiser state"] / 4, abs=1)
     assert four.bytes["step"]["gradients"] == pytest.approx(4 * n / 4, abs=1)
     assert four.bytes["step"]["parameters"] == pytest.approx(4 * n / 4, abs=1)
-    root = 4 * TINY.root_params()  # held whole by the frozen reference after its first forward
-    assert four.bytes["step"]["frozen copies"] == pytest.approx(4 * n / 4 + root, abs=1)
+    root = 4 * TINY.root_params()  # held whole by the frozen reference only while it scores
+    assert four.bytes["step"]["frozen copies"] == pytest.approx(4 * n / 4, abs=1)
+    assert four.bytes["score"]["frozen copies"] == pytest.approx(4 * n / 4 + root, abs=1)
     assert four.bytes["train"]["FSDP2 all-gather"] == 2 * 4 * TINY.block_params()  # cuda: the next block prefetched
     cpu = plan_memory(TINY, dataclasses.replace(four.settings, device="cpu"))  # no backward prefetch by default
     assert cpu.bytes["train"]["FSDP2 all-gather"] == 4 * TINY.block_params()
@@ -74,14 +75,16 @@ def test_a_reference_is_a_frozen_copy_and_fsdp2_divides_by_the_world_size():
 
 def test_a_frozen_model_given_a_device_is_whole_there_or_in_host_memory():
     """DPO (float32) on 4 ranks under fsdp2, read sharded: the reference sharded holds n/4 per rank
-    (+ its root, gathered), whole on the device n, on the host nothing on the device and n in host memory;
+    (+ its root, gathered while it scores), whole on the device n, on the host nothing on the device and n in host memory;
     at load a whole reference is a copy beside the policy's shards."""
     n, root = TINY.num_params(), TINY.root_params()
     settings = PlanSettings(recipe="dpo", batch_size=8, world_size=4, strategy="fsdp2", device="cuda")
     sharded = plan_memory(TINY, settings)
     whole = plan_memory(TINY, dataclasses.replace(settings, ref_device="cuda"))
     host = plan_memory(TINY, dataclasses.replace(settings, ref_device="cpu"))
-    assert sharded.bytes["step"]["frozen copies"] == pytest.approx(4 * n / 4 + 4 * root, abs=1)
+    assert sharded.bytes["step"]["frozen copies"] == pytest.approx(4 * n / 4, abs=1)
+    assert sharded.bytes["score"]["frozen copies"] == pytest.approx(4 * n / 4 + 4 * root, abs=1)
+    assert whole.bytes["score"]["frozen copies"] == 4 * n  # a whole model has no root to gather
     assert whole.bytes["step"]["frozen copies"] == 4 * n and host.bytes["step"]["frozen copies"] == 0
     assert (sharded.host, whole.host, host.host) == (0, 0, 4 * n)
     assert whole.bytes["load"]["parameters"] == pytest.approx(4 * n / 4 + 4 * n, abs=1)
