@@ -186,6 +186,8 @@ def full_kl_from_models(policy: nn.Module, ref: nn.Module, rollout: TensorDictBa
     chunks = [kl_full(response_logits(policy, slice(i, i + step)), response_logits(ref, slice(i, i + step)),
                       temperature=temperature) for i in range(0, B, step)]
     kl = torch.cat(chunks) if chunks else ids.new_zeros((0, R), dtype=torch.float32)
+    for model in (policy, ref):
+        release_gathered(model)  # FSDP2: no root held whole until the model's next forward
     return torch.where(rollout[K.RESPONSE_MASK], kl, torch.zeros((), dtype=kl.dtype, device=kl.device))
 
 

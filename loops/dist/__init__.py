@@ -159,8 +159,8 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 1800.0) -
     ``MASTER_PORT`` (the ``env://`` rendezvous). With ``WORLD_SIZE`` unset or 1 and no group, no
     group is created and the single-process ``DistInfo`` is returned: the same script runs with
     ``python`` and with ``torchrun``. Calling it again returns the current group's info. Under
-    torchrun's restarts (``--max-restarts``) each attempt keys the rendezvous by its number
-    (``TORCHELASTIC_RESTART_COUNT``), so no rank reads an address of the attempt before.
+    torchrun's restarts (``--max-restarts``) on one node each attempt keys the rendezvous by its
+    number (``TORCHELASTIC_RESTART_COUNT``), so no rank reads an address of the attempt before.
 
     Args:
         backend: ``"nccl"`` when CUDA is available, else ``"gloo"`` (default), or as given.
@@ -185,10 +185,12 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 1800.0) -
     rank, timeout = _env_int("RANK", 0), datetime.timedelta(seconds=timeout_s)
     store = None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is not None:
+    if attempt is not None and _env_int("LOCAL_WORLD_SIZE", world_size) == world_size:
         # torchrun's agent keeps one store across the restarts it makes (--max-restarts): the addresses
         # the last attempt's ranks wrote there are still readable, and a relaunched rank that reads one
-        # before its peer has written anew connects to a process that is gone. Each attempt's own keys.
+        # before its peer has written anew connects to a process that is gone. Each attempt's own keys;
+        # on one node only: there one agent counts the attempts, while each node's agent counts its own
+        # (and a restart for a node joining counts none), so the nodes' counts need not agree.
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
         store = dist.PrefixStore(f"rlcore/attempt-{attempt}", store)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
@@ -408,8 +410,10 @@ class FreedAfterReduce:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> None:
-        dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)  # synchronous: done here
-        input_tensor.untyped_storage().resize_(0)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        reduce_scatter(output_tensor, input_tensor, op=op, group=group)  # synchronous even if asked otherwise
+        if dist.get_backend(group) == "gloo":  # done with the input once the call returns
+            input_tensor.untyped_storage().resize_(0)
 
 
 def _fsdp2(model: nn.Module, *, blocks: Sequence[type | str] | None = None, backward_prefetch: bool = True,

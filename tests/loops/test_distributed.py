@@ -321,7 +321,7 @@ def _release(out, tensors):
     shards again (a forward alone leaves them whole), and the scores equal those of a held root."""
     from torch.distributed.tensor import DTensor
 
-    from rlcore.loops.score import score_rollout, score_sequences
+    from rlcore.loops.score import full_kl_from_models, score_rollout, score_sequences
 
     def sharded(model):
         return isinstance(model.model.embed_tokens.weight, DTensor)
@@ -342,6 +342,10 @@ def _release(out, tensors):
     tensors["release/rollout"] = score_rollout(rollout, policy=model, ref=model)[K.REF_LOGPROBS]
     seen["score_rollout"] = sharded(model)
     tensors["release/again"] = score_sequences(model, side, reference=True)[K.REF_LOGPS]  # gathered anew
+    with torch.no_grad():
+        model(rollout[K.PROMPT_IDS])
+    tensors["release/full_kl"] = full_kl_from_models(model, model, rollout)  # PPO's kl: full
+    seen["full_kl"] = sharded(model)
     out["release"] = seen
 
 
@@ -424,8 +428,10 @@ def test_under_gloo_each_reduce_scatter_frees_its_input_and_the_gradients_are_th
 
 def test_a_scoring_pass_leaves_nothing_of_an_fsdp2_model_gathered(ranks):
     for r, t in ranks[0]:
-        assert r["release"] == {"start": True, "forward": False, "score_sequences": True, "score_rollout": True}
+        assert r["release"] == {"start": True, "forward": False, "score_sequences": True, "score_rollout": True,
+                                "full_kl": True}
         torch.testing.assert_close(t["release/again"], t["release/ref"], **TOL)
+        torch.testing.assert_close(t["release/full_kl"], torch.zeros_like(t["release/full_kl"]), **TOL)  # π = π_ref
         assert torch.isfinite(t["release/rollout"]).all()
 
 
@@ -635,6 +641,32 @@ def test_init_distributed_needs_the_torchrun_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="WORLD_SIZE: expected an integer"):
         init_distributed()
+
+
+def test_torchrun_restarts_on_one_node_key_each_attempts_rendezvous(monkeypatch):
+    """Under torchrun's --max-restarts the process group is joined through a store prefixed by the
+    attempt on one node (one agent counts the attempts); on several nodes torch's own keys are kept."""
+    import torch.distributed as dist
+
+    joined = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append(kw["store"]))
+    monkeypatch.setattr(dist, "rendezvous", lambda url, **kw: iter([(dist.HashStore(), kw["rank"], kw["world_size"])]))
+    monkeypatch.setattr("rlcore.loops.dist.dist_info", lambda: None)
+    env = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for local, attempt in ((2, "3"), (1, "3"), (2, None)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        if attempt is None:
+            monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+        else:
+            monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        init_distributed(backend="gloo")
+    keyed, multi_node, plain = joined
+    assert isinstance(keyed, dist.PrefixStore) and multi_node is None and plain is None
+    keyed.set("x", "1")
+    assert keyed.underlying_store.get("rlcore/attempt-3/x") == b"1"
 
 
 def test_shard_batch_blocks_concatenate_to_the_batch():
