@@ -1,6 +1,6 @@
 """The memory model (``rlcore.loops.plan``) against measured per-rank peaks: GRPO and DPO at 1, 2, 4 gloo ranks.
 
-    python benchmarks/plan_check.py [--sizes 512x4 768x6] [--ranks 1 2 4] [--recipes grpo dpo]
+    python benchmarks/plan_check.py [--sizes 512x4 768x6 qwen2.5-0.5b] [--ranks 1 2 4] [--recipes grpo dpo]
                                     [--steps 2] [--allocator tuned|default] [--out runs/plan_check] [--tiny]
 
 Each (size, recipe, world size) runs as ``benchmarks/sharding.py`` runs it (its settings and reward:
@@ -31,7 +31,7 @@ import resource
 import time
 from pathlib import Path
 
-from sharding import _rss_mib, _settings, length_reward, run
+from sharding import QWEN, _rss_mib, _save_policy, _settings, length_reward, run
 
 RUNTIME_MIB = 32
 GOAL = 0.15  # issue: shard what does not fit: the model within 15% of every measured per-rank peak
@@ -71,23 +71,28 @@ def worker(recipe: str, settings: dict, strategy: str, out: str) -> None:
 
 
 def predicted_mib(recipe: str, settings: dict, world_size: int, seen: dict) -> tuple[float, str]:
-    """The plan's peak above the baseline, in MiB, and its phase, for the run's settings and recorded shapes."""
-    from rlcore.loops.plan import PlanSettings, plan_memory, tiny_llama_shape
+    """The plan's peak above the baseline, in MiB, and its phase, for the run's settings and recorded shapes
+    (a policy from a folder: its config's shape, read sharded under fsdp2)."""
+    from rlcore.loops.plan import PlanSettings, plan_memory, shape_of, tiny_llama_shape
 
-    shape = tiny_llama_shape(settings["hidden_size"], settings["num_layers"], settings["num_heads"])
+    folder = settings.get("model")
+    shape = shape_of(folder) if folder else tiny_llama_shape(settings["hidden_size"], settings["num_layers"],
+                                                             settings["num_heads"])
     rows, tokens, scored = seen["rows"], seen["tokens"], seen["scored"]
     completion = max(1, round(scored / rows))
     plan = plan_memory(shape, PlanSettings(
         recipe=recipe, batch_size=settings["batch_size"], num_samples=settings.get("num_samples", 2),
         prompt_length=max(1, tokens - completion), completion_length=completion, world_size=world_size,
         strategy="none" if world_size == 1 else "fsdp2", device="cpu", overhead=RUNTIME_MIB * 2**20,
-        sharded_load=False))  # tiny-llama is built from its config in every rank, then sharded
+        sharded_load=bool(folder)))  # tiny-llama is built from its config in every rank, then sharded
     return plan.peak / 2**20, plan.peak_phase
 
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=["512x4", "768x6"], help="WIDTHxBLOCKS of tiny-llama")
+    parser.add_argument("--sizes", nargs="+", default=["512x4", "768x6"],
+                        help=f"WIDTHxBLOCKS of tiny-llama, or {QWEN} (benchmarks/sharding.py's Qwen2.5-0.5B shape, "
+                             "read from a folder)")
     parser.add_argument("--recipes", nargs="+", default=["grpo", "dpo"], choices=["grpo", "dpo"])
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=2)
@@ -108,16 +113,17 @@ def main(argv: list[str] | None = None) -> str:
              "predicted / measured |", "| --- | --- | ---: | --- | --- | ---: | ---: | ---: |"]
     worst = 0.0
     for size in args.sizes:
-        hidden, layers = (int(x) for x in size.split("x"))
+        hidden, layers = (1, 1) if size == QWEN else (int(x) for x in size.split("x"))
+        folder = _save_policy(args.out / f"policy-{QWEN}", 1, 1, QWEN) if size == QWEN else None
         for recipe in args.recipes:
-            settings = _settings(recipe, hidden, layers, args.steps)
+            settings = _settings(recipe, hidden, layers, args.steps) | ({"model": str(folder)} if folder else {})
             for world_size in args.ranks:
                 ranks = run(recipe, world_size, settings, args.out, rank_fn=worker)
                 top = max(ranks, key=lambda r: r["peak_mib"] - r["baseline_mib"])
                 measured = top["peak_mib"] - top["baseline_mib"]
                 predicted, phase = predicted_mib(recipe, settings, world_size, top)
                 worst = max(worst, abs(predicted / measured - 1))
-                lines.append(f"| tiny-llama {size} | {recipe} | {world_size} | {'none' if world_size == 1 else 'fsdp2'} "
+                lines.append(f"| {size if size == QWEN else f'tiny-llama {size}'} | {recipe} | {world_size} | {'none' if world_size == 1 else 'fsdp2'} "
                              f"| {top['rows']} × {top['tokens']} | {predicted:.0f} ({phase}) | {measured:.0f} | "
                              f"{predicted / measured:.2f} |")
                 print(lines[-1], flush=True)

@@ -125,8 +125,8 @@ def _bench_steps():
     return _harness().load(HERE / "bench_steps.py")
 
 
-def save_model(directory: Path, tiny: bool) -> Path:
-    """The Qwen2.5-shaped model in bfloat16 and the word tokenizer over its vocabulary, one folder."""
+def save_model(directory: Path, tiny: bool, dtype: str = "bfloat16") -> Path:
+    """The Qwen2.5-shaped model in ``dtype`` and the word tokenizer over its vocabulary, one folder."""
     import torch
 
     from rlcore.loops.shapes import FAMILIES, build_family_model
@@ -136,7 +136,7 @@ def save_model(directory: Path, tiny: bool) -> Path:
     tokenizer = _bench_steps().word_tokenizer(VOCAB)
     # Llama's modelling code at Qwen2.5's geometry (q/k/v/o biases): a qwen2 folder would load Qwen's
     # tokenizer class, which cannot read the word vocabulary
-    model = build_family_model("qwen2.5", sizes(tiny)["size"], tokenizer=tokenizer, dtype=torch.bfloat16,
+    model = build_family_model("qwen2.5", sizes(tiny)["size"], tokenizer=tokenizer, dtype=getattr(torch, dtype),
                                model_type="llama", **({"num_attention_heads": 2} if tiny else {}))
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

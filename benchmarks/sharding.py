@@ -1,6 +1,6 @@
 """Per-rank peak memory of full-parameter GRPO and DPO: one rank unsharded against FSDP2 on 2 and 4 ranks.
 
-    python benchmarks/sharding.py [--recipes grpo dpo] [--ranks 1 2 4] [--hidden 1536] [--layers 8]
+    python benchmarks/sharding.py [--recipes grpo dpo] [--ranks 1 2 4] [--hidden 1536] [--layers 8] [--shape qwen2.5-0.5b]
                                   [--steps 2] [--out runs/sharding] [--built] [--tiny]
 
 Each (recipe, world size) runs in fresh processes (``rlcore.loops.dist.spawn``, gloo): world size 1
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 RECIPES = ("grpo", "dpo")
+QWEN = "qwen2.5-0.5b"  # benchmarks/realistic.py's model: Qwen2.5-0.5B's geometry, its vocabulary, tied embeddings
 
 
 def _rss_mib() -> float:
@@ -47,13 +48,13 @@ def _settings(recipe: str, hidden: int, layers: int, steps: int) -> dict:
     return dict(common, batch_size=8, max_length=32)
 
 
-def _save_policy(folder: Path, hidden: int, layers: int) -> Path:
-    """The tiny-llama of the run's size as a ``from_pretrained`` folder (weights and tokenizer), in a
-    child process so that this one never holds it."""
+def _save_policy(folder: Path, hidden: int, layers: int, shape: str = "tiny-llama") -> Path:
+    """The policy as a ``from_pretrained`` folder (weights and tokenizer), in a child process so that
+    this one never holds it: the tiny-llama of the run's size, or the Qwen2.5-0.5B shape in float32."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=_write_policy, args=(str(folder), hidden, layers))
+    child = ctx.Process(target=_write_policy, args=(str(folder), hidden, layers, shape))
     child.start()
     child.join()
     if child.exitcode != 0:
@@ -61,8 +62,17 @@ def _save_policy(folder: Path, hidden: int, layers: int) -> Path:
     return folder
 
 
-def _write_policy(folder: str, hidden: int, layers: int) -> None:
+def _write_policy(folder: str, hidden: int, layers: int, shape: str = "tiny-llama") -> None:
     from rlcore.loops.models import build_model, build_tokenizer
+
+    if shape == QWEN:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from realistic import save_model
+
+        save_model(Path(folder), tiny=False, dtype="float32")
+        return
 
     tokenizer = build_tokenizer()
     build_model("llama", tokenizer=tokenizer, hidden_size=hidden, num_layers=layers, num_heads=max(1, hidden // 64),
@@ -112,15 +122,23 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", type=Path, default=Path("runs/sharding"))
     parser.add_argument("--built", action="store_true", help="build the policy from its config in every rank "
                                                                "(whole, then sharded) instead of loading a folder")
+    parser.add_argument("--shape", choices=["tiny-llama", QWEN], default="tiny-llama",
+                        help=f"{QWEN}: Qwen2.5-0.5B's geometry and vocabulary (494M parameters, tied embeddings; "
+                             "--hidden and --layers ignored), read from a folder")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: width 64, 2 blocks, 1 and 2 ranks")
     args = parser.parse_args(argv)
     if args.tiny:
         args.hidden, args.layers, args.ranks, args.steps = 64, 2, [1, 2], 1
+    if args.shape == QWEN and args.built:
+        parser.error(f"--built builds tiny-llama; --shape {QWEN} is read from its folder")
     args.out.mkdir(parents=True, exist_ok=True)
-    folder = None if args.built else _save_policy(args.out / "policy", args.hidden, args.layers)
+    folder = None if args.built else _save_policy(args.out / f"policy-{args.shape}", args.hidden, args.layers,
+                                                  args.shape)
     params = 12 * args.hidden ** 2 * args.layers
-    lines = [f"Model: tiny-llama, width {args.hidden}, {args.layers} blocks (about {params / 1e6:.0f}M parameters in "
-             f"the blocks), float32, AdamW, {args.steps} steps",
+    model = (f"{QWEN} (24 blocks of width 896, vocabulary 151,936, 494M parameters)" if args.shape == QWEN else
+             f"tiny-llama, width {args.hidden}, {args.layers} blocks (about {params / 1e6:.0f}M parameters in the "
+             "blocks)")
+    lines = [f"Model: {model}, float32, AdamW, {args.steps} steps",
              "", "| recipe | ranks | strategy | peak MiB (largest rank) | × 1 rank | above baseline MiB | × 1 rank "
              "| losses | s |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
     for recipe in args.recipes:
