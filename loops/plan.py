@@ -30,11 +30,11 @@ What is modelled, as the code runs (each term names the code it follows):
 - **Sharding** (``strategy="fsdp2"``, ``loops.recipe.shard_models``): parameters, gradients and
   optimiser state divided by the world size; the root (embeddings, final norm, head) held whole
   after a forward (``loops.dist``: for the policy until its backward ends, or its next no-grad
-  scoring pass ends; for a frozen model while it scores, ``loops.dist.release_gathered``); two blocks gathered at a time in a forward (the one running and the last
-  one's gather) and in a backward with ``fsdp_backward_prefetch`` (the one running and the next;
-  without it, the default on a CPU, one), all of them from forward to backward with
-  ``fsdp_reshard_after_forward=False``; during the
-  backward the roots' and one block's unsharded gradients and one flat reduce-scatter input of the
+  scoring pass ends; for a frozen model while it scores, ``loops.dist.release_gathered``); two
+  blocks gathered at a time in a forward (the one running and the last one's gather) and in a
+  backward with ``fsdp_backward_prefetch`` (the one running and the next; without it, the default
+  on a CPU, one), all of them from forward to backward with ``fsdp_reshard_after_forward=False``;
+  during the backward the roots' and one block's unsharded gradients and one flat reduce-scatter input of the
   largest group (under LoRA only the adapter has gradients: sharded with its block, counted whole). ``fsdp_param_dtype`` gathers and runs the blocks and roots in that dtype (the
   activations, the KV cache and the unsharded gradients too), the shards and AdamW staying in
   ``dtype`` and the reduce-scatter input in float32. ``fsdp_cpu_offload`` keeps the shards, their
@@ -340,6 +340,8 @@ class PlanSettings:
         if self.strategy == "fsdp2" and self.world_size > 1 and self.batch_size % self.world_size:
             raise ValueError(f"batch_size: expected a multiple of world_size ({self.world_size}) under fsdp2, "
                              f"got {self.batch_size}")
+        if not (self.fsdp_backward_prefetch is None or isinstance(self.fsdp_backward_prefetch, bool)):
+            raise ValueError(f"fsdp_backward_prefetch: expected true, false or None, got {self.fsdp_backward_prefetch!r}")
         if self.fsdp_cpu_offload and self.strategy != "fsdp2":
             raise ValueError(f"fsdp_cpu_offload: applies to strategy 'fsdp2', got strategy {self.strategy!r}")
         if self.recipe in ("grpo", "rloo") and self.num_samples < 2:
@@ -462,6 +464,12 @@ def _rows(s: PlanSettings, m: RecipeModels) -> dict[str, int]:
             "score": min(s.forward_batch_size or rollout, rollout) * (2 if m.pairs and not m.online else 1)}
 
 
+def backward_prefetch(setting: bool | None, device: str) -> bool:
+    """``fsdp_backward_prefetch`` as a run reads it (``loops.recipe``, and the plan): ``None`` is on
+    unless ``device`` is a CPU, where gloo's all-gather is synchronous and a prefetch only holds memory."""
+    return device.split(":")[0] != "cpu" if setting is None else setting
+
+
 def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
     """Per-rank memory of a recipe's step, by phase and component, for a model shape and run settings.
 
@@ -564,7 +572,7 @@ def plan_memory(shape: Any, settings: PlanSettings | None = None) -> MemoryPlan:
     logits += V * H * (4 + (g if g != 4 else 0)) if head_trains else 0
 
     gathered = 2 * block * g if sharded else 0  # a forward: the block running and the last one's gather
-    prefetch = s.device != "cpu" if s.fsdp_backward_prefetch is None else s.fsdp_backward_prefetch
+    prefetch = backward_prefetch(s.fsdp_backward_prefetch, s.device)
     gathered_train = L * block * g if sharded and not s.fsdp_reshard_after_forward \
         else (gathered if prefetch else block * g if sharded else 0)  # a backward: its block (and the next)
     work = (6 * H + 3 * I) * g  # one block's no-grad working set per token

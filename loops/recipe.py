@@ -49,6 +49,7 @@ from rlcore.loops.lora import adapter_off, apply_lora, check_adapter_fits, is_ad
 from rlcore.loops.checkpoint_codec import CheckpointError, check_safetensors, read_json
 from rlcore.loops.checkpoint_shards import is_sharded_folder, plain_folder, split_rows
 from rlcore.loops.reft_model import ReftModel
+from rlcore.loops.plan import backward_prefetch
 from rlcore.loops.models import (build_model, build_tokenizer, check_vocabulary, check_weights_fit, disable_dropout,
                                  load_exact, load_model, load_tokenizer, make_reference, safetensors_shapes, saved_task,
                                  vocabulary_size)
@@ -559,10 +560,8 @@ def _sharding(config: Any) -> bool:
 
 
 def _fsdp_kwargs(config: Any) -> dict[str, Any]:
-    prefetch = config.fsdp_backward_prefetch
     kwargs: dict[str, Any] = {"reshard_after_forward": config.fsdp_reshard_after_forward,
-                              "backward_prefetch": torch.device(config.device).type != "cpu" if prefetch is None
-                              else prefetch}
+                              "backward_prefetch": backward_prefetch(config.fsdp_backward_prefetch, config.device)}
     if config.fsdp_param_dtype is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, config.fsdp_param_dtype),

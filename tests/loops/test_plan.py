@@ -61,6 +61,8 @@ def test_a_reference_is_a_frozen_copy_and_fsdp2_divides_by_the_world_size():
     cpu = plan_memory(TINY, dataclasses.replace(four.settings, device="cpu"))  # no backward prefetch by default
     assert cpu.bytes["train"]["FSDP2 all-gather"] == 4 * TINY.block_params()
     assert cpu.bytes["score"]["FSDP2 all-gather"] == 2 * 4 * TINY.block_params()  # a forward holds two
+    with pytest.raises(ValueError, match="fsdp_backward_prefetch: expected true, false or None, got 'yes'"):
+        dataclasses.replace(four.settings, fsdp_backward_prefetch="yes")
     for prefetch, blocks in ((True, 2), (False, 1)):
         for device in ("cpu", "cuda"):
             given = dataclasses.replace(four.settings, device=device, fsdp_backward_prefetch=prefetch)
